@@ -1,0 +1,1 @@
+"""Forge: the producer side (real model, learning, certification). The engine never imports it."""

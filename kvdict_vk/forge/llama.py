@@ -1,0 +1,184 @@
+"""NumPy llama forward (prefill of one window, causal, float32) with a pluggable KV hook.
+
+RoPE layout: we keep the GGUF weights as they are, whose ``attn_q``/``attn_k`` rows
+llama.cpp's converter permuted so that RoPE rotates *adjacent* pairs (2i, 2i+1). Every
+key handed to a hook is therefore in that layout; ``apply_rope``/``unapply_rope`` use it
+too. (Un-permuting the weights + HF rotate-half is equivalent; mixing the two is not.)
+
+The hook sees all K/V of the window before attention reads them. That is exactly what a
+token-by-token decode with reconstruct-on-write sees: each token's K/V is written to the
+cache (coded) and read back (reconstructed), its own entry included.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .gguf_model import Model, load_model
+
+
+class KVHook:
+    """Identity hook; subclass and override to code/reconstruct the KV cache."""
+
+    def keys_pre_rope(self, layer: int, k: np.ndarray) -> np.ndarray:
+        """k: (n_kv, T, head_dim) before RoPE."""
+        return k
+
+    def __call__(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """k after RoPE and v, both (n_kv, T, head_dim)."""
+        return k, v
+
+
+def _rope_cos_sin(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)  # (dim/2,)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # (T, dim/2)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    dim = 2 * cos.shape[-1]
+    even, odd = x[..., 0:dim:2], x[..., 1:dim:2]
+    out = np.array(x, dtype=np.float32, copy=True)  # dims past rope_dim stay unrotated
+    out[..., 0:dim:2] = even * cos - odd * sin
+    out[..., 1:dim:2] = even * sin + odd * cos
+    return out
+
+
+def apply_rope(x: np.ndarray, positions, theta: float, rope_dim: int | None = None) -> np.ndarray:
+    """Adjacent-pair RoPE of x (..., T, head_dim) at the given positions (T,)."""
+    cos, sin = _rope_cos_sin(positions, theta, rope_dim or x.shape[-1])
+    return _rotate_pairs(x, cos, sin)
+
+
+def unapply_rope(x: np.ndarray, positions, theta: float, rope_dim: int | None = None) -> np.ndarray:
+    """Inverse of ``apply_rope`` (rotation by the opposite angle)."""
+    cos, sin = _rope_cos_sin(positions, theta, rope_dim or x.shape[-1])
+    return _rotate_pairs(x, cos, -sin)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(T: int) -> np.ndarray:
+    """Additive mask: 0 on and below the diagonal, -inf above (future tokens)."""
+    mask = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
+    mask.setflags(write=False)
+    return mask
+
+
+def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """q (n_heads, T, d); k, v (n_kv, T, d) -> (T, n_heads*d).
+
+    GQA: query head h reads KV head h // group (llama.cpp's mapping). Queries of one
+    group are stacked so each KV head takes one batched matmul.
+    """
+    n_heads, T, d = q.shape
+    n_kv = k.shape[0]
+    group = n_heads // n_kv
+    qg = q.reshape(n_kv, group * T, d)
+    scores = qg @ k.transpose(0, 2, 1)  # (n_kv, group*T, T)
+    scores *= np.float32(1.0 / np.sqrt(d))
+    scores = scores.reshape(n_kv, group, T, T)
+    scores += _causal_mask(T)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores.reshape(n_kv, group * T, T) @ v  # (n_kv, group*T, d)
+    return out.reshape(n_heads, T, d).transpose(1, 0, 2).reshape(T, n_heads * d)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None,
+                 n_layers: int | None = None) -> np.ndarray:
+    """Run the transformer blocks; returns the output-normed hidden states (T, hidden)."""
+    m = model or load_model()
+    c = m.config
+    hook = hook or KVHook()
+    tokens = np.asarray(tokens, dtype=np.int64)
+    T = tokens.shape[0]
+    positions = np.arange(T)
+    cos, sin = _rope_cos_sin(positions, c.rope_theta, c.rope_dim)
+    x = m.tok_embd[tokens].astype(np.float32)  # (T, hidden)
+
+    def heads(a: np.ndarray, n: int) -> np.ndarray:  # (T, n*d) -> (n, T, d), contiguous
+        return np.ascontiguousarray(a.reshape(T, n, c.head_dim).transpose(1, 0, 2))
+
+    for i, w in enumerate(m.layers[:n_layers]):
+        h = rms_norm(x, w.attn_norm, c.rms_eps)
+        q = _rotate_pairs(heads(h @ w.wq.T, c.n_heads), cos, sin)
+        k = hook.keys_pre_rope(i, heads(h @ w.wk.T, c.n_kv_heads))
+        k = _rotate_pairs(k, cos, sin)
+        k, v = hook(i, k, heads(h @ w.wv.T, c.n_kv_heads))
+        attn = _causal_attention(q, np.asarray(k, np.float32), np.asarray(v, np.float32))
+        x = x + attn @ w.wo.T
+        h = rms_norm(x, w.ffn_norm, c.rms_eps)
+        x = x + (_silu(h @ w.w_gate.T) * (h @ w.w_up.T)) @ w.w_down.T
+    return rms_norm(x, m.output_norm, c.rms_eps)
+
+
+def forward(tokens, hook: KVHook | None = None, model: Model | None = None) -> np.ndarray:
+    """Logits (T, vocab) float32 for a window of tokens starting at position 0."""
+    m = model or load_model()
+    return final_hidden(tokens, hook, m) @ m.output.T
+
+
+class _KVRecorder(KVHook):
+    def __init__(self):
+        self.k_pre: list[np.ndarray] = []
+        self.kv: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def keys_pre_rope(self, layer, k):
+        self.k_pre.append(k.copy())
+        return k
+
+    def __call__(self, layer, k, v):
+        self.kv.append((k.copy(), v.copy()))
+        return k, v
+
+
+def capture_kv(tokens, model: Model | None = None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per layer (K_post_rope, V, K_pre_rope), each (n_kv, T, head_dim) float32."""
+    rec = _KVRecorder()
+    final_hidden(tokens, rec, model)  # the output projection is not needed
+    return [(k, v, kp) for (k, v), kp in zip(rec.kv, rec.k_pre)]
+
+
+def token_nll(tokens, hook: KVHook | None = None, model: Model | None = None,
+              chunk: int = 256) -> np.ndarray:
+    """-log p(token[t+1] | tokens[:t+1]) for t = 0..T-2, float64, shape (T-1,).
+
+    Logits are formed ``chunk`` rows at a time so the (T, vocab) matrix never exists.
+    """
+    m = model or load_model()
+    tokens = np.asarray(tokens, dtype=np.int64)
+    h = final_hidden(tokens, hook, m)[:-1]
+    targets = tokens[1:]
+    nll = np.empty(len(targets), dtype=np.float64)
+    for s in range(0, len(targets), chunk):
+        logits = (h[s:s + chunk] @ m.output.T).astype(np.float64)
+        top = logits.max(axis=-1)
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
+        nll[s:s + chunk] = lse - logits[np.arange(len(logits)), targets[s:s + chunk]]
+    return nll
+
+
+def eval_windows(tokens, window: int = 1024) -> list[np.ndarray]:
+    """Non-overlapping windows; a shorter tail (>= 2 tokens) is kept as its own window."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    windows = [tokens[s:s + window] for s in range(0, len(tokens), window)]
+    return [w for w in windows if len(w) >= 2]
+
+
+def perplexity(token_windows, hook: KVHook | None = None, model: Model | None = None) -> float:
+    """exp(mean NLL) over every predicted token of every window (each window from position 0)."""
+    nll = np.concatenate([token_nll(w, hook, model) for w in token_windows])
+    return float(np.exp(nll.mean()))

