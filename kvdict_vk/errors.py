@@ -117,3 +117,8 @@ class DispatchError(VulkanError):
 
 class ShaderBuildError(KvDictError):
     """glslangValidator or spirv-val reported a problem (any stderr output counts)."""
+
+
+class DictMismatchError(ArenaError):
+    """The active dictionary does not fit the arena's model dims (n_layers, head_dim,
+    n_atoms, per-stream sparsity); refused before anything is allocated."""

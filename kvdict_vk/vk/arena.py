@@ -1,0 +1,302 @@
+"""The KV arena on the GPU: one storage buffer per layer, laid out by kvdict_vk.layout.
+
+The runtime snapshot is read ONCE, at creation: active (and fitting the model) → the
+dict-coded layout, with each layer's atoms and means uploaded into its tail; otherwise
+the default f32 cache. Both modes have the same API. Appends encode on the CPU (codec.encode,
+OMP) and send ONLY the new code words — or raw f32 rows — through a small host-visible upload
+buffer to the scatter shader. Reads reconstruct on the GPU (or copy passthrough rows) into a
+read-back buffer; only the output crosses back.
+
+Not thread-safe: one arena belongs to one thread at a time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import codec, runtime
+from .. import errors as E
+from .. import layout as L
+from .device import Device, get_device, kp
+from .kernels import Buffer, Kernel, run
+from .read_plan import ReadPlan
+
+UPLOAD_CAP_WORDS = 1 << 20  # host-visible upload buffer, at most (4 MiB); larger appends are chunked
+OUT_MIN_WORDS = 1 << 14  # smallest read-back buffer class (64 KiB) …
+OUT_CLASS_STEP = 8  # … then ×8 per class, so a read copies back at most ~8× what it returns
+OUT_CAP_WORDS = 1 << 24  # … up to 64 MiB (and the device limits); larger reads are chunked
+
+
+class KvArena:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
+                 device: "int | str | Device | None" = None, shader_mapping: str | None = None,
+                 guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE):
+        """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
+        4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
+        test-only sentinel words around every region (see kvdict_vk.layout)."""
+        snap = runtime.snapshot()  # once: the layout never changes under a live arena
+        art = snap.artifact if snap.active else None
+        self._layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx, art,
+                                      guard_words=guard_words, guard_value=guard_value)
+        self._art = art
+        self._flat = None if art is None else art.atoms_flat()  # = runtime.atoms_flat() of the snapshot
+        self.device = get_device(device)
+        self._lanes = 4 if head_dim % 4 == 0 else 1
+        # CPU drivers: one invocation per row (code words read once per row); GPUs: one per
+        # output chunk (coalesced stores, code words broadcast by the cache).
+        if shader_mapping is None:
+            shader_mapping = "row" if self.device.is_cpu else "chunk"
+        if shader_mapping not in ("row", "chunk"):
+            raise E.ArenaError(f"shader_mapping must be 'row', 'chunk' or None, got {shader_mapping!r}")
+        self.shader_mapping = shader_mapping
+        self._chunks = head_dim // self._lanes if shader_mapping == "row" else 1
+        self._caps = self._check_limits()  # ArenaTooLargeError before anything is allocated
+        self._layers: list[Buffer] = []
+        self._kernels: dict = {}
+        self._outs: dict[int, Buffer] = {}
+        self._upload = None
+        self._n_tokens = [0] * n_layers
+        self._freed = False
+        try:
+            self._upload = Buffer(self.device, self._caps["upload"], "host", "upload buffer")
+            for ll in self.layout.layers:
+                self._layers.append(Buffer(self.device, ll.total_words, "storage", f"layer {ll.index} buffer"))
+                self._init_layer(ll)
+            self._flat = None  # uploaded; the arena keeps no host copy
+        except BaseException:
+            self.free()
+            raise
+
+    # --- sizing ---------------------------------------------------------------------------------
+    def _check_limits(self) -> dict:
+        lay, lim = self.layout, self.device.info.limits
+        max_buf = min(lim["max_storage_buffer_range"], lim["max_memory_allocation_size"] or 1 << 62)
+        name = self.device.name
+        if lay.max_layer_bytes > max_buf:
+            raise E.ArenaTooLargeError(f"{name}: a layer buffer needs {lay.max_layer_bytes} bytes, the "
+                                       f"device binds at most {max_buf} (maxStorageBufferRange)")
+        hd, n_kv = lay.head_dim, lay.n_kv_heads
+        token_out = 2 * n_kv * hd
+        token_up = max(n_kv * sum(s.row_words for s in ll.streams) for ll in lay.layers)
+        out_cap = min(OUT_CAP_WORDS, max_buf // 4, max(OUT_MIN_WORDS, token_out * lay.n_ctx))
+        out_cap -= out_cap % token_out
+        # big enough for a full context or the tail/guard image of a layer, within the cap
+        init = max((ll.total_words if ll.guard_spans else ll.tail_words) for ll in lay.layers)
+        upload = min(UPLOAD_CAP_WORDS, max_buf // 4, max(token_up * lay.n_ctx, init))
+        upload = max(upload - upload % token_up, token_up)
+        if out_cap < token_out or upload * 4 > max_buf:
+            raise E.ArenaTooLargeError(f"{name}: one token does not fit a {max_buf}-byte buffer")
+        # read-back buffers are "device" tensors: device memory plus a staging copy
+        total = lay.total_bytes + 4 * upload + 2 * 4 * out_cap * OUT_CLASS_STEP // (OUT_CLASS_STEP - 1)
+        heap = self.device.info.device_local_bytes
+        if total > heap:
+            raise E.ArenaTooLargeError(f"{name}: the arena needs {total} bytes, the device heap has {heap}")
+        return {"upload": upload, "out": out_cap, "token_out": token_out}
+
+    def _out_class(self, words: int) -> int:
+        size = OUT_MIN_WORDS
+        while size < words:
+            size *= OUT_CLASS_STEP
+        return min(size, self._caps["out"])
+
+    # --- setup ------------------------------------------------------------------------------------
+    def _init_layer(self, ll: L.LayerLayout) -> None:
+        """Upload the tail (atoms, means); in guard mode, the whole layer: sentinels
+        everywhere except the tail blocks."""
+        if ll.tail_word is None and not ll.guard_spans:
+            return
+        lay = self.layout
+        if ll.tail_word is not None:
+            pair = self._art.layers[ll.index]
+            means = tuple(None if d is None else d.mean for d in pair)
+            tail = L.layer_tail_image(lay, ll.index, self._flat, means)
+        if ll.guard_spans:
+            image = np.full(ll.total_words, lay.guard_value, np.uint32)
+            if ll.tail_word is not None:
+                image[ll.tail_word:ll.tail_word + ll.tail_words] = tail
+            self._write_words(ll.index, 0, image)
+        else:
+            self._write_words(ll.index, ll.tail_word, tail)
+
+    def _write_words(self, layer: int, dst_word: int, words: np.ndarray) -> None:
+        scatter, up = self._scatter(layer), self._upload.host_words()
+        for start in range(0, words.size, up.size):
+            part = words[start:start + up.size]
+            up[:part.size] = part
+            run(self.device, scatter.op(src_word=0, dst_word=dst_word + start, row_words=part.size,
+                                        group_rows=1, group_stride=part.size, n_words=part.size),
+                what=f"uploading layer {layer}")
+
+    def _scatter(self, layer: int) -> Kernel:
+        key = ("scatter", layer)
+        if key not in self._kernels:
+            self._kernels[key] = Kernel(self.device, "scatter", [self._upload, self._layers[layer]],
+                                        max_items=self._caps["upload"])
+        return self._kernels[key]
+
+    # --- checks -----------------------------------------------------------------------------------
+    def _live(self) -> None:
+        if self._freed:
+            raise E.ArenaError("the arena was freed")
+
+    def _layer_index(self, layer) -> int:
+        self._live()
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+            raise E.LayerIndexError(f"layer must be an integer, got {layer!r}")
+        if not 0 <= layer < self.layout.n_layers:
+            raise E.LayerIndexError(f"layer {layer} outside 0..{self.layout.n_layers - 1}")
+        return int(layer)
+
+    def _rows(self, what: str, a, dtype, width: int) -> np.ndarray:
+        if not isinstance(a, np.ndarray) or a.dtype != dtype:
+            raise E.ShapeError(f"{what}: expected a {np.dtype(dtype).name} numpy array, got "
+                               f"{getattr(a, 'dtype', type(a).__name__)}")
+        if a.ndim != 3 or a.shape[0] != self.layout.n_kv_heads or a.shape[2] != width:
+            raise E.ShapeError(f"{what}: shape {a.shape}, expected ({self.layout.n_kv_heads}, T, {width})")
+        return np.ascontiguousarray(a)
+
+    # --- public API --------------------------------------------------------------------------------
+    @property
+    def layout(self) -> L.ArenaLayout:
+        """Where every word lives (kvdict_vk.layout); fixed for the arena's lifetime."""
+        return self._layout
+
+    @property
+    def mode(self) -> str:
+        return self.layout.mode
+
+    @property
+    def closed(self) -> bool:
+        return self._freed
+
+    def n_tokens(self, layer: int) -> int:
+        return self._n_tokens[self._layer_index(layer)]
+
+    def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
+        """Append new tokens' K/V head vectors, float32 (n_kv, T_new, head_dim) each. Coded
+        streams are OMP-encoded on the CPU; only the new words go to the device. Returns
+        the layer's new token count."""
+        i = self._layer_index(layer)
+        hd = self.layout.head_dim
+        rows = [self._rows(n, a, np.float32, hd) for n, a in (("k_rows", k_rows), ("v_rows", v_rows))]
+        self._check_room(i, rows[0].shape[1], rows[1].shape[1])  # before spending time on OMP
+        words = []
+        for r, st in zip(rows, self.layout.layers[i].streams):
+            if st.coded:
+                d = self._art.stream(i, st.stream == "k")
+                words.append(codec.encode(r.reshape(-1, hd), d).reshape(r.shape[0], r.shape[1], -1))
+            else:
+                words.append(r.view(np.uint32))
+        return self._append_words(i, *words)
+
+    def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
+        """Append already-encoded tokens: uint32 code words (n_kv, T_new, s) for a coded
+        stream, float32 rows (n_kv, T_new, head_dim) for a passthrough stream. Code words are
+        stored as given (an out-of-range atom index reconstructs as zero)."""
+        i = self._layer_index(layer)
+        words = []
+        for n, a, st in zip(("k", "v"), (k, v), self.layout.layers[i].streams):
+            w = self._rows(n, a, np.uint32 if st.coded else np.float32, st.row_words)
+            words.append(w.view(np.uint32))
+        self._check_room(i, words[0].shape[1], words[1].shape[1])
+        return self._append_words(i, *words)
+
+    def _check_room(self, layer: int, t_k: int, t_v: int) -> None:
+        if t_k != t_v:
+            raise E.ShapeError(f"K has {t_k} new tokens, V {t_v}")
+        t0, n_ctx = self._n_tokens[layer], self.layout.n_ctx
+        if t0 + t_k > n_ctx:
+            raise E.ArenaError(f"layer {layer}: {t0} + {t_k} tokens exceed n_ctx {n_ctx}")
+
+    def _append_words(self, layer: int, k_words: np.ndarray, v_words: np.ndarray) -> int:
+        t_new, t0, n_ctx = k_words.shape[1], self._n_tokens[layer], self.layout.n_ctx
+        streams, n_kv = self.layout.layers[layer].streams, self.layout.n_kv_heads
+        per_token = n_kv * (streams[0].row_words + streams[1].row_words)
+        step = self._caps["upload"] // per_token
+        scatter, up = self._scatter(layer), self._upload.host_words()
+        for c0 in range(0, t_new, step):
+            tc = min(step, t_new - c0)
+            ops, src = [], 0
+            for st, w in zip(streams, (k_words, v_words)):
+                n = n_kv * tc * st.row_words
+                up[src:src + n] = w[:, c0:c0 + tc].reshape(-1)
+                ops.append(scatter.op(src_word=src, dst_word=st.region_word + (t0 + c0) * st.row_words,
+                                      row_words=st.row_words, group_rows=tc,
+                                      group_stride=n_ctx * st.row_words, n_words=n))
+                src += n
+            run(self.device, *ops, what=f"appending to layer {layer}")
+        self._n_tokens[layer] = t0 + t_new
+        return t0 + t_new
+
+    def read(self, layer: int, t0: int = 0, t1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1), reconstructed on the GPU."""
+        i, t0, t1 = self._range(layer, t0, t1)
+        n_kv, hd = self.layout.n_kv_heads, self.layout.head_dim
+        k = np.empty((n_kv, t1 - t0, hd), np.float32)
+        v = np.empty_like(k)
+        step = self._caps["out"] // self._caps["token_out"]
+        for c0 in range(t0, t1, step):
+            c1 = min(t1, c0 + step)
+            k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run()
+        return k, v
+
+    def read_plan(self, layer: int, t0: int = 0, t1: int | None = None) -> ReadPlan:
+        """A recorded, re-runnable read of [t0, t1) (benchmarks: dispatch() and readback()
+        separately). The range must fit one read-back buffer."""
+        i, t0, t1 = self._range(layer, t0, t1)
+        return ReadPlan(self, i, t0, t1)
+
+    def _range(self, layer, t0, t1) -> tuple[int, int, int]:
+        i = self._layer_index(layer)
+        n = self._n_tokens[i]
+        t1 = n if t1 is None else t1
+        for name, t in (("t0", t0), ("t1", t1)):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise E.ArenaError(f"{name} must be an integer, got {t!r}")
+        if not 0 <= t0 <= t1:
+            raise E.ArenaError(f"token range [{t0}, {t1}) is empty-inverted or negative")
+        if t1 > self.layout.n_ctx:
+            raise E.ArenaError(f"token range [{t0}, {t1}) exceeds n_ctx {self.layout.n_ctx}")
+        if t1 > n:
+            raise E.ArenaError(f"token range [{t0}, {t1}) exceeds the {n} tokens appended to layer {i}")
+        return i, int(t0), int(t1)
+
+    def layer_words(self, layer: int) -> np.ndarray:
+        """A copy of a layer buffer's raw words (uint32), for tests and the dump tool."""
+        i = self._layer_index(layer)
+        src = self._layers[i]
+        dst = Buffer(self.device, src.words, "device", f"layer {i} read-back")
+        kernel = Kernel(self.device, "copy_scalar", [src, dst], max_items=src.words)
+        try:
+            run(self.device, kernel.op(src_word=0, dst_word=0, n_words=src.words),
+                kp.OpTensorSyncLocal([dst.tensor]), what=f"reading layer {i} back")
+            return np.array(dst.host_words(), np.uint32)
+        finally:
+            kernel.destroy()
+            dst.destroy()
+
+    def free(self) -> None:
+        """Release every device resource. Idempotent; any later use raises ArenaError."""
+        if self._freed:
+            return
+        self._freed = True
+        for k in list(self._kernels.values()):
+            k.destroy()
+        for b in [*self._outs.values(), *self._layers, self._upload]:
+            if b is not None:
+                b.destroy()
+        self._kernels.clear()
+        self._outs.clear()
+        self._layers = []
+        self._upload = None
+
+    def __enter__(self) -> "KvArena":
+        self._live()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self._freed else f"{self.layout.total_bytes} bytes"
+        return (f"KvArena({self.mode}, layers={self.layout.n_layers}, n_kv={self.layout.n_kv_heads}, "
+                f"head_dim={self.layout.head_dim}, n_ctx={self.layout.n_ctx}, {state}, {self.device.name})")

@@ -1,0 +1,241 @@
+"""Buffers and checked dispatches: every shader's contract, enforced in Python first.
+
+A :class:`ShaderSpec` says what a shader variant binds (and with which element width),
+which push-constant block (from :mod:`kvdict_vk.layout`) and which specialization
+constants it takes, and which words of each binding a dispatch touches for given push
+constants. A :class:`Kernel` is one variant bound to concrete buffers (a Kompute
+Algorithm). Before anything reaches the driver we check the binding count against the
+SPIR-V itself, the push-constant size, the specialization IDs, buffer sizes, alignment,
+and that no dispatch reads or writes outside its buffers: a mismatch is a
+:class:`~kvdict_vk.errors.DispatchError`, never a crash.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .. import errors as E
+from .. import layout as L
+from . import spirv
+from .device import Device, kp
+
+WG_SIZE = 64  # the shaders' local_size_x (common.glsl)
+MAX_WORKGROUPS = 4096  # soft cap; grid-stride loops cover any excess work
+
+
+class Buffer:
+    """One Vulkan storage buffer of 32-bit words (a Kompute tensor).
+
+    kind "storage": device-local, shader-only (layer buffers); "host": host-visible and
+    coherent, written by the host and read by shaders (uploads: host writes are visible to
+    a later submission without any copy); "device": device-local with a staging copy,
+    read back with OpTensorSyncLocal, whose barriers make shader writes visible to the host.
+    """
+    _KINDS = {"storage": kp.TensorTypes.storage, "host": kp.TensorTypes.host,
+              "device": kp.TensorTypes.device}
+
+    def __init__(self, device: Device, words: int, kind: str, name: str, init: np.ndarray | None = None):
+        if kind not in self._KINDS:
+            raise E.ArenaError(f"unknown buffer kind {kind!r}")
+        if words < 1:
+            raise E.ArenaError(f"{name}: a buffer needs at least one word")
+        data = np.zeros(words, np.uint32) if init is None else np.ascontiguousarray(init).view(np.uint32)
+        if data.size != words:
+            raise E.ArenaError(f"{name}: initial data has {data.size} words, expected {words}")
+        self.device, self.words, self.kind, self.name = device, int(words), kind, name
+        with device.guard(f"allocating {name} ({4 * words} bytes, {kind})"):
+            self.tensor = device.manager.tensor_t(data, self._KINDS[kind])
+        self.alive = True
+
+    def host_words(self) -> np.ndarray:
+        """A uint32 view of the host-visible memory (host buffers, or the staging copy of
+        device buffers after OpTensorSyncLocal). Valid until the buffer is destroyed."""
+        if not self.alive or self.kind == "storage":
+            raise E.ArenaError(f"{self.name}: no host-visible memory ({self.kind}, alive={self.alive})")
+        return self.tensor.data()
+
+    def destroy(self) -> None:
+        if self.alive:
+            self.alive = False
+            with self.device.guard(f"freeing {self.name}"):
+                self.tensor.destroy()
+
+
+Span = tuple  # (first word, one past the last word) touched in one binding; each binding
+# gets a list of spans (empty: untouched)
+
+
+@dataclass(frozen=True)
+class ShaderSpec:
+    variant: str  # SPIR-V name (shader_build.VARIANTS)
+    push: L.PushBlock
+    lanes: tuple  # per binding: words per element (4 for vec4/uvec4 views)
+    writes: tuple  # per binding: whether the shader writes it
+    spec_names: tuple  # specialization constants by constant_id
+    extents: Callable  # (push dict, spec dict) -> per binding, a list of Spans
+    groups: Callable = lambda spec: 1  # invocations that share one row (grid stride % groups == 0)
+
+
+def _rows_extents(p, row_words: int) -> Span:
+    """Words of a region read for rows (h, t0 .. t0+n_tok) of every head."""
+    n_kv = p["n_rows"] // p["n_tok"]
+    lo = p["src_word"] + p["t0"] * row_words
+    hi = p["src_word"] + ((n_kv - 1) * p["n_ctx"] + p["t0"] + p["n_tok"]) * row_words
+    return lo, hi
+
+
+def _check_rows(p) -> None:
+    if p["n_rows"] and (p["n_tok"] < 1 or p["n_rows"] % p["n_tok"] or p["t0"] + p["n_tok"] > p["n_ctx"]):
+        raise E.DispatchError(f"row range n_rows={p['n_rows']} n_tok={p['n_tok']} t0={p['t0']} "
+                              f"n_ctx={p['n_ctx']} is inconsistent")
+
+
+def _reconstruct_extents(p, s):
+    _check_rows(p)
+    hd, sp = s["HEAD_DIM"], s["SPARSITY"]
+    if p["n_atoms"] < 1:
+        raise E.DispatchError("n_atoms must be ≥ 1 (out-of-range codes read atom 0)")
+    atoms = (p["atoms_word"], p["atoms_word"] + p["n_atoms"] * hd)
+    mean = (p["mean_word"], p["mean_word"] + hd)  # read by every invocation, even idle ones
+    if not p["n_rows"]:
+        return [], [mean], []
+    return [_rows_extents(p, sp)], [atoms, mean], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+
+
+def _copy_rows_extents(p, s):
+    _check_rows(p)
+    if not p["n_rows"]:
+        return [], []
+    hd = s["HEAD_DIM"]
+    return [_rows_extents(p, hd)], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+
+
+def _scatter_extents(p, s):
+    n, rw, gr = p["n_words"], p["row_words"], p["group_rows"]
+    if not n:
+        return [], []
+    if rw < 1 or gr < 1 or n % rw:
+        raise E.DispatchError(f"scatter: n_words {n} is not whole rows of {rw} words (group_rows {gr})")
+    rows = n // rw
+    if rows > gr and p["group_stride"] < gr * rw:
+        raise E.DispatchError(f"scatter: group_stride {p['group_stride']} < {gr}×{rw}: groups overlap")
+    last = rows - 1
+    g, i = divmod(last, gr)
+    return [(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + g * p["group_stride"] + (i + 1) * rw)]
+
+
+def _copy_extents(p, s):
+    n = p["n_words"]
+    return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
+
+
+def _row_groups(s, lanes):
+    return s["HEAD_DIM"] // lanes // s["CHUNKS"]
+
+
+SHADERS = {
+    **{f"reconstruct_{v}": ShaderSpec(f"reconstruct_{v}", L.RECONSTRUCT_PUSH, (1, n, n), (False, False, True),
+                                      ("HEAD_DIM", "SPARSITY", "CHUNKS"), _reconstruct_extents,
+                                      lambda s, n=n: _row_groups(s, n))
+       for v, n in (("vec4", 4), ("scalar", 1))},
+    **{f"copy_rows_{v}": ShaderSpec(f"copy_rows_{v}", L.COPY_ROWS_PUSH, (n, n), (False, True),
+                                    ("HEAD_DIM", "CHUNKS"), _copy_rows_extents, lambda s, n=n: _row_groups(s, n))
+       for v, n in (("vec4", 4), ("scalar", 1))},
+    **{f"copy_{v}": ShaderSpec(f"copy_{v}", L.COPY_PUSH, (n, n), (False, True), (), _copy_extents)
+       for v, n in (("vec4", 4), ("scalar", 1))},
+    "scatter": ShaderSpec("scatter", L.SCATTER_PUSH, (1, 1), (False, True), (), _scatter_extents),
+}
+
+
+def workgroups_for(device: Device, items: int, groups: int = 1) -> int:
+    """Workgroup count for ``items`` work items: ≤ the device limit and MAX_WORKGROUPS,
+    and a multiple of groups/gcd(groups, WG_SIZE) so the grid stride is a multiple of
+    ``groups`` (the shaders rely on that)."""
+    step = groups // math.gcd(groups, WG_SIZE)
+    limit = min(device.limit("max_compute_work_group_count")[0], MAX_WORKGROUPS)
+    limit -= limit % step
+    if limit < step:
+        raise E.DispatchError(f"{device.name}: cannot dispatch a multiple of {step} workgroups")
+    wanted = max(1, -(-items // WG_SIZE))
+    return min(limit, -(-wanted // step) * step)
+
+
+class Kernel:
+    """One shader variant bound to buffers, with its specialization constants."""
+
+    def __init__(self, device: Device, shader: str, buffers: list[Buffer], spec: dict | None = None,
+                 max_items: int = 1):
+        self.device, self.shader = device, SHADERS[shader]
+        self.buffers, self.spec = list(buffers), dict(spec or {})
+        sh = self.shader
+        code = spirv.load(sh.variant)
+        r = spirv.reflect(code)
+        spirv.check_portable(sh.variant, r, min(128, device.limit("max_compute_work_group_invocations")))
+        if len(r.bindings) != len(sh.lanes) or len(self.buffers) != len(sh.lanes):
+            raise E.DispatchError(f"{sh.variant}: the SPIR-V binds {len(r.bindings)} buffers, the spec "
+                                  f"{len(sh.lanes)}, given {len(self.buffers)}")
+        if r.push_constant_bytes != sh.push.size_bytes:
+            raise E.DispatchError(f"{sh.variant}: push block is {r.push_constant_bytes} bytes in SPIR-V, "
+                                  f"{sh.push.size_bytes} in layout.{sh.push.name}")
+        if sh.push.size_bytes > device.limit("max_push_constants_size"):
+            raise E.DispatchError(f"{sh.variant}: push block exceeds maxPushConstantsSize")
+        if r.spec_ids != tuple(range(len(sh.spec_names))) or set(self.spec) != set(sh.spec_names):
+            raise E.DispatchError(f"{sh.variant}: specialization {sorted(self.spec)} vs SPIR-V ids {r.spec_ids} "
+                                  f"({sh.spec_names})")
+        for i, b in enumerate(self.buffers):
+            if not b.alive:
+                raise E.DispatchError(f"{sh.variant}: buffer {b.name} was freed")
+            if sh.writes[i] and sum(x is b for x in self.buffers) > 1:
+                raise E.DispatchError(f"{sh.variant}: {b.name} is written through binding {i} and also bound elsewhere")
+        self._check_spec()
+        self.groups = sh.groups(self.spec) if sh.spec_names else 1
+        self.workgroups = workgroups_for(device, max_items * self.groups, self.groups)
+        spec_arr = np.array([self.spec[n] for n in sh.spec_names], np.uint32)
+        # Kompute takes the push-constant dtype from spec_consts: both uint32 (DESIGN.md).
+        with device.guard(f"creating pipeline {sh.variant}"):
+            self.algorithm = device.manager.algorithm(
+                [b.tensor for b in self.buffers], code, [self.workgroups, 1, 1], spec_arr,
+                np.zeros(len(sh.push.fields), np.uint32))
+
+    def _check_spec(self) -> None:
+        s, lanes = self.spec, max(self.shader.lanes)
+        if any(not isinstance(v, (int, np.integer)) or not 1 <= v < 1 << 32 for v in s.values()):
+            raise E.DispatchError(f"{self.shader.variant}: specialization {s} must be positive uint32s")
+        if "HEAD_DIM" in s and (s["HEAD_DIM"] % lanes or (s["HEAD_DIM"] // lanes) % s["CHUNKS"]):
+            raise E.DispatchError(f"{self.shader.variant}: HEAD_DIM {s['HEAD_DIM']} is not {s['CHUNKS']} "
+                                  f"chunks of {lanes}-word elements")
+
+    def op(self, **push) -> "kp.OpAlgoDispatch":
+        """A checked dispatch op for these push constants (record it in a Sequence)."""
+        sh = self.shader
+        words = sh.push.pack(**push)
+        for b in self.buffers:
+            if not b.alive:
+                raise E.DispatchError(f"{sh.variant}: buffer {b.name} was freed")
+        spans = sh.extents(push, self.spec)
+        for i, (binding_spans, b, lanes) in enumerate(zip(spans, self.buffers, sh.lanes)):
+            for lo, hi in binding_spans:
+                if lo < 0 or hi > b.words or lo > hi:
+                    raise E.DispatchError(f"{sh.variant}: binding {i} ({b.name}, {b.words} words) would "
+                                          f"be accessed at words [{lo}, {hi})")
+                if lanes > 1 and (lo % lanes or (hi - lo) % lanes):
+                    raise E.DispatchError(f"{sh.variant}: binding {i} span [{lo}, {hi}) is not vec4-aligned")
+        return kp.OpAlgoDispatch(self.algorithm, words)
+
+    def destroy(self) -> None:
+        if self.algorithm is not None:
+            with self.device.guard(f"destroying pipeline {self.shader.variant}"):
+                self.algorithm.destroy()
+            self.algorithm = None
+
+
+def run(device: Device, *ops, what: str = "dispatch") -> None:
+    """Record ``ops`` in a fresh sequence, submit, wait."""
+    with device.guard(what):
+        seq = device.manager.sequence()
+        for op in ops:
+            seq.record(op)
+        seq.eval()

@@ -1,0 +1,86 @@
+"""One recorded read of one layer of a KvArena: the reconstruct (coded streams) or
+copy_rows (passthrough streams) dispatches into a read-back buffer, then the copy back.
+
+Recorded once and re-runnable, so a benchmark can time ``dispatch()`` (GPU work only)
+and ``readback()`` separately; ``KvArena.read`` uses ``run()`` (one submission). The
+read-back buffer is a "device" buffer of the smallest size class that fits: Kompute's
+OpTensorSyncLocal copies the whole buffer, with the barriers that make the shader's
+writes visible to the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import errors as E
+from .device import kp
+from .kernels import Buffer, Kernel
+
+
+class ReadPlan:
+    """One read of one layer, recorded once: ``dispatch()`` (the GPU work only),
+    ``readback()`` (copy to the host), ``run()`` (both, one submission). Read-back buffers
+    are shared by the arena's reads: call readback() right after this plan's dispatch()."""
+
+    def __init__(self, arena, layer: int, t0: int, t1: int):
+        lay = arena.layout
+        n_kv, hd, n_tok = lay.n_kv_heads, lay.head_dim, t1 - t0
+        self.n_words = 2 * n_kv * n_tok * hd
+        if self.n_words > arena._caps["out"]:
+            raise E.ArenaError(f"[{t0}, {t1}) needs {self.n_words} words, a read-back buffer holds "
+                               f"{arena._caps['out']}; use read()")
+        self.shape = (n_kv, n_tok, hd)
+        cls = arena._out_class(max(self.n_words, 1))
+        if cls not in arena._outs:
+            arena._outs[cls] = Buffer(arena.device, cls, "device", f"read-back buffer ({cls} words)")
+        self.out, self.arena = arena._outs[cls], arena
+        self.ops = []
+        layer_buf = arena._layers[layer]
+        for j, st in enumerate(lay.layers[layer].streams):
+            common = dict(src_word=st.region_word, n_ctx=lay.n_ctx, t0=t0, n_tok=max(n_tok, 1),
+                          n_rows=n_kv * n_tok, out_word=j * n_kv * n_tok * hd)
+            if st.coded:
+                kern = self._kernel(("reconstruct", layer, st.sparsity, cls), "reconstruct",
+                                    [layer_buf, layer_buf, self.out], SPARSITY=st.sparsity)
+                self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word,
+                                        n_atoms=lay.n_atoms, **common))
+            else:
+                kern = self._kernel(("copy_rows", layer, cls), "copy_rows", [layer_buf, self.out])
+                self.ops.append(kern.op(**common))
+        self._dispatch_seq = self._readback_seq = self._run_seq = None
+
+    def _kernel(self, key, shader: str, buffers, **spec) -> Kernel:
+        a = self.arena
+        if key not in a._kernels:
+            variant = f"{shader}_{'vec4' if a._lanes == 4 else 'scalar'}"
+            a._kernels[key] = Kernel(a.device, variant, buffers,
+                                     {"HEAD_DIM": a.layout.head_dim, "CHUNKS": a._chunks, **spec},
+                                     max_items=key[-1] // a.layout.head_dim)
+        return a._kernels[key]
+
+    def _eval(self, attr: str, ops, what: str) -> None:
+        self.arena._live()
+        dev = self.arena.device
+        with dev.guard(what):
+            seq = getattr(self, attr)
+            if seq is None:
+                seq = dev.manager.sequence()
+                for op in ops:
+                    seq.record(op)
+                setattr(self, attr, seq)
+            seq.eval()
+
+    def dispatch(self) -> None:
+        self._eval("_dispatch_seq", self.ops, "reconstructing")
+
+    def readback(self) -> tuple[np.ndarray, np.ndarray]:
+        self._eval("_readback_seq", [kp.OpTensorSyncLocal([self.out.tensor])], "reading back")
+        return self._split()
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        self._eval("_run_seq", [*self.ops, kp.OpTensorSyncLocal([self.out.tensor])], "reading")
+        return self._split()
+
+    def _split(self) -> tuple[np.ndarray, np.ndarray]:
+        half = self.n_words // 2
+        words = self.out.host_words()[:self.n_words].view(np.float32)
+        return words[:half].reshape(self.shape).copy(), words[half:].reshape(self.shape).copy()

@@ -1,0 +1,140 @@
+"""Loading the shipped SPIR-V, and just enough reflection to check a dispatch against it.
+
+SPIR-V is package data (``kvdict_vk/spv/*.spv``) read with importlib.resources, so a wheel
+needs no compiler. In a checkout (``shaders/`` next to the package) stale or missing
+variants are rebuilt first, once per process.
+
+The reflection reads the module itself — descriptor bindings, the push-constant block's
+size, the specialization-constant IDs, the workgroup size, capabilities and extensions —
+so the Python-side checks compare a dispatch with what the shader really declares
+(Kompute segfaults when a shader declares more bindings than it was given tensors).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import errors as E
+from . import shader_build
+
+MAGIC = 0x07230203
+# opcodes / enums used below (SPIR-V 1.x unified spec)
+_OP_NAME, _OP_EXTENSION, _OP_EXECUTION_MODE, _OP_CAPABILITY = 5, 10, 16, 17
+_OP_TYPE_INT, _OP_TYPE_FLOAT, _OP_TYPE_VECTOR, _OP_TYPE_STRUCT, _OP_TYPE_POINTER = 21, 22, 23, 30, 32
+_OP_VARIABLE, _OP_DECORATE, _OP_MEMBER_DECORATE = 59, 71, 72
+_DEC_SPEC_ID, _DEC_BINDING, _DEC_SET, _DEC_OFFSET = 1, 33, 34, 35
+_SC_UNIFORM, _SC_PUSH_CONSTANT, _SC_STORAGE_BUFFER = 2, 9, 12
+_MODE_LOCAL_SIZE, _CAP_SHADER = 17, 1
+
+_BUILD_LOCK = threading.Lock()
+_built = False
+
+
+@dataclass(frozen=True)
+class Reflection:
+    bindings: tuple  # sorted (set, binding) of the storage buffers
+    push_constant_bytes: int
+    spec_ids: tuple  # sorted SpecId decorations
+    local_size: tuple
+    capabilities: tuple
+    extensions: tuple
+
+
+def _ensure_built() -> None:
+    """In a checkout, rebuild stale SPIR-V once per process; installed wheels ship it."""
+    global _built
+    with _BUILD_LOCK:
+        if not _built and shader_build.in_checkout():
+            shader_build.build()
+        _built = True
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str) -> bytes:
+    """The SPIR-V bytes of a shader variant (see shader_build.VARIANTS)."""
+    if name not in shader_build.VARIANTS:
+        raise E.ShaderBuildError(f"unknown shader variant {name!r}")
+    _ensure_built()
+    try:
+        data = (importlib.resources.files("kvdict_vk") / "spv" / f"{name}.spv").read_bytes()
+    except (FileNotFoundError, OSError) as e:
+        raise E.ShaderBuildError(f"SPIR-V for {name} not found ({e}); build it with "
+                                 f"`python -m kvdict_vk.vk.shader_build`") from e
+    if len(data) < 20 or len(data) % 4 or int.from_bytes(data[:4], "little") != MAGIC:
+        raise E.ShaderBuildError(f"{name}.spv is not a SPIR-V module")
+    return data
+
+
+def _string(words: np.ndarray) -> str:
+    raw = words.astype("<u4").tobytes()
+    return raw.split(b"\0", 1)[0].decode()
+
+
+@functools.lru_cache(maxsize=None)
+def reflect(spirv: bytes) -> Reflection:
+    w = np.frombuffer(spirv, "<u4")
+    ints, floats, vectors, pointers, structs = {}, {}, {}, {}, {}
+    decor, member_offsets, variables = {}, {}, []
+    local_size, caps, exts = (1, 1, 1), [], []
+    i = 5  # header: magic, version, generator, bound, schema
+    while i < len(w):
+        op, count = int(w[i]) & 0xFFFF, int(w[i]) >> 16
+        if count == 0 or i + count > len(w):
+            raise E.ShaderBuildError("malformed SPIR-V instruction stream")
+        a = [int(x) for x in w[i + 1:i + count]]
+        if op == _OP_CAPABILITY:
+            caps.append(a[0])
+        elif op == _OP_EXTENSION:
+            exts.append(_string(w[i + 1:i + count]))
+        elif op == _OP_EXECUTION_MODE and a[1] == _MODE_LOCAL_SIZE:
+            local_size = tuple(a[2:5])
+        elif op == _OP_TYPE_INT or op == _OP_TYPE_FLOAT:
+            (ints if op == _OP_TYPE_INT else floats)[a[0]] = a[1] // 8
+        elif op == _OP_TYPE_VECTOR:
+            vectors[a[0]] = (a[1], a[2])
+        elif op == _OP_TYPE_STRUCT:
+            structs[a[0]] = a[1:]
+        elif op == _OP_TYPE_POINTER:
+            pointers[a[0]] = (a[1], a[2])
+        elif op == _OP_VARIABLE:
+            variables.append((a[1], a[0], a[2]))  # (id, pointer type, storage class)
+        elif op == _OP_DECORATE:
+            decor.setdefault(a[0], {})[a[1]] = a[2] if len(a) > 2 else True
+        elif op == _OP_MEMBER_DECORATE and a[2] == _DEC_OFFSET:
+            member_offsets.setdefault(a[0], {})[a[1]] = a[3]
+        i += count
+
+    def size_of(t: int) -> int:
+        if t in ints or t in floats:
+            return ints.get(t) or floats[t]
+        if t in vectors:
+            return size_of(vectors[t][0]) * vectors[t][1]
+        raise E.ShaderBuildError(f"push-constant member of unsupported type (id {t})")
+
+    bindings, push_bytes = [], 0
+    for var, ptr, sc in variables:
+        if sc in (_SC_STORAGE_BUFFER, _SC_UNIFORM) and _DEC_BINDING in decor.get(var, {}):
+            bindings.append((decor[var].get(_DEC_SET, 0), decor[var][_DEC_BINDING]))
+        elif sc == _SC_PUSH_CONSTANT:
+            struct = pointers[ptr][1]
+            offsets = member_offsets.get(struct, {})
+            push_bytes = max((offsets[m] + size_of(t) for m, t in enumerate(structs[struct])), default=0)
+    spec_ids = sorted(d[_DEC_SPEC_ID] for d in decor.values() if _DEC_SPEC_ID in d)
+    return Reflection(tuple(sorted(bindings)), push_bytes, tuple(spec_ids), local_size,
+                      tuple(caps), tuple(exts))
+
+
+def check_portable(name: str, r: Reflection, max_invocations: int = 128) -> None:
+    """Shader rules: Shader capability only, no extension, ≤ 128 invocations, set 0."""
+    if set(r.capabilities) - {_CAP_SHADER}:
+        raise E.ShaderBuildError(f"{name}: needs capabilities {r.capabilities} (only Shader allowed)")
+    if r.extensions:
+        raise E.ShaderBuildError(f"{name}: needs SPIR-V extensions {r.extensions}")
+    if int(np.prod(r.local_size)) > max_invocations:
+        raise E.ShaderBuildError(f"{name}: workgroup {r.local_size} exceeds {max_invocations} invocations")
+    if any(s != 0 for s, _ in r.bindings) or [b for _, b in r.bindings] != list(range(len(r.bindings))):
+        raise E.ShaderBuildError(f"{name}: bindings {r.bindings} are not set 0, bindings 0..n-1")

@@ -1,0 +1,218 @@
+"""Physical-device facts Kompute does not expose, read straight from the Vulkan loader.
+
+Kompute's Python binding reports a device name and workgroup limits only; the arena also
+needs maxStorageBufferRange, maxMemoryAllocationSize, the memory heaps and the device type
+(to refuse arenas before allocating, and to pick a CPU- or GPU-friendly shader mapping).
+This module asks the loader through ``ctypes`` (a short-lived instance of its own, no kp),
+enumerating devices in the loader's order — the order ``kp.Manager(index)`` uses.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import asdict, dataclass, field
+
+from .. import errors as E
+
+_u32, _i32, _u64, _f32, _u8 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_float, ctypes.c_uint8
+_size_t = ctypes.c_size_t
+
+# VkPhysicalDeviceLimits, field for field (vulkan_core.h); (name, ctype[, count]).
+_LIMITS = [
+    *[(n, _u32) for n in (
+        "maxImageDimension1D maxImageDimension2D maxImageDimension3D maxImageDimensionCube "
+        "maxImageArrayLayers maxTexelBufferElements maxUniformBufferRange maxStorageBufferRange "
+        "maxPushConstantsSize maxMemoryAllocationCount maxSamplerAllocationCount").split()],
+    ("bufferImageGranularity", _u64), ("sparseAddressSpaceSize", _u64),
+    *[(n, _u32) for n in (
+        "maxBoundDescriptorSets maxPerStageDescriptorSamplers maxPerStageDescriptorUniformBuffers "
+        "maxPerStageDescriptorStorageBuffers maxPerStageDescriptorSampledImages "
+        "maxPerStageDescriptorStorageImages maxPerStageDescriptorInputAttachments maxPerStageResources "
+        "maxDescriptorSetSamplers maxDescriptorSetUniformBuffers maxDescriptorSetUniformBuffersDynamic "
+        "maxDescriptorSetStorageBuffers maxDescriptorSetStorageBuffersDynamic maxDescriptorSetSampledImages "
+        "maxDescriptorSetStorageImages maxDescriptorSetInputAttachments maxVertexInputAttributes "
+        "maxVertexInputBindings maxVertexInputAttributeOffset maxVertexInputBindingStride "
+        "maxVertexOutputComponents maxTessellationGenerationLevel maxTessellationPatchSize "
+        "maxTessellationControlPerVertexInputComponents maxTessellationControlPerVertexOutputComponents "
+        "maxTessellationControlPerPatchOutputComponents maxTessellationControlTotalOutputComponents "
+        "maxTessellationEvaluationInputComponents maxTessellationEvaluationOutputComponents "
+        "maxGeometryShaderInvocations maxGeometryInputComponents maxGeometryOutputComponents "
+        "maxGeometryOutputVertices maxGeometryTotalOutputComponents maxFragmentInputComponents "
+        "maxFragmentOutputAttachments maxFragmentDualSrcAttachments maxFragmentCombinedOutputResources "
+        "maxComputeSharedMemorySize").split()],
+    ("maxComputeWorkGroupCount", _u32, 3), ("maxComputeWorkGroupInvocations", _u32),
+    ("maxComputeWorkGroupSize", _u32, 3),
+    *[(n, _u32) for n in ("subPixelPrecisionBits subTexelPrecisionBits mipmapPrecisionBits "
+                          "maxDrawIndexedIndexValue maxDrawIndirectCount").split()],
+    ("maxSamplerLodBias", _f32), ("maxSamplerAnisotropy", _f32), ("maxViewports", _u32),
+    ("maxViewportDimensions", _u32, 2), ("viewportBoundsRange", _f32, 2),
+    ("viewportSubPixelBits", _u32), ("minMemoryMapAlignment", _size_t),
+    ("minTexelBufferOffsetAlignment", _u64), ("minUniformBufferOffsetAlignment", _u64),
+    ("minStorageBufferOffsetAlignment", _u64), ("minTexelOffset", _i32), ("maxTexelOffset", _u32),
+    ("minTexelGatherOffset", _i32), ("maxTexelGatherOffset", _u32),
+    ("minInterpolationOffset", _f32), ("maxInterpolationOffset", _f32),
+    *[(n, _u32) for n in (
+        "subPixelInterpolationOffsetBits maxFramebufferWidth maxFramebufferHeight maxFramebufferLayers "
+        "framebufferColorSampleCounts framebufferDepthSampleCounts framebufferStencilSampleCounts "
+        "framebufferNoAttachmentsSampleCounts maxColorAttachments sampledImageColorSampleCounts "
+        "sampledImageIntegerSampleCounts sampledImageDepthSampleCounts sampledImageStencilSampleCounts "
+        "storageImageSampleCounts maxSampleMaskWords timestampComputeAndGraphics").split()],
+    ("timestampPeriod", _f32),
+    *[(n, _u32) for n in ("maxClipDistances maxCullDistances maxCombinedClipAndCullDistances "
+                          "discreteQueuePriorities").split()],
+    ("pointSizeRange", _f32, 2), ("lineWidthRange", _f32, 2), ("pointSizeGranularity", _f32),
+    ("lineWidthGranularity", _f32), ("strictLines", _u32), ("standardSampleLocations", _u32),
+    ("optimalBufferCopyOffsetAlignment", _u64), ("optimalBufferCopyRowPitchAlignment", _u64),
+    ("nonCoherentAtomSize", _u64),
+]
+
+
+class _Limits(ctypes.Structure):
+    _fields_ = [(f[0], f[1] * f[2]) if len(f) == 3 else f for f in _LIMITS]
+
+
+class _Properties(ctypes.Structure):
+    _fields_ = [("apiVersion", _u32), ("driverVersion", _u32), ("vendorID", _u32), ("deviceID", _u32),
+                ("deviceType", _i32), ("deviceName", ctypes.c_char * 256), ("pipelineCacheUUID", _u8 * 16),
+                ("limits", _Limits), ("sparseProperties", _u32 * 5)]
+
+
+class _Properties2(ctypes.Structure):
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("properties", _Properties)]
+
+
+class _Maintenance3(ctypes.Structure):
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("maxPerSetDescriptors", _u32),
+                ("maxMemoryAllocationSize", _u64)]
+
+
+class _DriverProps(ctypes.Structure):
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("driverID", _i32),
+                ("driverName", ctypes.c_char * 256), ("driverInfo", ctypes.c_char * 256),
+                ("conformanceVersion", _u8 * 4)]
+
+
+class _MemoryProps(ctypes.Structure):
+    _fields_ = [("memoryTypeCount", _u32), ("memoryTypes", _u32 * 64),  # 32 × (flags, heapIndex)
+                ("memoryHeapCount", _u32), ("memoryHeaps", _u64 * 32)]  # 16 × (size, flags+pad)
+
+
+class _AppInfo(ctypes.Structure):
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("pApplicationName", ctypes.c_char_p),
+                ("applicationVersion", _u32), ("pEngineName", ctypes.c_char_p),
+                ("engineVersion", _u32), ("apiVersion", _u32)]
+
+
+class _InstanceInfo(ctypes.Structure):
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("flags", _u32),
+                ("pApplicationInfo", ctypes.POINTER(_AppInfo)), ("enabledLayerCount", _u32),
+                ("ppEnabledLayerNames", ctypes.c_void_p), ("enabledExtensionCount", _u32),
+                ("ppEnabledExtensionNames", ctypes.c_void_p)]
+
+
+_ST_APP, _ST_INSTANCE = 0, 1
+_ST_PROPS2, _ST_MAINT3, _ST_DRIVER = 1000059001, 1000168000, 1000196000
+_DEVICE_TYPES = {0: "other", 1: "integrated-gpu", 2: "discrete-gpu", 3: "virtual-gpu", 4: "cpu"}
+_HEAP_DEVICE_LOCAL = 1
+
+
+def _version(v: int) -> str:
+    return f"{v >> 22 & 0x7F}.{v >> 12 & 0x3FF}.{v & 0xFFF}"
+
+
+def _make_version(major: int, minor: int) -> int:
+    return major << 22 | minor << 12
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    device_type: str  # "cpu", "discrete-gpu", "integrated-gpu", "virtual-gpu", "other"
+    vendor_id: int
+    device_id: int
+    api_version: str
+    driver_version: int  # vendor-specific encoding, reported raw
+    driver_name: str  # "" before Vulkan 1.2
+    driver_info: str
+    limits: dict = field(default_factory=dict)
+    heaps: tuple = ()  # ((size bytes, device_local), …)
+
+    @property
+    def device_local_bytes(self) -> int:
+        local = [s for s, dl in self.heaps if dl]
+        return max(local or [s for s, _ in self.heaps] or [0])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["heaps"] = [{"bytes": s, "device_local": dl} for s, dl in self.heaps]
+        return d
+
+
+def _load_loader():
+    names = {"win32": ["vulkan-1.dll"], "darwin": ["libvulkan.1.dylib", "libMoltenVK.dylib"]}
+    for name in names.get(sys.platform, ["libvulkan.so.1", "libvulkan.so"]):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise E.DeviceNotFoundError("no Vulkan loader (libvulkan) found")
+
+
+def query_devices() -> list[DeviceInfo]:
+    """Every physical device the loader reports, in enumeration order."""
+    vk = _load_loader()
+    inst_version = _u32(_make_version(1, 0))
+    if hasattr(vk, "vkEnumerateInstanceVersion"):
+        vk.vkEnumerateInstanceVersion(ctypes.byref(inst_version))
+    api = _make_version(1, 2) if inst_version.value >= _make_version(1, 2) else _make_version(1, 1)
+    app = _AppInfo(_ST_APP, None, b"kvdict_vk", 1, b"kvdict_vk", 1, api)
+    create = _InstanceInfo(_ST_INSTANCE, None, 0, ctypes.pointer(app), 0, None, 0, None)
+    instance = ctypes.c_void_p()
+    res = vk.vkCreateInstance(ctypes.byref(create), None, ctypes.byref(instance))
+    if res != 0:
+        raise E.DeviceNotFoundError(f"vkCreateInstance failed (VkResult {res})")
+    try:
+        count = _u32(0)
+        vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), None)
+        handles = (ctypes.c_void_p * count.value)()
+        vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), handles)
+        return [_describe(vk, i, h, api) for i, h in enumerate(handles[:count.value])]
+    finally:
+        vk.vkDestroyInstance(instance, None)
+
+
+def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
+    base = _Properties()
+    vk.vkGetPhysicalDeviceProperties(ctypes.c_void_p(handle), ctypes.byref(base))
+    maint3 = _Maintenance3(_ST_MAINT3, None, 0, 0)
+    driver = _DriverProps(_ST_DRIVER, None)
+    have_driver = base.apiVersion >= _make_version(1, 2) and instance_api >= _make_version(1, 2)
+    if have_driver:
+        maint3.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
+    props2 = _Properties2(_ST_PROPS2, ctypes.cast(ctypes.pointer(maint3), ctypes.c_void_p))
+    vk.vkGetPhysicalDeviceProperties2(ctypes.c_void_p(handle), ctypes.byref(props2))
+    mem = _MemoryProps()
+    vk.vkGetPhysicalDeviceMemoryProperties(ctypes.c_void_p(handle), ctypes.byref(mem))
+    lim = base.limits
+    limits = {
+        "max_storage_buffer_range": lim.maxStorageBufferRange,
+        "max_memory_allocation_size": maint3.maxMemoryAllocationSize,
+        "max_push_constants_size": lim.maxPushConstantsSize,
+        "max_per_stage_storage_buffers": lim.maxPerStageDescriptorStorageBuffers,
+        "max_compute_shared_memory_size": lim.maxComputeSharedMemorySize,
+        "max_compute_work_group_count": tuple(lim.maxComputeWorkGroupCount),
+        "max_compute_work_group_invocations": lim.maxComputeWorkGroupInvocations,
+        "max_compute_work_group_size": tuple(lim.maxComputeWorkGroupSize),
+        "min_storage_buffer_offset_alignment": lim.minStorageBufferOffsetAlignment,
+        "timestamp_compute_and_graphics": bool(lim.timestampComputeAndGraphics),
+        "timestamp_period_ns": lim.timestampPeriod,
+    }
+    heaps = tuple((int(mem.memoryHeaps[2 * i]), bool(mem.memoryHeaps[2 * i + 1] & _HEAP_DEVICE_LOCAL))
+                  for i in range(mem.memoryHeapCount))
+    return DeviceInfo(index, base.deviceName.decode(errors="replace"),
+                      _DEVICE_TYPES.get(base.deviceType, "other"), base.vendorID, base.deviceID,
+                      _version(base.apiVersion), base.driverVersion,
+                      driver.driverName.decode(errors="replace") if have_driver else "",
+                      driver.driverInfo.decode(errors="replace") if have_driver else "",
+                      limits, heaps)

@@ -1,0 +1,245 @@
+"""Test harness: one Vulkan device probe per session, and the validation layer as a gate.
+
+* Before anything can create a Vulkan instance (this file is imported before the test
+  modules), ``VK_INSTANCE_LAYERS`` gets ``VK_LAYER_KHRONOS_validation`` and
+  ``VK_LAYER_SETTINGS_PATH`` points at a temp dir whose ``vk_layer_settings.txt`` sends
+  every error/warning/performance message to ``validation.log`` there.
+* Tests marked ``gpu`` need the session probe; without a device they FAIL when ``CI`` or
+  ``KVDICT_REQUIRE_DEVICE`` is set (``make test`` sets the latter: never skip green) and
+  skip otherwise. In that mode a missing validation layer fails the run too.
+* After every gpu test, anything new in the log fails that test; at session end a
+  non-empty log fails the run.
+
+The layer opens its log with mode "w" for every VkInstance, so a second instance
+truncates what the first wrote: the probe reads the log after the loader query
+(``list_devices``, a short-lived instance) and before Kompute's instance, which then
+lives for the whole session. ``KVDICT_NO_VALIDATION=1`` turns the gate off.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+LAYER = "VK_LAYER_KHRONOS_validation"
+_LAYER_JSON = "VkLayer_khronos_validation.json"
+_VVL_DIR = Path(tempfile.mkdtemp(prefix="kvdict-vvl-"))
+VALIDATION_LOG = _VVL_DIR / "validation.log"
+
+
+def validation_layer_installed() -> bool:
+    dirs = [p for p in os.environ.get("VK_LAYER_PATH", "").split(os.pathsep) if p]
+    data = os.environ.get("XDG_DATA_DIRS", "/usr/local/share:/usr/share").split(os.pathsep)
+    dirs += [os.path.join(d, "vulkan", "explicit_layer.d") for d in data + ["/etc"]]
+    return any(os.path.isfile(os.path.join(d, _LAYER_JSON)) for d in dirs)
+
+
+def layer_settings(log: Path) -> str:
+    return ("khronos_validation.debug_action = VK_DBG_LAYER_ACTION_LOG_MSG\n"
+            f"khronos_validation.log_filename = {log}\n"
+            "khronos_validation.report_flags = error,warn,perf\n")
+
+
+def device_required() -> bool:
+    return bool(os.environ.get("CI") or os.environ.get("KVDICT_REQUIRE_DEVICE"))
+
+
+def _configure_validation() -> bool:
+    if os.environ.get("KVDICT_NO_VALIDATION"):
+        return False
+    if not validation_layer_installed():
+        if device_required():
+            raise RuntimeError(f"{LAYER} is not installed; the GPU suite must run under it")
+        return False
+    (_VVL_DIR / "vk_layer_settings.txt").write_text(layer_settings(VALIDATION_LOG))
+    os.environ["VK_LAYER_SETTINGS_PATH"] = str(_VVL_DIR)
+    layers = [l for l in os.environ.get("VK_INSTANCE_LAYERS", "").split(":") if l]
+    if LAYER not in layers:
+        os.environ["VK_INSTANCE_LAYERS"] = ":".join(layers + [LAYER])
+    return True
+
+
+VALIDATION = _configure_validation()
+
+
+class _Log:
+    """Incremental reader of the validation log (copes with truncation by a new instance)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.seen = path, 0, []
+
+    def new_text(self, *, expected: bool = False) -> str:
+        """What the layer wrote since the last call; ``expected`` messages (a test that
+        provokes one on purpose) are not held against the session."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        if len(data) < self.offset:
+            self.offset = 0
+        text = data[self.offset:].replace(b"\0", b"").decode(errors="replace")
+        self.offset = len(data)
+        if text.strip() and not expected:
+            self.seen.append(text)
+        return text
+
+
+LOG = _Log(VALIDATION_LOG)
+
+
+@dataclass
+class Probe:
+    device: object  # kvdict_vk.vk.device.Device or None
+    error: str | None
+    early_messages: str  # what the layer said about the loader query
+
+
+@pytest.fixture(scope="session")
+def vk_probe() -> Probe:
+    try:
+        from kvdict_vk.vk import device
+        device.list_devices()
+        early = LOG.new_text()
+        dev = device.get_device()
+        dev.manager  # Kompute's instance: lives for the session
+        return Probe(dev, None, early)
+    except Exception as e:  # the probe reports, the gate decides (fail in CI, skip locally)
+        return Probe(None, f"{type(e).__name__}: {e}", LOG.new_text())
+
+
+@pytest.fixture(autouse=True)
+def _gpu_gate(request):
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    probe = request.getfixturevalue("vk_probe")
+    if probe.device is None:
+        msg = f"no usable Vulkan device: {probe.error}"
+        if device_required():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    if probe.early_messages.strip():
+        pytest.fail(f"validation layer reported during the device query:\n{probe.early_messages}")
+    LOG.new_text()  # only this test's messages count below
+    yield
+    text = LOG.new_text()
+    if text.strip():
+        pytest.fail(f"Vulkan validation layer reported:\n{text[:6000]}", pytrace=False)
+
+
+@pytest.fixture
+def vk_device(vk_probe):
+    return vk_probe.device
+
+
+def pytest_report_header(config):
+    state = f"validation layer → {VALIDATION_LOG}" if VALIDATION else "validation layer OFF"
+    return [f"kvdict_vk: {state}"]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not VALIDATION:
+        return
+    LOG.new_text()
+    if not LOG.seen:
+        import shutil
+        shutil.rmtree(_VVL_DIR, ignore_errors=True)  # nothing to inspect
+    else:
+        print(f"\nVulkan validation layer messages ({VALIDATION_LOG}):\n" + "".join(LOG.seen)[:6000])
+        session.exitstatus = 1
+
+
+# --- shared helpers for the gpu tests ---------------------------------------------------------
+
+def nmse(a, b) -> float:
+    """Σ(a−b)²/Σa² (ggml's convention), a the reference; NaN/Inf positions must agree."""
+    import numpy as np
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.array_equal(np.isnan(a64), np.isnan(b64)), "NaN positions differ"
+    assert np.array_equal(np.isposinf(a64), np.isposinf(b64)), "+Inf positions differ"
+    assert np.array_equal(np.isneginf(a64), np.isneginf(b64)), "-Inf positions differ"
+    fin = np.isfinite(a64)
+    den = float(np.sum(a64[fin] ** 2))
+    num = float(np.sum((a64[fin] - b64[fin]) ** 2))
+    return num / den if den else num
+
+
+def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True):
+    """A KvDictArtifact with random atoms; ``streams`` per layer a (k_s, v_s) pair, None =
+    passthrough. Means on every other coded stream when ``means``."""
+    import numpy as np
+    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+    layers, count = [], 0
+    for pair in streams:
+        out = []
+        for s in pair:
+            if s is None:
+                out.append(None)
+                continue
+            atoms = rng.standard_normal((n_atoms, head_dim), dtype=np.float32)
+            mean = rng.standard_normal(head_dim, dtype=np.float32) if means and count % 2 == 0 else None
+            out.append(StreamDict(atoms, mean=mean, sparsity=s))
+            count += 1
+        layers.append(tuple(out))
+    s_max = max([s for p in streams for s in p if s is not None] or [1])
+    return KvDictArtifact(head_dim, n_atoms, s_max, tuple(layers))
+
+
+def random_codes(rng, shape, n_atoms: int, *, out_of_range: float = 0.0):
+    """Random code words (…, s): distinct-ish atom indices, N(0,1) binary16 coefficients;
+    a fraction ``out_of_range`` gets an atom index ≥ n_atoms (when one exists)."""
+    import numpy as np
+    from kvdict_vk import codec
+    idx = rng.integers(0, n_atoms, shape)
+    if out_of_range and n_atoms < 1 << 16:
+        bad = rng.random(shape) < out_of_range
+        idx = np.where(bad, rng.integers(n_atoms, 1 << 16, shape), idx)
+    return codec.pack_codes(idx, rng.standard_normal(shape))
+
+
+def check_guards(arena) -> None:
+    """Every word outside every region/tail block still holds the sentinel."""
+    import numpy as np
+    lay = arena.layout
+    for ll in lay.layers:
+        if not ll.guard_spans:
+            continue
+        words = arena.layer_words(ll.index)
+        for lo, hi in ll.guard_spans:
+            bad = np.flatnonzero(words[lo:hi] != lay.guard_value)
+            assert bad.size == 0, (f"layer {ll.index}: guard words [{lo}, {hi}) overwritten at "
+                                   f"{(lo + bad[:8]).tolist()}")
+
+
+@pytest.fixture
+def activate():
+    """activate(artifact): make it the runtime's active dictionary; restored afterwards."""
+    from kvdict_vk import runtime
+    prev = runtime.snapshot()
+    yield runtime.enable
+    if prev.artifact is None:
+        runtime.deactivate()
+    else:
+        runtime.install(prev.artifact, prev.cert)
+        (runtime.enable if prev.enabled else runtime.disable)()
+
+
+@pytest.fixture
+def make_arena(vk_device):
+    """make_arena(n_layers, n_kv, head_dim, n_ctx, guard_words=64): a guarded arena whose
+    guards are verified, and which is freed, after the test."""
+    from kvdict_vk.vk import KvArena
+    made = []
+
+    def _make(*dims, guard_words: int = 64, **kw):
+        a = KvArena(*dims, device=vk_device, guard_words=guard_words, **kw)
+        made.append(a)
+        return a
+    yield _make
+    for a in made:
+        if not a.closed:
+            check_guards(a)
+            a.free()

@@ -1,0 +1,238 @@
+"""kvdict_vk.layout: arena arithmetic (pure, no GPU) and the push-constant mirror test."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdict_vk import errors as E
+from kvdict_vk import layout as L
+from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+
+SHADERS = Path(__file__).resolve().parent.parent / "shaders"
+
+
+def _artifact(rng, hd=16, na=8, pairs=((4, None), (None, None), (2, 4))):
+    def sd(s, mean):
+        return StreamDict(rng.standard_normal((na, hd), dtype=np.float32),
+                          mean=rng.standard_normal(hd, dtype=np.float32) if mean else None, sparsity=s)
+    layers = tuple(tuple(None if s is None else sd(s, (i + j) % 2 == 0) for j, s in enumerate(p))
+                   for i, p in enumerate(pairs))
+    return KvDictArtifact(hd, na, max(s for p in pairs for s in p if s), layers)
+
+
+def _blocks(ll: L.LayerLayout):
+    out = []
+    for s in ll.streams:
+        out.append((s.region_word, s.region_word + s.region_words))
+    for s in ll.streams:
+        if s.atoms_word is not None:
+            out.append((s.atoms_word, s.atoms_word + s.atoms_words))
+    for s in ll.streams:
+        if s.mean_word is not None:
+            out.append((s.mean_word, s.mean_word + s.mean_words))
+    return out
+
+
+def test_f32_layout_is_the_default_cache():
+    lay = L.build_layout(2, 3, 64, 100)
+    assert lay.mode == "f32" and lay.n_atoms == 0
+    for ll in lay.layers:
+        assert ll.tail_word is None and ll.tail_words == 0
+        k, v = ll.streams
+        assert not k.coded and k.row_words == 64 and k.atoms_word is None
+        assert k.region_word == 0 and k.region_words == 3 * 100 * 64
+        assert v.region_word == 3 * 100 * 64 and v.region_word % L.ALIGN_WORDS == 0
+        assert ll.total_words == L._round_up(v.region_word + v.region_words, L.ALIGN_WORDS)
+        assert k.word(2, 99, 63) == (2 * 100 + 99) * 64 + 63
+    assert lay.bytes_per_token == lay.f32_bytes_per_token == 2 * 2 * 3 * 64 * 4
+
+
+def test_dict_layout_regions_tail_and_word_formula():
+    rng = np.random.default_rng(0)
+    art = _artifact(rng)
+    n_kv, n_ctx, hd, na = 3, 37, 16, 8
+    lay = L.build_layout(3, n_kv, hd, n_ctx, art)
+    assert lay.mode == "dict" and lay.n_atoms == na and lay.sparsity == 4
+    for ll, pair in zip(lay.layers, art.layers):
+        for s, d in zip(ll.streams, pair):
+            assert s.coded == (d is not None)
+            assert s.sparsity == (d.sparsity if d else 0)
+            assert s.row_words == (d.sparsity if d else hd)
+            assert s.region_words == n_kv * n_ctx * s.row_words
+            assert s.region_word % L.ALIGN_WORDS == 0
+            assert s.has_mean == (d is not None and d.mean is not None)
+            h, t, j = 2, 5, s.row_words - 1
+            assert s.word(h, t, j) == s.region_word + (h * n_ctx + t) * s.row_words + j
+            with pytest.raises(E.ArenaError):
+                s.word(n_kv, 0, 0)
+        k, v = ll.streams
+        assert ll.tail_word % L.ALIGN_WORDS == 0 and ll.tail_word >= v.region_word + v.region_words
+        # packed tail: K atoms, V atoms, K mean, V mean
+        assert k.atoms_word == ll.tail_word and v.atoms_word == k.atoms_word + na * hd
+        assert k.mean_word == v.atoms_word + na * hd and v.mean_word == k.mean_word + hd
+        assert ll.tail_words == 2 * na * hd + 2 * hd
+        assert ll.total_words >= ll.tail_word + ll.tail_words and ll.total_words % L.ALIGN_WORDS == 0
+    assert lay.bytes_per_token == sum(s.bytes_per_token for ll in lay.layers for s in ll.streams)
+    assert lay.total_bytes == sum(ll.total_words for ll in lay.layers) * 4
+
+
+def test_tail_image_is_the_atoms_flat_block():
+    rng = np.random.default_rng(1)
+    art = _artifact(rng)
+    lay = L.build_layout(3, 2, 16, 5, art)
+    flat = art.atoms_flat()
+    block = art.n_atoms * art.head_dim
+    for ll, pair in zip(lay.layers, art.layers):
+        img = L.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair))
+        f = img.view(np.float32)
+        for j, (s, d) in enumerate(zip(ll.streams, pair)):
+            a0 = s.atoms_word - ll.tail_word
+            want = flat[(2 * ll.index + j) * block:(2 * ll.index + j + 1) * block]
+            assert np.array_equal(f[a0:a0 + block], want)
+            if d is None:
+                assert not f[a0:a0 + block].any()
+            m0 = s.mean_word - ll.tail_word
+            mean = d.mean if d is not None and d.mean is not None else np.zeros(16, np.float32)
+            assert np.array_equal(f[m0:m0 + 16], mean)
+    with pytest.raises(E.ArenaError):
+        L.layer_tail_image(L.build_layout(1, 1, 16, 4), 0, None, (None, None))
+
+
+def test_guard_mode_surrounds_every_block():
+    rng = np.random.default_rng(2)
+    art = _artifact(rng, hd=12)
+    lay = L.build_layout(3, 2, 12, 9, art, guard_words=10)
+    assert lay.guard_words == 12  # rounded up to keep vec4 alignment
+    for ll in lay.layers:
+        blocks = sorted(_blocks(ll))
+        assert blocks[0][0] >= 12 and ll.total_words - blocks[-1][1] >= 12
+        for (a0, a1), (b0, b1) in zip(blocks, blocks[1:]):
+            assert b0 - a1 >= 12
+        covered = np.zeros(ll.total_words, int)
+        for lo, hi in blocks + list(ll.guard_spans):
+            covered[lo:hi] += 1
+        assert (covered == 1).all()  # guards are exactly the complement of the blocks
+        for s in ll.streams:
+            assert s.region_word % L.ALIGN_WORDS == 0
+            assert s.atoms_word % 4 == 0 and s.mean_word % 4 == 0
+
+
+def test_mismatches_and_bad_dims_are_typed():
+    rng = np.random.default_rng(3)
+    art = _artifact(rng)
+    with pytest.raises(E.DictMismatchError):
+        L.build_layout(2, 2, 16, 8, art)  # artifact has 3 layers
+    with pytest.raises(E.DictMismatchError):
+        L.build_layout(3, 2, 32, 8, art)  # head_dim differs
+    for dims in [(0, 1, 16, 8), (1, 1, 16, 0), (1, -2, 16, 8), (1, 1, 16.0, 8)]:
+        with pytest.raises(E.ArenaError):
+            L.build_layout(*dims)
+    with pytest.raises(E.ArenaError):
+        L.build_layout(1, 1, 16, 8, guard_words=-1)
+    spec = L.DictSpec(16, 8, 2, ((L.StreamSpec(True, 3), L.StreamSpec(False)),))
+    with pytest.raises(E.DictMismatchError):
+        L.build_layout(1, 1, 16, 8, spec)  # a stream's sparsity above the artifact's
+
+
+def test_spec_description_equals_artifact():
+    rng = np.random.default_rng(4)
+    art = _artifact(rng)
+    spec = L.DictSpec.from_artifact(art)
+    assert spec.layers[1] == (L.StreamSpec(False), L.StreamSpec(False))
+    assert spec.layers[2][0] == L.StreamSpec(True, 2, art.layers[2][0].mean is not None)
+    assert L.build_layout(3, 2, 16, 11, spec).to_dict() == L.build_layout(3, 2, 16, 11, art).to_dict()
+
+
+def test_to_dict_is_json():
+    rng = np.random.default_rng(5)
+    d = L.build_layout(3, 2, 16, 11, _artifact(rng), guard_words=8).to_dict()
+    back = json.loads(json.dumps(d))
+    assert back["mode"] == "dict" and len(back["layers"]) == 3
+    assert back["layers"][0]["k"]["region"]["byte"] == 4 * back["layers"][0]["k"]["region"]["word"]
+    assert back["bytes_per_token"] == 4 * 2 * (4 + 16 + 16 + 16 + 2 + 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_layers=st.integers(1, 3), n_kv=st.integers(1, 4), hd=st.integers(1, 70), n_ctx=st.integers(1, 50),
+       na=st.integers(1, 40), guard=st.sampled_from([0, 4, 13]), data=st.data())
+def test_layout_invariants(n_layers, n_kv, hd, n_ctx, na, guard, data):
+    s_max = min(hd, na)
+    pairs = tuple(tuple(data.draw(st.one_of(st.none(), st.integers(1, s_max))) for _ in "kv")
+                  for _ in range(n_layers))
+    ss = [s for p in pairs for s in p if s]
+    spec = None if not ss else L.DictSpec(hd, na, max(ss), tuple(
+        tuple(L.StreamSpec(s is not None, s or 0) for s in p) for p in pairs))
+    lay = L.build_layout(n_layers, n_kv, hd, n_ctx, spec, guard_words=guard)
+    for ll in lay.layers:
+        blocks = sorted(_blocks(ll))
+        assert blocks[-1][1] <= ll.total_words
+        for (a0, a1), (b0, b1) in zip(blocks, blocks[1:]):
+            assert a1 <= b0  # no overlap
+        assert all(s.region_word % L.ALIGN_WORDS == 0 for s in ll.streams)
+        if ll.tail_word is not None:
+            assert ll.tail_word % L.ALIGN_WORDS == 0
+        last = ll.streams[1].word(n_kv - 1, n_ctx - 1, ll.streams[1].row_words - 1)
+        assert last == ll.streams[1].region_word + ll.streams[1].region_words - 1
+
+
+# --- push constants ------------------------------------------------------------------------------
+
+def test_push_block_pack_unpack():
+    blk = L.PushBlock("T", (("a", "uint"), ("x", "float"), ("b", "uint")))
+    w = blk.pack(a=7, x=-1.5, b=2 ** 32 - 1)
+    assert w.dtype == np.uint32 and w.tolist() == [7, np.float32(-1.5).view(np.uint32), 2 ** 32 - 1]
+    assert blk.unpack(w) == {"a": 7, "x": -1.5, "b": 2 ** 32 - 1}
+    assert blk.size_bytes == 12
+    for bad in [dict(a=1, x=0.0), dict(a=1, x=0.0, b=2, c=3), dict(a=-1, x=0.0, b=0),
+                dict(a=2 ** 32, x=0.0, b=0), dict(a=1.5, x=0.0, b=0), dict(a=True, x=0.0, b=0)]:
+        with pytest.raises(E.DispatchError):
+            blk.pack(**bad)
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_PUSH = re.compile(r"layout\s*\(\s*push_constant\s*\)\s*uniform\s+(\w+)\s*\{(.*?)\}\s*(\w*)\s*;", re.S)
+
+
+def _expand(path: Path) -> str:
+    return _INCLUDE.sub(lambda m: _expand(path.parent / m.group(1)), path.read_text())
+
+
+def _glsl_push_block(source: str):
+    source = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", source, flags=re.S))
+    blocks = _PUSH.findall(source)
+    assert len(blocks) == 1, f"expected one push_constant block, found {len(blocks)}"
+    name, body, _ = blocks[0]
+    fields = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        typ, *names = re.split(r"[\s,]+", decl)
+        fields += [(n, typ) for n in names if n]
+    return name, tuple(fields)
+
+
+_GLSL_SIZES = {"uint": 4, "float": 4}
+
+
+def test_every_shader_declares_the_layout_push_block():
+    comps = sorted(p.name for p in SHADERS.glob("*.comp"))
+    assert comps == sorted(L.SHADER_PUSH_BLOCKS), "shaders/ and layout.SHADER_PUSH_BLOCKS disagree"
+    for comp in comps:
+        name, fields = _glsl_push_block(_expand(SHADERS / comp))
+        blk = L.SHADER_PUSH_BLOCKS[comp]
+        assert name == blk.name, comp
+        assert fields == blk.fields, f"{comp}: GLSL {fields} vs layout {blk.fields}"
+        assert all(t in _GLSL_SIZES for _, t in fields), f"{comp}: only 32-bit uint/float members"
+        assert sum(_GLSL_SIZES[t] for _, t in fields) == blk.size_bytes
+        assert blk.size_bytes <= 128  # the minimum maxPushConstantsSize
+    assert set(L.PUSH_BLOCKS) == {b.name for b in L.SHADER_PUSH_BLOCKS.values()}
+
+
+def test_mirror_parser_catches_drift():
+    src = "layout(push_constant) uniform CopyPush { uint src_word; uint n_words; uint dst_word; } pc;"
+    name, fields = _glsl_push_block(src)
+    assert name == "CopyPush" and fields != L.COPY_PUSH.fields  # order matters

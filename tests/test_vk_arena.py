@@ -1,0 +1,233 @@
+"""KvArena: both modes, the write path, chunking, typed errors, lifetime, size refusal."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import check_guards, nmse, random_artifact
+from kvdict_vk import codec, runtime
+from kvdict_vk import errors as E
+
+pytestmark = pytest.mark.gpu
+
+
+def _rows(rng, n_kv, t, hd):
+    return rng.standard_normal((n_kv, t, hd), dtype=np.float32)
+
+
+@pytest.mark.parametrize("mapping", ["row", "chunk"])
+def test_f32_mode_returns_exactly_what_was_appended(mapping, make_arena):
+    rng = np.random.default_rng(0)
+    arena = make_arena(2, 3, 64, 40, shader_mapping=mapping)
+    assert arena.mode == "f32" and arena.layout.layers[0].tail_word is None
+    k, v = _rows(rng, 3, 40, 64), _rows(rng, 3, 40, 64)
+    k[0, 0, :4] = [np.nan, -0.0, np.inf, -np.inf]
+    k[1, 2, 0] = np.array([0x7FC01234], np.uint32).view(np.float32)[0]  # a NaN payload
+    for a, b in ((0, 1), (1, 17), (17, 40)):
+        assert arena.append(1, k[:, a:b], v[:, a:b]) == b
+    assert arena.n_tokens(1) == 40 and arena.n_tokens(0) == 0
+    kk, vv = arena.read(1)
+    assert np.array_equal(kk.view(np.uint32), k.view(np.uint32))  # bit-exact, NaN payloads too
+    assert np.array_equal(vv.view(np.uint32), v.view(np.uint32))
+    kk, vv = arena.read(1, 39, 40)
+    assert np.array_equal(kk, k[:, 39:40]) and np.array_equal(vv, v[:, 39:40])
+    e = arena.read(1, 5, 5)
+    assert e[0].shape == (3, 0, 64)
+
+
+@pytest.mark.parametrize("mapping", ["row", "chunk"])
+def test_f32_mode_scalar_head_dim(mapping, make_arena):
+    rng = np.random.default_rng(1)
+    arena = make_arena(1, 2, 18, 9, shader_mapping=mapping)  # 18 % 4 ≠ 0 → scalar shaders
+    k, v = _rows(rng, 2, 9, 18), _rows(rng, 2, 9, 18)
+    arena.append(0, k, v)
+    kk, vv = arena.read(0, 2, 9)
+    assert np.array_equal(kk, k[:, 2:]) and np.array_equal(vv, v[:, 2:])
+
+
+def test_store_code_then_reconstruct_on_read_equals_reconstruct_on_write(make_arena, activate):
+    """The arena's decode path (append one token → OMP on the CPU → code words on the GPU
+    → reconstruct on read) equals runtime.reconstruct_kv on the same rows."""
+    rng = np.random.default_rng(2)
+    n_kv, hd, n_tok = 3, 64, 24
+    art = random_artifact(rng, hd, 256, [(8, 4), (None, 8), (None, None)])
+    activate(art)
+    arena = make_arena(3, n_kv, hd, 32)
+    for layer in range(3):
+        k, v = _rows(rng, n_kv, n_tok, hd), _rows(rng, n_kv, n_tok, hd)
+        for t in range(n_tok):
+            arena.append(layer, k[:, t:t + 1], v[:, t:t + 1])
+        got = arena.read(layer)
+        for j, (rows, out) in enumerate(zip((k, v), got)):
+            want = rows.copy()
+            for t in range(n_tok):
+                proj = np.ascontiguousarray(want[:, t])
+                did = runtime.reconstruct_kv(layer, j == 0, proj, n_kv)
+                assert did == (art.layers[layer][j] is not None)
+                want[:, t] = proj
+            if art.layers[layer][j] is None:
+                assert np.array_equal(out, rows)
+            else:
+                assert nmse(want, out) <= 1e-12
+    # A batch append encodes the batch at once: equal to codec on that same batch.
+    k, v = _rows(rng, n_kv, 8, hd), _rows(rng, n_kv, 8, hd)
+    arena.append(0, k, v)
+    d = art.layers[0][0]
+    want = codec.reconstruct(codec.encode(k.reshape(-1, hd), d), d.atoms, d.mean).reshape(k.shape)
+    assert nmse(want, arena.read(0, n_tok, n_tok + 8)[0]) <= 1e-12
+
+
+def test_chunked_appends_and_reads(make_arena, activate, monkeypatch):
+    from kvdict_vk.vk import arena as arena_mod
+    monkeypatch.setattr(arena_mod, "UPLOAD_CAP_WORDS", 300)
+    monkeypatch.setattr(arena_mod, "OUT_CAP_WORDS", 1000)
+    monkeypatch.setattr(arena_mod, "OUT_MIN_WORDS", 64)
+    rng = np.random.default_rng(3)
+    art = random_artifact(rng, 16, 32, [(4, None)])
+    activate(art)
+    arena = make_arena(1, 2, 16, 200)
+    assert arena._caps["out"] < 2 * 2 * 16 * 200  # reads really are split
+    kc = codec.pack_codes(rng.integers(0, 32, (2, 200, 4)), rng.standard_normal((2, 200, 4)))
+    v = _rows(rng, 2, 200, 16)
+    arena.append_codes(0, kc, v)  # more than one upload buffer's worth
+    k_out, v_out = arena.read(0, 3, 197)
+    assert np.array_equal(v_out, v[:, 3:197])
+    d = art.layers[0][0]
+    assert nmse(codec.reconstruct(kc[:, 3:197], d.atoms, d.mean), k_out) <= 1e-12
+    with pytest.raises(E.ArenaError, match="read-back buffer"):
+        arena.read_plan(0, 0, 200)
+
+
+def test_read_plan_reruns(make_arena):
+    rng = np.random.default_rng(4)
+    arena = make_arena(1, 1, 8, 16)
+    k, v = _rows(rng, 1, 16, 8), _rows(rng, 1, 16, 8)
+    arena.append(0, k, v)
+    plan = arena.read_plan(0, 4, 12)
+    for _ in range(2):
+        plan.dispatch()
+        kk, vv = plan.readback()
+        assert np.array_equal(kk, k[:, 4:12]) and np.array_equal(vv, v[:, 4:12])
+    assert np.array_equal(plan.run()[1], v[:, 4:12])
+
+
+def test_typed_argument_errors(make_arena):
+    rng = np.random.default_rng(5)
+    arena = make_arena(2, 2, 8, 10)
+    good = _rows(rng, 2, 3, 8)
+    bad_rows = [good.astype(np.float64), good[:1], good[:, :, :4], good[0], good.tolist(),
+                good.astype(np.float16)]
+    for bad in bad_rows:
+        with pytest.raises(E.ShapeError):
+            arena.append(0, bad, good)
+        with pytest.raises(E.ShapeError):
+            arena.append(0, good, bad)
+    with pytest.raises(E.ShapeError):
+        arena.append(0, good, good[:, :2])  # K and V token counts differ
+    with pytest.raises(E.ShapeError):
+        arena.append_codes(0, good.view(np.uint32), good)  # f32 arena: rows, not code words
+    for layer in (-1, 2, True, 1.0, "0"):
+        with pytest.raises(E.LayerIndexError):
+            arena.append(layer, good, good)
+        with pytest.raises(E.LayerIndexError):
+            arena.read(layer)
+        with pytest.raises(E.LayerIndexError):
+            arena.n_tokens(layer)
+    arena.append(0, good, good)
+    with pytest.raises(E.ArenaError, match="exceed n_ctx"):
+        arena.append(0, _rows(rng, 2, 8, 8), _rows(rng, 2, 8, 8))
+    assert arena.n_tokens(0) == 3  # a refused append changes nothing
+    for t0, t1, match in ((0, 11, "n_ctx"), (0, 4, "appended"), (2, 1, "inverted"), (-1, 2, "negative"),
+                          (0.0, 2, "integer")):
+        with pytest.raises(E.ArenaError, match=match):
+            arena.read(0, t0, t1)
+
+
+def test_free_is_idempotent_and_final(vk_device):
+    from kvdict_vk.vk import KvArena
+    arena = KvArena(1, 1, 8, 4, device=vk_device)
+    arena.append(0, np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32))
+    arena.read(0)
+    arena.free()
+    arena.free()  # harmless
+    assert arena.closed
+    for call in (lambda: arena.read(0), lambda: arena.n_tokens(0), lambda: arena.layer_words(0),
+                 lambda: arena.append(0, np.ones((1, 1, 8), np.float32), np.ones((1, 1, 8), np.float32)),
+                 lambda: arena.__enter__()):
+        with pytest.raises(E.ArenaError, match="freed"):
+            call()
+    with KvArena(1, 1, 8, 4, device=vk_device) as a2:
+        plan = (a2.append(0, np.ones((1, 1, 8), np.float32), np.ones((1, 1, 8), np.float32)),
+                a2.read_plan(0))[1]
+    assert a2.closed
+    with pytest.raises(E.ArenaError, match="freed"):
+        plan.dispatch()
+    with pytest.raises(E.ArenaError, match="shader_mapping"):
+        KvArena(1, 1, 8, 4, device=vk_device, shader_mapping="warp")
+
+
+def test_too_large_is_refused_before_allocating(vk_device, monkeypatch):
+    from kvdict_vk.vk import KvArena
+    from kvdict_vk.vk import arena as arena_mod
+
+    def no_allocation(*a, **k):
+        raise AssertionError("allocated before refusing")
+    monkeypatch.setattr(arena_mod, "Buffer", no_allocation)
+    lim = vk_device.info.limits["max_storage_buffer_range"]
+    # one layer beyond maxStorageBufferRange (software drivers: 128 MiB per binding)
+    n_ctx = lim // (2 * 8 * 128 * 4) + 1
+    with pytest.raises(E.ArenaTooLargeError, match="maxStorageBufferRange"):
+        KvArena(1, 8, 128, n_ctx, device=vk_device)
+    # every layer fits, all of them together exceed the device heap
+    per_layer = 2 * 8 * 128 * 4 * 4096
+    n_layers = vk_device.info.device_local_bytes // per_layer + 2
+    with pytest.raises(E.ArenaTooLargeError, match="heap"):
+        KvArena(n_layers, 8, 128, 4096, device=vk_device)
+
+
+def test_dictionary_that_does_not_fit_the_model(vk_device, activate):
+    from kvdict_vk.vk import KvArena
+    rng = np.random.default_rng(6)
+    activate(random_artifact(rng, 16, 8, [(2, 2), (2, None)]))
+    with pytest.raises(E.DictMismatchError, match="layers"):
+        KvArena(3, 1, 16, 4, device=vk_device)
+    with pytest.raises(E.DictMismatchError, match="head_dim"):
+        KvArena(2, 1, 32, 4, device=vk_device)
+    with KvArena(2, 1, 16, 4, device=vk_device) as a:
+        assert a.mode == "dict"
+    runtime.disable()  # toggle off: the next arena is the f32 cache, dictionaries stay installed
+    with KvArena(3, 1, 32, 4, device=vk_device) as a:
+        assert a.mode == "f32"
+
+
+def test_layout_is_fixed_at_creation(make_arena, activate, monkeypatch):
+    rng = np.random.default_rng(7)
+    art = random_artifact(rng, 16, 8, [(2, 2)])
+    activate(art)
+    calls = []
+    real = runtime.snapshot
+    monkeypatch.setattr(runtime, "snapshot", lambda: calls.append(1) or real())
+    arena = make_arena(1, 1, 16, 8)
+    assert len(calls) == 1  # one consistent snapshot, read once
+    runtime.deactivate()  # a live arena keeps its dictionary
+    kc = codec.pack_codes(rng.integers(0, 8, (1, 3, 2)), rng.standard_normal((1, 3, 2)))
+    arena.append_codes(0, kc, kc)
+    assert arena.mode == "dict"
+    d = art.layers[0][0]
+    assert nmse(codec.reconstruct(kc, d.atoms, d.mean), arena.read(0)[0]) <= 1e-12
+    x = _rows(rng, 1, 2, 16)
+    arena.append(0, x, x)  # encodes with the arena's dictionary, not the (now empty) runtime
+    assert arena.n_tokens(0) == 5
+
+
+def test_guards_survive_every_operation(make_arena, activate):
+    rng = np.random.default_rng(8)
+    art = random_artifact(rng, 20, 64, [(3, None), (None, 5)])
+    activate(art)
+    arena = make_arena(2, 2, 20, 30, guard_words=256)
+    for layer in range(2):
+        for t in (1, 7, 22):
+            arena.append(layer, _rows(rng, 2, t, 20), _rows(rng, 2, t, 20))
+        arena.read(layer)
+        arena.read(layer, 29, 30)
+        check_guards(arena)
