@@ -96,9 +96,9 @@ def _tag_hook(tag: cbor2.CBORTag, _immutable: bool) -> Any:
     if tag.tag == TAG_NDARRAY:
         v = tag.value
         if not (isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[1], np.ndarray)
-                and isinstance(v[0], (list, tuple)) and 1 <= len(v[0]) <= 2
+                and isinstance(v[0], (list, tuple)) and 1 <= len(v[0]) <= 3
                 and all(type(n) is int and 0 <= n for n in v[0])):
-            raise E.TypedArrayError("tag 40 must be [shape (1-2 ints), tag-85 float32 array]")
+            raise E.TypedArrayError("tag 40 must be [shape (1-3 ints), tag-85 float32 array]")
         shape = tuple(v[0])
         if int(np.prod(shape, dtype=np.int64)) != v[1].size:
             raise E.TypedArrayError(f"typed array of {v[1].size} values declared shape {shape}")
@@ -138,13 +138,17 @@ def payload_to_cbor(art: KvDictArtifact) -> bytes:
     def enc(d: StreamDict | None):
         if d is None:
             return None
-        m = {"atoms": _encode_array(d.atoms)}
+        shared = d.n_heads == 1  # written 2-D / 1-D, as a reader would expect
+        m = {"atoms": _encode_array(d.atoms[0] if shared else d.atoms)}
         if d.mean is not None:
-            m["mean"] = _encode_array(d.mean)
+            m["mean"] = _encode_array(d.mean[0] if shared else d.mean)
         if d.metric is not None:
             m["metric"] = _encode_array(d.metric)
         if d.sparsity != art.sparsity:
             m["sparsity"] = d.sparsity
+        if d.residual_bits:
+            m["residual_bits"] = d.residual_bits
+            m["residual_scale"] = _encode_array(d.residual_scale[0] if shared else d.residual_scale)
         return m
     return cbor2.dumps({
         "format_version": PAYLOAD_FORMAT_VERSION, "n_layers": art.n_layers,
@@ -154,7 +158,11 @@ def payload_to_cbor(art: KvDictArtifact) -> bytes:
 
 
 _PAYLOAD_KEYS = {"format_version", "n_layers", "head_dim", "n_atoms", "sparsity", "layers"}
-_DICT_KEYS = {"atoms", "mean", "metric", "sparsity"}
+_DICT_KEYS = {"atoms", "mean", "metric", "sparsity", "residual_bits", "residual_scale"}
+_DICT_ARRAYS = ("atoms", "mean", "metric", "residual_scale")
+# Array ranks per key: atoms (n_heads, n_atoms, head_dim) or shared (n_atoms, head_dim);
+# mean and residual_scale (n_heads, head_dim) or shared (head_dim,); metric 2-D.
+_RANKS = {"atoms": (2, 3), "mean": (1, 2), "metric": (2,), "residual_scale": (1, 2)}
 
 
 def payload_from_cbor(data: bytes, limits: Limits = DEFAULT_LIMITS) -> KvDictArtifact:
@@ -190,14 +198,21 @@ def payload_from_cbor(data: bytes, limits: Limits = DEFAULT_LIMITS) -> KvDictArt
         if not isinstance(d, dict) or "atoms" not in d or not set(d) <= _DICT_KEYS:
             raise S(f"{where}: a dictionary is a map with 'atoms' and optional {sorted(_DICT_KEYS - {'atoms'})}")
         arrays = {}
-        for key in ("atoms", "mean", "metric"):
+        for key in _DICT_ARRAYS:
             if key in d and not isinstance(d[key], np.ndarray):
                 raise E.TypedArrayError(f"{where}.{key} is not a tag-40/85 float32 typed array")
+            if key in d and d[key].ndim not in _RANKS[key]:
+                raise E.DimsError(f"{where}.{key} has rank {d[key].ndim}, expected one of {_RANKS[key]}")
             arrays[key] = d.get(key)
         s = d.get("sparsity", sparsity)
-        if type(s) is not int:
-            raise S(f"{where}.sparsity is not an integer")
-        return StreamDict(arrays["atoms"], arrays["mean"], arrays["metric"], s, where=where)
+        bits = d.get("residual_bits", 0)
+        if type(s) is not int or type(bits) is not int:
+            raise S(f"{where}: sparsity and residual_bits must be integers")
+        a, m_, sc = arrays["atoms"], arrays["mean"], arrays["residual_scale"]
+        for name, arr in (("mean", m_), ("residual_scale", sc)):  # per-head iff atoms are
+            if arr is not None and arr.ndim != a.ndim - 1:
+                raise E.DimsError(f"{where}.{name} rank {arr.ndim} does not match atoms rank {a.ndim}")
+        return StreamDict(a, m_, arrays["metric"], s, bits, sc, where=where)
 
     layers = []
     for i, ent in enumerate(layers_in):
@@ -331,6 +346,9 @@ def read_artifact(path: str | os.PathLike, *, require_certified: bool = True,
         raise E.PayloadHashError(f"{path}: payload SHA-256 differs from the header's")
     art = payload_from_cbor(payload, limits)
     model = info.model
+    if art.n_heads not in (1, model["n_kv_heads"]):
+        raise E.DimsError(f"{path}: dictionaries have {art.n_heads} heads; the model has "
+                          f"{model['n_kv_heads']} KV heads (expected 1 = shared, or one per KV head)")
     if model["n_layers"] != art.n_layers or model["head_dim"] != art.head_dim:
         raise E.DimsError(
             f"{path}: header model dims (n_layers={model['n_layers']}, head_dim={model['head_dim']}) "

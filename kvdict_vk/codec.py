@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import errors as E
+from . import residual
 from .dictionary import MAX_N_ATOMS, StreamDict
 
 F16_MAX = 65504.0
@@ -154,25 +155,22 @@ def _omp_chunk(x: np.ndarray, dn: np.ndarray, dn_t32: np.ndarray, s: int):
     return idx, c
 
 
-# --- stream-level encode / reconstruct ----------------------------------------------------
-
-def encode(x: np.ndarray, d: StreamDict, sparsity: int | None = None) -> np.ndarray:
-    """Head vectors (N, head_dim) → code words (N, s) uint32 through one stream's dict."""
-    s = d.sparsity if sparsity is None else sparsity
-    idx, coef = omp(x, d.atoms, s, mean=d.mean, metric=d.metric)
-    return pack_codes(idx, coef)
-
+# --- stream-level encode / decode ------------------------------------------------------------
+#
+# A coded head vector is one *slot* of StreamDict.slot_words uint32 words: `sparsity` code
+# words, then (residual_bits > 0) the residual stage of kvdict_vk.residual.
 
 def reconstruct(codes: np.ndarray, atoms: np.ndarray, mean: np.ndarray | None = None,
                 dtype=np.float64) -> np.ndarray:
-    """Code words (…, s) → head vectors (…, head_dim): mean + Σ coef · atoms[idx].
+    """Code words (…, s) → head vectors (…, head_dim): mean + Σ coef · atoms[idx], for
+    one head's atoms (n_atoms, head_dim).
 
     Out-of-range code words (atom index ≥ n_atoms) reconstruct as if their coefficient
     were 0 — the same documented behaviour as the shaders, which never read past the atoms.
     """
     idx, coef = unpack_codes(codes)
     atoms = np.asarray(atoms)
-    n_atoms, hd = atoms.shape
+    n_atoms = atoms.shape[0]
     bad = idx >= n_atoms
     if bad.any():
         idx = np.where(bad, 0, idx)
@@ -183,10 +181,62 @@ def reconstruct(codes: np.ndarray, atoms: np.ndarray, mean: np.ndarray | None = 
     return out
 
 
-def reconstruct_stream(codes: np.ndarray, d: StreamDict, dtype=np.float64) -> np.ndarray:
-    return reconstruct(codes, d.atoms, d.mean, dtype)
+def encode(x: np.ndarray, d: StreamDict, head: int = 0, sparsity: int | None = None) -> np.ndarray:
+    """Head vectors (N, head_dim) of KV head `head` → slots (N, slot_words) uint32."""
+    hd = d.head(head)
+    s = hd.sparsity if sparsity is None else sparsity
+    x = np.asarray(x)
+    idx, coef = omp(x, hd.atoms, s, mean=hd.mean, metric=hd.metric)
+    codes = pack_codes(idx, coef)
+    if not hd.residual_bits:
+        return codes
+    # The residual is taken against what the decoder will rebuild (binary16 coefficients).
+    approx = reconstruct(codes, hd.atoms, hd.mean)
+    res = residual.quantise(np.asarray(x, np.float64) - approx, hd.residual_scale, hd.residual_bits)
+    return np.concatenate([codes, res], axis=1)
 
 
-def roundtrip(x: np.ndarray, d: StreamDict) -> np.ndarray:
-    """What a dict-coded cache gives back for x: encode, pack, reconstruct (float32)."""
-    return reconstruct(encode(x, d), d.atoms, d.mean, np.float32)
+def decode(slots: np.ndarray, d: StreamDict, head: int = 0, dtype=np.float64,
+           sparsity: int | None = None) -> np.ndarray:
+    """Slots (…, slot_words) of KV head `head` → head vectors (…, head_dim)."""
+    hd = d.head(head)
+    s = hd.sparsity if sparsity is None else sparsity
+    slots = np.asarray(slots)
+    out = reconstruct(slots[..., :s], hd.atoms, hd.mean, dtype)
+    if hd.residual_bits:
+        lead = slots.shape[:-1]
+        res = residual.dequantise(slots[..., s:].reshape(-1, slots.shape[-1] - s),
+                                  hd.residual_scale, hd.residual_bits, dtype)
+        out += res.reshape(*lead, -1)
+    return out
+
+
+def encode_heads(x: np.ndarray, d: StreamDict) -> np.ndarray:
+    """(n_kv, T, head_dim) → (n_kv, T, slot_words): each KV head through its dictionary."""
+    x = np.asarray(x)
+    if x.ndim != 3 or x.shape[2] != d.head_dim:
+        raise E.ShapeError(f"encode_heads: x {x.shape}, expected (n_kv, T, {d.head_dim})")
+    if d.n_heads == 1:  # one dictionary: one batched call over every head and token
+        n, t, hdim = x.shape
+        return encode(x.reshape(n * t, hdim), d).reshape(n, t, -1)
+    if x.shape[0] != d.n_heads:
+        raise E.ShapeError(f"encode_heads: {x.shape[0]} KV heads, the dictionary has {d.n_heads}")
+    return np.stack([encode(x[h], d, h) for h in range(x.shape[0])])
+
+
+def decode_heads(slots: np.ndarray, d: StreamDict, dtype=np.float64) -> np.ndarray:
+    """(n_kv, T, slot_words) → (n_kv, T, head_dim)."""
+    slots = np.asarray(slots)
+    if d.n_heads == 1:
+        return decode(slots, d, 0, dtype)
+    return np.stack([decode(slots[h], d, h, dtype) for h in range(slots.shape[0])])
+
+
+def roundtrip(x: np.ndarray, d: StreamDict, head: int = 0) -> np.ndarray:
+    """What a dict-coded cache gives back for x (N, head_dim) of KV head `head` (float32)."""
+    return decode(encode(x, d, head), d, head, np.float32)
+
+
+def roundtrip_heads(x: np.ndarray, d: StreamDict) -> np.ndarray:
+    """(n_kv, T, head_dim) → what the cache returns, float32."""
+    return decode_heads(encode_heads(x, d), d, np.float32)

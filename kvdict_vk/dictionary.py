@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import errors as E
+from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words
 
 MAX_N_ATOMS = 1 << 16  # a code word's atom index is 16 bits
 
@@ -34,29 +35,50 @@ def _frozen_f32(a, shape: tuple[int, ...], what: str) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False)
+class HeadDict:
+    """One KV head's view of a stream's dictionary (2-D atoms, 1-D mean/scale)."""
+    atoms: np.ndarray  # (n_atoms, head_dim)
+    mean: np.ndarray | None  # (head_dim,)
+    metric: np.ndarray | None  # (head_dim, head_dim)
+    sparsity: int
+    residual_bits: int
+    residual_scale: np.ndarray | None  # (head_dim,)
+
+
+@dataclass(frozen=True, eq=False)
 class StreamDict:
-    """One stream's dictionary: x ≈ mean + Σ_j c_j · atoms[idx_j], the code chosen by OMP
-    minimising ‖metric · (x − x̂)‖ (Euclidean when metric is None)."""
-    atoms: np.ndarray  # (n_atoms, head_dim) float32, finite, no zero row
-    mean: np.ndarray | None = None  # (head_dim,)
-    metric: np.ndarray | None = None  # (head_dim, head_dim)
+    """One stream's dictionary (K or V of one layer), shared by the layer's KV heads
+    (n_heads == 1) or one per KV head (n_heads == n_kv_heads).
+
+    A head vector x of head h is coded as x ≈ mean[h] + Σ_j c_j · atoms[h, idx_j] + r̂,
+    the atoms chosen by OMP minimising ‖metric · (x − x̂)‖ (Euclidean when metric is None),
+    and — when residual_bits > 0 — r̂ the residual quantised to that many bits per element
+    with the static per-channel scale residual_scale[h] (see kvdict_vk.residual).
+    """
+    atoms: np.ndarray  # (n_heads, n_atoms, head_dim) float32 (2-D input = one shared head)
+    mean: np.ndarray | None = None  # (n_heads, head_dim) (1-D input is tiled over heads)
+    metric: np.ndarray | None = None  # (head_dim, head_dim), shared by the heads
     sparsity: int = 1  # atoms per head vector for this stream
+    residual_bits: int = 0  # 0 = no residual stage
+    residual_scale: np.ndarray | None = None  # (n_heads, head_dim), > 0; iff residual_bits
     where: str = "dictionary"  # for error messages only
 
     def __post_init__(self):
         a = np.asarray(self.atoms)
-        if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] < 1:
-            raise E.DimsError(f"{self.where}.atoms: shape {a.shape}, expected (n_atoms, head_dim)")
-        n, d = a.shape
+        if a.ndim == 2:
+            a = a[None]
+        if a.ndim != 3 or min(a.shape) < 1:
+            raise E.DimsError(f"{self.where}.atoms: shape {a.shape}, expected ([n_heads,] n_atoms, head_dim)")
+        g, n, d = a.shape
         if n > MAX_N_ATOMS:
             raise E.DimsError(f"{self.where}.atoms: {n} atoms exceed {MAX_N_ATOMS}")
-        atoms = _frozen_f32(a, (n, d), f"{self.where}.atoms")
-        zero = np.flatnonzero(~np.any(atoms != 0, axis=1))
+        atoms = _frozen_f32(a, (g, n, d), f"{self.where}.atoms")
+        zero = np.argwhere(~np.any(atoms != 0, axis=2))
         if zero.size:
-            raise E.ZeroAtomError(f"{self.where}.atoms: atom {int(zero[0])} is all zeros")
+            raise E.ZeroAtomError(f"{self.where}.atoms: atom {int(zero[0, 1])} of head "
+                                  f"{int(zero[0, 0])} is all zeros")
         object.__setattr__(self, "atoms", atoms)
-        if self.mean is not None:
-            object.__setattr__(self, "mean", _frozen_f32(self.mean, (d,), f"{self.where}.mean"))
+        object.__setattr__(self, "mean", self._per_head(self.mean, g, d, "mean"))
         if self.metric is not None:
             object.__setattr__(self, "metric", _frozen_f32(self.metric, (d, d), f"{self.where}.metric"))
         s = self.sparsity
@@ -65,21 +87,63 @@ class StreamDict:
         if not 1 <= s <= min(d, n):
             raise E.DimsError(f"{self.where}.sparsity {s} outside 1..min(head_dim={d}, n_atoms={n})")
         object.__setattr__(self, "sparsity", int(s))
+        b = self.residual_bits
+        if type(b) is not int and not isinstance(b, np.integer):
+            raise E.SchemaError(f"{self.where}.residual_bits is not an integer")
+        if not 0 <= b <= MAX_RESIDUAL_BITS:
+            raise E.DimsError(f"{self.where}.residual_bits {b} outside 0..{MAX_RESIDUAL_BITS}")
+        object.__setattr__(self, "residual_bits", int(b))
+        if (b > 0) != (self.residual_scale is not None):
+            raise E.SchemaError(f"{self.where}: residual_scale is required exactly when residual_bits > 0")
+        scale = self._per_head(self.residual_scale, g, d, "residual_scale")
+        if scale is not None and not (scale > 0).all():
+            raise E.DimsError(f"{self.where}.residual_scale must be > 0")
+        object.__setattr__(self, "residual_scale", scale)
+
+    def _per_head(self, v, g: int, d: int, name: str):
+        if v is None:
+            return None
+        v = np.asarray(v)
+        if v.ndim == 1 and g > 1:
+            v = np.broadcast_to(v, (g, d))
+        elif v.ndim == 1:
+            v = v[None]
+        return _frozen_f32(v, (g, d), f"{self.where}.{name}")
 
     @property
-    def n_atoms(self) -> int:
+    def n_heads(self) -> int:
         return self.atoms.shape[0]
 
     @property
-    def head_dim(self) -> int:
+    def n_atoms(self) -> int:
         return self.atoms.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.atoms.shape[2]
+
+    @property
+    def slot_words(self) -> int:
+        """uint32 words per coded head vector: code words, then the residual stage."""
+        return self.sparsity + residual_words(self.head_dim, self.residual_bits)
+
+    def head(self, h: int) -> HeadDict:
+        """The dictionary KV head h uses (head 0's for every h when shared)."""
+        g = 0 if self.n_heads == 1 else h
+        if not 0 <= g < self.n_heads:
+            raise E.LayerIndexError(f"{self.where}: KV head {h} outside 0..{self.n_heads - 1}")
+        return HeadDict(self.atoms[g], None if self.mean is None else self.mean[g], self.metric,
+                        self.sparsity, self.residual_bits,
+                        None if self.residual_scale is None else self.residual_scale[g])
 
 
 @dataclass(frozen=True, eq=False)
 class KvDictArtifact:
     """The serialized dictionary payload: per layer a (K, V) pair of StreamDict or None
-    (passthrough). All dictionaries share head_dim and n_atoms (the arena's atom tail is
-    uniform); each may use a sparsity ≤ the artifact's `sparsity` (the maximum)."""
+    (passthrough). All dictionaries share head_dim, n_atoms and n_heads (1 = shared by a
+    layer's KV heads, else one per KV head), so every layer's atom tail in the arena has
+    the same shape; each stream has its own sparsity (≤ the artifact's `sparsity`, the
+    maximum) and residual bits."""
     head_dim: int
     n_atoms: int
     sparsity: int
@@ -94,6 +158,7 @@ class KvDictArtifact:
             raise E.DimsError(f"n_atoms {self.n_atoms} outside 1..{MAX_N_ATOMS}")
         if not 1 <= self.sparsity <= min(self.head_dim, self.n_atoms):
             raise E.DimsError(f"sparsity {self.sparsity} outside 1..min(head_dim, n_atoms)")
+        heads = set()
         for i, pair in enumerate(layers):
             if len(pair) != 2:
                 raise E.DimsError(f"layers[{i}] must be a (K, V) pair")
@@ -102,23 +167,33 @@ class KvDictArtifact:
                     continue
                 if not isinstance(d, StreamDict):
                     raise E.SchemaError(f"layers[{i}].{name} is not a StreamDict")
-                if d.atoms.shape != (self.n_atoms, self.head_dim):
+                if d.atoms.shape[1:] != (self.n_atoms, self.head_dim):
                     raise E.DimsError(f"layers[{i}].{name}.atoms: shape {d.atoms.shape}, "
-                                      f"expected ({self.n_atoms}, {self.head_dim})")
+                                      f"expected (n_heads, {self.n_atoms}, {self.head_dim})")
                 if d.sparsity > self.sparsity:
                     raise E.DimsError(f"layers[{i}].{name}.sparsity {d.sparsity} exceeds "
                                       f"the artifact's sparsity {self.sparsity}")
+                heads.add(d.n_heads)
+        if len(heads) > 1:
+            raise E.DimsError(f"dictionaries disagree on n_heads: {sorted(heads)}")
+        object.__setattr__(self, "_n_heads", heads.pop() if heads else 1)
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def n_heads(self) -> int:
+        """Dictionary heads per stream: 1 (shared by the KV heads) or n_kv_heads."""
+        return self._n_heads
+
     def stream(self, layer: int, k_not_v: bool) -> StreamDict | None:
         return self.layers[layer][0 if k_not_v else 1]
 
     def atoms_flat(self) -> np.ndarray:
-        """[layer][K atoms n_atoms×head_dim][V atoms …] float32, zeros for passthrough."""
-        flat = np.zeros((self.n_layers, 2, self.n_atoms, self.head_dim), np.float32)
+        """[layer][K atoms n_heads×n_atoms×head_dim][V atoms …] float32, zeros for
+        passthrough: the arena's per-layer atom tail, concatenated."""
+        flat = np.zeros((self.n_layers, 2, self.n_heads, self.n_atoms, self.head_dim), np.float32)
         for i, pair in enumerate(self.layers):
             for j, d in enumerate(pair):
                 if d is not None:
@@ -126,7 +201,6 @@ class KvDictArtifact:
         return flat.reshape(-1)
 
     def nbytes(self) -> int:
-        """Bytes of the dictionaries themselves (atoms, means, metrics) as float32."""
-        return sum(d.atoms.nbytes + (0 if d.mean is None else d.mean.nbytes)
-                   + (0 if d.metric is None else d.metric.nbytes)
+        """Bytes of the dictionaries themselves (atoms, means, metrics, scales), float32."""
+        return sum(sum(a.nbytes for a in (d.atoms, d.mean, d.metric, d.residual_scale) if a is not None)
                    for pair in self.layers for d in pair if d is not None)

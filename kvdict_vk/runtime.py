@@ -166,12 +166,15 @@ def atoms_flat() -> tuple[np.ndarray, int, int] | None:
 
 # --- write path -----------------------------------------------------------------------------
 
-def reconstruct_kv(layer: int, k_not_v: bool, proj: np.ndarray, n_kv: int) -> bool:
-    """Replace the first n_kv head vectors of ``proj`` (float32, ≥ n_kv·head_dim values)
-    with their dictionary reconstruction, in place: exactly what a dict-coded cache
-    returns when read (encode, binary16 code words, reconstruct). Returns whether it
-    did. No-op (one check) when disabled; no-op when the layer has no dictionary or the
-    caller's head_dim differs (``proj`` 2-D with another last dimension, or too short)."""
+def reconstruct_kv(layer: int, k_not_v: bool, proj: np.ndarray, n_kv: int, *, n_tokens: int = 1) -> bool:
+    """Replace the first n_tokens·n_kv head vectors of ``proj`` (float32, laid out
+    [token][kv head][head_dim], ≥ n_tokens·n_kv·head_dim values) with what the dict-coded
+    cache returns for them, in place: encode, code words (+ residual stage), decode —
+    exactly what a read of the GPU arena gives. Returns whether it did.
+
+    No-op (one check) when disabled; no-op when the layer has no dictionary or does not
+    fit: the caller's head_dim differs (``proj`` 2-D+ with another last dimension, or too
+    short) or the dictionary is per-head for another number of KV heads."""
     st = _STATE
     if not st.active:
         return False
@@ -188,13 +191,15 @@ def reconstruct_kv(layer: int, k_not_v: bool, proj: np.ndarray, n_kv: int) -> bo
     hd = art.head_dim
     if proj.ndim > 1 and proj.shape[-1] != hd:
         return False
-    if n_kv < 0 or proj.size < n_kv * hd:
+    if n_kv < 0 or n_tokens < 0 or proj.size < n_tokens * n_kv * hd:
+        return False
+    if d.n_heads > 1 and n_kv != d.n_heads:
         return False
     flat = proj.reshape(-1)  # a view for contiguous arrays (checked below)
     if not np.shares_memory(flat, proj):
         raise E.ShapeError("reconstruct_kv: proj must be contiguous")
-    heads = flat[: n_kv * hd].reshape(n_kv, hd)
-    heads[...] = codec.roundtrip(heads, d)
+    heads = flat[: n_tokens * n_kv * hd].reshape(n_tokens, n_kv, hd)
+    heads[...] = codec.roundtrip_heads(heads.transpose(1, 0, 2), d).transpose(1, 0, 2)
     return True
 
 

@@ -67,7 +67,8 @@ def test_round_trip_preserves_everything(tmp_path, good):
             if a is None:
                 continue
             assert np.array_equal(a.atoms, b.atoms) and a.sparsity == b.sparsity
-            for f in ("mean", "metric"):
+            assert a.residual_bits == b.residual_bits
+            for f in ("mean", "metric", "residual_scale"):
                 x, y = getattr(a, f), getattr(b, f)
                 assert (x is None) == (y is None) and (x is None or np.array_equal(x, y))
             assert not b.atoms.flags.writeable
@@ -295,3 +296,38 @@ def test_missing_file_and_directory(tmp_path, installed):
     with pytest.raises(E.ArtifactIOError):
         runtime.load_certified(tmp_path)
     assert runtime.snapshot() is before
+
+
+def test_per_head_and_residual_round_trip(tmp_path):
+    rng = np.random.default_rng(21)
+    k = StreamDict(rng.standard_normal((3, 32, 8)), rng.standard_normal((3, 8)), None, 2,
+                   residual_bits=3, residual_scale=rng.uniform(0.5, 1, (3, 8)))
+    v = StreamDict(rng.standard_normal((3, 32, 8)), None, None, 4)
+    art = KvDictArtifact(8, 32, 4, [(k, v), (None, v)])
+    p = tmp_path / "ph.q42art"
+    A.write_artifact(p, art, toy_cert(art, n_kv_heads=3))
+    _, back = A.read_artifact(p)
+    assert back.n_heads == 3 and np.array_equal(back.atoms_flat(), art.atoms_flat())
+    bk = back.layers[0][0]
+    assert bk.residual_bits == 3 and np.array_equal(bk.residual_scale, k.residual_scale)
+    assert bk.slot_words == 2 + 1 + 1
+    # per-head dictionaries must match the model's KV heads
+    p2 = tmp_path / "bad.q42art"
+    A.write_artifact(p2, art, toy_cert(art, n_kv_heads=2))
+    with pytest.raises(E.DimsError, match="KV heads"):
+        A.read_artifact(p2)
+
+
+@pytest.mark.parametrize("mutate,exc", [
+    (lambda d: d.update(residual_bits=3), E.SchemaError),  # bits without a scale
+    (lambda d: d.update(residual_bits=9, residual_scale=_tagged(np.ones(16))), E.DimsError),
+    (lambda d: d.update(residual_bits=2, residual_scale=_tagged(-np.ones(16))), E.DimsError),
+    (lambda d: d.update(residual_bits=2, residual_scale=_tagged(np.ones((2, 16)))), E.DimsError),
+    (lambda d: d.update(atoms=_tagged(np.ones((2, 64, 16)))), E.DimsError),  # rank 3 atoms, rank 1 mean
+    (lambda d: d.update(mean=_tagged(np.ones((1, 1, 16)))), E.DimsError),
+    (lambda d: d.update(residual_bits="2", residual_scale=_tagged(np.ones(16))), E.SchemaError),
+])
+def test_residual_and_head_schema(tmp_path, installed, good, mutate, exc):
+    p = _raw_payload(good)
+    mutate(p["layers"][1]["k"])
+    _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), exc)
