@@ -59,6 +59,16 @@ def unapply_rope(x: np.ndarray, positions, theta: float, rope_dim: int | None = 
     return _rotate_pairs(x, cos, -sin)
 
 
+def rotate_half_order(head_dim: int) -> np.ndarray:
+    """Index p with ``x_hf = x_gguf[..., p]`` (and ``x_gguf = x_hf[..., argsort(p)]``).
+
+    The converter's permutation: HF rotate-half dim ``j*head_dim/2 + i`` is GGUF dim
+    ``2i + j``. Dictionaries don't care (a permutation is orthogonal), but block
+    quantisers do: their 32-element blocks group different dims in each order.
+    """
+    return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
     return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight
@@ -72,24 +82,33 @@ def _causal_mask(T: int) -> np.ndarray:
     return mask
 
 
-def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 256) -> np.ndarray:
     """q (n_heads, T, d); k, v (n_kv, T, d) -> (T, n_heads*d).
 
-    GQA: query head h reads KV head h // group (llama.cpp's mapping). Queries of one
-    group are stacked so each KV head takes one batched matmul.
+    GQA: query head h reads KV head h // group (llama.cpp's mapping); the queries of a
+    group are stacked so each KV head takes one matmul. Queries go in blocks that only
+    score the keys they can see, which skips ~40 % of the causal triangle's wasted work.
     """
     n_heads, T, d = q.shape
     n_kv = k.shape[0]
+    if n_heads % n_kv:
+        raise ValueError(f"{n_heads} query heads cannot share {n_kv} KV heads evenly")
     group = n_heads // n_kv
-    qg = q.reshape(n_kv, group * T, d)
-    scores = qg @ k.transpose(0, 2, 1)  # (n_kv, group*T, T)
-    scores *= np.float32(1.0 / np.sqrt(d))
-    scores = scores.reshape(n_kv, group, T, T)
-    scores += _causal_mask(T)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores.reshape(n_kv, group * T, T) @ v  # (n_kv, group*T, d)
+    qg = q.reshape(n_kv, group, T, d) * np.float32(1.0 / np.sqrt(d))
+    mask = _causal_mask(T)
+    out = np.empty((n_kv, group, T, d), dtype=np.float32)
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        rows = group * (e - s)
+        scores = qg[:, :, s:e].reshape(n_kv, rows, d) @ k[:, :e].transpose(0, 2, 1)
+        scores = scores.reshape(n_kv, group, e - s, e)
+        scores += mask[s:e, :e]
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        denom = scores.sum(axis=-1, keepdims=True)
+        # Normalise the (rows, d) output rather than the (rows, e) probabilities: fewer flops.
+        ctx = (scores.reshape(n_kv, rows, e) @ v[:, :e]).reshape(n_kv, group, e - s, d)
+        out[:, :, s:e] = ctx / denom
     return out.reshape(n_heads, T, d).transpose(1, 0, 2).reshape(T, n_heads * d)
 
 
@@ -97,8 +116,15 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None,
-                 n_layers: int | None = None) -> np.ndarray:
+def _checked(a: np.ndarray, shape: tuple[int, ...], layer: int) -> np.ndarray:
+    """A hook that changes shapes would otherwise broadcast silently inside attention."""
+    a = np.asarray(a, dtype=np.float32)
+    if a.shape != shape:
+        raise ValueError(f"layer {layer}: KV hook returned shape {a.shape}, expected {shape}")
+    return a
+
+
+def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None) -> np.ndarray:
     """Run the transformer blocks; returns the output-normed hidden states (T, hidden)."""
     m = model or load_model()
     c = m.config
@@ -107,18 +133,19 @@ def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None,
     T = tokens.shape[0]
     positions = np.arange(T)
     cos, sin = _rope_cos_sin(positions, c.rope_theta, c.rope_dim)
-    x = m.tok_embd[tokens].astype(np.float32)  # (T, hidden)
+    x = m.tok_embd[tokens]  # (T, hidden) float32, a fresh copy
+    kv_shape = (c.n_kv_heads, T, c.head_dim)
 
     def heads(a: np.ndarray, n: int) -> np.ndarray:  # (T, n*d) -> (n, T, d), contiguous
         return np.ascontiguousarray(a.reshape(T, n, c.head_dim).transpose(1, 0, 2))
 
-    for i, w in enumerate(m.layers[:n_layers]):
+    for i, w in enumerate(m.layers):
         h = rms_norm(x, w.attn_norm, c.rms_eps)
         q = _rotate_pairs(heads(h @ w.wq.T, c.n_heads), cos, sin)
-        k = hook.keys_pre_rope(i, heads(h @ w.wk.T, c.n_kv_heads))
+        k = _checked(hook.keys_pre_rope(i, heads(h @ w.wk.T, c.n_kv_heads)), kv_shape, i)
         k = _rotate_pairs(k, cos, sin)
         k, v = hook(i, k, heads(h @ w.wv.T, c.n_kv_heads))
-        attn = _causal_attention(q, np.asarray(k, np.float32), np.asarray(v, np.float32))
+        attn = _causal_attention(q, _checked(k, kv_shape, i), _checked(v, kv_shape, i))
         x = x + attn @ w.wo.T
         h = rms_norm(x, w.ffn_norm, c.rms_eps)
         x = x + (_silu(h @ w.w_gate.T) * (h @ w.w_up.T)) @ w.w_down.T
@@ -153,10 +180,11 @@ def capture_kv(tokens, model: Model | None = None) -> list[tuple[np.ndarray, np.
 
 
 def token_nll(tokens, hook: KVHook | None = None, model: Model | None = None,
-              chunk: int = 256) -> np.ndarray:
+              chunk: int = 128) -> np.ndarray:
     """-log p(token[t+1] | tokens[:t+1]) for t = 0..T-2, float64, shape (T-1,).
 
-    Logits are formed ``chunk`` rows at a time so the (T, vocab) matrix never exists.
+    Logits are formed ``chunk`` rows at a time (in place) so the (T, vocab) matrix never
+    exists: peak extra memory is about ``chunk * vocab * 12`` bytes.
     """
     m = model or load_model()
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -165,17 +193,24 @@ def token_nll(tokens, hook: KVHook | None = None, model: Model | None = None,
     nll = np.empty(len(targets), dtype=np.float64)
     for s in range(0, len(targets), chunk):
         logits = (h[s:s + chunk] @ m.output.T).astype(np.float64)
-        top = logits.max(axis=-1)
-        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
-        nll[s:s + chunk] = lse - logits[np.arange(len(logits)), targets[s:s + chunk]]
+        picked = logits[np.arange(len(logits)), targets[s:s + chunk]]
+        top = logits.max(axis=-1, keepdims=True)
+        logits -= top
+        np.exp(logits, out=logits)
+        lse = top[:, 0] + np.log(logits.sum(axis=-1))
+        nll[s:s + chunk] = lse - picked
     return nll
 
 
-def eval_windows(tokens, window: int = 1024) -> list[np.ndarray]:
-    """Non-overlapping windows; a shorter tail (>= 2 tokens) is kept as its own window."""
+def eval_windows(tokens, window: int = 1024, keep_tail: bool = False) -> list[np.ndarray]:
+    """Non-overlapping windows of ``window`` tokens.
+
+    The short tail is dropped by default: that is the convention of DESIGN.md's baseline
+    (GPL-3: 7 full windows, PPL 19.82; with the 471-token tail as an 8th window, 19.29).
+    """
     tokens = np.asarray(tokens, dtype=np.int64)
     windows = [tokens[s:s + window] for s in range(0, len(tokens), window)]
-    return [w for w in windows if len(w) >= 2]
+    return [w for w in windows if len(w) == window or (keep_tail and len(w) >= 2)]
 
 
 def perplexity(token_windows, hook: KVHook | None = None, model: Model | None = None) -> float:

@@ -1,0 +1,124 @@
+"""kvdict-forge: learn, certify and package a KV dictionary for SmolLM2-135M.
+
+    kvdict-forge                       # defaults: a certified artifact in a few minutes
+    kvdict-forge --k-bits 0 --v-bits 0 --k-sparsity 8 --v-sparsity 8   # plain atoms
+    kvdict-forge --smoke               # CI: 2 layers, small windows
+    kvdict-forge curve                 # the ΔPPL-vs-bytes sweep (long; see --help)
+
+Writes <out>/<name>.q42art (passed = true or false), <name>.json, <name>.md and <name>.png.
+Exit status: 0 when the gate passed, 1 when it failed (the refused artifact is still
+written so the refusal can be seen), 2 on usage or input errors.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+from .. import artifact as A
+from .. import errors as E
+from . import pipeline as P, report
+
+
+def _progress(total: int, what: str):
+    """A tqdm bar on a terminal, a line per step otherwise (logs go to stderr)."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc=what, file=sys.stderr)
+        return lambda i: bar.update(1)
+    return lambda i: print(f"[forge] {what}: {i + 1}/{total}", file=sys.stderr, flush=True)
+
+
+def _log(msg: str) -> None:
+    print(f"[forge] {msg}", file=sys.stderr, flush=True)
+
+
+def config_from_args(a) -> P.ForgeConfig:
+    cfg = P.ForgeConfig()
+    for f in dataclasses.fields(cfg):
+        v = getattr(a, f.name, None)
+        if v is not None:
+            setattr(cfg, f.name, v)
+    if a.smoke:
+        cfg.layers = cfg.layers or [0, 1]
+        cfg.calib_tokens, cfg.train_vectors, cfg.iters = 512, 512, 2
+        cfg.n_atoms = min(cfg.n_atoms, 128)
+        cfg.window, cfg.eval_windows = 256, 1
+    return cfg
+
+
+def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True) -> tuple[int, dict]:
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    cache = os.path.join(out, "cache")
+    kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=_log, cache_dir=cache)
+    art = P.learn_artifact(kv, cfg, progress=_progress(len(kv), "learning layers"))
+    t_learn = time.perf_counter() - t0
+    wins, text_sha = P.eval_windows(cfg)
+    _log(f"gate: {len(wins)} GPL-3 windows of {cfg.window} tokens; f32 baseline …")
+    base = P.baseline_nll(wins, text_sha, cache)
+    res = P.certify_artifact(art, wins, base)
+    cert = P.make_cert(res, cfg, text_sha, art)
+    path = os.path.join(out, f"{name}.q42art")
+    A.write_artifact(path, art, cert)
+    bpv = P.bytes_per_vector(art, art.head_dim)
+    _log(f"ΔPPL {100 * res.delta_rel:+.2f} % (95 % CI {100 * res.ci95[0]:+.2f} … {100 * res.ci95[1]:+.2f} %) "
+         f"at {bpv['all']:.1f} B/vector: {'PASSED' if cert.passed else 'FAILED'} the +{100 * cfg.threshold:g} % gate")
+    rows = [dict(name=f"dict K{cfg.k_sparsity}+{cfg.k_bits}b V{cfg.v_sparsity}+{cfg.v_bits}b",
+                 kind="dictionary", bytes_per_vector=bpv["all"], **res.to_dict())]
+    if with_baselines:
+        key = f"{text_sha[:12]}-{cfg.window}x{len(wins)}"
+        rows += report.baselines(wins, base, art.head_dim,
+                                 os.path.join(out, "baselines", f"{key}.json"), log=_log)
+    summary = dict(artifact=path, passed=cert.passed, gate=res.to_dict(), bytes_per_vector=bpv,
+                   config=dataclasses.asdict(cfg), learn_seconds=t_learn,
+                   total_seconds=time.perf_counter() - t0, rows=rows)
+    report.summary_json(os.path.join(out, f"{name}.json"), summary)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(report.markdown_table(rows))
+    report.plot(rows, os.path.join(out, f"{name}.png"), f"SmolLM2-135M, GPL-3 ({res.eval_tokens} tokens)")
+    return (0 if cert.passed else 1), summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kvdict-forge", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("command", nargs="?", default="build", choices=["build", "curve"])
+    ap.add_argument("--out", default="out/forge")
+    ap.add_argument("--name", default="smollm2")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (2 layers, 256-token window)")
+    ap.add_argument("--no-baselines", action="store_true")
+    for f in dataclasses.fields(P.ForgeConfig):
+        if f.name in ("layers", "passthrough"):
+            continue
+        kind = type(f.default) if f.default is not None else int
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind if kind is not bool else _bool, default=None)
+    ap.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="comma-separated layers to code (the others pass through)")
+    ap.add_argument("--passthrough", type=lambda s: s.split(","), default=None,
+                    help="streams left f32, e.g. k:0,v:3")
+    a = ap.parse_args(argv)
+    try:
+        cfg = config_from_args(a)
+        if a.command == "curve":
+            from .curve import run_curve
+            return run_curve(cfg, a.out, log=_log)
+        code, _ = build(cfg, a.out, a.name, with_baselines=not a.no_baselines and not a.smoke)
+        return code
+    except E.KvDictError as e:
+        print(f"kvdict-forge: {e}", file=sys.stderr)
+        return 2
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {s}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

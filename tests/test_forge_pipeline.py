@@ -1,0 +1,52 @@
+"""The forge in miniature (CI smoke): learn on 2 layers, certify through the runtime path,
+package; a passing artifact loads, a failing one is written with passed = false, refused
+by the engine, and the command exits non-zero."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvdict_vk import artifact as A
+from kvdict_vk import errors as E
+from kvdict_vk import runtime
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    from kvdict_vk.forge import cli
+    out = tmp_path_factory.mktemp("forge")
+    ok = cli.main(["--smoke", "--out", str(out), "--name", "ok", "--threshold", "0.5"])
+    bad = cli.main(["--smoke", "--out", str(out), "--name", "bad", "--threshold", "-0.9"])
+    return out, ok, bad
+
+
+def test_certified_artifact_loads(smoke_runs):
+    out, ok, _ = smoke_runs
+    assert ok == 0
+    try:
+        cert = runtime.load_certified(out / "ok.q42art")
+        assert cert.passed and cert.metric == "delta_ppl_rel" and cert.eval_tokens == 255
+        assert cert.model["n_kv_heads"] == 3 and cert.model["gguf_sha256"]
+        meta = runtime.installed_meta()
+        assert meta == (4, 64)
+        art = runtime.snapshot().artifact
+        assert art.n_heads == 3 and art.layers[0][0].residual_bits == 4
+        assert art.layers[5] == (None, None)  # smoke codes layers 0 and 1 only
+    finally:
+        runtime.deactivate()
+    summary = json.loads((out / "ok.json").read_text())
+    assert summary["passed"] and summary["bytes_per_vector"]["all"] > 200  # 28 passthrough layers
+    assert (out / "ok.png").stat().st_size > 1000 and "| dict" in (out / "ok.md").read_text()
+
+
+def test_failed_gate_is_written_and_refused(smoke_runs):
+    out, _, bad = smoke_runs
+    assert bad == 1
+    assert A.read_header(out / "bad.q42art").passed is False
+    before = runtime.snapshot()
+    with pytest.raises(E.NotCertifiedError):
+        runtime.load_certified(out / "bad.q42art")
+    assert runtime.snapshot() is before
