@@ -193,7 +193,7 @@ def make_cert(res: certify.PairedResult, cfg: ForgeConfig, text_sha: str, art: K
         eval_tokens=res.eval_tokens, eval_text_sha256=text_sha, payload_sha256="",
         model=dict(name="SmolLM2-135M-Instruct", gguf_sha256=m.sha256, n_layers=c.n_layers,
                    n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim),
-        producer=dict(PRODUCER, config=_jsonable(dataclasses.asdict(cfg)),
+        producer=dict(PRODUCER, config=_jsonable(dataclasses.asdict(cfg)), config_key=config_key(cfg),
                       bytes_per_vector=bytes_per_vector(art, c.head_dim)),
         extra=dict(ci95=list(res.ci95), windows=res.windows, window=cfg.window,
                    eval_text="/usr/share/common-licenses/GPL-3"),

@@ -1,0 +1,82 @@
+"""Token-by-token decode of the llama model over an external KV cache.
+
+This is how an engine drives kvdict_vk: per token and layer it appends the new K/V rows
+to the cache and asks the cache for the attention output of the new query. The cache
+is anything with ``append(layer, k_rows, v_rows)`` ((n_kv, 1, head_dim) each) and
+``attend(layer, q, n_used) -> (n_heads, head_dim)`` — `kvdict_vk.vk.KvArena` in both of
+its modes, or :class:`NumpyCache` (the float64 reference, for tests).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import attention_ref, codec
+from ..dictionary import KvDictArtifact
+from .gguf_model import Model, load_model
+from .llama import _rope_cos_sin, _rotate_pairs, _silu, rms_norm
+
+
+class NumpyCache:
+    """Reference cache: f32 rows, or (given an artifact) slots decoded in float64 — what
+    the GPU arena must reproduce."""
+
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, n_ctx: int, art: KvDictArtifact | None = None):
+        self.art, self.n_ctx = art, n_ctx
+        self.k = np.zeros((n_layers, n_kv, n_ctx, head_dim), np.float64)
+        self.v = np.zeros_like(self.k)
+        self.n = [0] * n_layers
+
+    def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
+        t0, t = self.n[layer], k_rows.shape[1]
+        for store, rows, d in ((self.k, k_rows, None if self.art is None else self.art.layers[layer][0]),
+                               (self.v, v_rows, None if self.art is None else self.art.layers[layer][1])):
+            store[layer, :, t0:t0 + t] = rows if d is None else codec.decode_heads(codec.encode_heads(rows, d), d)
+        self.n[layer] = t0 + t
+        return self.n[layer]
+
+    def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None) -> np.ndarray:
+        return attention_ref.attend(q, self.k[layer], self.v[layer], n_used, scale)
+
+
+@dataclass
+class DecodeResult:
+    nll: np.ndarray  # (T-1,) float64: −log p(token[t+1] | tokens[:t+1])
+    seconds: float
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def decode(tokens, cache, model: Model | None = None, progress=None) -> DecodeResult:
+    """Teacher-forced decode: feed tokens one at a time through `cache`, score each next token."""
+    m = model or load_model()
+    c = m.config
+    tokens = np.asarray(tokens, np.int64)
+    cos, sin = _rope_cos_sin(np.arange(len(tokens)), c.rope_theta, c.rope_dim)
+    nll = np.empty(len(tokens) - 1)
+    t_start = time.perf_counter()
+    for pos, tok in enumerate(tokens):
+        x = m.tok_embd[tok].astype(np.float32)
+        cs, sn = cos[pos:pos + 1], sin[pos:pos + 1]
+        for i, w in enumerate(m.layers):
+            h = rms_norm(x, w.attn_norm, c.rms_eps)
+            q = _rotate_pairs((w.wq @ h).reshape(c.n_heads, 1, c.head_dim), cs, sn)[:, 0]
+            k = _rotate_pairs((w.wk @ h).reshape(c.n_kv_heads, 1, c.head_dim), cs, sn)
+            v = (w.wv @ h).reshape(c.n_kv_heads, 1, c.head_dim)
+            cache.append(i, np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
+            o = np.asarray(cache.attend(i, q.astype(np.float32), pos + 1), np.float32)
+            x = x + w.wo @ o.reshape(-1)
+            h = rms_norm(x, w.ffn_norm, c.rms_eps)
+            x = x + w.w_down @ (_silu(w.w_gate @ h) * (w.w_up @ h))
+        if pos + 1 < len(tokens):
+            logits = (m.output @ rms_norm(x, m.output_norm, c.rms_eps)).astype(np.float64)
+            top = logits.max()
+            nll[pos] = top + np.log(np.exp(logits - top).sum()) - logits[tokens[pos + 1]]
+        if progress:
+            progress(pos)
+    return DecodeResult(nll, time.perf_counter() - t_start, len(tokens))
