@@ -1,0 +1,104 @@
+"""The ΔPPL-vs-bytes curve: plain dictionaries (atoms only) across sparsity and atom
+counts, K and V separately and together, next to the residual-stage configurations and
+the baselines — every point on the same GPL-3 windows, paired against the f32 cache.
+
+One dictionary per (stream, KV head, n_atoms) is learned at sparsity `learn_sparsity`
+and then used at every sparsity of the sweep (OMP picks s atoms from it): learning one
+per (s, n_atoms) would multiply the cost by six for a small gain at the other s, and
+the curve says so in its JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+from .. import codec
+from ..dictionary import KvDictArtifact
+from ..residual import residual_words
+from . import certify, llama, pipeline as P, report
+
+SPARSITIES = (4, 6, 8, 12, 16, 24)
+ATOMS = (1024, 4096, 16384)
+RESIDUAL_CONFIGS = ((4, 4, 4, 3), (4, 4, 4, 2), (2, 4, 4, 2), (4, 3, 4, 3))  # (ks, kbits, vs, vbits)
+
+
+class SweepHook(llama.KVHook):
+    """Code K and/or V of every layer with `art` at the given per-stream (sparsity, bits)."""
+
+    def __init__(self, art: KvDictArtifact, k: tuple | None, v: tuple | None):
+        self.art, self.spec = art, {True: k, False: v}
+
+    def __call__(self, layer, k, v):
+        out = []
+        for k_not_v, x in ((True, k), (False, v)):
+            spec, d = self.spec[k_not_v], self.art.stream(layer, k_not_v)
+            if spec is None or d is None:
+                out.append(x)
+                continue
+            s, bits = spec
+            dd = dataclasses.replace(d, sparsity=s, residual_bits=bits,
+                                     residual_scale=d.residual_scale if bits else None)
+            out.append(codec.roundtrip_heads(x, dd))
+        return out[0], out[1]
+
+
+def slot_bytes(head_dim: int, s: int, bits: int) -> int:
+    return 4 * (s + residual_words(head_dim, bits))
+
+
+def run_curve(cfg: P.ForgeConfig, out: str, log=print, atoms=ATOMS, sparsities=SPARSITIES,
+              learn_sparsity: int = 8) -> int:
+    os.makedirs(out, exist_ok=True)
+    cache = os.path.join(out, "cache")
+    kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=log, cache_dir=cache)
+    wins, text_sha = P.eval_windows(cfg)
+    base = P.baseline_nll(wins, text_sha, cache)
+    hd = kv[0][0].shape[-1]
+    rows = []
+
+    def point(name, kind, bpv, hook, **extra):
+        t0 = time.perf_counter()
+        res = certify.evaluate(wins, hook, base)
+        rows.append(dict(name=name, kind=kind, bytes_per_vector=bpv, seconds=time.perf_counter() - t0,
+                         **extra, **res.to_dict()))
+        log(f"{name}: ΔPPL {100 * res.delta_rel:+.2f} % at {bpv:.1f} B/vector")
+        _save(out, rows, cfg, learn_sparsity)
+
+    for n_atoms in atoms:
+        c = dataclasses.replace(cfg, n_atoms=n_atoms, k_sparsity=learn_sparsity, v_sparsity=learn_sparsity,
+                                k_bits=0, v_bits=0, train_vectors=max(cfg.train_vectors, 2 * n_atoms))
+        t0 = time.perf_counter()
+        art = P.learn_artifact(kv, c)
+        log(f"learned plain dictionaries, {n_atoms} atoms ({time.perf_counter() - t0:.0f} s)")
+        for s in sparsities:
+            b = slot_bytes(hd, s, 0)
+            for target, k, v, bpv in (("K", (s, 0), None, (b + 4 * hd) / 2), ("V", None, (s, 0), (b + 4 * hd) / 2),
+                                      ("KV", (s, 0), (s, 0), b)):
+                point(f"atoms {n_atoms} s{s} {target}", "dictionary", bpv, SweepHook(art, k, v),
+                      n_atoms=n_atoms, sparsity=s, target=target, dictionary_bytes=art.nbytes())
+    # The residual-stage configurations, learned as the forge learns them.
+    for ks, kb, vs, vb in RESIDUAL_CONFIGS:
+        c = dataclasses.replace(cfg, k_sparsity=ks, k_bits=kb, v_sparsity=vs, v_bits=vb)
+        art = P.learn_artifact(kv, c)
+        bpv = (slot_bytes(hd, ks, kb) + slot_bytes(hd, vs, vb)) / 2
+        point(f"K{ks}+{kb}b V{vs}+{vb}b", "dictionary", bpv, SweepHook(art, (ks, kb), (vs, vb)),
+              n_atoms=cfg.n_atoms, target="KV", dictionary_bytes=art.nbytes())
+    rows += report.baselines(wins, base, hd, os.path.join(out, "baselines", f"{text_sha[:12]}-{cfg.window}x{len(wins)}.json"),
+                             log=log)
+    _save(out, rows, cfg, learn_sparsity)
+    report.plot([r for r in rows if r.get("target", "KV") == "KV"], os.path.join(out, "curve.png"),
+                f"ΔPPL vs bytes, K and V coded ({rows[0]['eval_tokens']} GPL-3 tokens)")
+    with open(os.path.join(out, "curve.md"), "w") as f:
+        f.write(report.markdown_table(rows))
+    return 0
+
+
+def _save(out, rows, cfg, learn_sparsity):
+    with open(os.path.join(out, "curve.json"), "w") as f:
+        json.dump(dict(config=dataclasses.asdict(cfg), learn_sparsity=learn_sparsity,
+                       note="plain dictionaries learned once per n_atoms at learn_sparsity, used at every s",
+                       rows=rows), f, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
