@@ -19,7 +19,7 @@ import numpy as np
 from .. import artifact as A
 from .. import codec, runtime
 from ..dictionary import KvDictArtifact, StreamDict
-from . import certify, llama, tokenizer
+from . import certify, llama, parallel, tokenizer
 from .gguf_model import load_model
 from .learn import learn_stream
 
@@ -115,19 +115,26 @@ def learn_head_stream(x: np.ndarray, cfg: ForgeConfig, k_not_v: bool, seed: int)
                       np.stack(scales) if bits else None)
 
 
+def _learn_task(x, cfg, k_not_v, seed):
+    d = learn_head_stream(x, cfg, k_not_v, seed)
+    return d.atoms, d.mean, d.sparsity, d.residual_bits, d.residual_scale  # plain arrays travel
+
+
 def learn_artifact(kv: list, cfg: ForgeConfig, progress=None) -> KvDictArtifact:
-    layers = []
+    """Every coded (layer, stream), learned in worker processes (see forge.parallel)."""
+    tasks, where = [], []
     for li, (k, v) in enumerate(kv):
-        pair = []
-        for k_not_v, x in ((True, k), (False, v)):
-            pair.append(learn_head_stream(x, cfg, k_not_v, cfg.seed + 2 * li + (0 if k_not_v else 1))
-                        if cfg.coded(li, k_not_v) else None)
-        layers.append(tuple(pair))
-        if progress:
-            progress(li)
+        for j, (k_not_v, x) in enumerate(((True, k), (False, v))):
+            if cfg.coded(li, k_not_v):
+                tasks.append((x, cfg, k_not_v, cfg.seed + 2 * li + j))
+                where.append((li, j))
+    results = parallel.map_tasks(_learn_task, tasks, progress)
+    layers = [[None, None] for _ in kv]
+    for (li, j), (atoms, mean, s, bits, scale) in zip(where, results):
+        layers[li][j] = StreamDict(atoms, mean, None, s, bits, scale)
     head_dim = kv[0][0].shape[-1]
     s_max = max(max(cfg.k_sparsity, cfg.v_sparsity), 1)
-    return KvDictArtifact(head_dim, cfg.n_atoms, s_max, layers)
+    return KvDictArtifact(head_dim, cfg.n_atoms, s_max, [tuple(p) for p in layers])
 
 
 class RuntimeHook(llama.KVHook):
