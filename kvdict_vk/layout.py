@@ -3,13 +3,17 @@
 Pure Python/NumPy — no GPU import, no I/O — so the GPU backend (`kvdict_vk.vk`) and the
 dump tool read the same numbers. One storage buffer per layer:
 
-    layer = [K region][V region][K atoms][V atoms][K mean][V mean]
+    layer = [K region][V region][K atoms][V atoms][K mean][V mean][K scale][V scale]
 
-* coded region       word(h, t, j) = region + (h·n_ctx + t)·s + j          (s = the stream's sparsity)
+* coded region       word(h, t, j) = region + (h·n_ctx + t)·slot_words + j
+  a slot (docs/FORMAT.md) is the stream's ``sparsity`` code words, then — residual_bits
+  b > 0 — ⌈head_dim·b/32⌉ words of b-bit levels and one float32 step word
 * passthrough region word(h, t, e) = region + (h·n_ctx + t)·head_dim + e
 * the K region, the V region and the tail start on a 64-word (256-byte) boundary; the
-  tail blocks are packed: atoms n_atoms×head_dim f32 (the layer's block of
-  ``atoms_flat()``, zeros for a passthrough stream), then the means (zeros when absent).
+  tail blocks are packed, each for the G dictionary heads (G = 1: shared by the KV heads,
+  G = n_kv_heads: one per KV head): atoms G×n_atoms×head_dim f32 (exactly the layer's
+  block of ``atoms_flat()``, zeros for a passthrough stream), then the means G×head_dim
+  and the residual scales G×head_dim (zeros when absent).
 * no active dictionary → every stream passthrough and no tail: the default f32 cache.
 
 Test-only guard mode (``guard_words > 0``) leaves at least that many sentinel words
@@ -28,6 +32,7 @@ import numpy as np
 
 from . import errors as E
 from .dictionary import MAX_N_ATOMS, KvDictArtifact
+from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words
 
 WORD_BYTES = 4
 ALIGN_WORDS = 64  # 256 bytes: ≥ any minStorageBufferOffsetAlignment, one cache line pair
@@ -43,28 +48,34 @@ def _round_up(x: int, m: int) -> int:
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """One stream as the layout sees it: coded (with its own sparsity) or passthrough."""
+    """One stream as the layout sees it: coded (its sparsity, residual bits, dictionary
+    heads) or passthrough. ``slot_words`` 0 means "derive it" (sparsity + the residual
+    words for the layout's head_dim); a non-zero value must agree with that."""
     coded: bool
     sparsity: int = 0
     has_mean: bool = False
+    residual_bits: int = 0
+    n_heads: int = 1  # dictionary heads: 1 (shared by the KV heads) or n_kv_heads
+    slot_words: int = 0
 
 
 @dataclass(frozen=True)
 class DictSpec:
-    """The per-stream coded/sparsity description of an artifact (all the layout needs)."""
+    """The per-stream description of an artifact (all the layout needs)."""
     head_dim: int
     n_atoms: int
     sparsity: int  # the artifact's maximum
     layers: tuple  # per layer a (K, V) pair of StreamSpec
+    n_heads: int = 1  # dictionary heads of every stream (KvDictArtifact.n_heads)
 
     @classmethod
     def from_artifact(cls, art: KvDictArtifact) -> "DictSpec":
         def spec(d):
             if d is None:
                 return StreamSpec(False)
-            return StreamSpec(True, d.sparsity, d.mean is not None)
+            return StreamSpec(True, d.sparsity, d.mean is not None, d.residual_bits, d.n_heads, d.slot_words)
         return cls(art.head_dim, art.n_atoms, art.sparsity,
-                   tuple((spec(k), spec(v)) for k, v in art.layers))
+                   tuple((spec(k), spec(v)) for k, v in art.layers), art.n_heads)
 
 
 # --- the layout objects ------------------------------------------------------------------
@@ -79,20 +90,44 @@ class StreamLayout:
     n_kv_heads: int
     head_dim: int
     n_ctx: int
-    row_words: int  # words per (head, token): s (coded) or head_dim (passthrough)
+    row_words: int  # words per (head, token): the slot (coded) or head_dim (passthrough)
     region_word: int
     region_words: int
     atoms_word: int | None  # None in the f32 layout (no tail)
-    atoms_words: int
+    atoms_words: int  # all dictionary heads: n_dict_heads × n_atoms × head_dim
     mean_word: int | None
-    mean_words: int
+    mean_words: int  # n_dict_heads × head_dim
+    residual_bits: int = 0
+    n_dict_heads: int = 1  # 1: one dictionary shared by the KV heads; n_kv_heads: one each
+    scale_word: int | None = None  # residual scales, n_dict_heads × head_dim
+    scale_words: int = 0
 
     def word(self, head: int, token: int, j: int = 0) -> int:
-        """Word index (within the layer buffer) of code word j / element j of (head, token)."""
+        """Word index (within the layer buffer) of slot word j / element j of (head, token)."""
         if not (0 <= head < self.n_kv_heads and 0 <= token < self.n_ctx and 0 <= j < self.row_words):
             raise E.ArenaError(f"word({head}, {token}, {j}) outside ({self.n_kv_heads}, "
                                f"{self.n_ctx}, {self.row_words})")
         return self.region_word + (head * self.n_ctx + token) * self.row_words + j
+
+    @property
+    def slot_words(self) -> int:
+        """Words of a coded head vector (0 for passthrough)."""
+        return self.row_words if self.coded else 0
+
+    @property
+    def level_words(self) -> int:
+        """Words of the residual levels bitstream in a slot (0 without a residual stage)."""
+        return residual_words(self.head_dim, self.residual_bits) - 1 if self.residual_bits else 0
+
+    @property
+    def head_atoms_stride(self) -> int:
+        """Words from one KV head's atoms to the next's: 0 when the dictionary is shared."""
+        return self.atoms_words // self.n_dict_heads if self.n_dict_heads > 1 else 0
+
+    @property
+    def head_vec_stride(self) -> int:
+        """Words from one KV head's mean (or residual scale) to the next's: 0 when shared."""
+        return self.head_dim if self.n_dict_heads > 1 else 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -101,10 +136,12 @@ class StreamLayout:
     def to_dict(self) -> dict:
         return {"layer": self.layer, "stream": self.stream, "coded": self.coded,
                 "sparsity": self.sparsity, "has_mean": self.has_mean,
-                "row_words": self.row_words,
+                "residual_bits": self.residual_bits, "n_dict_heads": self.n_dict_heads,
+                "row_words": self.row_words, "slot_words": self.slot_words,
                 "region": _span(self.region_word, self.region_words),
                 "atoms": None if self.atoms_word is None else _span(self.atoms_word, self.atoms_words),
                 "mean": None if self.mean_word is None else _span(self.mean_word, self.mean_words),
+                "residual_scale": None if self.scale_word is None else _span(self.scale_word, self.scale_words),
                 "bytes_per_token": self.bytes_per_token}
 
 
@@ -149,6 +186,7 @@ class ArenaLayout:
     guard_words: int
     guard_value: int
     layers: tuple = field(repr=False)
+    n_dict_heads: int = 1  # dictionary heads per stream (1 = shared); 1 in the f32 layout
 
     @property
     def total_words(self) -> int:
@@ -178,7 +216,8 @@ class ArenaLayout:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "n_layers": self.n_layers, "n_kv_heads": self.n_kv_heads,
                 "head_dim": self.head_dim, "n_ctx": self.n_ctx, "n_atoms": self.n_atoms,
-                "sparsity": self.sparsity, "guard_words": self.guard_words,
+                "sparsity": self.sparsity, "n_dict_heads": self.n_dict_heads,
+                "guard_words": self.guard_words,
                 "guard_value": self.guard_value, "word_bytes": WORD_BYTES,
                 "align_words": ALIGN_WORDS, "total_bytes": self.total_bytes,
                 "max_layer_bytes": self.max_layer_bytes, "tail_bytes": self.tail_bytes,
@@ -214,10 +253,31 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
             raise E.DictMismatchError(f"dictionary head_dim {spec.head_dim}, model {head_dim}")
         if not 1 <= spec.n_atoms <= MAX_N_ATOMS:
             raise E.DictMismatchError(f"n_atoms {spec.n_atoms} outside 1..{MAX_N_ATOMS}")
+        if spec.n_heads not in (1, n_kv_heads):
+            raise E.DictMismatchError(f"the dictionary has {spec.n_heads} heads per stream; the model "
+                                      f"has {n_kv_heads} KV heads (per-head dictionaries need one each)")
     layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard) for i in range(n_layers))
     return ArenaLayout("f32" if spec is None else "dict", n_layers, n_kv_heads, head_dim, n_ctx,
                        0 if spec is None else spec.n_atoms, 0 if spec is None else spec.sparsity,
-                       guard, int(guard_value), layers)
+                       guard, int(guard_value), layers, 1 if spec is None else spec.n_heads)
+
+
+def _slot_words(index: int, name: str, ss: StreamSpec, spec: DictSpec, hd: int) -> int:
+    """Check a coded stream against the artifact and the model; its slot size in words."""
+    where = f"layer {index} {name}"
+    if not 1 <= ss.sparsity <= min(hd, spec.n_atoms):
+        raise E.DictMismatchError(f"{where}: sparsity {ss.sparsity} outside 1..min(head_dim, n_atoms)")
+    if ss.sparsity > spec.sparsity:
+        raise E.DictMismatchError(f"{where}: sparsity {ss.sparsity} exceeds the artifact's {spec.sparsity}")
+    if not 0 <= ss.residual_bits <= MAX_RESIDUAL_BITS:
+        raise E.DictMismatchError(f"{where}: residual_bits {ss.residual_bits} outside 0..{MAX_RESIDUAL_BITS}")
+    if ss.n_heads != spec.n_heads:
+        raise E.DictMismatchError(f"{where}: {ss.n_heads} dictionary heads, the artifact's streams have "
+                                  f"{spec.n_heads}")
+    slot = ss.sparsity + residual_words(hd, ss.residual_bits)
+    if ss.slot_words not in (0, slot):
+        raise E.DictMismatchError(f"{where}: slot_words {ss.slot_words}, expected {slot}")
+    return slot
 
 
 def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int) -> LayerLayout:
@@ -232,22 +292,18 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int) -> LayerLa
         return start
 
     pair = (StreamSpec(False), StreamSpec(False)) if spec is None else spec.layers[index]
-    for ss, name in zip(pair, "KV"):
-        if ss.coded and not 1 <= ss.sparsity <= min(hd, spec.n_atoms):
-            raise E.DictMismatchError(f"layer {index} {name}: sparsity {ss.sparsity} outside "
-                                      f"1..min(head_dim, n_atoms)")
-        if ss.coded and ss.sparsity > spec.sparsity:
-            raise E.DictMismatchError(f"layer {index} {name}: sparsity {ss.sparsity} exceeds "
-                                      f"the artifact's {spec.sparsity}")
-    rows = [ss.sparsity if ss.coded else hd for ss in pair]
+    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else hd for ss, name in zip(pair, "KV")]
     regions = [place(n_kv * n_ctx * r, ALIGN_WORDS) for r in rows]
-    tail_word, tail_words, atoms, means = None, 0, [None, None], [None, None]
+    tail_word, tail_words = None, 0
+    atoms, means, scales = [None, None], [None, None], [None, None]
+    g = 1 if spec is None else spec.n_heads
     if spec is not None:
-        atom_words = spec.n_atoms * hd
+        atom_words = g * spec.n_atoms * hd
         # Packed tail; in guard mode every block gets its own guards (vec4-aligned).
         block_align = VEC4_WORDS if guard else 1
         atoms = [place(atom_words, ALIGN_WORDS), place(atom_words, block_align)]
-        means = [place(hd, block_align), place(hd, block_align)]
+        means = [place(g * hd, block_align), place(g * hd, block_align)]
+        scales = [place(g * hd, block_align), place(g * hd, block_align)]
         tail_word, tail_words = atoms[0], cursor - atoms[0]
     total = _round_up(cursor + guard, ALIGN_WORDS)
     spans = []
@@ -257,33 +313,40 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int) -> LayerLa
             spans.append((prev, start))
             prev = stop
         spans.append((prev, total))
-    streams = [StreamLayout(index, name, ss.coded, ss.sparsity if ss.coded else 0, ss.has_mean,
+    streams = [StreamLayout(index, name, ss.coded, ss.sparsity if ss.coded else 0, ss.coded and ss.has_mean,
                             n_kv, hd, n_ctx, r, reg, n_kv * n_ctx * r,
-                            a, 0 if a is None else spec.n_atoms * hd, m, 0 if m is None else hd)
-               for ss, name, r, reg, a, m in zip(pair, "kv", rows, regions, atoms, means)]
+                            a, 0 if a is None else g * spec.n_atoms * hd, m, 0 if m is None else g * hd,
+                            ss.residual_bits if ss.coded else 0, g, sc, 0 if sc is None else g * hd)
+               for ss, name, r, reg, a, m, sc in zip(pair, "kv", rows, regions, atoms, means, scales)]
     return LayerLayout(index, streams[0], streams[1], tail_word, tail_words, total,
                        tuple(s for s in spans if s[1] > s[0]))
 
 
 def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | None,
-                     means: tuple) -> np.ndarray:
+                     means: tuple, scales: tuple = (None, None)) -> np.ndarray:
     """The words of one layer's tail (uint32), ready to upload at ``tail_word``: K atoms,
-    V atoms, K mean, V mean (zeros for passthrough / absent), guards in between if any.
+    V atoms, K mean, V mean, K residual scale, V residual scale (zeros for passthrough /
+    absent), guards in between if any.
 
-    ``atoms_flat`` is the runtime's ``atoms_flat()`` array; ``means`` the layer's
-    (K mean, V mean), each (head_dim,) or None."""
+    ``atoms_flat`` is the runtime's ``atoms_flat()`` array; ``means`` and ``scales`` the
+    layer's (K, V) pairs, each None or an array broadcastable to (n_dict_heads, head_dim)."""
     ll = layout.layers[layer]
     if ll.tail_word is None:
         raise E.ArenaError("the f32 layout has no tail")
     img = np.full(ll.tail_words, layout.guard_value, np.uint32)
-    block = layout.n_atoms * layout.head_dim
-    flat = np.asarray(atoms_flat, np.float32).reshape(layout.n_layers, 2, block)
+    g, hd = layout.n_dict_heads, layout.head_dim
+    block = g * layout.n_atoms * hd
+    flat = np.asarray(atoms_flat, np.float32)
+    if flat.size != layout.n_layers * 2 * block:
+        raise E.DictMismatchError(f"atoms_flat has {flat.size} floats, the layout expects "
+                                  f"{layout.n_layers} × 2 × {block}")
+    flat = flat.reshape(layout.n_layers, 2, block)
     for j, st in enumerate(ll.streams):
         a0 = st.atoms_word - ll.tail_word
         img[a0:a0 + block] = flat[layer, j].view(np.uint32)
-        m0 = st.mean_word - ll.tail_word
-        mean = np.zeros(layout.head_dim, np.float32) if means[j] is None else np.asarray(means[j], np.float32)
-        img[m0:m0 + layout.head_dim] = mean.view(np.uint32)
+        for word, vec in ((st.mean_word, means[j]), (st.scale_word, scales[j])):
+            v = np.zeros((g, hd), np.float32) if vec is None else np.broadcast_to(np.asarray(vec, np.float32), (g, hd))
+            img[word - ll.tail_word:word - ll.tail_word + g * hd] = np.ascontiguousarray(v).reshape(-1).view(np.uint32)
     return img
 
 
@@ -296,6 +359,7 @@ class PushBlock:
     dtype from the specialization constants, which are uint32 (DESIGN.md, Known traps)."""
     name: str
     fields: tuple  # ((field name, "uint" | "float"), …) in declaration order
+    defaults: tuple = ()  # ((field name, value), …): fields a caller may omit
 
     @property
     def size_bytes(self) -> int:
@@ -306,6 +370,7 @@ class PushBlock:
         return tuple(n for n, _ in self.fields)
 
     def pack(self, **values) -> np.ndarray:
+        values = {**dict(self.defaults), **values}
         missing = [n for n in self.field_names if n not in values]
         extra = sorted(set(values) - set(self.field_names))
         if missing or extra:
@@ -331,20 +396,47 @@ class PushBlock:
                 for i, (n, t) in enumerate(self.fields)}
 
 
-def _block(name: str, *names: str) -> PushBlock:
-    return PushBlock(name, tuple((n, "uint") for n in names))
+def _block(name: str, *names: str, defaults: dict | None = None) -> PushBlock:
+    return PushBlock(name, tuple((n, "uint") for n in names), tuple((defaults or {}).items()))
 
 
 # Offsets are in words (4 bytes) in every block, even for the vec4 variants: the shader
-# divides, Python checks the alignment.
+# divides, Python checks the alignment. The reconstruct block's last three fields serve
+# per-head dictionaries (KV head h reads atoms at atoms_word + h·head_atoms, its mean and
+# residual scale at mean_word/scale_word + h·head_vec; both strides 0 when shared) and
+# the residual stage (scale_word is read only when the shader's RES_BITS > 0).
 RECONSTRUCT_PUSH = _block("ReconstructPush", "src_word", "atoms_word", "mean_word", "n_atoms",
-                          "n_ctx", "t0", "n_tok", "n_rows", "out_word")
+                          "n_ctx", "t0", "n_tok", "n_rows", "out_word", "scale_word", "head_atoms",
+                          "head_vec", defaults=dict(scale_word=0, head_atoms=0, head_vec=0))
 COPY_ROWS_PUSH = _block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
 SCATTER_PUSH = _block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                       "group_stride", "n_words")
 COPY_PUSH = _block("CopyPush", "src_word", "dst_word", "n_words")
+# Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend.py).
+ATTEND_SPLIT_PUSH = PushBlock("AttendSplitPush", tuple(
+    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_atoms",
+                          "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word", "head_vec"))
+    + (("score_scale", "float"),))
+ATTEND_TABLE_PUSH = _block("AttendTablePush", "atoms_word", "head_atoms", "n_atoms", "n_kv")
+ATTEND_COMBINE_PUSH = _block("AttendCombinePush", "n_kv", "n_splits", "f_word", "inv_l_word")
+ATTEND_ATOMS_PUSH = _block("AttendAtomsPush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_splits", "f_word")
+ATTEND_REDUCE_PUSH = _block("AttendReducePush", "n_kv", "n_splits", "f_word", "inv_l_word", "n_blocks",
+                            "use_mean", "mean_word", "head_vec")
+_ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": ATTEND_TABLE_PUSH,
+                  "attend_combine.comp": ATTEND_COMBINE_PUSH, "attend_atoms.comp": ATTEND_ATOMS_PUSH,
+                  "attend_reduce.comp": ATTEND_REDUCE_PUSH}
 
-PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, SCATTER_PUSH, COPY_PUSH)}
+PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, SCATTER_PUSH, COPY_PUSH,
+                                   *_ATTEND_BLOCKS.values())}
 # shader source file → the block it declares
 SHADER_PUSH_BLOCKS = {"reconstruct.comp": RECONSTRUCT_PUSH, "copy_rows.comp": COPY_ROWS_PUSH,
-                      "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH}
+                      "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH, **_ATTEND_BLOCKS}
+
+# GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encoder.py): one block for its
+# three kernels; shaders/encode_common.glsl says what each field is.
+ENCODE_PUSH = _block("EncodePush", "phase", "step", "group0", "block", "dict_head", "n_tok",
+                     "n_vectors", "n_atoms", "per_head", "atoms_word", "inv_norm_word", "mean_word",
+                     "metric_word", "raw_atoms_word", "scale_word", "steps_word", "res_word",
+                     "basis_word", "dst_word", "n_ctx", "t0")
+PUSH_BLOCKS[ENCODE_PUSH.name] = ENCODE_PUSH
+SHADER_PUSH_BLOCKS.update({f"omp_encode_{k}.comp": ENCODE_PUSH for k in ("corr", "metric", "pick")})

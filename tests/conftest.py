@@ -167,24 +167,34 @@ def nmse(a, b) -> float:
     return num / den if den else num
 
 
-def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True):
-    """A KvDictArtifact with random atoms; ``streams`` per layer a (k_s, v_s) pair, None =
-    passthrough. Means on every other coded stream when ``means``."""
+def _stream_entry(e):
+    """A ``streams`` entry: None (passthrough), s, or (s, residual_bits)."""
+    return (None, 0) if e is None else (e if isinstance(e, tuple) else (e, 0))
+
+
+def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_heads: int = 1):
+    """A KvDictArtifact with random atoms; ``streams`` per layer a (K, V) pair of entries:
+    None = passthrough, s = sparsity, or (s, residual_bits). ``n_heads`` dictionary heads
+    per stream (1 = shared, else one per KV head). Means on every other coded stream when
+    ``means``; residual scales in [0.5, 1.5)."""
     import numpy as np
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     layers, count = [], 0
     for pair in streams:
         out = []
-        for s in pair:
+        for e in pair:
+            s, bits = _stream_entry(e)
             if s is None:
                 out.append(None)
                 continue
-            atoms = rng.standard_normal((n_atoms, head_dim), dtype=np.float32)
-            mean = rng.standard_normal(head_dim, dtype=np.float32) if means and count % 2 == 0 else None
-            out.append(StreamDict(atoms, mean=mean, sparsity=s))
+            atoms = rng.standard_normal((n_heads, n_atoms, head_dim), dtype=np.float32)
+            mean = (rng.standard_normal((n_heads, head_dim), dtype=np.float32)
+                    if means and count % 2 == 0 else None)
+            scale = (rng.random((n_heads, head_dim), dtype=np.float32) + 0.5) if bits else None
+            out.append(StreamDict(atoms, mean=mean, sparsity=s, residual_bits=bits, residual_scale=scale))
             count += 1
         layers.append(tuple(out))
-    s_max = max([s for p in streams for s in p if s is not None] or [1])
+    s_max = max([_stream_entry(e)[0] for p in streams for e in p if e is not None] or [1])
     return KvDictArtifact(head_dim, n_atoms, s_max, tuple(layers))
 
 
@@ -198,6 +208,20 @@ def random_codes(rng, shape, n_atoms: int, *, out_of_range: float = 0.0):
         bad = rng.random(shape) < out_of_range
         idx = np.where(bad, rng.integers(n_atoms, 1 << 16, shape), idx)
     return codec.pack_codes(idx, rng.standard_normal(shape))
+
+
+def random_slots(rng, d, shape, *, out_of_range: float = 0.0):
+    """Random slots (*shape, d.slot_words) of StreamDict ``d``: random code words, then
+    (residual stage) random level bits — padding bits too, decoders must ignore them —
+    and a finite random step."""
+    import numpy as np
+    codes = random_codes(rng, tuple(shape) + (d.sparsity,), d.n_atoms, out_of_range=out_of_range)
+    extra = d.slot_words - d.sparsity
+    if not extra:
+        return codes
+    levels = rng.integers(0, 1 << 32, tuple(shape) + (extra - 1,), dtype=np.uint64).astype(np.uint32)
+    step = (np.abs(rng.standard_normal(tuple(shape) + (1,))) * 0.2 + 1e-3).astype(np.float32).view(np.uint32)
+    return np.concatenate([codes, levels, step], axis=-1)
 
 
 def check_guards(arena) -> None:

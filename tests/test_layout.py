@@ -13,15 +13,20 @@ from hypothesis import strategies as st
 from kvdict_vk import errors as E
 from kvdict_vk import layout as L
 from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+from kvdict_vk.residual import residual_words
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 
 
-def _artifact(rng, hd=16, na=8, pairs=((4, None), (None, None), (2, 4))):
-    def sd(s, mean):
-        return StreamDict(rng.standard_normal((na, hd), dtype=np.float32),
-                          mean=rng.standard_normal(hd, dtype=np.float32) if mean else None, sparsity=s)
-    layers = tuple(tuple(None if s is None else sd(s, (i + j) % 2 == 0) for j, s in enumerate(p))
+def _artifact(rng, hd=16, na=8, pairs=((4, None), (None, None), (2, 4)), n_heads=1, bits=None):
+    """``bits``: per layer a (K, V) pair of residual bits (default: none)."""
+    def sd(s, mean, b):
+        return StreamDict(rng.standard_normal((n_heads, na, hd), dtype=np.float32),
+                          mean=rng.standard_normal((n_heads, hd), dtype=np.float32) if mean else None,
+                          sparsity=s, residual_bits=b,
+                          residual_scale=rng.random((n_heads, hd), dtype=np.float32) + 0.5 if b else None)
+    bits = bits or tuple((0, 0) for _ in pairs)
+    layers = tuple(tuple(None if s is None else sd(s, (i + j) % 2 == 0, bits[i][j]) for j, s in enumerate(p))
                    for i, p in enumerate(pairs))
     return KvDictArtifact(hd, na, max(s for p in pairs for s in p if s), layers)
 
@@ -36,6 +41,9 @@ def _blocks(ll: L.LayerLayout):
     for s in ll.streams:
         if s.mean_word is not None:
             out.append((s.mean_word, s.mean_word + s.mean_words))
+    for s in ll.streams:
+        if s.scale_word is not None:
+            out.append((s.scale_word, s.scale_word + s.scale_words))
     return out
 
 
@@ -73,10 +81,11 @@ def test_dict_layout_regions_tail_and_word_formula():
                 s.word(n_kv, 0, 0)
         k, v = ll.streams
         assert ll.tail_word % L.ALIGN_WORDS == 0 and ll.tail_word >= v.region_word + v.region_words
-        # packed tail: K atoms, V atoms, K mean, V mean
+        # packed tail: K atoms, V atoms, K mean, V mean, K scale, V scale
         assert k.atoms_word == ll.tail_word and v.atoms_word == k.atoms_word + na * hd
         assert k.mean_word == v.atoms_word + na * hd and v.mean_word == k.mean_word + hd
-        assert ll.tail_words == 2 * na * hd + 2 * hd
+        assert k.scale_word == v.mean_word + hd and v.scale_word == k.scale_word + hd
+        assert ll.tail_words == 2 * na * hd + 4 * hd
         assert ll.total_words >= ll.tail_word + ll.tail_words and ll.total_words % L.ALIGN_WORDS == 0
     assert lay.bytes_per_token == sum(s.bytes_per_token for ll in lay.layers for s in ll.streams)
     assert lay.total_bytes == sum(ll.total_words for ll in lay.layers) * 4
@@ -98,10 +107,61 @@ def test_tail_image_is_the_atoms_flat_block():
             if d is None:
                 assert not f[a0:a0 + block].any()
             m0 = s.mean_word - ll.tail_word
-            mean = d.mean if d is not None and d.mean is not None else np.zeros(16, np.float32)
+            mean = d.mean[0] if d is not None and d.mean is not None else np.zeros(16, np.float32)
             assert np.array_equal(f[m0:m0 + 16], mean)
+            sc0 = s.scale_word - ll.tail_word
+            assert not f[sc0:sc0 + 16].any()  # no residual scales given: zeros
     with pytest.raises(E.ArenaError):
         L.layer_tail_image(L.build_layout(1, 1, 16, 4), 0, None, (None, None))
+    with pytest.raises(E.DictMismatchError):
+        L.layer_tail_image(lay, 0, flat[:-1], (None, None))
+
+
+def test_per_head_tail_and_residual_slots():
+    """Per-head dictionaries: every tail block holds n_kv heads, in atoms_flat order; a
+    residual stage widens the slot to sparsity + ⌈hd·b/32⌉ + 1 words."""
+    rng = np.random.default_rng(11)
+    n_kv, hd, na, n_ctx = 3, 20, 8, 7
+    bits = ((3, 0), (0, 0), (8, 1))
+    art = _artifact(rng, hd, na, n_heads=n_kv, bits=bits)
+    lay = L.build_layout(3, n_kv, hd, n_ctx, art)
+    assert lay.n_dict_heads == n_kv
+    flat = art.atoms_flat()
+    block = n_kv * na * hd
+    assert flat.size == 3 * 2 * block
+    for ll, pair, lb in zip(lay.layers, art.layers, bits):
+        k, v = ll.streams
+        assert v.atoms_word == k.atoms_word + block and k.mean_word == v.atoms_word + block
+        assert v.mean_word == k.mean_word + n_kv * hd and k.scale_word == v.mean_word + n_kv * hd
+        assert v.scale_word == k.scale_word + n_kv * hd and ll.tail_words == 2 * block + 4 * n_kv * hd
+        img = L.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair),
+                                 tuple(None if d is None else d.residual_scale for d in pair))
+        f = img.view(np.float32)
+        for j, (s, d, b) in enumerate(zip(ll.streams, pair, lb)):
+            assert s.coded == (d is not None)
+            if d is None:
+                assert s.row_words == hd and s.slot_words == 0 and s.residual_bits == 0
+                continue
+            assert s.residual_bits == b and s.level_words == (-(-hd * b // 32) if b else 0)
+            assert s.slot_words == s.row_words == d.slot_words == d.sparsity + residual_words(hd, b)
+            assert s.head_atoms_stride == na * hd and s.head_vec_stride == hd
+            a0 = s.atoms_word - ll.tail_word
+            assert np.array_equal(f[a0:a0 + block], d.atoms.reshape(-1))
+            for h in range(n_kv):  # head h of the atoms block is the dictionary of KV head h
+                start = a0 + h * s.head_atoms_stride
+                assert np.array_equal(f[start:start + na * hd], d.head(h).atoms.reshape(-1))
+            m0, sc0 = s.mean_word - ll.tail_word, s.scale_word - ll.tail_word
+            want_mean = np.zeros((n_kv, hd)) if d.mean is None else d.mean
+            assert np.array_equal(f[m0:m0 + n_kv * hd], np.asarray(want_mean, np.float32).reshape(-1))
+            want_scale = np.zeros((n_kv, hd)) if d.residual_scale is None else d.residual_scale
+            assert np.array_equal(f[sc0:sc0 + n_kv * hd], np.asarray(want_scale, np.float32).reshape(-1))
+        assert lay.layers[ll.index].to_dict()["k"]["n_dict_heads"] == n_kv
+    # shared dictionaries: strides 0 (every KV head reads head 0)
+    shared = L.build_layout(3, n_kv, hd, n_ctx, _artifact(rng, hd, na, bits=bits))
+    assert shared.n_dict_heads == 1
+    assert shared.layers[0].k.head_atoms_stride == 0 and shared.layers[0].k.head_vec_stride == 0
+    bpt = sum(n_kv * 4 * (d.slot_words if d is not None else hd) for p in art.layers for d in p)
+    assert lay.bytes_per_token == shared.bytes_per_token == bpt
 
 
 def test_guard_mode_surrounds_every_block():
@@ -138,6 +198,16 @@ def test_mismatches_and_bad_dims_are_typed():
     spec = L.DictSpec(16, 8, 2, ((L.StreamSpec(True, 3), L.StreamSpec(False)),))
     with pytest.raises(E.DictMismatchError):
         L.build_layout(1, 1, 16, 8, spec)  # a stream's sparsity above the artifact's
+    per_head = _artifact(rng, n_heads=3)
+    L.build_layout(3, 3, 16, 8, per_head)
+    with pytest.raises(E.DictMismatchError, match="KV heads"):
+        L.build_layout(3, 2, 16, 8, per_head)  # per-head dictionaries for another head count
+    for bad in (L.StreamSpec(True, 2, residual_bits=9), L.StreamSpec(True, 2, n_heads=2),
+                L.StreamSpec(True, 2, residual_bits=3, slot_words=2)):
+        with pytest.raises(E.DictMismatchError):
+            L.build_layout(1, 2, 16, 8, L.DictSpec(16, 8, 2, ((bad, L.StreamSpec(False)),)))
+    ok = L.StreamSpec(True, 2, residual_bits=3, slot_words=2 + residual_words(16, 3))
+    L.build_layout(1, 2, 16, 8, L.DictSpec(16, 8, 2, ((ok, L.StreamSpec(False)),)))
 
 
 def test_spec_description_equals_artifact():
@@ -145,7 +215,11 @@ def test_spec_description_equals_artifact():
     art = _artifact(rng)
     spec = L.DictSpec.from_artifact(art)
     assert spec.layers[1] == (L.StreamSpec(False), L.StreamSpec(False))
-    assert spec.layers[2][0] == L.StreamSpec(True, 2, art.layers[2][0].mean is not None)
+    assert spec.layers[2][0] == L.StreamSpec(True, 2, art.layers[2][0].mean is not None, 0, 1, 2)
+    assert L.build_layout(3, 2, 16, 11, spec).to_dict() == L.build_layout(3, 2, 16, 11, art).to_dict()
+    art = _artifact(rng, n_heads=2, bits=((4, 0), (0, 0), (1, 8)))
+    spec = L.DictSpec.from_artifact(art)
+    assert spec.n_heads == 2 and spec.layers[0][0].slot_words == 4 + residual_words(16, 4)
     assert L.build_layout(3, 2, 16, 11, spec).to_dict() == L.build_layout(3, 2, 16, 11, art).to_dict()
 
 
@@ -160,15 +234,22 @@ def test_to_dict_is_json():
 
 @settings(max_examples=60, deadline=None)
 @given(n_layers=st.integers(1, 3), n_kv=st.integers(1, 4), hd=st.integers(1, 70), n_ctx=st.integers(1, 50),
-       na=st.integers(1, 40), guard=st.sampled_from([0, 4, 13]), data=st.data())
-def test_layout_invariants(n_layers, n_kv, hd, n_ctx, na, guard, data):
+       na=st.integers(1, 40), guard=st.sampled_from([0, 4, 13]), per_head=st.booleans(), data=st.data())
+def test_layout_invariants(n_layers, n_kv, hd, n_ctx, na, guard, per_head, data):
     s_max = min(hd, na)
-    pairs = tuple(tuple(data.draw(st.one_of(st.none(), st.integers(1, s_max))) for _ in "kv")
-                  for _ in range(n_layers))
-    ss = [s for p in pairs for s in p if s]
+    pairs = tuple(tuple(data.draw(st.one_of(st.none(), st.tuples(st.integers(1, s_max), st.integers(0, 8))))
+                        for _ in "kv") for _ in range(n_layers))
+    ss = [p[0] for pair in pairs for p in pair if p]
+    g = n_kv if per_head else 1
     spec = None if not ss else L.DictSpec(hd, na, max(ss), tuple(
-        tuple(L.StreamSpec(s is not None, s or 0) for s in p) for p in pairs))
+        tuple(L.StreamSpec(False) if p is None else L.StreamSpec(True, p[0], residual_bits=p[1], n_heads=g)
+              for p in pair) for pair in pairs), g)
     lay = L.build_layout(n_layers, n_kv, hd, n_ctx, spec, guard_words=guard)
+    for ll, pair in zip(lay.layers, pairs):
+        for st_, p in zip(ll.streams, pair):
+            assert st_.row_words == (hd if p is None else p[0] + residual_words(hd, p[1]))
+            if ll.tail_word is not None:
+                assert st_.atoms_words == g * na * hd and st_.mean_words == st_.scale_words == g * hd
     for ll in lay.layers:
         blocks = sorted(_blocks(ll))
         assert blocks[-1][1] <= ll.total_words

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import check_guards, nmse, random_artifact
+from conftest import check_guards, nmse, random_artifact, random_slots
 from kvdict_vk import codec, runtime
 from kvdict_vk import errors as E
 
@@ -45,36 +45,48 @@ def test_f32_mode_scalar_head_dim(mapping, make_arena):
     assert np.array_equal(kk, k[:, 2:]) and np.array_equal(vv, v[:, 2:])
 
 
-def test_store_code_then_reconstruct_on_read_equals_reconstruct_on_write(make_arena, activate):
-    """The arena's decode path (append one token → OMP on the CPU → code words on the GPU
-    → reconstruct on read) equals runtime.reconstruct_kv on the same rows."""
+def _reconstruct_on_write(layer, k_not_v, rows, n_tokens):
+    """runtime.reconstruct_kv on (n_kv, T, hd) rows: the [token][head][dim] projection
+    buffer an engine would hand it, n_tokens at a time; back as (n_kv, T, hd)."""
+    n_kv, t, hd = rows.shape
+    out, did = np.empty_like(rows), []
+    for t0 in range(0, t, n_tokens):
+        proj = np.ascontiguousarray(rows[:, t0:t0 + n_tokens].transpose(1, 0, 2))
+        did.append(runtime.reconstruct_kv(layer, k_not_v, proj, n_kv, n_tokens=proj.shape[0]))
+        out[:, t0:t0 + n_tokens] = proj.transpose(1, 0, 2)
+    assert len(set(did)) == 1
+    return out, did[0]
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+@pytest.mark.parametrize("bits", [(0, 0), (4, 3)], ids=["no-residual", "residual-4-3"])
+def test_store_code_then_reconstruct_on_read_equals_reconstruct_on_write(per_head, bits, make_arena, activate):
+    """The arena's decode path (append → encode_heads on the CPU → slots on the GPU →
+    reconstruct on read) equals runtime.reconstruct_kv on the same rows: token by token,
+    and for a batch (encoded as one batch by both)."""
     rng = np.random.default_rng(2)
-    n_kv, hd, n_tok = 3, 64, 24
-    art = random_artifact(rng, hd, 256, [(8, 4), (None, 8), (None, None)])
+    n_kv, hd, n_tok = 3, 64, 12
+    kb, vb = bits
+    art = random_artifact(rng, hd, 256, [((8, kb), (4, vb)), (None, (8, vb)), (None, None)],
+                          n_heads=n_kv if per_head else 1)
     activate(art)
     arena = make_arena(3, n_kv, hd, 32)
     for layer in range(3):
         k, v = _rows(rng, n_kv, n_tok, hd), _rows(rng, n_kv, n_tok, hd)
         for t in range(n_tok):
             arena.append(layer, k[:, t:t + 1], v[:, t:t + 1])
+        batch = _rows(rng, n_kv, 9, hd), _rows(rng, n_kv, 9, hd)
+        arena.append(layer, *batch)
         got = arena.read(layer)
-        for j, (rows, out) in enumerate(zip((k, v), got)):
-            want = rows.copy()
-            for t in range(n_tok):
-                proj = np.ascontiguousarray(want[:, t])
-                did = runtime.reconstruct_kv(layer, j == 0, proj, n_kv)
-                assert did == (art.layers[layer][j] is not None)
-                want[:, t] = proj
-            if art.layers[layer][j] is None:
-                assert np.array_equal(out, rows)
+        for j, (rows, brows, out) in enumerate(zip((k, v), batch, got)):
+            want, did = _reconstruct_on_write(layer, j == 0, rows, 1)
+            bwant, _ = _reconstruct_on_write(layer, j == 0, brows, brows.shape[1])
+            assert did == (art.layers[layer][j] is not None)
+            if not did:
+                assert np.array_equal(out, np.concatenate([rows, brows], 1))
             else:
-                assert nmse(want, out) <= 1e-12
-    # A batch append encodes the batch at once: equal to codec on that same batch.
-    k, v = _rows(rng, n_kv, 8, hd), _rows(rng, n_kv, 8, hd)
-    arena.append(0, k, v)
-    d = art.layers[0][0]
-    want = codec.reconstruct(codec.encode(k.reshape(-1, hd), d), d.atoms, d.mean).reshape(k.shape)
-    assert nmse(want, arena.read(0, n_tok, n_tok + 8)[0]) <= 1e-12
+                assert nmse(want, out[:, :n_tok]) <= 1e-12
+                assert nmse(bwant, out[:, n_tok:]) <= 1e-12
 
 
 def test_chunked_appends_and_reads(make_arena, activate, monkeypatch):
@@ -83,17 +95,17 @@ def test_chunked_appends_and_reads(make_arena, activate, monkeypatch):
     monkeypatch.setattr(arena_mod, "OUT_CAP_WORDS", 1000)
     monkeypatch.setattr(arena_mod, "OUT_MIN_WORDS", 64)
     rng = np.random.default_rng(3)
-    art = random_artifact(rng, 16, 32, [(4, None)])
+    art = random_artifact(rng, 16, 32, [((4, 5), None)], n_heads=2)
     activate(art)
     arena = make_arena(1, 2, 16, 200)
     assert arena._caps["out"] < 2 * 2 * 16 * 200  # reads really are split
-    kc = codec.pack_codes(rng.integers(0, 32, (2, 200, 4)), rng.standard_normal((2, 200, 4)))
+    d = art.layers[0][0]
+    kc = random_slots(rng, d, (2, 200))
     v = _rows(rng, 2, 200, 16)
     arena.append_codes(0, kc, v)  # more than one upload buffer's worth
     k_out, v_out = arena.read(0, 3, 197)
     assert np.array_equal(v_out, v[:, 3:197])
-    d = art.layers[0][0]
-    assert nmse(codec.reconstruct(kc[:, 3:197], d.atoms, d.mean), k_out) <= 1e-12
+    assert nmse(codec.decode_heads(kc[:, 3:197], d), k_out) <= 1e-12
     with pytest.raises(E.ArenaError, match="read-back buffer"):
         arena.read_plan(0, 0, 200)
 
@@ -195,6 +207,15 @@ def test_dictionary_that_does_not_fit_the_model(vk_device, activate):
         KvArena(2, 1, 32, 4, device=vk_device)
     with KvArena(2, 1, 16, 4, device=vk_device) as a:
         assert a.mode == "dict"
+    activate(random_artifact(rng, 16, 8, [(2, 2), (2, None)], n_heads=3))  # per-head, 3 KV heads
+    with pytest.raises(E.DictMismatchError, match="KV heads"):
+        KvArena(2, 2, 16, 4, device=vk_device)
+    with KvArena(2, 3, 16, 4, device=vk_device) as a:
+        assert a.mode == "dict" and a.layout.n_dict_heads == 3
+        slots = random_slots(rng, runtime.clone_layer_dict(0, True), (3, 2))
+        with pytest.raises(E.ShapeError):
+            a.append_codes(0, slots[..., :-1], slots)  # a slot is slot_words wide
+        a.append_codes(0, slots, slots)
     runtime.disable()  # toggle off: the next arena is the f32 cache, dictionaries stay installed
     with KvArena(3, 1, 32, 4, device=vk_device) as a:
         assert a.mode == "f32"
@@ -214,7 +235,7 @@ def test_layout_is_fixed_at_creation(make_arena, activate, monkeypatch):
     arena.append_codes(0, kc, kc)
     assert arena.mode == "dict"
     d = art.layers[0][0]
-    assert nmse(codec.reconstruct(kc, d.atoms, d.mean), arena.read(0)[0]) <= 1e-12
+    assert nmse(codec.decode_heads(kc, d), arena.read(0)[0]) <= 1e-12
     x = _rows(rng, 1, 2, 16)
     arena.append(0, x, x)  # encodes with the arena's dictionary, not the (now empty) runtime
     assert arena.n_tokens(0) == 5
@@ -222,7 +243,7 @@ def test_layout_is_fixed_at_creation(make_arena, activate, monkeypatch):
 
 def test_guards_survive_every_operation(make_arena, activate):
     rng = np.random.default_rng(8)
-    art = random_artifact(rng, 20, 64, [(3, None), (None, 5)])
+    art = random_artifact(rng, 20, 64, [((3, 6), None), (None, (5, 2))], n_heads=2)
     activate(art)
     arena = make_arena(2, 2, 20, 30, guard_words=256)
     for layer in range(2):

@@ -1,8 +1,9 @@
-"""GPU reconstruction equals codec.reconstruct (float64), over a grid of shapes.
+"""GPU reconstruction equals codec.decode (float64), over a grid of shapes and formats.
 
-Code words go in with append_codes, so the GPU is compared with the reference on the very
-same words (including out-of-range ones); every arena here is guarded (conftest.make_arena
-verifies the sentinels after each test).
+Slots go in with append_codes, so the GPU is compared with the reference on the very same
+words (including out-of-range atom indices and random padding bits in the residual
+stage); every arena here is guarded (conftest.make_arena verifies the sentinels after
+each test).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import nmse, random_artifact, random_codes
+from conftest import _stream_entry, nmse, random_artifact, random_codes, random_slots
 from kvdict_vk import codec
 
 pytestmark = pytest.mark.gpu
@@ -19,21 +20,24 @@ pytestmark = pytest.mark.gpu
 HEAD_DIMS = (32, 48, 64, 128, 256, 36, 50)  # 36, 50: not multiples of 4 → scalar shaders
 N_ATOMS = (16, 1024, 4096, 65536)
 SPARSITIES = (1, 4, 8, 16, 32)
+RESIDUAL_BITS = (0, 1, 2, 3, 4, 8)
 
-# (head_dim, n_atoms, n_kv, n_ctx, per layer (K sparsity, V sparsity), None = passthrough).
-# Hand-picked so every value of the grid appears, with mixed passthrough layers/streams,
-# per-stream sparsity, s = 1 and n_ctx = 8192; plus seeded random draws below.
+# (head_dim, n_atoms, n_kv, n_ctx, per-head dictionaries, per layer (K, V)) with a stream
+# given as None (passthrough), s, or (s, residual bits). Hand-picked so every value of the
+# grid appears — both dictionary sharings, every residual width, mixed passthrough
+# layers/streams, per-stream sparsity, s = 1, n_ctx = 8192 — plus seeded random draws.
 CASES = [
-    (32, 16, 2, 64, ((1, 1),)),
-    (48, 1024, 3, 300, ((4, None),)),
-    (64, 4096, 2, 8192, ((8, 8),)),
-    (128, 65536, 1, 96, ((16, None),)),
-    (256, 1024, 2, 200, ((32, 32),)),
-    (36, 16, 3, 100, ((None, 4),)),
-    (50, 4096, 2, 64, ((8, 1), (None, None))),
-    (64, 65536, 2, 256, ((32, 16),)),
-    (32, 1024, 3, 128, ((8, 32), (None, None), (1, None))),
-    (128, 16, 3, 2048, ((16, 4),)),
+    (32, 16, 2, 64, False, ((1, 1),)),
+    (48, 1024, 3, 300, True, (((4, 3), None),)),
+    (64, 4096, 2, 8192, False, (((8, 4), (8, 3)),)),
+    (128, 65536, 1, 96, False, (((16, 8), None),)),
+    (256, 1024, 2, 200, True, (((32, 2), 32),)),
+    (36, 16, 3, 100, True, ((None, (4, 1)),)),
+    (50, 4096, 2, 64, False, (((8, 3), 1), (None, None))),
+    (64, 65536, 2, 256, False, ((32, (16, 4)),)),
+    (32, 1024, 3, 128, True, ((8, (32, 8)), (None, None), ((1, 2), None))),
+    (128, 16, 3, 2048, True, (((16, 4), 4),)),
+    (64, 1024, 3, 1024, True, (((8, 4), (8, 3)),)),  # SmolLM2's shape, the likely default format
 ]
 
 
@@ -41,27 +45,31 @@ def _random_cases(n: int, seed: int = 20240601):
     rnd = random.Random(seed)
     out = []
     while len(out) < n:
-        hd, na = rnd.choice(HEAD_DIMS), rnd.choice(N_ATOMS)
-        if na * hd > 65536 * 64:  # keep the tail (2 × atoms) ≤ 32 MiB: test time and memory
+        hd, na, n_kv, per_head = rnd.choice(HEAD_DIMS), rnd.choice(N_ATOMS), rnd.randint(1, 4), rnd.random() < 0.5
+        if na * hd * (n_kv if per_head else 1) > 65536 * 64:  # tail (2 × atoms) ≤ 32 MiB: time, memory
             continue
-        pick = lambda: rnd.choice([s for s in SPARSITIES if s <= min(hd, na)] + [None])
+
+        def pick():
+            s = rnd.choice([s for s in SPARSITIES if s <= min(hd, na)] + [None])
+            return s if s is None else (s, rnd.choice(RESIDUAL_BITS))
         layers = tuple((pick(), pick()) for _ in range(rnd.randint(1, 2)))
         if all(s is None for p in layers for s in p):
             continue
-        out.append((hd, na, rnd.randint(1, 4), rnd.choice([16, 333, 1024]), layers))
+        out.append((hd, na, n_kv, rnd.choice([16, 333, 1024]), per_head, layers))
     return out
 
 
-def _fill(arena, rng, n_tokens: int, *, out_of_range: float = 0.01):
-    """Append n_tokens of random words to every layer (two appends); returns them."""
+def _fill(arena, art, rng, n_tokens: int, *, out_of_range: float = 0.01):
+    """Append n_tokens of random slots / rows to every layer (two appends); returns them."""
     lay = arena.layout
     stored = []
-    for ll in lay.layers:
+    for ll, pair in zip(lay.layers, art.layers):
         words = []
-        for st in ll.streams:
+        for st, d in zip(ll.streams, pair):
             shape = (lay.n_kv_heads, n_tokens)
             if st.coded:
-                words.append(random_codes(rng, shape + (st.sparsity,), lay.n_atoms, out_of_range=out_of_range))
+                words.append(random_slots(rng, d, shape, out_of_range=out_of_range))
+                assert words[-1].shape[-1] == st.slot_words == d.slot_words
             else:
                 words.append(rng.standard_normal(shape + (lay.head_dim,), dtype=np.float32))
         cut = n_tokens // 3
@@ -78,21 +86,25 @@ def _check_read(arena, art, stored, layer, t0, t1):
         if d is None:
             assert np.array_equal(out.view(np.uint32), words[:, t0:t1].view(np.uint32))
         else:
-            ref = codec.reconstruct(words[:, t0:t1], d.atoms, d.mean, np.float64)
-            err = nmse(ref, out)
+            ref = codec.decode_heads(words[:, t0:t1], d, np.float64)
+            err = nmse(ref, out)  # also asserts identical NaN/±Inf positions
             assert err <= 1e-12, f"layer {layer} [{t0}, {t1}): NMSE {err:.3g}"
 
 
+def _case_id(c):
+    return f"hd{c[0]}-na{c[1]}-kv{c[2]}-ctx{c[3]}-{'perhead' if c[4] else 'shared'}-{c[5]}"
+
+
 @pytest.mark.parametrize("mapping", ["row", "chunk"])  # CPU-driver and GPU invocation mappings
-@pytest.mark.parametrize("case", CASES + _random_cases(4), ids=lambda c: f"hd{c[0]}-na{c[1]}-kv{c[2]}-ctx{c[3]}-{c[4]}")
+@pytest.mark.parametrize("case", CASES + _random_cases(4), ids=_case_id)
 def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate):
-    hd, na, n_kv, n_ctx, layers = case
-    rng = np.random.default_rng(hash(case) % 2 ** 32)
-    art = random_artifact(rng, hd, na, layers)
+    hd, na, n_kv, n_ctx, per_head, layers = case
+    rng = np.random.default_rng(abs(hash(case)) % 2 ** 32)
+    art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1)
     activate(art)
     arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping)
-    assert arena.mode == "dict"
-    stored = _fill(arena, rng, n_ctx)
+    assert arena.mode == "dict" and arena.layout.n_dict_heads == art.n_heads
+    stored = _fill(arena, art, rng, n_ctx)
     for layer in range(len(layers)):
         _check_read(arena, art, stored, layer, 0, n_ctx)  # everything
         _check_read(arena, art, stored, layer, n_ctx // 3, n_ctx - n_ctx // 5)  # a middle range
@@ -100,54 +112,105 @@ def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate):
         _check_read(arena, art, stored, layer, t, t + 1)  # one token
 
 
+def test_the_grid_is_covered():
+    """Every value of the brief's grid appears in the hand-picked cases."""
+    seen = {"hd": set(), "na": set(), "s": set(), "bits": set(), "heads": set()}
+    for hd, na, n_kv, n_ctx, per_head, layers in CASES:
+        seen["hd"].add(hd)
+        seen["na"].add(na)
+        seen["heads"].add("per-head" if per_head and n_kv > 1 else "shared")
+        for e in (e for p in layers for e in p if e is not None):
+            s, bits = _stream_entry(e)
+            seen["s"].add(s)
+            seen["bits"].add(bits)
+    assert seen == {"hd": set(HEAD_DIMS), "na": set(N_ATOMS), "s": set(SPARSITIES),
+                    "bits": set(RESIDUAL_BITS), "heads": {"per-head", "shared"}}
+    assert max(c[3] for c in CASES) == 8192
+    assert any(all(e is None for e in p) for c in CASES for p in c[5])  # a passthrough layer
+    assert any(None in p and any(e is not None for e in p) for c in CASES for p in c[5])  # mixed
+
+
 @pytest.mark.parametrize("mapping", ["row", "chunk"])
-def test_out_of_range_words_contribute_zero_and_read_nothing_outside(mapping, make_arena, activate):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_out_of_range_words_contribute_zero_and_read_nothing_outside(mapping, per_head, make_arena, activate):
     """Atom index ≥ n_atoms → exactly zero contribution, whatever the coefficient; the
     sentinel after each atoms block is a NaN (and huge if read as a coefficient), so any
-    read past the atoms would poison the output."""
+    read past the atoms would poison the output — and with per-head dictionaries a read
+    past one head's atoms would pick up the next head's and break the comparison."""
     rng = np.random.default_rng(7)
     hd, na, n_kv = 64, 16, 2
-    art = random_artifact(rng, hd, na, [(4, 4)])
+    art = random_artifact(rng, hd, na, [((4, 3), 4)], n_heads=n_kv if per_head else 1)
     activate(art)
     # ≥ 8 atoms' worth of NaN after each block
     arena = make_arena(1, n_kv, hd, 8, guard_words=8 * hd, shader_mapping=mapping)
     f16 = lambda x: np.array(x, np.float16).view(np.uint16).astype(np.uint32) << 16
-    good = random_codes(rng, (n_kv, 8, 4), na)
-    bad = good.copy()
-    edge = np.arange(na, na + 8, dtype=np.uint32)  # the atoms that would sit in the guard
-    bad[:, :, 1] = (bad[:, :, 1] & 0xFFFF0000) | edge[:8][None, :]
-    bad[:, 0, 2] = f16(np.nan) | 0xFFFF  # NaN coefficient, index 65535
-    bad[:, 1, 2] = f16(np.inf) | na
-    bad[:, 2, 3] = f16(65504.0) | (na + 1)
-    arena.append_codes(0, bad, bad)
-    k, v = arena.read(0)
-    for out, d in zip((k, v), art.layers[0]):
+    slots = []
+    for d in art.layers[0]:
+        bad = random_slots(rng, d, (n_kv, 8))
+        edge = np.arange(na, na + 8, dtype=np.uint32)  # the atoms that would sit past the block
+        bad[:, :, 1] = (bad[:, :, 1] & 0xFFFF0000) | edge[None, :]
+        bad[:, 0, 2] = f16(np.nan) | 0xFFFF  # NaN coefficient, index 65535
+        bad[:, 1, 2] = f16(np.inf) | na
+        bad[:, 2, 3] = f16(65504.0) | (na + 1)
+        slots.append(bad)
+    arena.append_codes(0, *slots)
+    for out, d, bad in zip(arena.read(0), art.layers[0], slots):
         assert np.isfinite(out).all()
-        idx, coef = codec.unpack_codes(bad)
-        keep = np.where(idx < na, coef, 0)
-        expected = np.einsum("hts,htsd->htd", keep.astype(np.float64), d.atoms.astype(np.float64)[np.where(idx < na, idx, 0)])
-        if d.mean is not None:
-            expected += d.mean
-        assert nmse(expected, out) <= 1e-12
-        assert nmse(codec.reconstruct(bad, d.atoms, d.mean), out) <= 1e-12  # the documented twin
+        ref = codec.decode_heads(bad, d)
+        assert nmse(ref, out) <= 1e-12
+        # the same by hand: in-range code words only
+        idx, coef = codec.unpack_codes(bad[..., :d.sparsity])
+        keep = bad.copy()
+        keep[..., :d.sparsity] = np.where(idx < na, bad[..., :d.sparsity], 0)
+        assert nmse(codec.decode_heads(keep, d), out) <= 1e-12
 
 
-def test_nan_and_inf_coefficients_propagate_like_the_reference(make_arena, activate):
+def test_nan_and_inf_propagate_like_the_reference(make_arena, activate):
+    """Non-finite coefficients and residual steps give NaN/±Inf exactly where the
+    reference does (nmse asserts the positions)."""
     rng = np.random.default_rng(8)
     hd, na = 32, 64
-    art = random_artifact(rng, hd, na, [(8, 2)], means=False)
+    art = random_artifact(rng, hd, na, [((8, 3), 2)], means=False)
     activate(art)
     arena = make_arena(1, 1, hd, 16)
     f16 = lambda x: np.array(x, np.float16).view(np.uint16).astype(np.uint32) << 16
-    kc = random_codes(rng, (1, 16, 8), na)
+    f32 = lambda x: np.array(x, np.float32).view(np.uint32)
+    kd, vd = art.layers[0]
+    kc = random_slots(rng, kd, (1, 16))
     kc[0, 3, 0] = f16(np.inf) | 5
     kc[0, 4, 1] = f16(-np.inf) | 7
     kc[0, 5, 2] = f16(np.nan) | 1
     kc[0, 6, 0], kc[0, 6, 1] = f16(np.inf) | 2, f16(-np.inf) | 3  # inf − inf → NaN
-    vc = random_codes(rng, (1, 16, 2), na)
+    kc[0, 7, -1] = f32(np.nan)  # residual step
+    kc[0, 8, -1] = f32(np.inf)
+    kc[0, 9, -1] = f32(-np.inf)
+    vc = random_slots(rng, vd, (1, 16))
     arena.append_codes(0, kc, vc)
     k, v = arena.read(0)
-    ref = codec.reconstruct(kc, art.layers[0][0].atoms)
-    assert not np.isfinite(ref[0, 3:7]).all()
-    assert nmse(ref, k) <= 1e-12  # also asserts identical NaN/±Inf positions
-    assert nmse(codec.reconstruct(vc, art.layers[0][1].atoms), v) <= 1e-12
+    ref = codec.decode_heads(kc, kd)
+    assert not np.isfinite(ref[0, 3:10]).any(axis=1).all() or not np.isfinite(ref[0, 3:10]).all()
+    assert nmse(ref, k) <= 1e-12
+    assert nmse(codec.decode_heads(vc, vd), v) <= 1e-12
+
+
+def test_residual_levels_straddling_words_decode_exactly(make_arena, activate):
+    """Every residual width with hand-set levels: element e = level (e·7 + 3) mod 2^b, so
+    levels that straddle two words are exercised for b ∤ 32."""
+    rng = np.random.default_rng(9)
+    hd = 50
+    for bits in (1, 3, 5, 6, 7, 8):
+        art = random_artifact(rng, hd, 32, [((2, bits), (2, bits))])
+        activate(art)
+        arena = make_arena(1, 1, hd, 4)
+        levels = (np.arange(hd) * 7 + 3) % (1 << bits)
+        words = []
+        for d in art.layers[0]:
+            codes = random_codes(rng, (4, 2), 32)
+            from kvdict_vk.residual import _pack_levels
+            packed = np.repeat(_pack_levels(levels[None], bits), 4, axis=0)
+            step = np.full((4, 1), 0.25, np.float32).view(np.uint32)
+            words.append(np.concatenate([codes, packed, step], axis=1)[None])
+        arena.append_codes(0, *words)
+        for out, d, w in zip(arena.read(0), art.layers[0], words):
+            assert nmse(codec.decode_heads(w, d), out) <= 1e-12, bits
+        arena.free()

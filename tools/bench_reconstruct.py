@@ -23,6 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_attention's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 GOAL = 0.7
 
 
@@ -35,6 +38,8 @@ def _args(argv):
     ap.add_argument("--n-atoms", type=int, default=1024)
     ap.add_argument("--sparsity", type=int, default=8)
     ap.add_argument("--sweep", default="1,2,4,8,16", help="sparsities for the scaling sweep ('' = none)")
+    ap.add_argument("--residual-bits", type=int, default=0, help="residual stage bits per level (0 = none)")
+    ap.add_argument("--per-head", action="store_true", help="one dictionary per KV head (default: shared)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")
     ap.add_argument("--mapping", choices=["row", "chunk"], default=None,
@@ -63,17 +68,21 @@ def _setup(s, args, dev, rng):
     from kvdict_vk import runtime
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     from kvdict_vk.vk import KvArena
-    hd, na, n_kv, n_ctx = args.head_dim, args.n_atoms, args.n_kv, args.n_ctx
-    dicts = [StreamDict(rng.standard_normal((na, hd), dtype=np.float32),
-                        mean=rng.standard_normal(hd, dtype=np.float32), sparsity=s) for _ in "kv"]
+    hd, na, n_kv, n_ctx, bits = args.head_dim, args.n_atoms, args.n_kv, args.n_ctx, args.residual_bits
+    g = n_kv if args.per_head else 1
+    dicts = [StreamDict(rng.standard_normal((g, na, hd), dtype=np.float32),
+                        mean=rng.standard_normal((g, hd), dtype=np.float32), sparsity=s, residual_bits=bits,
+                        residual_scale=rng.random((g, hd), dtype=np.float32) + 0.5 if bits else None)
+             for _ in "kv"]
     runtime.enable(KvDictArtifact(hd, na, s, ((dicts[0], dicts[1]),)))
     try:
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, shader_mapping=args.mapping)
     finally:
         runtime.deactivate()
-    from kvdict_vk import codec
-    codes = [codec.pack_codes(rng.integers(0, na, (n_kv, n_ctx, s)), rng.standard_normal((n_kv, n_ctx, s)))
-             for _ in "kv"]
+    # random valid slots (reconstruction costs the same whatever the codes say; OMP-encoding
+    # 2 × n_kv × n_ctx rows per sparsity would dominate the run)
+    from bench_attention import _random_slots
+    codes = [_random_slots(rng, d, n_kv, n_ctx) for d in dicts]
     arena.append_codes(0, *codes)
     return arena, codes, dicts
 
@@ -93,7 +102,7 @@ def bench_sparsity(s, args, dev, rng, *, numpy_too: bool) -> dict:
     arena, codes, dicts = _setup(s, args, dev, rng)
     plan = arena.read_plan(0, 0, args.n_ctx)
     k, v = plan.run()  # warm-up (pipeline compile) and a correctness check
-    ref = codec.reconstruct(codes[0], dicts[0].atoms, dicts[0].mean)
+    ref = codec.decode_heads(codes[0], dicts[0])
     nmse = float(np.sum((ref - k) ** 2) / np.sum(ref ** 2))
     out_bytes = 4 * plan.n_words
     copy_seq, keep = _copy_sequence(dev, plan.n_words)
@@ -105,7 +114,7 @@ def bench_sparsity(s, args, dev, rng, *, numpy_too: bool) -> dict:
     cand = {"reconstruct": plan.dispatch, "copy_shader": copy_seq.eval, "f32_cache_read": f32_plan.dispatch,
             "readback": plan.readback}
     if numpy_too:
-        cand["numpy_reconstruct_f32"] = lambda: [codec.reconstruct(c, d.atoms, d.mean, np.float32)
+        cand["numpy_reconstruct_f32"] = lambda: [codec.decode_heads(c, d, np.float32)
                                                  for c, d in zip(codes, dicts)]
     times = {name: [] for name in cand}
     for _ in range(args.repeats):
@@ -179,7 +188,8 @@ def main(argv=None) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - t0, 1),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
         "device": dev.info.to_dict(), "validation_layer": bool(args.validation),
-        "config": {k: getattr(args, k) for k in ("n_kv", "head_dim", "n_ctx", "n_atoms", "sparsity", "repeats")},
+        "config": {k: getattr(args, k) for k in ("n_kv", "head_dim", "n_ctx", "n_atoms", "sparsity", "repeats",
+                                                 "residual_bits", "per_head")},
         "goal_ratio": GOAL, "main": main_res, "sweep": sweep_res,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "KvArena": "arena", "ReadPlan": "read_plan",
+    "KvArena": "arena", "ReadPlan": "reader", "Attention": "attend",
     "list_devices": "device", "get_device": "device", "Device": "device", "DeviceInfo": "vulkan_info",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,13 @@
 """The KV arena on the GPU: one storage buffer per layer, laid out by kvdict_vk.layout.
 
-The runtime snapshot is read ONCE, at creation: active (and fitting the model) → the
-dict-coded layout, with each layer's atoms and means uploaded into its tail; otherwise
-the default f32 cache. Both modes have the same API. Appends encode on the CPU (codec.encode,
-OMP) and send ONLY the new code words — or raw f32 rows — through a small host-visible upload
-buffer to the scatter shader. Reads reconstruct on the GPU (or copy passthrough rows) into a
-read-back buffer; only the output crosses back.
+The runtime snapshot is read ONCE, at creation: active → the dict-coded layout, with each
+layer's atoms, means and residual scales uploaded into its tail (an artifact that does not
+fit the model is refused with DictMismatchError); otherwise the default f32 cache. Both
+modes have the same API. Appends encode on the CPU (codec.encode_heads: OMP per KV head,
+then the residual stage) and send ONLY the new slots — or raw f32 rows — through a small
+host-visible upload buffer to the scatter shader. Reads reconstruct on the GPU (or copy
+passthrough rows) into a read-back buffer; only the output crosses back. Decode attention
+over the cache (both modes, one call) lives in kvdict_vk.vk.attend.
 
 Not thread-safe: one arena belongs to one thread at a time.
 """
@@ -18,7 +20,8 @@ from .. import errors as E
 from .. import layout as L
 from .device import Device, get_device, kp
 from .kernels import Buffer, Kernel, run
-from .read_plan import ReadPlan
+from .attend import Attention, check_query
+from .reader import ReadPlan
 
 UPLOAD_CAP_WORDS = 1 << 20  # host-visible upload buffer, at most (4 MiB); larger appends are chunked
 OUT_MIN_WORDS = 1 << 14  # smallest read-back buffer class (64 KiB) …
@@ -54,6 +57,7 @@ class KvArena:
         self._kernels: dict = {}
         self._outs: dict[int, Buffer] = {}
         self._upload = None
+        self._attention: dict[int, Attention] = {}  # by query-head count, made on first attend
         self._n_tokens = [0] * n_layers
         self._freed = False
         try:
@@ -108,7 +112,8 @@ class KvArena:
         if ll.tail_word is not None:
             pair = self._art.layers[ll.index]
             means = tuple(None if d is None else d.mean for d in pair)
-            tail = L.layer_tail_image(lay, ll.index, self._flat, means)
+            scales = tuple(None if d is None else d.residual_scale for d in pair)
+            tail = L.layer_tail_image(lay, ll.index, self._flat, means, scales)
         if ll.guard_spans:
             image = np.full(ll.total_words, lay.guard_value, np.uint32)
             if ll.tail_word is not None:
@@ -173,8 +178,8 @@ class KvArena:
 
     def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
         """Append new tokens' K/V head vectors, float32 (n_kv, T_new, head_dim) each. Coded
-        streams are OMP-encoded on the CPU; only the new words go to the device. Returns
-        the layer's new token count."""
+        streams are encoded on the CPU (codec.encode_heads: each KV head through its
+        dictionary); only the new slots go to the device. Returns the layer's new token count."""
         i = self._layer_index(layer)
         hd = self.layout.head_dim
         rows = [self._rows(n, a, np.float32, hd) for n, a in (("k_rows", k_rows), ("v_rows", v_rows))]
@@ -182,16 +187,16 @@ class KvArena:
         words = []
         for r, st in zip(rows, self.layout.layers[i].streams):
             if st.coded:
-                d = self._art.stream(i, st.stream == "k")
-                words.append(codec.encode(r.reshape(-1, hd), d).reshape(r.shape[0], r.shape[1], -1))
+                words.append(codec.encode_heads(r, self._art.stream(i, st.stream == "k")))
             else:
                 words.append(r.view(np.uint32))
         return self._append_words(i, *words)
 
     def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
-        """Append already-encoded tokens: uint32 code words (n_kv, T_new, s) for a coded
-        stream, float32 rows (n_kv, T_new, head_dim) for a passthrough stream. Code words are
-        stored as given (an out-of-range atom index reconstructs as zero)."""
+        """Append already-encoded tokens: uint32 slots (n_kv, T_new, slot_words) for a coded
+        stream (codec.encode_heads' output), float32 rows (n_kv, T_new, head_dim) for a
+        passthrough stream. Slots are stored as given (an out-of-range atom index
+        reconstructs as zero)."""
         i = self._layer_index(layer)
         words = []
         for n, a, st in zip(("k", "v"), (k, v), self.layout.layers[i].streams):
@@ -260,6 +265,24 @@ class KvArena:
             raise E.ArenaError(f"token range [{t0}, {t1}) exceeds the {n} tokens appended to layer {i}")
         return i, int(t0), int(t1)
 
+    def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None) -> np.ndarray:
+        """Decode attention of one new query token over the layer's first ``n_used`` cached
+        tokens: q (n_heads, head_dim) float32 with n_heads a multiple of n_kv_heads (query
+        head h reads KV head h // (n_heads / n_kv_heads)); softmax(scale · q·k), scale
+        defaulting to 1/sqrt(head_dim). Returns (n_heads, head_dim) float32. The same call
+        in both cache modes: over f32 rows, or straight over the codes (K and V are never
+        materialised) — see kvdict_vk.vk.attend."""
+        i = self._layer_index(layer)
+        q, n_used, scale = check_query(self.layout, q, n_used, self._n_tokens[i], scale)
+        return self.attention(q.shape[0]).attend(i, q, n_used, scale)
+
+    def attention(self, n_heads: int) -> Attention:
+        """The attention engine for ``n_heads`` query heads (benchmarks use it directly)."""
+        self._live()
+        if n_heads not in self._attention:
+            self._attention[n_heads] = Attention(self, n_heads)
+        return self._attention[n_heads]
+
     def layer_words(self, layer: int) -> np.ndarray:
         """A copy of a layer buffer's raw words (uint32), for tests and the dump tool."""
         i = self._layer_index(layer)
@@ -279,6 +302,9 @@ class KvArena:
         if self._freed:
             return
         self._freed = True
+        for att in self._attention.values():
+            att.free()
+        self._attention.clear()
         for k in list(self._kernels.values()):
             k.destroy()
         for b in [*self._outs.values(), *self._layers, self._upload]:

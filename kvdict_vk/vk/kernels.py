@@ -77,6 +77,7 @@ class ShaderSpec:
     spec_names: tuple  # specialization constants by constant_id
     extents: Callable  # (push dict, spec dict) -> per binding, a list of Spans
     groups: Callable = lambda spec: 1  # invocations that share one row (grid stride % groups == 0)
+    optional_spec: tuple = ()  # ((name, default), …): may be omitted, and may be 0
 
 
 def _rows_extents(p, row_words: int) -> Span:
@@ -93,16 +94,25 @@ def _check_rows(p) -> None:
                               f"n_ctx={p['n_ctx']} is inconsistent")
 
 
+def slot_words(head_dim: int, sparsity: int, res_bits: int) -> int:
+    """Words of one coded head vector (docs/FORMAT.md): code words, level words, step."""
+    return sparsity + ((-(-head_dim * res_bits // 32) + 1) if res_bits else 0)
+
+
 def _reconstruct_extents(p, s):
     _check_rows(p)
-    hd, sp = s["HEAD_DIM"], s["SPARSITY"]
+    hd, bits = s["HEAD_DIM"], s["RES_BITS"]
     if p["n_atoms"] < 1:
         raise E.DispatchError("n_atoms must be ≥ 1 (out-of-range codes read atom 0)")
-    atoms = (p["atoms_word"], p["atoms_word"] + p["n_atoms"] * hd)
-    mean = (p["mean_word"], p["mean_word"] + hd)  # read by every invocation, even idle ones
     if not p["n_rows"]:
-        return [], [mean], []
-    return [_rows_extents(p, sp)], [atoms, mean], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+        return [], [], []
+    last = p["n_rows"] // p["n_tok"] - 1  # the last KV head read: strides × last
+    atoms = (p["atoms_word"], p["atoms_word"] + last * p["head_atoms"] + p["n_atoms"] * hd)
+    elems = [atoms, (p["mean_word"], p["mean_word"] + last * p["head_vec"] + hd)]
+    if bits:
+        elems.append((p["scale_word"], p["scale_word"] + last * p["head_vec"] + hd))
+    return ([_rows_extents(p, slot_words(hd, s["SPARSITY"], bits))], elems,
+            [(p["out_word"], p["out_word"] + p["n_rows"] * hd)])
 
 
 def _copy_rows_extents(p, s):
@@ -138,8 +148,8 @@ def _row_groups(s, lanes):
 
 SHADERS = {
     **{f"reconstruct_{v}": ShaderSpec(f"reconstruct_{v}", L.RECONSTRUCT_PUSH, (1, n, n), (False, False, True),
-                                      ("HEAD_DIM", "SPARSITY", "CHUNKS"), _reconstruct_extents,
-                                      lambda s, n=n: _row_groups(s, n))
+                                      ("HEAD_DIM", "SPARSITY", "CHUNKS", "RES_BITS"), _reconstruct_extents,
+                                      lambda s, n=n: _row_groups(s, n), (("RES_BITS", 0),))
        for v, n in (("vec4", 4), ("scalar", 1))},
     **{f"copy_rows_{v}": ShaderSpec(f"copy_rows_{v}", L.COPY_ROWS_PUSH, (n, n), (False, True),
                                     ("HEAD_DIM", "CHUNKS"), _copy_rows_extents, lambda s, n=n: _row_groups(s, n))
@@ -150,16 +160,16 @@ SHADERS = {
 }
 
 
-def workgroups_for(device: Device, items: int, groups: int = 1) -> int:
-    """Workgroup count for ``items`` work items: ≤ the device limit and MAX_WORKGROUPS,
-    and a multiple of groups/gcd(groups, WG_SIZE) so the grid stride is a multiple of
-    ``groups`` (the shaders rely on that)."""
-    step = groups // math.gcd(groups, WG_SIZE)
+def workgroups_for(device: Device, items: int, groups: int = 1, local: int = WG_SIZE) -> int:
+    """Workgroup count for ``items`` work items (``local`` invocations per workgroup): ≤ the
+    device limit and MAX_WORKGROUPS, and a multiple of groups/gcd(groups, local) so the
+    grid stride is a multiple of ``groups`` (the shaders rely on that)."""
+    step = groups // math.gcd(groups, local)
     limit = min(device.limit("max_compute_work_group_count")[0], MAX_WORKGROUPS)
     limit -= limit % step
     if limit < step:
         raise E.DispatchError(f"{device.name}: cannot dispatch a multiple of {step} workgroups")
-    wanted = max(1, -(-items // WG_SIZE))
+    wanted = max(1, -(-items // local))
     return min(limit, -(-wanted // step) * step)
 
 
@@ -169,11 +179,14 @@ class Kernel:
     def __init__(self, device: Device, shader: str, buffers: list[Buffer], spec: dict | None = None,
                  max_items: int = 1):
         self.device, self.shader = device, SHADERS[shader]
-        self.buffers, self.spec = list(buffers), dict(spec or {})
+        self.buffers, self.spec = list(buffers), {**dict(SHADERS[shader].optional_spec), **(spec or {})}
         sh = self.shader
         code = spirv.load(sh.variant)
         r = spirv.reflect(code)
         spirv.check_portable(sh.variant, r, min(128, device.limit("max_compute_work_group_invocations")))
+        if len(r.bindings) > device.limit("max_per_stage_storage_buffers"):
+            raise E.DispatchError(f"{sh.variant}: binds {len(r.bindings)} storage buffers, the device "
+                                  f"allows {device.limit('max_per_stage_storage_buffers')} per stage")
         if len(r.bindings) != len(sh.lanes) or len(self.buffers) != len(sh.lanes):
             raise E.DispatchError(f"{sh.variant}: the SPIR-V binds {len(r.bindings)} buffers, the spec "
                                   f"{len(sh.lanes)}, given {len(self.buffers)}")
@@ -191,8 +204,13 @@ class Kernel:
             if sh.writes[i] and sum(x is b for x in self.buffers) > 1:
                 raise E.DispatchError(f"{sh.variant}: {b.name} is written through binding {i} and also bound elsewhere")
         self._check_spec()
+        # Shaders with a specialized workgroup size (local_size_x_id) name it LOCAL.
+        self.local = self.spec.get("LOCAL", WG_SIZE)
+        if not 1 <= self.local <= min(128, device.limit("max_compute_work_group_invocations"),
+                                      device.limit("max_compute_work_group_size")[0]):
+            raise E.DispatchError(f"{sh.variant}: workgroup size {self.local} exceeds the device's limits (or 128)")
         self.groups = sh.groups(self.spec) if sh.spec_names else 1
-        self.workgroups = workgroups_for(device, max_items * self.groups, self.groups)
+        self.workgroups = workgroups_for(device, max_items * self.groups, self.groups, self.local)
         spec_arr = np.array([self.spec[n] for n in sh.spec_names], np.uint32)
         # Kompute takes the push-constant dtype from spec_consts: both uint32 (DESIGN.md).
         with device.guard(f"creating pipeline {sh.variant}"):
@@ -202,9 +220,11 @@ class Kernel:
 
     def _check_spec(self) -> None:
         s, lanes = self.spec, max(self.shader.lanes)
-        if any(not isinstance(v, (int, np.integer)) or not 1 <= v < 1 << 32 for v in s.values()):
+        may_be_zero = {n for n, _ in self.shader.optional_spec}
+        if any(not isinstance(v, (int, np.integer)) or not (0 if n in may_be_zero else 1) <= v < 1 << 32
+               for n, v in s.items()):
             raise E.DispatchError(f"{self.shader.variant}: specialization {s} must be positive uint32s")
-        if "HEAD_DIM" in s and (s["HEAD_DIM"] % lanes or (s["HEAD_DIM"] // lanes) % s["CHUNKS"]):
+        if "CHUNKS" in s and (s["HEAD_DIM"] % lanes or (s["HEAD_DIM"] // lanes) % s["CHUNKS"]):
             raise E.DispatchError(f"{self.shader.variant}: HEAD_DIM {s['HEAD_DIM']} is not {s['CHUNKS']} "
                                   f"chunks of {lanes}-word elements")
 
@@ -212,6 +232,7 @@ class Kernel:
         """A checked dispatch op for these push constants (record it in a Sequence)."""
         sh = self.shader
         words = sh.push.pack(**push)
+        push = {**dict(sh.push.defaults), **push}
         for b in self.buffers:
             if not b.alive:
                 raise E.DispatchError(f"{sh.variant}: buffer {b.name} was freed")
@@ -239,3 +260,14 @@ def run(device: Device, *ops, what: str = "dispatch") -> None:
         for op in ops:
             seq.record(op)
         seq.eval()
+
+
+# Decode attention (kvdict_vk/vk/attend.py): its contracts live in attend_specs
+from . import attend_specs as _attend_specs  # noqa: E402 (needs ShaderSpec, defined above)
+
+SHADERS.update(_attend_specs.shader_specs(ShaderSpec))
+
+# GPU OMP encoder (kvdict_vk/vk/encoder.py): its contracts live in encode_specs
+from . import encode_specs as _encode_specs  # noqa: E402 (needs ShaderSpec, defined above)
+
+SHADERS.update(_encode_specs.shader_specs(ShaderSpec, L.ENCODE_PUSH, WG_SIZE))

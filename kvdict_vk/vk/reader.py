@@ -6,6 +6,9 @@ and ``readback()`` separately; ``KvArena.read`` uses ``run()`` (one submission).
 read-back buffer is a "device" buffer of the smallest size class that fits: Kompute's
 OpTensorSyncLocal copies the whole buffer, with the barriers that make the shader's
 writes visible to the host.
+
+(Successor of ``read_plan.py``: the same plan, for slots with a residual stage and
+per-head dictionaries.)
 """
 from __future__ import annotations
 
@@ -21,40 +24,46 @@ class ReadPlan:
     ``readback()`` (copy to the host), ``run()`` (both, one submission). Read-back buffers
     are shared by the arena's reads: call readback() right after this plan's dispatch()."""
 
-    def __init__(self, arena, layer: int, t0: int, t1: int):
+    def __init__(self, arena, layer: int, t0: int, t1: int, out: Buffer | None = None):
+        """``out``: write into this buffer instead of a read-back buffer (the arena's
+        reconstruct-then-attend path); then only ``dispatch()`` is meaningful."""
         lay = arena.layout
         n_kv, hd, n_tok = lay.n_kv_heads, lay.head_dim, t1 - t0
         self.n_words = 2 * n_kv * n_tok * hd
-        if self.n_words > arena._caps["out"]:
+        if out is None and self.n_words > arena._caps["out"]:
             raise E.ArenaError(f"[{t0}, {t1}) needs {self.n_words} words, a read-back buffer holds "
                                f"{arena._caps['out']}; use read()")
         self.shape = (n_kv, n_tok, hd)
-        cls = arena._out_class(max(self.n_words, 1))
-        if cls not in arena._outs:
-            arena._outs[cls] = Buffer(arena.device, cls, "device", f"read-back buffer ({cls} words)")
-        self.out, self.arena = arena._outs[cls], arena
+        if out is None:
+            cls = arena._out_class(max(self.n_words, 1))
+            if cls not in arena._outs:
+                arena._outs[cls] = Buffer(arena.device, cls, "device", f"read-back buffer ({cls} words)")
+            out = arena._outs[cls]
+        self.out, self.arena = out, arena
         self.ops = []
         layer_buf = arena._layers[layer]
         for j, st in enumerate(lay.layers[layer].streams):
             common = dict(src_word=st.region_word, n_ctx=lay.n_ctx, t0=t0, n_tok=max(n_tok, 1),
                           n_rows=n_kv * n_tok, out_word=j * n_kv * n_tok * hd)
             if st.coded:
-                kern = self._kernel(("reconstruct", layer, st.sparsity, cls), "reconstruct",
-                                    [layer_buf, layer_buf, self.out], SPARSITY=st.sparsity)
-                self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word,
-                                        n_atoms=lay.n_atoms, **common))
+                kern = self._kernel(("reconstruct", layer, st.sparsity, st.residual_bits, out.words), "reconstruct",
+                                    [layer_buf, layer_buf, out], SPARSITY=st.sparsity, RES_BITS=st.residual_bits)
+                self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word, n_atoms=lay.n_atoms,
+                                        scale_word=st.scale_word, head_atoms=st.head_atoms_stride,
+                                        head_vec=st.head_vec_stride, **common))
             else:
-                kern = self._kernel(("copy_rows", layer, cls), "copy_rows", [layer_buf, self.out])
+                kern = self._kernel(("copy_rows", layer, out.words), "copy_rows", [layer_buf, out])
                 self.ops.append(kern.op(**common))
         self._dispatch_seq = self._readback_seq = self._run_seq = None
 
     def _kernel(self, key, shader: str, buffers, **spec) -> Kernel:
         a = self.arena
+        key = key + (id(buffers[-1]),)  # one pipeline per output buffer (Kompute binds at creation)
         if key not in a._kernels:
             variant = f"{shader}_{'vec4' if a._lanes == 4 else 'scalar'}"
             a._kernels[key] = Kernel(a.device, variant, buffers,
                                      {"HEAD_DIM": a.layout.head_dim, "CHUNKS": a._chunks, **spec},
-                                     max_items=key[-1] // a.layout.head_dim)
+                                     max_items=buffers[-1].words // a.layout.head_dim)
         return a._kernels[key]
 
     def _eval(self, attr: str, ops, what: str) -> None:

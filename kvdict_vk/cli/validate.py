@@ -1,0 +1,189 @@
+"""kvdict-validate: every shader against the NumPy reference, on your Vulkan device.
+
+    kvdict-validate --list                 # devices: name, driver, limits
+    kvdict-validate                        # the shape grid on the default device
+    kvdict-validate --device 1 --json      # another device, machine-readable
+
+Each row is one operation at one shape: reconstruct (read), append (encode + scatter,
+checked through a read), attention over the dict-coded and the f32 cache, and the GPU
+OMP encoder — with guard words around every region, compared by NMSE (Σ(a−b)²/Σa²) and
+exact NaN/Inf positions. Exit status 1 if any row fails, 2 if no device could be used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from .. import attention_ref, codec, runtime
+from .. import errors as E
+from ..dictionary import KvDictArtifact, StreamDict
+
+NMSE_READ = 1e-12  # reconstruct / append: float32 GPU vs float64 reference
+NMSE_ATTEND = 1e-9
+
+
+def nmse(ref, got) -> tuple[float, float, bool]:
+    """(NMSE, max |a−b| over finite entries, NaN/Inf positions identical)."""
+    a, b = np.asarray(ref, np.float64), np.asarray(got, np.float64)
+    same = (np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(np.isposinf(a), np.isposinf(b))
+            and np.array_equal(np.isneginf(a), np.isneginf(b)))
+    fin = np.isfinite(a) & np.isfinite(b)
+    den = float(np.sum(a[fin] ** 2)) or 1.0
+    diff = a[fin] - b[fin]
+    return float(np.sum(diff ** 2)) / den, float(np.abs(diff).max()) if diff.size else 0.0, same
+
+
+def _guards_ok(arena) -> bool:
+    lay = arena.layout
+    for ll in lay.layers:
+        if ll.guard_spans:
+            words = arena.layer_words(ll.index)
+            if any((words[lo:hi] != lay.guard_value).any() for lo, hi in ll.guard_spans):
+                return False
+    return True
+
+
+# (head_dim, n_atoms, (K sparsity, K bits) | None, (V sparsity, V bits) | None, per-head, n_ctx, GQA)
+QUICK_GRID = [(64, 1024, (4, 4), (4, 3), True, 512, 3), (48, 256, (8, 0), None, False, 300, 1),
+              (36, 64, (1, 2), (3, 8), True, 97, 2)]
+FULL_GRID = QUICK_GRID + [(128, 4096, (16, 0), (8, 4), True, 2048, 8), (32, 65536, (4, 1), None, False, 64, 1),
+                          (256, 16, (16, 0), (1, 0), False, 33, 1), (64, 1024, None, (8, 3), True, 4096, 3)]
+
+
+def _artifact(rng, hd, n_atoms, ks, vs, per_head, n_kv) -> KvDictArtifact:
+    def stream(spec):
+        if spec is None:
+            return None
+        s, bits = spec
+        g = n_kv if per_head else 1
+        return StreamDict(rng.standard_normal((g, n_atoms, hd)).astype(np.float32), rng.standard_normal((g, hd)),
+                          None, s, bits, rng.uniform(0.05, 0.3, (g, hd)) if bits else None)
+    s_max = max(sp[0] for sp in (ks, vs) if sp)
+    return KvDictArtifact(hd, n_atoms, s_max, [(stream(ks), stream(vs))])
+
+
+def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
+    from ..vk import KvArena
+    n_kv = 2
+    art = _artifact(rng, hd, n_atoms, ks, vs, per_head, n_kv)
+    shape = f"hd={hd} atoms={n_atoms} K={ks} V={vs} per_head={per_head} n_ctx={n_ctx} gqa={gqa}"
+    k = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    q = rng.standard_normal((n_kv * gqa, hd)).astype(np.float32)
+    rows = []
+    prev = runtime.snapshot()
+    try:
+        runtime.enable(art)
+        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8)
+    finally:
+        runtime.deactivate()
+        if prev.artifact is not None:
+            runtime.install(prev.artifact, prev.cert)
+            if prev.enabled:
+                runtime.enable()
+    with arena:
+        dk, dv = art.layers[0]
+        ref_k = k if dk is None else codec.decode_heads(codec.encode_heads(k, dk), dk)
+        ref_v = v if dv is None else codec.decode_heads(codec.encode_heads(v, dv), dv)
+        t0 = time.perf_counter()
+        arena.append(0, k, v)
+        gk, gv = arena.read(0, 0, n_ctx)
+        rows.append(_row("append+reconstruct K", shape, ref_k, gk, NMSE_READ, time.perf_counter() - t0, arena))
+        rows.append(_row("append+reconstruct V", shape, ref_v, gv, NMSE_READ, None, arena))
+        for n_used in sorted({1, n_ctx // 3 + 1, n_ctx}):
+            t0 = time.perf_counter()
+            out = arena.attend(0, q, n_used)
+            ref = attention_ref.attend(q, ref_k, ref_v, n_used)
+            rows.append(_row(f"attend dict n_used={n_used}", shape, ref, out, NMSE_ATTEND, time.perf_counter() - t0, arena))
+    with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8) as f32:
+        f32.append(0, k, v)
+        out = f32.attend(0, q, n_ctx)
+        rows.append(_row("attend f32", shape, attention_ref.attend(q, k, v, n_ctx), out, NMSE_ATTEND, None, f32))
+    for d, name in ((art.layers[0][0], "K"), (art.layers[0][1], "V")):
+        if d is not None:
+            rows.append(_encoder_row(dev, d, k[:, :64], f"{shape} stream={name}"))
+    return rows
+
+
+def _row(op, shape, ref, got, tol, seconds, arena) -> dict:
+    e, mx, same = nmse(ref, got)
+    guards = _guards_ok(arena)
+    return dict(op=op, shape=shape, nmse=e, max_abs=mx, nan_inf_match=same, guards_intact=guards,
+                tolerance=tol, seconds=seconds, passed=bool(e <= tol and same and guards))
+
+
+def _encoder_row(dev, d: StreamDict, x, shape) -> dict:
+    """The GPU OMP encoder: same reconstruction quality as the CPU encoder."""
+    try:
+        from ..vk.encoder import GpuEncoder
+    except ImportError:
+        return dict(op="encode (GPU OMP)", shape=shape, nmse=0.0, max_abs=0.0, nan_inf_match=True,
+                    guards_intact=True, tolerance=0.0, seconds=None, passed=True, skipped="no GPU encoder")
+    enc = GpuEncoder(dev, d)
+    try:
+        gpu = codec.decode_heads(enc.encode(x), d)
+    finally:
+        enc.free()
+    cpu = codec.decode_heads(codec.encode_heads(x, d), d)
+    err_gpu, _, same = nmse(x, gpu)
+    err_cpu, _, _ = nmse(x, cpu)
+    rel = abs(err_gpu - err_cpu) / max(err_cpu, 1e-30)
+    return dict(op="encode (GPU OMP) error vs CPU", shape=shape, nmse=rel, max_abs=abs(err_gpu - err_cpu),
+                nan_inf_match=same, guards_intact=True, tolerance=1e-2, seconds=None,
+                passed=bool(rel <= 1e-2 and same and np.isfinite(gpu).all()))
+
+
+def run_validation(dev, quick: bool = False, seed: int = 0, log=None) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for case in (QUICK_GRID if quick else FULL_GRID):
+        rows += _case(dev, rng, *case)
+        if log:
+            log(rows[-1])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kvdict-validate", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--device", help="index or name substring (default: KVDICT_VK_DEVICE, else the first)")
+    ap.add_argument("--list", action="store_true", help="list Vulkan devices and exit")
+    ap.add_argument("--quick", action="store_true", help="the small grid the demo runs")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        from ..vk import device as vkd
+        if a.list:
+            devs = [d.to_dict() for d in vkd.list_devices()]
+            print(json.dumps(devs, indent=1) if a.json else "\n".join(_device_line(d) for d in devs))
+            return 0
+        dev = vkd.get_device(a.device)
+    except (E.KvDictError, ImportError) as e:
+        print(f"kvdict-validate: no usable Vulkan device: {e}", file=sys.stderr)
+        return 2
+    print(f"[validate] device: {dev.name}", file=sys.stderr)
+    rows = run_validation(dev, quick=a.quick)
+    ok = all(r["passed"] for r in rows)
+    if a.json:
+        print(json.dumps(dict(device=dev.name, passed=ok, rows=rows), indent=1))
+    else:
+        print(f"{'op':<34} {'NMSE':>9} {'max|Δ|':>9}  {'ok':<4} shape")
+        for r in rows:
+            print(f"{r['op']:<34} {r['nmse']:9.1e} {r['max_abs']:9.1e}  {'PASS' if r['passed'] else 'FAIL':<4} {r['shape']}")
+        print(f"{sum(r['passed'] for r in rows)}/{len(rows)} passed on {dev.name}")
+    return 0 if ok else 1
+
+
+def _device_line(d: dict) -> str:
+    lim = d.get("limits", {})
+    return (f"[{d.get('index')}] {d.get('name')} — {d.get('driver_name', '')} {d.get('driver_info', '')}; "
+            f"maxStorageBufferRange {lim.get('max_storage_buffer_range')}, "
+            f"maxComputeWorkGroupInvocations {lim.get('max_compute_work_group_invocations')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

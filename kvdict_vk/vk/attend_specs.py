@@ -1,0 +1,171 @@
+"""The decode-attention shaders' contracts (shaders/attend_*.comp, layouts in
+shaders/attend_common.glsl): what each binds, which specialization constants it takes,
+and which words a dispatch touches — checked by kernels.Kernel before anything reaches
+the driver. Registered into kernels.SHADERS.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import errors as E
+from .. import layout as L
+
+ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
+SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
+CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
+
+
+def row_words(head_dim: int, sparsity: int, bits: int) -> int:
+    """Words per (KV head, token) of a stream: its slot, or head_dim f32 when passthrough."""
+    if not sparsity:
+        return head_dim
+    return sparsity + ((-(-head_dim * bits // 32) + 1) if bits else 0)
+
+
+def n_blocks(n_atoms: int) -> int:
+    return -(-n_atoms // ATOM_BLOCK)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Word counts of the attention buffers for n_kv KV heads, `group` query heads each,
+    up to `max_splits` splits per KV head (attend_common.glsl has the layouts)."""
+    n_kv: int
+    group: int
+    head_dim: int
+    n_atoms: int
+    n_ctx: int
+    max_splits: int
+
+    @property
+    def records(self) -> int:  # (KV head, split, query head) triples
+        return self.n_kv * self.max_splits * self.group
+
+    @property
+    def f_word(self) -> int:  # factors after the (m, l) pairs
+        return 2 * self.records
+
+    @property
+    def inv_l_word(self) -> int:
+        return 3 * self.records
+
+    @property
+    def stats(self) -> int:
+        return 3 * self.records + self.n_kv * self.group
+
+    @property
+    def accs(self) -> int:
+        return self.records * self.head_dim
+
+    @property
+    def bins(self) -> int:
+        return self.records * self.n_atoms
+
+    @property
+    def table(self) -> int:  # q·atom for every query head and atom
+        return self.n_kv * self.group * self.n_atoms
+
+    @property
+    def scores(self) -> int:
+        return self.n_kv * self.group * self.n_ctx
+
+    @property
+    def blocks(self) -> int:
+        return self.n_kv * n_blocks(self.n_atoms) * self.group * self.head_dim
+
+    @property
+    def out(self) -> int:
+        return self.n_kv * self.group * self.head_dim
+
+
+def _span(start: int, words: int):
+    return (start, start + words)
+
+
+def _vec_span(word: int, n_kv: int, head_vec: int, head_dim: int):
+    return (word, word + (n_kv - 1) * head_vec + head_dim)
+
+
+def _check(cond: bool, what: str, p) -> None:
+    if not cond:
+        raise E.DispatchError(f"{what}: push constants {p} are inconsistent")
+
+
+def _split_extents(p, s, coded: bool):
+    hd, g, n_kv, used, n_splits = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], p["n_splits"]
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and n_splits >= 1 and p["split_len"] >= 1
+           and n_splits * p["split_len"] >= used and g % s["HB"] == 0, "attend_split", p)
+    kc, kb = (s["K_CODED"], s["K_BITS"]) if coded else (0, 0)
+    vc, vb = (s["V_CODED"], s["V_BITS"]) if coded else (0, 0)
+    _check((not kc or p["k_sparsity"] >= 1) and (not vc or p["v_sparsity"] >= 1)
+           and (not (kc or vc) or p["n_atoms"] >= 1), "attend_split", p)
+    words, quads = [], []
+    for word, sp, c, bits in ((p["k_word"], p["k_sparsity"], kc, kb), (p["v_word"], p["v_sparsity"], vc, vb)):
+        span = _span(word, ((n_kv - 1) * p["n_ctx"] + used) * row_words(hd, sp if c else 0, bits))
+        (words if c else quads).append(span)
+    for word, bits in ((p["k_scale_word"], kb), (p["v_scale_word"], vb)):
+        if bits:
+            quads.append(_vec_span(word, n_kv, p["head_vec"], hd))
+    sizes = Sizes(n_kv, g, hd, p["n_atoms"], p["n_ctx"], n_splits)
+    common = [words, quads, [_span(0, sizes.out)], [_span(0, sizes.accs)], [_span(0, 2 * sizes.records)]]
+    if not coded:
+        return common
+    table = [_span(0, sizes.table)] if kc else []
+    bins = [_span(0, sizes.bins)] if vc else []
+    return common + [table, bins, [_span(0, sizes.scores)]]
+
+
+def _atoms_span(p, hd):
+    return _span(p["atoms_word"], (p["n_kv"] - 1) * p["head_atoms"] + p["n_atoms"] * hd)
+
+
+def _table_extents(p, s):
+    _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1, "attend_table", p)
+    hd, g = s["HEAD_DIM"], s["GROUP"]
+    return [[_atoms_span(p, hd)], [_span(0, p["n_kv"] * g * hd)], [_span(0, p["n_kv"] * g * p["n_atoms"])]]
+
+
+def _combine_extents(p, s):
+    _check(p["n_kv"] >= 1 and p["n_splits"] >= 1, "attend_combine", p)
+    records = p["n_kv"] * p["n_splits"] * s["GROUP"]
+    return [[_span(0, 2 * records), _span(p["f_word"], records),
+             _span(p["inv_l_word"], p["n_kv"] * s["GROUP"])]]
+
+
+def _atoms_extents(p, s):
+    _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1 and p["n_splits"] >= 1, "attend_atoms", p)
+    hd, g = s["HEAD_DIM"], s["GROUP"]
+    records = p["n_kv"] * p["n_splits"] * g
+    return [[_atoms_span(p, hd)], [_span(p["f_word"], records)], [_span(0, records * p["n_atoms"])],
+            [_span(0, p["n_kv"] * n_blocks(p["n_atoms"]) * g * hd)]]
+
+
+def _reduce_extents(p, s):
+    hd, g, n_kv = s["HEAD_DIM"], s["GROUP"], p["n_kv"]
+    _check(n_kv >= 1 and p["n_splits"] >= 1 and p["use_mean"] <= 1, "attend_reduce", p)
+    records = n_kv * p["n_splits"] * g
+    layer = [_vec_span(p["mean_word"], n_kv, p["head_vec"], hd)] if p["use_mean"] else []
+    stats = [_span(p["f_word"], records), _span(p["inv_l_word"], n_kv * g)]
+    blocks = [_span(0, n_kv * p["n_blocks"] * g * hd)] if p["n_blocks"] else []
+    return [layer, stats, [_span(0, records * hd)], blocks, [_span(0, n_kv * g * hd)]]
+
+
+def shader_specs(shader_spec) -> dict:
+    """The attention entries of kernels.SHADERS (``shader_spec`` is kernels.ShaderSpec).
+    Lanes: 4 for the vec4 views (layer quads, query, accumulators, blocks, output)."""
+    optional = tuple((n, 0) for n in CODED_SPEC[4:])  # 0 = passthrough stream / no residual
+    specs = [
+        # layer words, layer quads, query, accs, stats [, table, bins, scores]
+        shader_spec("attend_split_f32", L.ATTEND_SPLIT_PUSH, (1, 4, 4, 4, 1), (False, False, False, True, True),
+                    SPEC, lambda p, s: _split_extents(p, s, False)),
+        shader_spec("attend_split_coded", L.ATTEND_SPLIT_PUSH, (1, 4, 4, 4, 1, 1, 1, 1),
+                    (False, False, False, True, True, False, True, True), CODED_SPEC,
+                    lambda p, s: _split_extents(p, s, True), optional_spec=optional),
+        shader_spec("attend_table", L.ATTEND_TABLE_PUSH, (4, 4, 1), (False, False, True), SPEC, _table_extents),
+        shader_spec("attend_combine", L.ATTEND_COMBINE_PUSH, (1,), (True,), SPEC, _combine_extents),
+        shader_spec("attend_atoms", L.ATTEND_ATOMS_PUSH, (4, 1, 1, 4), (False, False, True, True), SPEC,
+                    _atoms_extents),
+        shader_spec("attend_reduce", L.ATTEND_REDUCE_PUSH, (4, 1, 4, 4, 4), (False, False, False, False, True),
+                    SPEC, _reduce_extents),
+    ]
+    return {s.variant: s for s in specs}

@@ -1,0 +1,44 @@
+// Shared by the decode-attention shaders (attend_*.comp): one new query token per call,
+// grouped-query attention (query head h = g*GROUP + hj reads KV head g), causal over the
+// first n_used cached tokens, softmax with the maximum subtracted, split into chunks of
+// tokens ("splits", flash-decoding style) that a reduce combines.
+//
+// Work mapping — one invocation per work item (a split, an atom, a block of atoms, an
+// output quad) with a grid-stride loop; the workgroup size is specialization constant 2
+// (LOCAL). Why not a workgroup per split: on llvmpipe every storage-buffer or shared-memory
+// load with a per-invocation address costs the same per-lane loop whatever the access
+// pattern, so cooperation buys nothing there, while arithmetic on private values is ~50x
+// cheaper than a load. So every word is loaded once by the invocation that needs it and
+// everything else stays private. The host picks LOCAL = the SIMD width on CPU drivers (8
+// lanes of 32 bits on a 256-bit llvmpipe: a workgroup is one SIMD row, so a handful of
+// splits spreads over every thread) and 64 on GPUs.
+//
+// Compile time (llvmpipe JITs each pipeline with LLVM): private arrays are only ever
+// indexed by unrolled-loop constants (a dynamically indexed private array costs seconds
+// per hundred elements to compile), rows move as vec4 (a quarter of the load sites), and
+// an invocation handles a block of HB query heads of its group (HB * HEAD_DIM <= 192
+// floats of query and accumulator state, chosen by the host).
+//
+// Buffers (float unless noted; g = KV head, i = split, hj = query head within the group):
+//   stats  [((g*n_splits + i)*GROUP + hj)*2 + 0/1] = m, l: the split's maximum score (-inf
+//          when empty) and sum of exp(score - m); attend_combine.comp adds the factors
+//          f = exp(m - M) at f_word + (g*n_splits + i)*GROUP + hj and 1/L at
+//          inv_l_word + g*GROUP + hj (M = max over splits, L = sum of f*l)
+//   accs   vec4 [((g*n_splits + i)*GROUP + hj)*Q4 + c]: sum of exp(score - m) * v
+//          (dict-coded V: only the residual part, already times the residual scale)
+//   bins   [((g*n_splits + i)*GROUP + hj)*n_atoms + a]: dict-coded V only, the split's
+//          atom weights, sum of exp(score - m) * coef over the code words selecting atom a
+
+#define NEG_INF uintBitsToFloat(0xFF800000u)
+
+layout(local_size_x = 64, local_size_x_id = 2) in;
+
+layout(constant_id = 0) const uint HEAD_DIM = 64u;  // a multiple of 4
+layout(constant_id = 1) const uint GROUP = 1u;      // query heads per KV head
+layout(constant_id = 3) const uint HB = 1u;         // query heads per invocation (divides GROUP)
+
+const uint Q4 = HEAD_DIM / 4u;      // vec4 quads per head vector
+const uint BQ = HB * Q4;            // quads of a block of HB head vectors
+const uint N_HB = GROUP / HB;       // head blocks per KV head
+
+uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }

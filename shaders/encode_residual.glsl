@@ -1,0 +1,98 @@
+// Residual stage of one head vector, bit-for-bit the format and the choices of
+// kvdict_vk.residual.quantise applied to x - codec.reconstruct(codes):
+//   u = (x - (mean + sum_j coef16_j * atom_j)) / scale
+//   rms = sqrt(mean(u^2)), amax = max|u|
+//   candidate steps: float32(mult_c * rms) for the clip multipliers (mult_c = 2 m_c / 2^b,
+//   from residual._CLIP_MULTIPLIERS via the dictionary image), then float32(mult * amax)
+//   (mult = 2 / (2^b - 1), or 1 for b = 1);
+//   levels q = clip(rint(u / step + half), 0, 2^b - 1)   (step 0 divides by 1)
+//   the step with the least sum (u - (q - half) step)^2 wins, the first one on a tie;
+// then the b-bit levels as a little-endian bitstream and the step as a float32 word.
+// The reference computes in float64; here everything from the reconstruction on is df64
+// (encode_df64.glsl), so both round the same values to the same float32 step and levels
+// except when a value lies within ~2^-46 of a rounding boundary.
+
+const uint MAX_LEVEL_U = (1u << RESIDUAL_BITS) - 1u;
+#define MAX_LEVEL float(MAX_LEVEL_U)
+#define HALF_LEVEL (0.5 * float(MAX_LEVEL_U))  // exact: MAX_LEVEL < 2^8
+
+// The level of u for a step whose df64 reciprocal is inv_step.
+float residual_level(vec2 u, vec2 inv_step) {
+    vec2 t = df_add(df_mul(u, inv_step), vec2(HALF_LEVEL, 0.0));
+    return clamp(df_rint(t), 0.0, MAX_LEVEL);
+}
+
+void residual_stage(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPARSITY], uint out_word) {
+    // 1. What the decoder rebuilds, minus the mean: products of a binary16 coefficient and a
+    //    float32 atom element are exact in df64, like in float64.
+    vec2 u[DIM];
+    [[unroll]] for (uint e = 0u; e < DIM; ++e)
+        u[e] = vec2(0.0);
+    uint raw_elem = pc.raw_atoms_word / LANES + dict_head * pc.n_atoms * DIM_ELEMS;
+    [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j) {
+        uint a = raw_elem + idx[j] * DIM_ELEMS;
+        float cj = coef16[j];
+        [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e) {
+            FELEM w = dict_elems[a + e];
+            [[unroll]] for (uint c = 0u; c < LANES; ++c)
+                u[e * LANES + c] = df_add(u[e * LANES + c], df_two_prod(cj, elem_at(w, c)));
+        }
+    }
+
+    // 2. u = (x - (approx + mean)) * (1/scale); its sum of squares and largest magnitude.
+    uint mean_elem = pc.mean_word / LANES + dict_head * DIM_ELEMS;
+    uint scale_float = pc.scale_word + dict_head * 2u * DIM;
+    vec2 sum_sq = vec2(0.0), amax = vec2(0.0);
+    [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e) {
+        FELEM xv = x_elems[v * DIM_ELEMS + e];
+        FELEM mv = dict_elems[mean_elem + e];
+        [[unroll]] for (uint c = 0u; c < LANES; ++c) {
+            uint i = e * LANES + c;
+            vec2 approx = df_add(u[i], vec2(elem_at(mv, c), 0.0));
+            vec2 r = df_sub(vec2(elem_at(xv, c), 0.0), approx);
+            vec2 inv_scale = vec2(dict_floats[scale_float + 2u * i], dict_floats[scale_float + 2u * i + 1u]);
+            u[i] = df_mul(r, inv_scale);
+            sum_sq = df_add(sum_sq, df_mul(u[i], u[i]));
+            vec2 mag = df_abs(u[i]);
+            if (df_less(amax, mag))
+                amax = mag;
+        }
+    }
+    vec2 rms = df_sqrt(df_mul(sum_sq, df_recip(float(DIM))));
+
+    // 3. The candidate steps, in residual.py's order; strictly smaller error wins.
+    float best_step = 0.0;
+    vec2 best_err = vec2(0.0);
+    [[dont_unroll]] for (uint s = 0u; s < N_STEPS; ++s) {
+        vec2 mult = vec2(dict_floats[pc.steps_word + 2u * s], dict_floats[pc.steps_word + 2u * s + 1u]);
+        float step = df_mul(s + 1u < N_STEPS ? rms : amax, mult).x;  // = float32(exact product)
+        vec2 inv_step = df_recip(step > 0.0 ? step : 1.0);
+        vec2 err = vec2(0.0);
+        [[unroll]] for (uint e = 0u; e < DIM; ++e) {
+            float q = residual_level(u[e], inv_step);
+            vec2 d = df_sub(u[e], df_two_prod(q - HALF_LEVEL, step));
+            err = df_add(err, df_mul(d, d));
+        }
+        if (s == 0u || df_less(err, best_err)) {
+            best_err = err;
+            best_step = step;
+        }
+    }
+
+    // 4. The winning levels as a bitstream: element e at bit e*b, straddling words as needed.
+    uint level_words[LEVEL_WORDS];
+    [[unroll]] for (uint w = 0u; w < LEVEL_WORDS; ++w)
+        level_words[w] = 0u;
+    vec2 inv_best = df_recip(best_step > 0.0 ? best_step : 1.0);
+    [[unroll]] for (uint e = 0u; e < DIM; ++e) {
+        uint q = uint(residual_level(u[e], inv_best));
+        uint bit = e * RESIDUAL_BITS;
+        uint w = bit / 32u, off = bit % 32u;
+        level_words[w] |= q << off;
+        if (off + RESIDUAL_BITS > 32u)
+            level_words[w + 1u] |= q >> (32u - off);
+    }
+    for (uint w = 0u; w < LEVEL_WORDS; ++w)
+        dest_words[out_word + w] = level_words[w];
+    dest_words[out_word + LEVEL_WORDS] = floatBitsToUint(best_step);
+}

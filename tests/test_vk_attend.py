@@ -1,0 +1,264 @@
+"""KvArena.attend: decode attention over the f32 cache and straight over the codes, against
+the float64 NumPy twin (kvdict_vk.attention_ref), under the validation layer.
+
+Slots go in with append_codes, so the GPU attends over exactly the words the reference
+decodes; the reference for long contexts decodes in chunks (the same float64 math as
+attention_ref.attend_coded, checked against it on short ones). Every arena is guarded.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from conftest import _stream_entry, nmse, random_artifact, random_slots
+from kvdict_vk import attention_ref, codec
+from kvdict_vk import errors as E
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = (32, 64, 128)
+GQA = (1, 3, 8)
+N_USED = (1, 7, 4096, 32768)
+SPARSITIES = (1, 8, 16)
+N_ATOMS = (256, 4096)
+
+
+def reference(q, k, v, k_dict, v_dict, n_used, scale=None, chunk=2048):
+    """attention_ref.attend_coded in float64, decoding `chunk` tokens at a time (the
+    decoded cache of a 32k context would need gigabytes)."""
+    q = np.asarray(q, np.float64)
+    n_kv, hd = k.shape[0], q.shape[1]
+    scale = 1.0 / np.sqrt(hd) if scale is None else scale
+    qg = q.reshape(n_kv, -1, hd)
+
+    def rows(x, d, t0, t1):
+        return x[:, t0:t1].astype(np.float64) if d is None else codec.decode_heads(x[:, t0:t1], d, np.float64)
+    scores = np.concatenate([np.einsum("kgd,ktd->kgt", qg, rows(k, k_dict, t0, min(t0 + chunk, n_used)))
+                             for t0 in range(0, n_used, chunk)], axis=-1) * scale
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = sum(np.einsum("kgt,ktd->kgd", p[:, :, t0:min(t0 + chunk, n_used)], rows(v, v_dict, t0, min(t0 + chunk, n_used)))
+              for t0 in range(0, n_used, chunk))
+    return out.reshape(q.shape)
+
+
+def _stream(rng, d, n_kv, n_ctx, hd):
+    return random_slots(rng, d, (n_kv, n_ctx)) if d is not None else rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
+
+
+def _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art):
+    """An arena over `art` (None: the f32 cache) with every layer filled with random slots/rows."""
+    if art is not None:
+        activate(art)
+    n_layers = 1 if art is None else art.n_layers
+    arena = make_arena(n_layers, n_kv, hd, n_ctx, guard_words=64)
+    assert arena.mode == ("f32" if art is None else "dict")
+    stored = []
+    for layer in range(n_layers):
+        pair = (None, None) if art is None else art.layers[layer]
+        k, v = (_stream(rng, d, n_kv, n_ctx, hd) for d in pair)
+        for t0 in range(0, n_ctx, 1 << 14):  # a few appends
+            arena.append_codes(layer, k[:, t0:t0 + (1 << 14)], v[:, t0:t0 + (1 << 14)])
+        stored.append((k, v, *pair))
+    return arena, stored
+
+
+def _check(arena, stored, layer, q, n_used, scale=None, limit=1e-9):
+    out = arena.attend(layer, q, n_used, scale)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    k, v, kd, vd = stored[layer]
+    ref = reference(q, k, v, kd, vd, n_used, scale)
+    err = nmse(ref, out)  # also: identical NaN/±Inf positions
+    assert err <= limit, f"layer {layer}, n_used {n_used}: NMSE {err:.3g}"
+    return out
+
+
+# (head_dim, GQA ratio, n_kv, n_atoms, per-head dictionaries, per layer (K, V): None =
+# passthrough, s or (s, residual bits), n_ctx, n_used values). Hand-picked so every value of
+# the grid appears — both sharings, with and without a residual stage, mixed layers — and
+# the two 32768-token contexts stay few; plus seeded random draws below.
+CASES = [
+    (64, 3, 3, 256, True, (((8, 4), (8, 3)),), 4096, (1, 7, 4096)),
+    (32, 8, 2, 4096, False, ((16, 16),), 4096, (1, 4096)),
+    (128, 1, 4, 256, False, (((1, 2), None), (None, (1, 8))), 300, (1, 7, 300)),
+    (64, 8, 1, 4096, True, (((8, 4), (8, 3)),), 32768, (7, 32768)),
+    (128, 3, 2, 4096, True, ((None, 16), (None, None)), 32768, (32768, 1)),
+]
+
+
+def _random_cases(n: int, seed: int = 4242):
+    rnd = random.Random(seed)
+    out = []
+    while len(out) < n:
+        hd, g, na = rnd.choice(HEAD_DIMS), rnd.choice(GQA), rnd.choice(N_ATOMS)
+        s = rnd.choice(SPARSITIES)
+        bits = rnd.choice([(0, 0), (4, 3)])
+        pair = tuple(rnd.choice([(s, b), (s, b), None]) for b in bits)
+        if pair == (None, None):
+            continue
+        n_ctx = rnd.choice([7, 333, 4096])
+        out.append((hd, g, rnd.randint(1, 3), na, rnd.random() < 0.5, (pair,), n_ctx,
+                    tuple(sorted({1, min(7, n_ctx), n_ctx}))))
+    return out
+
+
+def _case_id(c):
+    return f"hd{c[0]}-gqa{c[1]}-kv{c[2]}-na{c[3]}-{'perhead' if c[4] else 'shared'}-{c[5]}-ctx{c[6]}"
+
+
+@pytest.mark.parametrize("case", CASES + _random_cases(3), ids=_case_id)
+def test_coded_attention_equals_reference(case, make_arena, activate):
+    hd, g, n_kv, na, per_head, layers, n_ctx, n_used_values = case
+    rng = np.random.default_rng(abs(hash(case)) % 2 ** 32)
+    art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1)
+    arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art)
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    for layer in range(len(layers)):
+        for n_used in n_used_values:
+            _check(arena, stored, layer, q, n_used)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=_case_id)
+def test_gpu_mapping_equals_reference(case, make_arena, activate):
+    """The GPU plan (workgroups of 64, many splits) on this device: same results."""
+    hd, g, n_kv, na, per_head, layers, n_ctx, n_used_values = case
+    rng = np.random.default_rng(11)
+    art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1)
+    activate(art)
+    arena = make_arena(len(layers), n_kv, hd, n_ctx, shader_mapping="chunk")
+    stored = []
+    for layer, pair in enumerate(art.layers):
+        k, v = (_stream(rng, d, n_kv, n_ctx, hd) for d in pair)
+        arena.append_codes(layer, k, v)
+        stored.append((k, v, *pair))
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    att = arena.attention(q.shape[0])
+    assert att.local == 64 and att.preferred_splits > 4
+    for layer in range(len(layers)):
+        for n_used in n_used_values:
+            _check(arena, stored, layer, q, n_used)
+
+
+def test_splits_respect_llvmpipe_loop_limit(make_arena, activate):
+    """llvmpipe silently ends an invocation's loops after 65535 iterations in total; one
+    split over 8192 tokens of s = 16 codes (20 iterations a token) would be cut short.
+    Even asked for one split, the engine splits under the budget — and stays exact."""
+    from kvdict_vk.vk import attend as A
+    rng = np.random.default_rng(12)
+    art = random_artifact(rng, 32, 256, [(16, 16)])
+    arena, stored = _filled_arena(make_arena, activate, rng, 32, 1, 8192, art)
+    att = arena.attention(1)
+    att.preferred_splits = 1
+    n_splits, split_len = att.splits(8192, 0)
+    assert n_splits > 1 and split_len * A.loop_iterations(16, 16) <= A.LOOP_BUDGET < 65535
+    _check(arena, stored, 0, rng.standard_normal((1, 32), dtype=np.float32), 8192)
+
+
+def test_the_grid_is_covered():
+    seen = {"hd": set(), "gqa": set(), "n_used": set(), "s": set(), "na": set(), "res": set(), "heads": set()}
+    for hd, g, n_kv, na, per_head, layers, n_ctx, n_used in CASES:
+        seen["hd"].add(hd)
+        seen["gqa"].add(g)
+        seen["na"].add(na)
+        seen["n_used"].update(n_used)
+        seen["heads"].add(per_head and n_kv > 1)
+        for e in (e for p in layers for e in p if e is not None):
+            s, bits = _stream_entry(e)
+            seen["s"].add(s)
+            seen["res"].add(bits > 0)
+    assert set(N_USED) <= seen.pop("n_used")
+    assert seen == {"hd": set(HEAD_DIMS), "gqa": set(GQA), "s": set(SPARSITIES),
+                    "na": set(N_ATOMS), "res": {False, True}, "heads": {False, True}}
+    assert any(None in p and p != (None, None) for c in CASES for p in c[5])  # a mixed layer
+
+
+@pytest.mark.parametrize("hd,g,n_kv,n_ctx", [(64, 3, 3, 32768), (32, 8, 2, 4096), (128, 1, 4, 300)])
+def test_f32_cache_attention_equals_reference(hd, g, n_kv, n_ctx, make_arena):
+    rng = np.random.default_rng(hd * 1000 + g)
+    arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None)
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
+        _check(arena, stored, 0, q, n_used)
+    _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
+
+
+def test_chunked_reference_is_attend_coded(make_arena):
+    """The test's reference equals attention_ref.attend_coded where that one fits memory."""
+    rng = np.random.default_rng(3)
+    art = random_artifact(rng, 32, 64, [((4, 3), (2, 5))], n_heads=2)
+    kd, vd = art.layers[0]
+    k, v = random_slots(rng, kd, (2, 50)), random_slots(rng, vd, (2, 50))
+    q = rng.standard_normal((6, 32), dtype=np.float32)
+    for n_used in (1, 17, 50):
+        want = attention_ref.attend_coded(q, k, v, kd, vd, n_used)
+        assert np.allclose(reference(q, k, v, kd, vd, n_used, chunk=16), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["f32", "dict"])
+def test_large_scores_do_not_overflow(mode, make_arena, activate):
+    """Softmax overflow guard: q × 1e3 makes scores of order 1e4 (exp would overflow
+    without the maximum subtracted) — output finite and equal to the reference."""
+    rng = np.random.default_rng(5)
+    hd, n_kv, g, n_ctx = 64, 2, 3, 600
+    art = None if mode == "f32" else random_artifact(rng, hd, 256, [((8, 4), (8, 3))], n_heads=n_kv)
+    arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art)
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32) * 1e3
+    for n_used in (1, 2, n_ctx):
+        out = _check(arena, stored, 0, q, n_used)
+        assert np.isfinite(out).all()
+
+
+def test_reconstruct_then_attend_baseline(make_arena, activate):
+    """The benchmark's third mode (GPU reconstruct into f32 rows, then the f32 kernels)
+    gives the same attention."""
+    rng = np.random.default_rng(6)
+    hd, n_kv, g, n_ctx = 64, 3, 3, 1000
+    art = random_artifact(rng, hd, 256, [((8, 4), (8, 3))])
+    arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art)
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    att = arena.attention(n_kv * g)
+    for n_used in (1, 999):
+        got = att.attend_reconstructed(0, q, n_used, 1 / 8)
+        k, v, kd, vd = stored[0]
+        assert nmse(reference(q, k, v, kd, vd, n_used), got) <= 1e-9
+        assert nmse(arena.attend(0, q, n_used), got) <= 1e-9
+
+
+def test_typed_errors(make_arena, activate, vk_device):
+    rng = np.random.default_rng(7)
+    art = random_artifact(rng, 16, 32, [((2, 3), None), (None, None)])
+    activate(art)
+    arena = make_arena(2, 2, 16, 10)
+    kd = art.layers[0][0]
+    arena.append_codes(0, random_slots(rng, kd, (2, 10)), rng.standard_normal((2, 10, 16), dtype=np.float32))
+    arena.append(1, rng.standard_normal((2, 4, 16), dtype=np.float32), rng.standard_normal((2, 4, 16), dtype=np.float32))
+    q = rng.standard_normal((4, 16), dtype=np.float32)
+    assert arena.attend(0, q, 10).shape == (4, 16)
+    for bad in (q.astype(np.float64), q.astype(np.float16), q.tolist(), q[None], q[:, :8], q[:3], q[:0],
+                np.zeros((4, 17), np.float32)):
+        with pytest.raises(E.ShapeError):
+            arena.attend(0, bad, 5)
+    for n_used in (0, -1, 11, 1.0, True, "3", None):
+        with pytest.raises(E.ArenaError):
+            arena.attend(0, q, n_used)
+    with pytest.raises(E.ArenaError, match="appended"):
+        arena.attend(1, q, 5)  # layer 1 holds 4 tokens
+    for scale in (float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(E.ShapeError):
+            arena.attend(0, q, 5, scale)
+    for layer in (-1, 2, True, "0"):
+        with pytest.raises(E.LayerIndexError):
+            arena.attend(layer, q, 5)
+    arena.free()
+    with pytest.raises(E.ArenaError, match="freed"):
+        arena.attend(0, q, 5)
+    from kvdict_vk import runtime
+    from kvdict_vk.vk import KvArena
+    runtime.deactivate()  # the f32 cache (the fixture restores the dictionaries)
+    with KvArena(1, 1, 18, 4, device=vk_device) as odd:  # head_dim % 4 != 0: no vec4 rows
+        odd.append(0, np.ones((1, 2, 18), np.float32), np.ones((1, 2, 18), np.float32))
+        with pytest.raises(E.ArenaError, match="head_dim"):
+            odd.attend(0, np.ones((2, 18), np.float32), 2)

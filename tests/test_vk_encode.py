@@ -1,0 +1,340 @@
+"""GPU OMP encoder (kvdict_vk.vk.encoder) against the NumPy reference (codec.encode).
+
+* Well-conditioned inputs (random unit atoms, Gaussian vectors): the GPU picks the same atom
+  set as codec.omp for every vector in these cases (float32 vs float64 arithmetic could flip
+  a near-tie; MAX_SET_FLIPS documents the tolerance, measured 0 here) and the per-batch
+  relative error agrees to 1e-4 (relative).
+* Real-looking K/V (a large common offset, outlier channels, heavy-tailed norms and a
+  dictionary learned on them by the forge): the same error criterion.
+* Ill-conditioned inputs (duplicate and antiparallel atoms, zero vectors, s = head_dim,
+  dead metric directions): valid codes — distinct in-range indices, finite coefficients.
+* Residual stage: the GPU's words equal residual.quantise applied to x − decode(GPU codes).
+* Per-head dictionaries, metric dictionaries, encode_into with guard words, typed errors.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvdict_vk import codec, residual
+from kvdict_vk import errors as E
+from kvdict_vk.dictionary import StreamDict
+
+pytestmark = pytest.mark.gpu
+
+# Fraction of vectors whose atom set may differ from codec.omp's on well-conditioned input:
+# a float32 correlation (either side) can reorder two atoms whose normalised correlations
+# agree to ~1e-6. Measured: 0 flips in every case below (≈ 40 000 vectors).
+MAX_SET_FLIPS = 0.002
+REL_ERR_TOL = 1e-4  # |err_gpu − err_cpu| / err_cpu, per batch
+GUARD = 0x7FA5A5A5
+
+
+def unit_atoms(rng, heads: int, n_atoms: int, head_dim: int) -> np.ndarray:
+    a = rng.standard_normal((heads, n_atoms, head_dim))
+    return (a / np.linalg.norm(a, axis=2, keepdims=True)).astype(np.float32)
+
+
+def kv_like(rng, n_kv: int, n: int, head_dim: int) -> np.ndarray:
+    """Synthetic K/V with what real caches show: a large common offset, a few outlier
+    channels, low-rank heavy-tailed structure and heavy-tailed token norms."""
+    offset = 4.0 * rng.standard_normal(head_dim)
+    mix = rng.standard_normal((head_dim // 2, head_dim)) / np.sqrt(head_dim)
+    chan = np.ones(head_dim)
+    chan[rng.choice(head_dim, 3, replace=False)] = 15.0
+    z = rng.standard_t(3, size=(n_kv, n, head_dim // 2))
+    x = z @ mix + 0.1 * rng.standard_normal((n_kv, n, head_dim))
+    norms = rng.lognormal(0.0, 0.6, (n_kv, n, 1))
+    return (offset + x * chan * norms).astype(np.float32)
+
+
+def set_agreement(gpu: np.ndarray, cpu: np.ndarray, s: int) -> float:
+    gi, _ = codec.unpack_codes(gpu[..., :s])
+    ci, _ = codec.unpack_codes(cpu[..., :s])
+    return float(np.mean((np.sort(gi, -1) == np.sort(ci, -1)).all(-1)))
+
+
+def rel_error(x: np.ndarray, slots: np.ndarray, d: StreamDict) -> float:
+    rec = codec.decode_heads(slots, d)
+    x = x.astype(np.float64)
+    return float(np.sum((x - rec) ** 2) / np.sum(x ** 2))
+
+
+def check_valid(slots: np.ndarray, d: StreamDict) -> None:
+    idx, coef = codec.unpack_codes(slots[..., :d.sparsity])
+    assert idx.max() < d.n_atoms
+    assert np.isfinite(coef).all()
+    srt = np.sort(idx, -1)
+    assert (np.diff(srt, axis=-1) > 0).all(), "atom indices within a code must be distinct"
+    assert np.isfinite(codec.decode_heads(slots, d)).all()
+
+
+def compare(enc, x, d, what: str) -> tuple[float, float]:
+    gpu = enc.encode(x)
+    cpu = codec.encode_heads(x, d)
+    check_valid(gpu, d)
+    agree = set_agreement(gpu, cpu, d.sparsity)
+    eg, ec = rel_error(x, gpu, d), rel_error(x, cpu, d)
+    print(f"[{what}] same atom sets {agree:.4f}, rel err gpu {eg:.6g} cpu {ec:.6g}, "
+          f"diff {abs(eg - ec) / ec:.2e}")
+    return agree, abs(eg - ec) / ec
+
+
+@pytest.fixture
+def encoder(vk_device):
+    from kvdict_vk.vk.encoder import GpuEncoder
+    made = []
+
+    def make(d):
+        made.append(GpuEncoder(vk_device, d))
+        return made[-1]
+    yield make
+    for e in made:
+        e.free()
+
+
+# (head_dim, n_atoms, s, n_kv, T): every value of head_dim {32, 36, 64, 128}, n_atoms {64,
+# 1024, 4096, 65536 (few vectors)} and s {1, 4, 8, 16} appears; 36 has an odd vec4 count.
+WELL_CONDITIONED = [
+    (32, 64, 1, 2, 300),
+    (36, 1024, 4, 1, 500),
+    (64, 1024, 8, 3, 700),
+    (128, 4096, 16, 1, 200),
+    (64, 4096, 4, 2, 150),
+    (32, 1024, 16, 1, 256),
+    (36, 64, 16, 2, 100),
+    (64, 65536, 8, 1, 24),
+    (128, 65536, 1, 1, 16),
+]
+
+
+@pytest.mark.parametrize("head_dim,n_atoms,s,n_kv,n_tok", WELL_CONDITIONED)
+def test_same_atoms_and_error_as_codec(encoder, head_dim, n_atoms, s, n_kv, n_tok):
+    rng = np.random.default_rng(head_dim * 7 + n_atoms + s)
+    d = StreamDict(unit_atoms(rng, 1, n_atoms, head_dim)[0], sparsity=s)
+    x = rng.standard_normal((n_kv, n_tok, head_dim)).astype(np.float32)
+    agree, diff = compare(encoder(d), x, d, f"d={head_dim} K={n_atoms} s={s}")
+    assert agree >= 1 - MAX_SET_FLIPS
+    assert diff <= REL_ERR_TOL
+
+
+def test_real_looking_kv_with_learned_dictionary(encoder):
+    """A dictionary learned by the forge (mean, correlated atoms of unequal norm after the
+    K-SVD updates) on synthetic K/V; held-out vectors are compared."""
+    from kvdict_vk.forge.learn import learn_stream
+    rng = np.random.default_rng(7)
+    data = kv_like(rng, 1, 3000, 64)[0]
+    d, _ = learn_stream(data[:2000], 256, 8, iters=4, seed=1)
+    d = StreamDict(d.atoms * rng.uniform(0.5, 2.0, (256, 1)).astype(np.float32), mean=d.mean, sparsity=8)
+    x = data[2000:][None]
+    agree, diff = compare(encoder(d), x, d, "learned, kv-like")
+    assert agree >= 1 - 5 * MAX_SET_FLIPS  # learned atoms are correlated: more near-ties
+    assert diff <= REL_ERR_TOL
+
+
+def test_real_looking_kv_random_dictionary_with_mean(encoder):
+    rng = np.random.default_rng(8)
+    x = kv_like(rng, 2, 400, 128)
+    d = StreamDict(rng.standard_normal((1024, 128)).astype(np.float32),
+                   mean=x.reshape(-1, 128).mean(0), sparsity=16)
+    agree, diff = compare(encoder(d), x, d, "random atoms, kv-like")
+    assert agree >= 1 - MAX_SET_FLIPS
+    assert diff <= REL_ERR_TOL
+
+
+def test_per_head_dictionaries(encoder):
+    rng = np.random.default_rng(3)
+    n_kv, head_dim, n_atoms = 3, 64, 512
+    d = StreamDict(unit_atoms(rng, n_kv, n_atoms, head_dim), mean=rng.standard_normal((n_kv, head_dim)),
+                   sparsity=8)
+    x = rng.standard_normal((n_kv, 130, head_dim)).astype(np.float32)
+    agree, diff = compare(encoder(d), x, d, "per-head")
+    assert agree >= 1 - MAX_SET_FLIPS and diff <= REL_ERR_TOL
+    with pytest.raises(E.ShapeError, match="shape"):
+        encoder(d).encode(x[:2])  # a per-head dictionary needs exactly its heads
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])  # W in one row block / in two
+def test_metric_dictionary(encoder, head_dim):
+    rng = np.random.default_rng(4)
+    metric = (np.eye(head_dim) + 0.3 * rng.standard_normal((head_dim, head_dim))).astype(np.float32)
+    metric[:, 0] = 0.0  # a dead direction: atom 5 (along it) is mapped to zero
+    atoms = unit_atoms(rng, 1, 300, head_dim)[0]
+    atoms[5] = np.eye(head_dim, dtype=np.float32)[0]
+    d = StreamDict(atoms, metric=metric, sparsity=6)
+    x = rng.standard_normal((2, 100, head_dim)).astype(np.float32)
+    gpu = encoder(d).encode(x)
+    cpu = codec.encode_heads(x, d)
+    check_valid(gpu, d)
+    agree = set_agreement(gpu, cpu, 6)
+    print(f"[metric] same atom sets {agree:.4f}")
+    assert agree >= 1 - MAX_SET_FLIPS
+    assert not (codec.unpack_codes(gpu[..., :6])[0] == 5).any()  # never useful
+
+
+# --- ill-conditioned inputs -------------------------------------------------------------
+
+def test_degenerate_inputs_give_valid_codes(encoder):
+    rng = np.random.default_rng(5)
+    head_dim = 32
+    base = unit_atoms(rng, 1, 40, head_dim)[0]
+    atoms = np.concatenate([base, base[:10], -base[10:20], 3.0 * base[:5]])  # dup, antiparallel, scaled
+    x = rng.standard_normal((1, 200, head_dim)).astype(np.float32)
+    x[0, :20] = 0.0  # zero vectors
+    x[0, 20:40] = atoms[rng.integers(0, len(atoms), 20)] * 2.5  # exactly one atom
+    x[0, 40:60] = atoms[3] + atoms[40 + 3] * 1e-3  # almost-dependent combinations
+    for s in (4, head_dim):  # s = head_dim: the span is exhausted, later picks are dependent
+        d = StreamDict(atoms, sparsity=s)
+        gpu = encoder(d).encode(x)
+        check_valid(gpu, d)
+        idx, coef = codec.unpack_codes(gpu[..., :s])
+        assert (coef[0, :20] == 0).all() and (np.sort(idx[0, :20], -1) == np.arange(s)).all()
+        err = np.sum((codec.decode_heads(gpu, d) - x) ** 2, -1)
+        assert err[0, 20:40].max() <= 1e-4 * np.sum(x[0, 20:40] ** 2, -1).max()
+
+
+def test_duplicate_dictionary_only(encoder):
+    """Every atom the same direction: after the first pick all are dependent."""
+    rng = np.random.default_rng(6)
+    v = rng.standard_normal(16).astype(np.float32)
+    atoms = np.stack([v, -v, 2 * v, v, 0.5 * v, -3 * v, v, v]).astype(np.float32)
+    d = StreamDict(atoms, sparsity=8)
+    x = rng.standard_normal((1, 70, 16)).astype(np.float32)
+    gpu = encoder(d).encode(x)
+    check_valid(gpu, d)
+    _, coef = codec.unpack_codes(gpu[..., :8])
+    assert (np.count_nonzero(coef, -1) <= 1).all()
+
+
+# --- residual stage ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim,bits", [(64, 4), (36, 3), (32, 1), (128, 8), (64, 2)])
+def test_residual_words_equal_quantise(encoder, head_dim, bits):
+    rng = np.random.default_rng(head_dim + bits)
+    scale = rng.uniform(0.3, 3.0, head_dim).astype(np.float32)
+    d = StreamDict(unit_atoms(rng, 1, 512, head_dim)[0], mean=rng.standard_normal(head_dim),
+                   sparsity=8, residual_bits=bits, residual_scale=scale)
+    x = kv_like(rng, 2, 300, head_dim)
+    x[0, :5] = d.mean  # zero residual after the mean: every step candidate is 0
+    gpu = encoder(d).encode(x)
+    s = d.sparsity
+    ref = np.stack([residual.quantise(x[h].astype(np.float64) - codec.reconstruct(gpu[h, :, :s], d.atoms[0], d.mean[0]),
+                                      scale, bits) for h in range(2)])
+    same = (ref == gpu[..., s:]).all(-1)
+    print(f"[residual b={bits}] identical stages {same.mean():.5f}")
+    assert same.all()
+    cpu = codec.encode_heads(x, d)
+    agree = set_agreement(gpu, cpu, s)
+    whole = float((cpu == gpu).all(-1).mean())
+    print(f"[residual b={bits}] same atom sets {agree:.4f}, identical slots {whole:.4f}")
+    assert agree >= 1 - MAX_SET_FLIPS
+
+
+# --- encode_into, capacity, errors --------------------------------------------------------------
+
+def test_encode_into_writes_only_its_slots(encoder, vk_device):
+    """Two appends into a guarded buffer at the arena's addressing: exactly the slots of
+    tokens [0, 45) of both heads change, and they equal encode()'s words."""
+    from kvdict_vk.vk.device import kp
+    from kvdict_vk.vk.kernels import Buffer, run
+    rng = np.random.default_rng(9)
+    d = StreamDict(unit_atoms(rng, 1, 200, 32)[0], sparsity=4, residual_bits=2,
+                   residual_scale=np.ones(32, np.float32))
+    enc = encoder(d)
+    n_kv, n_ctx, sw, region = 2, 50, d.slot_words, 100
+    words = region + n_kv * n_ctx * sw + 100
+    dest = Buffer(vk_device, words, "device", "dest", init=np.full(words, GUARD, np.uint32))
+    try:
+        run(vk_device, kp.OpTensorSyncDevice([dest.tensor]))
+        x1 = rng.standard_normal((n_kv, 30, 32)).astype(np.float32)
+        x2 = rng.standard_normal((n_kv, 15, 32)).astype(np.float32)
+        enc.encode_into(dest, x1, region, n_ctx, 0)
+        enc.encode_into(dest, x2, region, n_ctx, 30)
+        run(vk_device, kp.OpTensorSyncLocal([dest.tensor]))
+        got = np.array(dest.host_words())
+    finally:
+        dest.destroy()
+    region_words = got[region:region + n_kv * n_ctx * sw].reshape(n_kv, n_ctx, sw)
+    assert np.array_equal(region_words[:, :30], enc.encode(x1))
+    assert np.array_equal(region_words[:, 30:45], enc.encode(x2))
+    assert (region_words[:, 45:] == GUARD).all()
+    assert (got[:region] == GUARD).all() and (got[region + n_kv * n_ctx * sw:] == GUARD).all()
+
+
+def test_batches_larger_than_capacity(encoder, monkeypatch):
+    from kvdict_vk.vk import encoder as enc_mod
+    monkeypatch.setattr(enc_mod, "WORK_BUFFER_WORDS", 64 * 9 * 16)  # a batch of 64 vectors
+    rng = np.random.default_rng(10)
+    d = StreamDict(unit_atoms(rng, 1, 100, 16)[0], sparsity=8)
+    enc = encoder(d)
+    assert enc.capacity == 64
+    x = rng.standard_normal((2, 150, 16)).astype(np.float32)
+    gpu = enc.encode(x)
+    assert set_agreement(gpu, codec.encode_heads(x, d), 8) >= 1 - MAX_SET_FLIPS
+    assert enc.encode(x[:, :0]).shape == (2, 0, 8)
+
+
+def test_typed_errors(encoder, vk_device):
+    from kvdict_vk.vk.kernels import Buffer
+    rng = np.random.default_rng(11)
+    d = StreamDict(unit_atoms(rng, 1, 64, 32)[0], sparsity=2)
+    enc = encoder(d)
+    x = rng.standard_normal((1, 10, 32)).astype(np.float32)
+    for bad in (x.astype(np.float64), x[0], x[..., :31], list(x), np.full_like(x, np.nan),
+                np.full_like(x, 1e30)):
+        with pytest.raises(E.ShapeError):
+            enc.encode(bad)
+    dest = Buffer(vk_device, 100, "storage", "small dest")
+    try:
+        for args, match in [((x, 0, 10, 1), "n_ctx"), ((x, 90, 10, 0), "end at word"),
+                            ((x, -1, 10, 0), "non-negative"), ((x, 0, 10, 0.5), "non-negative")]:
+            with pytest.raises(E.DispatchError, match=match):
+                enc.encode_into(dest, *args)
+        with pytest.raises(E.DispatchError, match="own buffers"):
+            enc.encode_into(enc._buffers["out"], x, 0, 10, 0)
+        enc.encode_into(dest, x, 80, 10, 0)  # exactly fits: words 80..99
+    finally:
+        dest.destroy()
+    with pytest.raises(E.DispatchError, match="live Buffer"):
+        enc.encode_into(dest, x, 0, 10, 0)
+    enc.free()
+    with pytest.raises(E.ArenaError, match="freed"):
+        enc.encode(x)
+
+
+def test_scalar_variant_head_dim_not_a_multiple_of_4(encoder):
+    rng = np.random.default_rng(12)
+    d = StreamDict(unit_atoms(rng, 1, 256, 50)[0], sparsity=4, residual_bits=3,
+                   residual_scale=rng.uniform(0.5, 2, 50).astype(np.float32))
+    x = rng.standard_normal((2, 80, 50)).astype(np.float32)
+    enc = encoder(d)
+    assert "scalar" in enc._variants["corr"]
+    agree, diff = compare(enc, x, d, "d=50 scalar")
+    assert agree >= 1 - MAX_SET_FLIPS and diff <= REL_ERR_TOL
+
+
+def test_llvmpipe_loop_cap_is_refused(vk_device):
+    """A pick kernel that would run past llvmpipe's silent 65535-loop-iteration cap is refused
+    before anything is allocated (other drivers have no such cap)."""
+    from kvdict_vk.vk.encoder import GpuEncoder
+    if "llvmpipe" not in vk_device.name.lower():
+        pytest.skip("llvmpipe only")
+    rng = np.random.default_rng(13)
+    d = StreamDict(unit_atoms(rng, 1, 256, 256)[0], sparsity=250)
+    with pytest.raises(E.DispatchError, match="65535"):
+        GpuEncoder(vk_device, d)
+
+
+def test_dispatch_contracts_are_checked():
+    """The encoder's registry entries refuse inconsistent push constants (pure Python)."""
+    from kvdict_vk.vk.kernels import SHADERS
+    spec = {"DIM": 32, "SPARSITY": 4, "ATOM_BLOCK": 16}
+    push = dict(phase=1, step=0, group0=0, block=0, dict_head=0, n_tok=10, n_vectors=20, n_atoms=64,
+                per_head=0, atoms_word=0, inv_norm_word=0, mean_word=0, metric_word=0, raw_atoms_word=0,
+                scale_word=0, steps_word=0, res_word=0, basis_word=0, dst_word=0, n_ctx=10, t0=0)
+    SHADERS["omp_encode_pick_vec4"].extents(push, spec)
+    SHADERS["omp_encode_corr_vec4"].extents(push, spec)
+    for bad, shader in [(dict(step=4), "pick"), (dict(t0=1), "pick"), (dict(n_vectors=15), "pick"),
+                        (dict(block=4), "corr"), (dict(dict_head=1), "corr"), (dict(per_head=2), "corr")]:
+        with pytest.raises(E.DispatchError):
+            SHADERS[f"omp_encode_{shader}_vec4"].extents({**push, **bad}, spec)
