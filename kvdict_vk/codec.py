@@ -57,6 +57,31 @@ def unpack_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # --- OMP ----------------------------------------------------------------------------------
 
+class _Prepared:
+    """One dictionary in its encoding space, ready for OMP: unit-norm atoms per head
+    (float64, and transposed float32 for the correlation GEMM) and the factors back to the
+    caller's atoms. Built once per StreamDict (they are immutable) and cached on it."""
+
+    def __init__(self, atoms: np.ndarray, metric: np.ndarray | None):
+        dw = np.asarray(atoms, np.float64)  # (G, K, d)
+        self.w = None if metric is None else np.asarray(metric, np.float64)
+        if self.w is not None:
+            dw = dw @ self.w.T
+        norms = np.linalg.norm(dw, axis=2)
+        live = norms > 0  # an atom the metric maps to zero can never help
+        self.inv = np.where(live, 1.0 / np.where(live, norms, 1.0), 0.0)  # (G, K)
+        self.dn = dw * self.inv[..., None]  # unit-norm atoms (0 rows for dead ones)
+        self.dn_t32 = np.ascontiguousarray(self.dn.transpose(0, 2, 1), dtype=np.float32)
+
+
+def _prepared(d: StreamDict) -> _Prepared:
+    prep = d.__dict__.get("_omp_prepared")
+    if prep is None:
+        prep = _Prepared(d.atoms, d.metric)
+        object.__setattr__(d, "_omp_prepared", prep)  # a cache, not state: d stays immutable
+    return prep
+
+
 def omp(x: np.ndarray, atoms: np.ndarray, s: int, *, mean: np.ndarray | None = None,
         metric: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Batched orthogonal matching pursuit.
@@ -75,55 +100,60 @@ def omp(x: np.ndarray, atoms: np.ndarray, s: int, *, mean: np.ndarray | None = N
     atoms = np.asarray(atoms)
     if x.ndim != 2 or atoms.ndim != 2 or x.shape[1] != atoms.shape[1]:
         raise E.ShapeError(f"omp: x {x.shape} and atoms {atoms.shape} must be (N, d) and (K, d)")
-    n_atoms, d = atoms.shape
+    prep = _Prepared(atoms[None], metric)
+    idx, coef = _omp_grouped(x[None], None if mean is None else np.asarray(mean)[None], prep, s)
+    return idx[0], coef[0]
+
+
+def _omp_grouped(x: np.ndarray, mean: np.ndarray | None, prep: _Prepared, s: int):
+    """OMP of x (G, N, d) where group g is coded with head g of `prep` (G heads): one call
+    for every KV head of a stream. mean (G, d) or None. Returns (idx, coef), each (G, N, s)."""
+    g, n, d = x.shape
+    n_atoms = prep.dn.shape[1]
     if not 1 <= s <= min(d, n_atoms):
         raise E.ShapeError(f"omp: sparsity {s} outside 1..min(d={d}, n_atoms={n_atoms})")
     xw = x.astype(np.float64)
     if mean is not None:
-        xw = xw - np.asarray(mean, np.float64)
-    dw = atoms.astype(np.float64)
-    if metric is not None:
-        w = np.asarray(metric, np.float64)
-        xw = xw @ w.T
-        dw = dw @ w.T
-    norms = np.linalg.norm(dw, axis=1)
-    live = norms > 0  # an atom the metric maps to zero can never help
-    inv = np.where(live, 1.0 / np.where(live, norms, 1.0), 0.0)
-    dn = dw * inv[:, None]  # unit-norm atoms in the encoding space (0 rows for dead ones)
-    dn_t32 = np.ascontiguousarray(dn.T, dtype=np.float32)
-
-    n = x.shape[0]
-    idx = np.zeros((n, s), np.int64)
-    coef = np.zeros((n, s), np.float64)
-    chunk = max(16, min(4096, _CHUNK_ELEMENTS // n_atoms))
+        xw = xw - np.asarray(mean, np.float64)[:, None, :]
+    if prep.w is not None:
+        xw = xw @ prep.w.T
+    idx = np.zeros((g, n, s), np.int64)
+    coef = np.zeros((g, n, s), np.float64)
+    chunk = max(16, min(4096, _CHUNK_ELEMENTS // (n_atoms * g)))
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
-        idx[sl], coef[sl] = _omp_chunk(xw[sl], dn, dn_t32, s)
-    coef *= inv[idx]  # back to the caller's (unnormalised) atoms
-    return idx, coef
+        idx[:, sl], coef[:, sl] = _omp_chunk(xw[:, sl], prep, s)
+    coef *= np.take_along_axis(prep.inv[:, None, :], idx.reshape(g, 1, -1), axis=2).reshape(g, n, s)
+    return idx, coef  # coefficients for the caller's (unnormalised) atoms
 
 
-def _omp_chunk(x: np.ndarray, dn: np.ndarray, dn_t32: np.ndarray, s: int):
-    n, d = x.shape
+def _omp_chunk(xg: np.ndarray, prep: _Prepared, s: int):
+    """OMP of one chunk: xg (G, m, d); returns (idx, coef) each (G, m, s)."""
+    g, m, d = xg.shape
+    n = g * m
+    x = xg.reshape(n, d)
+    group = np.repeat(np.arange(g), m)  # the dictionary head of every row
+    dn, dn_t32 = prep.dn, prep.dn_t32
     rows = np.arange(n)
     idx = np.zeros((n, s), np.int64)
     q = np.zeros((n, s, d))  # orthonormal basis of the chosen atoms' span, per vector
     r_upper = np.zeros((n, s, s))  # atoms[idx[:, k]] = Σ_i r_upper[:, i, k] q[:, i]
     z = np.zeros((n, s))  # x's coordinates along q
     res = x.copy()
-    corr = np.empty((n, dn_t32.shape[1]), np.float32)
+    corr = np.empty((g, m, dn_t32.shape[2]), np.float32)
+    flat = corr.reshape(n, -1)
     for k in range(s):
-        np.matmul(res.astype(np.float32), dn_t32, out=corr)
+        np.matmul(res.reshape(g, m, d).astype(np.float32), dn_t32, out=corr)
         # argmax |corr| without materialising |corr|: one pass each for max and min.
-        hi, lo = corr.argmax(1), corr.argmin(1)
-        j = np.where(corr[rows, hi] >= -corr[rows, lo], hi, lo)
+        hi, lo = flat.argmax(1), flat.argmin(1)
+        j = np.where(flat[rows, hi] >= -flat[rows, lo], hi, lo)
         if k:
             dup = (idx[:, :k] == j[:, None]).any(1)
             if dup.any():  # only when every correlation is ~0: take the lowest free index
                 taken = (idx[dup, :k, None] == np.arange(k + 1)).any(1)
                 j[dup] = np.argmin(taken, axis=1)
         idx[:, k] = j
-        v = dn[j]  # (n, d) unit atoms
+        v = dn[group, j]  # (n, d) unit atoms
         if k:
             # Gram–Schmidt against the basis; a second pass where the first cancelled
             # more than half the norm ("twice is enough") keeps q orthonormal to
@@ -152,7 +182,7 @@ def _omp_chunk(x: np.ndarray, dn: np.ndarray, dn_t32: np.ndarray, s: int):
         diag = r_upper[:, k, k]
         acc = z[:, k] - np.einsum("nj,nj->n", r_upper[:, k, k + 1:], c[:, k + 1:])
         c[:, k] = np.where(diag > 0, acc / np.where(diag > 0, diag, 1.0), 0.0)
-    return idx, c
+    return idx.reshape(g, m, s), c.reshape(g, m, s)
 
 
 # --- stream-level encode / decode ------------------------------------------------------------
@@ -183,17 +213,36 @@ def reconstruct(codes: np.ndarray, atoms: np.ndarray, mean: np.ndarray | None = 
 
 def encode(x: np.ndarray, d: StreamDict, head: int = 0, sparsity: int | None = None) -> np.ndarray:
     """Head vectors (N, head_dim) of KV head `head` → slots (N, slot_words) uint32."""
-    hd = d.head(head)
-    s = hd.sparsity if sparsity is None else sparsity
-    x = np.asarray(x)
-    idx, coef = omp(x, hd.atoms, s, mean=hd.mean, metric=hd.metric)
+    g = 0 if d.n_heads == 1 else head
+    d.head(head)  # range check
+    return _encode_groups(np.asarray(x)[None], d, [g], sparsity)[0]
+
+
+def _encode_groups(x: np.ndarray, d: StreamDict, heads: list, sparsity: int | None = None) -> np.ndarray:
+    """x (G, N, head_dim), group i coded with dictionary head heads[i] → (G, N, slot_words).
+    One OMP call and one residual call for all groups: per-call overhead is what a
+    one-token append pays."""
+    s = d.sparsity if sparsity is None else sparsity
+    prep = _prepared(d)
+    sub = prep if list(heads) == list(range(prep.dn.shape[0])) else _subset(prep, heads)
+    mean = None if d.mean is None else d.mean[heads]
+    idx, coef = _omp_grouped(x, mean, sub, s)
     codes = pack_codes(idx, coef)
-    if not hd.residual_bits:
+    if not d.residual_bits:
         return codes
+    g, n, hd = x.shape
     # The residual is taken against what the decoder will rebuild (binary16 coefficients).
-    approx = reconstruct(codes, hd.atoms, hd.mean)
-    res = residual.quantise(np.asarray(x, np.float64) - approx, hd.residual_scale, hd.residual_bits)
-    return np.concatenate([codes, res], axis=1)
+    approx = np.stack([reconstruct(codes[i], d.atoms[h], None if d.mean is None else d.mean[h])
+                       for i, h in enumerate(heads)])
+    scale = np.repeat(d.residual_scale[heads], n, axis=0)  # per row
+    res = residual.quantise((np.asarray(x, np.float64) - approx).reshape(g * n, hd), scale, d.residual_bits)
+    return np.concatenate([codes, res.reshape(g, n, -1)], axis=2)
+
+
+def _subset(prep: _Prepared, heads: list) -> _Prepared:
+    sub = _Prepared.__new__(_Prepared)
+    sub.w, sub.inv, sub.dn, sub.dn_t32 = prep.w, prep.inv[heads], prep.dn[heads], prep.dn_t32[heads]
+    return sub
 
 
 def decode(slots: np.ndarray, d: StreamDict, head: int = 0, dtype=np.float64,
@@ -216,12 +265,12 @@ def encode_heads(x: np.ndarray, d: StreamDict) -> np.ndarray:
     x = np.asarray(x)
     if x.ndim != 3 or x.shape[2] != d.head_dim:
         raise E.ShapeError(f"encode_heads: x {x.shape}, expected (n_kv, T, {d.head_dim})")
-    if d.n_heads == 1:  # one dictionary: one batched call over every head and token
-        n, t, hdim = x.shape
-        return encode(x.reshape(n * t, hdim), d).reshape(n, t, -1)
-    if x.shape[0] != d.n_heads:
-        raise E.ShapeError(f"encode_heads: {x.shape[0]} KV heads, the dictionary has {d.n_heads}")
-    return np.stack([encode(x[h], d, h) for h in range(x.shape[0])])
+    n, t, hdim = x.shape
+    if d.n_heads == 1:  # one dictionary: every head and token in one batch
+        return _encode_groups(x.reshape(1, n * t, hdim), d, [0]).reshape(n, t, -1)
+    if n != d.n_heads:
+        raise E.ShapeError(f"encode_heads: {n} KV heads, the dictionary has {d.n_heads}")
+    return _encode_groups(x, d, list(range(n)))
 
 
 def decode_heads(slots: np.ndarray, d: StreamDict, dtype=np.float64) -> np.ndarray:

@@ -56,32 +56,39 @@ def _unpack_levels(words: np.ndarray, d: int, bits: int) -> np.ndarray:
 
 
 def quantise(r: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
-    """Residuals (N, d) → (N, residual_words(d, bits)) uint32."""
+    """Residuals (N, d) → (N, residual_words(d, bits)) uint32. `scale` is (d,) or per row (N, d)."""
     r = np.asarray(r, np.float64)
     n, d = r.shape
-    u = r / np.asarray(scale, np.float64)
+    words = np.empty((n, residual_words(d, bits)), np.uint32)
+    scale = np.broadcast_to(np.asarray(scale, np.float64), (n, d))
+    for c0 in range(0, n, _ROWS_PER_PASS):  # bounds the (rows × candidates × d) temporaries
+        sl = slice(c0, min(n, c0 + _ROWS_PER_PASS))
+        levels, step = _best_levels(r[sl] / scale[sl], bits)
+        words[sl, :-1] = _pack_levels(levels, bits)
+        words[sl, -1] = step.view(np.uint32)
+    return words
+
+
+_ROWS_PER_PASS = 2048
+
+
+def _best_levels(u: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the candidate step (float32, as stored) with the least squared error, and
+    its levels. All candidates at once: a one-token append pays a handful of NumPy calls."""
     levels_max = (1 << bits) - 1
     half = levels_max / 2.0
     rms = np.sqrt(np.mean(u * u, axis=1))
-    best_err = np.full(n, np.inf)
-    best_q = np.zeros((n, d), np.int64)
-    best_step = np.zeros(n, np.float32)
     amax = np.max(np.abs(u), axis=1)
-    candidates = [2.0 * m * rms / (levels_max + 1) for m in _CLIP_MULTIPLIERS]
-    candidates.append(2.0 * amax / levels_max if levels_max > 1 else amax)
-    for step in candidates:
-        step = step.astype(np.float32)  # what is stored, so what the error is measured with
-        safe = np.where(step > 0, step, 1.0).astype(np.float64)
-        q = np.clip(np.rint(u / safe[:, None] + half), 0, levels_max).astype(np.int64)
-        err = np.sum((u - (q - half) * step[:, None]) ** 2, axis=1)
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_q[better] = q[better]
-        best_step[better] = step[better]
-    words = np.empty((n, residual_words(d, bits)), np.uint32)
-    words[:, :-1] = _pack_levels(best_q, bits)
-    words[:, -1] = best_step.view(np.uint32)
-    return words
+    steps = np.empty((len(u), len(_CLIP_MULTIPLIERS) + 1))
+    steps[:, :-1] = 2.0 * rms[:, None] * _CLIP_MULTIPLIERS / (levels_max + 1)
+    steps[:, -1] = 2.0 * amax / levels_max if levels_max > 1 else amax
+    steps = steps.astype(np.float32).astype(np.float64)  # what is stored is what is measured
+    safe = np.where(steps > 0, steps, 1.0)
+    q = np.clip(np.rint(u[:, None, :] / safe[:, :, None] + half), 0, levels_max)
+    err = np.sum((u[:, None, :] - (q - half) * steps[:, :, None]) ** 2, axis=2)
+    best = np.argmin(err, axis=1)  # first minimum: ties go to the earlier candidate
+    rows = np.arange(len(u))
+    return q[rows, best].astype(np.int64), steps[rows, best].astype(np.float32)
 
 
 def dequantise(words: np.ndarray, scale: np.ndarray, bits: int, dtype=np.float64) -> np.ndarray:
@@ -91,7 +98,7 @@ def dequantise(words: np.ndarray, scale: np.ndarray, bits: int, dtype=np.float64
         raise E.ShapeError(f"residual words must be uint32, got {words.dtype}")
     scale = np.asarray(scale)
     d = scale.shape[-1]
-    levels = _unpack_levels(words[:, :-1], d, bits)
+    levels = _unpack_levels(words[:, :-1], d, bits)  # scale: (d,) or per row (N, d)
     step = words[:, -1].view(np.float32).astype(dtype)
     half = ((1 << bits) - 1) / 2.0
     return (levels - half).astype(dtype) * step[:, None] * scale.astype(dtype)

@@ -61,6 +61,10 @@ class Device:
     def __init__(self, info: DeviceInfo):
         self.info = info
         self._manager = None
+        # Kompute's Manager and Vulkan's queue are not thread-safe (vkQueueSubmit needs
+        # external synchronisation): every Kompute call on this device goes through guard(),
+        # which holds this lock. Re-entrant, since guarded code may allocate or dispatch.
+        self._lock = threading.RLock()
 
     @property
     def name(self) -> str:
@@ -69,7 +73,7 @@ class Device:
     @property
     def manager(self) -> "kp.Manager":
         if self._manager is None:
-            with _LOCK, self.guard("creating the Kompute manager"):
+            with self.guard("creating the Kompute manager"):
                 if self._manager is None:
                     self._manager = kp.Manager(self.info.index)
         return self._manager
@@ -84,9 +88,10 @@ class Device:
     @contextlib.contextmanager
     def guard(self, what: str):
         """Turn whatever Kompute raises (RuntimeError from Vulkan-Hpp, …) into a
-        VulkanError that names the device and the operation."""
+        VulkanError that names the device and the operation. Serialises callers."""
         try:
-            yield
+            with self._lock:
+                yield
         except E.KvDictError:
             raise
         except (RuntimeError, MemoryError) as e:  # Vulkan-Hpp errors arrive as RuntimeError
