@@ -3,7 +3,8 @@
 This is how an engine drives kvdict_vk: per token and layer it appends the new K/V rows
 to the cache and asks the cache for the attention output of the new query. The cache
 is anything with ``append(layer, k_rows, v_rows)`` ((n_kv, 1, head_dim) each) and
-``attend(layer, q, n_used) -> (n_heads, head_dim)`` — `kvdict_vk.vk.KvArena` in both of
+``attend(layer, q, n_used) -> (n_heads, head_dim)`` — or ``step(layer, k_rows, v_rows, q)``
+doing both at once (used when present) — `kvdict_vk.vk.KvArena` in both of
 its modes, or :class:`NumpyCache` (the float64 reference, for tests).
 """
 from __future__ import annotations
@@ -44,12 +45,15 @@ class NumpyCache:
 @dataclass
 class DecodeResult:
     nll: np.ndarray  # (T-1,) float64: −log p(token[t+1] | tokens[:t+1])
-    seconds: float
+    seconds: float  # every token but the first
     tokens: int
+    first_token_seconds: float  # includes one-time work (pipeline creation on first use)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+        """Steady-state decode speed (the first token excluded)."""
+        n = self.tokens - 1
+        return n / self.seconds if self.seconds > 0 else float("inf")
 
 
 def decode(tokens, cache, model: Model | None = None, progress=None) -> DecodeResult:
@@ -59,8 +63,12 @@ def decode(tokens, cache, model: Model | None = None, progress=None) -> DecodeRe
     tokens = np.asarray(tokens, np.int64)
     cos, sin = _rope_cos_sin(np.arange(len(tokens)), c.rope_theta, c.rope_dim)
     nll = np.empty(len(tokens) - 1)
+    fused = hasattr(cache, "step")
     t_start = time.perf_counter()
+    t_first = 0.0
     for pos, tok in enumerate(tokens):
+        if pos == 1:
+            t_first = time.perf_counter() - t_start
         x = m.tok_embd[tok].astype(np.float32)
         cs, sn = cos[pos:pos + 1], sin[pos:pos + 1]
         for i, w in enumerate(m.layers):
@@ -68,8 +76,12 @@ def decode(tokens, cache, model: Model | None = None, progress=None) -> DecodeRe
             q = _rotate_pairs((w.wq @ h).reshape(c.n_heads, 1, c.head_dim), cs, sn)[:, 0]
             k = _rotate_pairs((w.wk @ h).reshape(c.n_kv_heads, 1, c.head_dim), cs, sn)
             v = (w.wv @ h).reshape(c.n_kv_heads, 1, c.head_dim)
-            cache.append(i, np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
-            o = np.asarray(cache.attend(i, q.astype(np.float32), pos + 1), np.float32)
+            k32, v32, q32 = (np.ascontiguousarray(a, np.float32) for a in (k, v, q))
+            if fused:  # append + attend in one submission (KvArena.step)
+                o = np.asarray(cache.step(i, k32, v32, q32), np.float32)
+            else:
+                cache.append(i, k32, v32)
+                o = np.asarray(cache.attend(i, q32, pos + 1), np.float32)
             x = x + w.wo @ o.reshape(-1)
             h = rms_norm(x, w.ffn_norm, c.rms_eps)
             x = x + w.w_down @ (_silu(w.w_gate @ h) * (w.w_up @ h))
@@ -79,4 +91,5 @@ def decode(tokens, cache, model: Model | None = None, progress=None) -> DecodeRe
             nll[pos] = top + np.log(np.exp(logits - top).sum()) - logits[tokens[pos + 1]]
         if progress:
             progress(pos)
-    return DecodeResult(nll, time.perf_counter() - t_start, len(tokens))
+    total = time.perf_counter() - t_start
+    return DecodeResult(nll, total - t_first, len(tokens), t_first)
