@@ -46,7 +46,7 @@ void main() {
             [[unroll]] for (uint hj = 0u; hj < HB; ++hj)
                 w[hj] = 0.0;
             [[dont_unroll]] for (uint i = 0u; i < pc.n_splits; ++i) {
-                uint rec = (g * pc.n_splits + i) * GROUP + hj0;
+                uint rec = record(i, g, pc.n_kv) + hj0;
                 [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
                     uint bin = (rec + hj) * pc.n_atoms + a;
                     w[hj] += stats[pc.f_word + rec + hj] * bins[bin];

@@ -19,15 +19,18 @@
 // an invocation handles a block of HB query heads of its group (HB * HEAD_DIM <= 192
 // floats of query and accumulator state, chosen by the host).
 //
-// Buffers (float unless noted; g = KV head, i = split, hj = query head within the group):
-//   stats  [((g*n_splits + i)*GROUP + hj)*2 + 0/1] = m, l: the split's maximum score (-inf
-//          when empty) and sum of exp(score - m); attend_combine.comp adds the factors
-//          f = exp(m - M) at f_word + (g*n_splits + i)*GROUP + hj and 1/L at
-//          inv_l_word + g*GROUP + hj (M = max over splits, L = sum of f*l)
-//   accs   vec4 [((g*n_splits + i)*GROUP + hj)*Q4 + c]: sum of exp(score - m) * v
-//          (dict-coded V: only the residual part, already times the residual scale)
-//   bins   [((g*n_splits + i)*GROUP + hj)*n_atoms + a]: dict-coded V only, the split's
-//          atom weights, sum of exp(score - m) * coef over the code words selecting atom a
+// Buffers (float unless noted; g = KV head, i = split, hj = query head within the group).
+// Records are split-major — record (i, g, hj) = (i*n_kv + g)*GROUP + hj, record() below — so
+// a dispatch can append splits after another's (a decode step's fresh tokens after the
+// cached ones) without either knowing the total count:
+//   stats  [rec*2 + 0/1] = m, l: the split's maximum score (-inf when empty) and sum of
+//          exp(score - m); attend_combine.comp adds the factors f = exp(m - M) at
+//          f_word + rec and 1/L at inv_l_word + g*GROUP + hj (M = max over splits, L = sum
+//          of f*l)
+//   accs   vec4 [rec*Q4 + c]: sum of exp(score - m) * v (attend_split.comp with a
+//          dict-coded V: only the residual part, already times the residual scale)
+//   bins   [rec*n_atoms + a]: attend_split.comp with a dict-coded V only, the split's atom
+//          weights, sum of exp(score - m) * coef over the code words selecting atom a
 
 #define NEG_INF uintBitsToFloat(0xFF800000u)
 
@@ -42,3 +45,6 @@ const uint BQ = HB * Q4;            // quads of a block of HB head vectors
 const uint N_HB = GROUP / HB;       // head blocks per KV head
 
 uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
+
+// The first record of split i of KV head g (add hj for query head hj of the group).
+uint record(uint i, uint g, uint n_kv) { return (i * n_kv + g) * GROUP; }

@@ -35,7 +35,7 @@ void main() {
         uint hj = h - g * GROUP;
         vec4 o = vec4(0.0);
         [[dont_unroll]] for (uint i = 0u; i < pc.n_splits; ++i) {
-            uint rec = (g * pc.n_splits + i) * GROUP + hj;
+            uint rec = record(i, g, pc.n_kv) + hj;
             o += stats[pc.f_word + rec] * accs[rec * Q4 + c];
         }
         [[dont_unroll]] for (uint b = 0u; b < pc.n_blocks; ++b)

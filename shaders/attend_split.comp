@@ -209,7 +209,7 @@ void main() {
         }
 
         // --- pass 2: probabilities, sums, values ---------------------------------------------
-        uint bin_row = ((g * pc.n_splits + i) * GROUP + hj0) * pc.n_atoms;  // zero on entry
+        uint bin_row = (record(i, g, pc.n_kv) + hj0) * pc.n_atoms;  // zero on entry
         for (uint t = t0; t < t1; ++t) {
             float p[HB];
             [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
@@ -251,7 +251,7 @@ void main() {
                 acc[x] *= row[x % Q4];
         }
 #endif
-        uint rec = (g * pc.n_splits + i) * GROUP + hj0;
+        uint rec = record(i, g, pc.n_kv) + hj0;
         [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
             stats[(rec + hj) * 2u] = m[hj];
             stats[(rec + hj) * 2u + 1u] = l[hj];

@@ -20,7 +20,7 @@ layout(push_constant) uniform EncodePush {
     uint phase;           // pick: 0 = start (r = x - mean), 1 = OMP step `step`
     uint step;            // 0 .. SPARSITY-1
     uint group0;          // first workgroup of this dispatch (a batch takes several)
-    uint block;           // corr: the atom block of this dispatch
+    uint block;           // corr: the atom block of this dispatch; metric: the row block
     uint dict_head;       // corr: the dictionary head of this dispatch (0 when shared)
     uint n_tok;           // tokens per head in this batch (>= 1)
     uint n_vectors;       // n_kv * n_tok; vector v = h*n_tok + i, its input at v*DIM

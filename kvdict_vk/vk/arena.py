@@ -13,6 +13,8 @@ Not thread-safe: one arena belongs to one thread at a time.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .. import codec, runtime
@@ -23,19 +25,31 @@ from .kernels import Buffer, Kernel, run
 from .attend import Attention, check_query
 from .reader import ReadPlan
 
+SMALL_SCATTER_TOKENS = 4  # appends up to this many tokens use the small scatter pipeline
 UPLOAD_CAP_WORDS = 1 << 20  # host-visible upload buffer, at most (4 MiB); larger appends are chunked
 OUT_MIN_WORDS = 1 << 14  # smallest read-back buffer class (64 KiB) …
 OUT_CLASS_STEP = 8  # … then ×8 per class, so a read copies back at most ~8× what it returns
 OUT_CAP_WORDS = 1 << 24  # … up to 64 MiB (and the device limits); larger reads are chunked
+ENCODERS = ("cpu", "gpu")
+ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu" or "gpu"
+GPU_ENCODE_BATCH = 1024  # vectors per GPU-encoder submission (bounds its work buffers to ~1–2 MiB)
 
 
 class KvArena:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
                  device: "int | str | Device | None" = None, shader_mapping: str | None = None,
-                 guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE):
+                 guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE, encoder: str | None = None):
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
-        test-only sentinel words around every region (see kvdict_vk.layout)."""
+        test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
+        where appends run OMP — "cpu" (codec, the reference) or "gpu" (kvdict_vk.vk.encoder,
+        slots written straight into the layer); None reads $KVDICT_VK_ENCODER, default "cpu"
+        (on llvmpipe the CPU codec is the faster of the two: tools/bench_encode.py)."""
+        if encoder is None:
+            encoder = os.environ.get(ENCODER_ENV, "").strip().lower() or "cpu"
+        if encoder not in ENCODERS:
+            raise E.ArenaError(f"encoder must be one of {ENCODERS} (or ${ENCODER_ENV}), got {encoder!r}")
+        self.encoder = encoder
         snap = runtime.snapshot()  # once: the layout never changes under a live arena
         art = snap.artifact if snap.active else None
         self._layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx, art,
@@ -58,6 +72,7 @@ class KvArena:
         self._outs: dict[int, Buffer] = {}
         self._upload = None
         self._attention: dict[int, Attention] = {}  # by query-head count, made on first attend
+        self._encoders: dict = {}  # (layer, "k"/"v") → GpuEncoder, made on first GPU-encoded append
         self._n_tokens = [0] * n_layers
         self._freed = False
         try:
@@ -94,7 +109,7 @@ class KvArena:
         heap = self.device.info.device_local_bytes
         if total > heap:
             raise E.ArenaTooLargeError(f"{name}: the arena needs {total} bytes, the device heap has {heap}")
-        return {"upload": upload, "out": out_cap, "token_out": token_out}
+        return {"upload": upload, "out": out_cap, "token_out": token_out, "token_up": token_up}
 
     def _out_class(self, words: int) -> int:
         size = OUT_MIN_WORDS
@@ -131,12 +146,25 @@ class KvArena:
                                         group_rows=1, group_stride=part.size, n_words=part.size),
                 what=f"uploading layer {layer}")
 
-    def _scatter(self, layer: int) -> Kernel:
-        key = ("scatter", layer)
+    def _scatter(self, layer: int, n_words: int | None = None) -> Kernel:
+        """The scatter pipeline for an upload of n_words (None: any size). Two sizes: a
+        dispatch is sized when its pipeline is made, and llvmpipe spends a few µs on every
+        workgroup even when its grid-stride loop has nothing to do — a one-token append
+        through the upload-sized pipeline (4096 workgroups) took 10–20 ms."""
+        small = n_words is not None and n_words <= self._caps["token_up"] * SMALL_SCATTER_TOKENS
+        key = ("scatter", layer, small)
         if key not in self._kernels:
-            self._kernels[key] = Kernel(self.device, "scatter", [self._upload, self._layers[layer]],
-                                        max_items=self._caps["upload"])
+            items = self._caps["token_up"] * SMALL_SCATTER_TOKENS if small else self._caps["upload"]
+            self._kernels[key] = Kernel(self.device, "scatter", [self._upload, self._layers[layer]], max_items=items)
         return self._kernels[key]
+
+    def _scatter_op(self, layer: int, src_word: int, st: L.StreamLayout, t0: int, t_new: int):
+        """The scatter of t_new tokens' rows of stream `st` (n_kv × t_new × row_words words
+        at src_word of the upload buffer) to tokens t0.. of their KV heads."""
+        n = self.layout.n_kv_heads * t_new * st.row_words
+        return self._scatter(layer, n).op(src_word=src_word, dst_word=st.region_word + t0 * st.row_words,
+                                          row_words=st.row_words, group_rows=t_new,
+                                          group_stride=self.layout.n_ctx * st.row_words, n_words=n)
 
     # --- checks -----------------------------------------------------------------------------------
     def _live(self) -> None:
@@ -181,16 +209,55 @@ class KvArena:
         streams are encoded on the CPU (codec.encode_heads: each KV head through its
         dictionary); only the new slots go to the device. Returns the layer's new token count."""
         i = self._layer_index(layer)
+        rows = self._new_rows(i, k_rows, v_rows)
+        if self._gpu_encodes(i):
+            return self._append_gpu(i, rows)
+        return self._append_words(i, *self._encode(i, rows))
+
+    def _gpu_encodes(self, layer: int) -> bool:
+        return self.encoder == "gpu" and any(st.coded for st in self.layout.layers[layer].streams)
+
+    def _gpu_encoder(self, layer: int, st: L.StreamLayout):
+        key = (layer, st.stream)
+        if key not in self._encoders:
+            from .encoder import GpuEncoder
+            self._encoders[key] = GpuEncoder(self.device, self._art.stream(layer, st.stream == "k"),
+                                             max_batch=GPU_ENCODE_BATCH)
+        return self._encoders[key]
+
+    def _append_gpu(self, layer: int, rows) -> int:
+        """Coded streams OMP-encoded on the device straight into their slots; passthrough
+        rows through the upload buffer. The token count moves only when every stream is
+        written, so a failure leaves the layer's visible tokens as they were."""
+        t0, t_new = self._n_tokens[layer], rows[0].shape[1]
+        n_ctx, buf = self.layout.n_ctx, self._layers[layer]
+        for r, st in zip(rows, self.layout.layers[layer].streams):
+            if st.coded and t_new:
+                self._gpu_encoder(layer, st).encode_into(buf, r, st.region_word, n_ctx, t0)
+        passthrough = [(r.view(np.uint32), st) for r, st in zip(rows, self.layout.layers[layer].streams)
+                       if not st.coded]
+        if passthrough and t_new:
+            self._scatter_words(layer, passthrough)
+        self._n_tokens[layer] = t0 + t_new
+        return t0 + t_new
+
+    def _new_rows(self, layer: int, k_rows, v_rows) -> list:
+        """Checked (K, V) rows to append to ``layer``, with room for them."""
         hd = self.layout.head_dim
         rows = [self._rows(n, a, np.float32, hd) for n, a in (("k_rows", k_rows), ("v_rows", v_rows))]
-        self._check_room(i, rows[0].shape[1], rows[1].shape[1])  # before spending time on OMP
+        self._check_room(layer, rows[0].shape[1], rows[1].shape[1])
+        return rows
+
+    def _encode(self, layer: int, rows) -> list:
+        """(K, V) rows → the words to store: slots of a coded stream (codec.encode_heads:
+        each KV head through its dictionary), the rows' bits for a passthrough one."""
         words = []
-        for r, st in zip(rows, self.layout.layers[i].streams):
+        for r, st in zip(rows, self.layout.layers[layer].streams):
             if st.coded:
-                words.append(codec.encode_heads(r, self._art.stream(i, st.stream == "k")))
+                words.append(codec.encode_heads(r, self._art.stream(layer, st.stream == "k")))
             else:
                 words.append(r.view(np.uint32))
-        return self._append_words(i, *words)
+        return words
 
     def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
         """Append already-encoded tokens: uint32 slots (n_kv, T_new, slot_words) for a coded
@@ -213,24 +280,27 @@ class KvArena:
             raise E.ArenaError(f"layer {layer}: {t0} + {t_k} tokens exceed n_ctx {n_ctx}")
 
     def _append_words(self, layer: int, k_words: np.ndarray, v_words: np.ndarray) -> int:
-        t_new, t0, n_ctx = k_words.shape[1], self._n_tokens[layer], self.layout.n_ctx
-        streams, n_kv = self.layout.layers[layer].streams, self.layout.n_kv_heads
-        per_token = n_kv * (streams[0].row_words + streams[1].row_words)
-        step = self._caps["upload"] // per_token
-        scatter, up = self._scatter(layer), self._upload.host_words()
+        t0, t_new = self._n_tokens[layer], k_words.shape[1]
+        self._scatter_words(layer, list(zip((k_words, v_words), self.layout.layers[layer].streams)))
+        self._n_tokens[layer] = t0 + t_new
+        return t0 + t_new
+
+    def _scatter_words(self, layer: int, parts) -> None:
+        """Words (n_kv, T_new, row_words) of the given streams, [(words, StreamLayout)], to
+        tokens n_tokens.. of the layer through the upload buffer, chunked to fit it."""
+        t_new, t0 = parts[0][0].shape[1], self._n_tokens[layer]
+        n_kv = self.layout.n_kv_heads
+        step = self._caps["upload"] // (n_kv * sum(st.row_words for _, st in parts))
+        up = self._upload.host_words()
         for c0 in range(0, t_new, step):
             tc = min(step, t_new - c0)
             ops, src = [], 0
-            for st, w in zip(streams, (k_words, v_words)):
+            for w, st in parts:
                 n = n_kv * tc * st.row_words
                 up[src:src + n] = w[:, c0:c0 + tc].reshape(-1)
-                ops.append(scatter.op(src_word=src, dst_word=st.region_word + (t0 + c0) * st.row_words,
-                                      row_words=st.row_words, group_rows=tc,
-                                      group_stride=n_ctx * st.row_words, n_words=n))
+                ops.append(self._scatter_op(layer, src, st, t0 + c0, tc))
                 src += n
             run(self.device, *ops, what=f"appending to layer {layer}")
-        self._n_tokens[layer] = t0 + t_new
-        return t0 + t_new
 
     def read(self, layer: int, t0: int = 0, t1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1), reconstructed on the GPU."""
@@ -276,6 +346,37 @@ class KvArena:
         q, n_used, scale = check_query(self.layout, q, n_used, self._n_tokens[i], scale)
         return self.attention(q.shape[0]).attend(i, q, n_used, scale)
 
+    def step(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray,
+             scale: float | None = None) -> np.ndarray:
+        """One decode step: append the new tokens' K/V (as ``append``), then attend with q
+        over every token of the layer, the new ones included (as ``attend`` with n_used =
+        the new token count) — in ONE submission: the scatter into the layer and the
+        attention passes, which read the new tokens from the upload buffer (kvdict_vk.vk.attend
+        says why). Returns (n_heads, head_dim) float32. Same call in both cache modes."""
+        i = self._layer_index(layer)
+        rows = self._new_rows(i, k_rows, v_rows)
+        t0, t_new = self._n_tokens[i], rows[0].shape[1]
+        q, n_used, scale = check_query(self.layout, q, max(t0 + t_new, 1), t0 + t_new, scale)
+        att = self.attention(q.shape[0])
+        if self._gpu_encodes(i):
+            self._append_gpu(i, rows)  # the slots are made on the device: two submissions
+            return att.attend(i, q, n_used, scale)
+        k_words, v_words = self._encode(i, rows)  # after every check: OMP is the expensive part
+        k_st, v_st = self.layout.layers[i].streams
+        n_kv = self.layout.n_kv_heads
+        v_word = -(-n_kv * t_new * k_st.row_words // 4) * 4  # f32 rows are read as vec4
+        v_end = v_word + n_kv * t_new * v_st.row_words
+        if t_new == 0 or t_new > att.max_fresh_tokens(i) or v_end > self._caps["upload"]:
+            self._append_words(i, k_words, v_words)  # a prefill: two submissions
+            return att.attend(i, q, n_used, scale)
+        up = self._upload.host_words()
+        up[:k_words.size] = k_words.reshape(-1)
+        up[v_word:v_end] = v_words.reshape(-1)
+        scatter = [self._scatter_op(i, 0, k_st, t0, t_new), self._scatter_op(i, v_word, v_st, t0, t_new)]
+        out = att.step(i, q, t0, t_new, scale, scatter, (0, v_word))
+        self._n_tokens[i] = t0 + t_new
+        return out
+
     def attention(self, n_heads: int) -> Attention:
         """The attention engine for ``n_heads`` query heads (benchmarks use it directly)."""
         self._live()
@@ -305,6 +406,9 @@ class KvArena:
         for att in self._attention.values():
             att.free()
         self._attention.clear()
+        for enc in self._encoders.values():
+            enc.free()
+        self._encoders.clear()
         for k in list(self._kernels.values()):
             k.destroy()
         for b in [*self._outs.values(), *self._layers, self._upload]:

@@ -13,6 +13,7 @@ from .. import layout as L
 ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
 CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
+DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS")
 
 
 def row_words(head_dim: int, sparsity: int, bits: int) -> int:
@@ -150,6 +151,47 @@ def _reduce_extents(p, s):
     return [layer, stats, [_span(0, records * hd)], blocks, [_span(0, n_kv * g * hd)]]
 
 
+def _direct_extents(p, s):
+    """attend_direct.comp: tokens [t_first, n_used), those below n_cached from the cache
+    (slots read as words, f32 rows as quads; atoms, scales and the mean as quads), the rest
+    from the fresh rows; records split0 .. split0 + n_splits, or the output."""
+    hd, g, n_kv = s["HEAD_DIM"], s["GROUP"], p["n_kv"]
+    first, used, cached = p["t_first"], p["n_used"], p["n_cached"]
+    _check(n_kv >= 1 and first < used and cached <= used and min(used, cached) <= p["n_ctx"]
+           and p["n_splits"] >= 1 and p["split_len"] >= 1 and p["n_splits"] * p["split_len"] >= used - first
+           and g % s["HB"] == 0 and p["write_out"] <= 1 and p["use_mean"] <= p["write_out"]
+           and (not p["write_out"] or (p["n_splits"] == 1 and p["split0"] == 0 and first == 0)), "attend_direct", p)
+    _check((not (s["K_SPARSITY"] or s["V_SPARSITY"]) or p["n_atoms"] >= 1), "attend_direct", p)
+    words, quads, fresh_words, fresh_quads = [], [], [], []
+    n_fresh = used - cached
+    streams = ((p["k_word"], p["fresh_k_word"], s["K_SPARSITY"], s["K_BITS"], p["k_atoms_word"], p["k_scale_word"]),
+               (p["v_word"], p["fresh_v_word"], s["V_SPARSITY"], s["V_BITS"], p["v_atoms_word"], p["v_scale_word"]))
+    for word, fresh_word, sparsity, bits, atoms_word, scale_word in streams:
+        row = row_words(hd, sparsity, bits)
+        if min(used, cached) > first:
+            (words if sparsity else quads).append(_span(word, ((n_kv - 1) * p["n_ctx"] + min(used, cached)) * row))
+        if used > max(first, cached):
+            (fresh_words if sparsity else fresh_quads).append(_span(fresh_word, n_kv * n_fresh * row))
+        if sparsity:
+            quads.append(_atoms_span(dict(p, atoms_word=atoms_word), hd))
+        if bits:
+            quads.append(_vec_span(scale_word, n_kv, p["head_vec"], hd))
+    if p["use_mean"]:
+        quads.append(_vec_span(p["mean_word"], n_kv, p["head_vec"], hd))
+    lo, hi = p["split0"] * n_kv * g, (p["split0"] + p["n_splits"]) * n_kv * g  # records
+    records = [] if p["write_out"] else [[_span(lo * hd, (hi - lo) * hd)], [_span(2 * lo, 2 * (hi - lo))]]
+    return [words, quads, fresh_words, fresh_quads, [_span(0, n_kv * g * hd)],
+            *(records or [[], []]), [_span(0, n_kv * g * hd)] if p["write_out"] else []]
+
+
+def _merge_extents(p, s):
+    hd, g, n_kv = s["HEAD_DIM"], s["GROUP"], p["n_kv"]
+    _check(n_kv >= 1 and p["n_splits"] >= 1 and p["use_mean"] <= 1, "attend_merge", p)
+    records = n_kv * p["n_splits"] * g
+    mean = [_vec_span(p["mean_word"], n_kv, p["head_vec"], hd)] if p["use_mean"] else []
+    return [mean, [_span(0, 2 * records)], [_span(0, records * hd)], [_span(0, n_kv * g * hd)]]
+
+
 def shader_specs(shader_spec) -> dict:
     """The attention entries of kernels.SHADERS (``shader_spec`` is kernels.ShaderSpec).
     Lanes: 4 for the vec4 views (layer quads, query, accumulators, blocks, output)."""
@@ -167,5 +209,11 @@ def shader_specs(shader_spec) -> dict:
                     _atoms_extents),
         shader_spec("attend_reduce", L.ATTEND_REDUCE_PUSH, (4, 1, 4, 4, 4), (False, False, False, False, True),
                     SPEC, _reduce_extents),
+        # cache words, cache quads, fresh words, fresh quads, query, accs, stats, out
+        shader_spec("attend_direct", L.ATTEND_DIRECT_PUSH, (1, 4, 1, 4, 4, 4, 1, 4),
+                    (False, False, False, False, False, True, True, True), DIRECT_SPEC, _direct_extents,
+                    optional_spec=tuple((n, 0) for n in DIRECT_SPEC[4:])),
+        shader_spec("attend_merge", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
+                    _merge_extents),
     ]
     return {s.variant: s for s in specs}

@@ -44,7 +44,10 @@ class GpuEncoder:
     llvmpipe a configuration whose pick kernel would exceed the driver's loop-iteration cap
     (sparsity ≳ 240) is refused with DispatchError."""
 
-    def __init__(self, device: "int | str | Device | None", stream: StreamDict):
+    def __init__(self, device: "int | str | Device | None", stream: StreamDict, *, max_batch: int | None = None):
+        """``max_batch``: at most this many vectors per submission (rounded up to a tile),
+        which bounds the work buffers — an arena keeps one encoder per coded stream and
+        decodes a few vectors per step, so it asks for small batches."""
         if not isinstance(stream, StreamDict):
             raise E.ShapeError(f"GpuEncoder needs a StreamDict, got {type(stream).__name__}")
         self.device, self.stream = get_device(device), stream
@@ -62,6 +65,10 @@ class GpuEncoder:
             raise E.ArenaTooLargeError(f"{self.device.name}: the dictionary image needs {4 * image.words.size} "
                                        f"bytes, one binding holds at most {4 * max_words}")
         self.capacity = I.batch_capacity(d, self.atom_block, min(WORK_BUFFER_WORDS, max_words), TILE)
+        if max_batch is not None:
+            if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+                raise E.ShapeError(f"max_batch must be a positive integer, got {max_batch!r}")
+            self.capacity = min(self.capacity, -(-max_batch // TILE) * TILE)
         sizes = I.state_sizes(d, self.atom_block, self.capacity)
         if max(sizes.values()) > max_words:
             raise E.ArenaTooLargeError(f"{self.device.name}: one batch of {TILE} vectors needs "

@@ -1,0 +1,200 @@
+"""The recorded operations of one decode attention (kvdict_vk.vk.attend): pipelines, push
+constants and barriers for each plan (kvdict_vk.vk.attend_plan).
+
+Pipelines are made once per (pass, layer or row buffer) — Kompute binds buffers when a
+pipeline is created — and kept until the arena is freed. Operations whose push constants do
+not depend on the token count (the q·atom table, the syncs, the passes after the splits
+for a given split count) are made once and re-recorded; the others (the split passes,
+whose push constants carry n_used) are made per call — Kompute bakes push constants into
+the command buffer when recording, and a sequence cannot be re-recorded under the
+validation layer (its command pool lacks the reset flag), so a decode step records a fresh
+sequence of mostly cached operations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .attend_plan import LOOP_BUDGET
+from .attend_specs import n_blocks
+from .device import kp
+from .kernels import Kernel
+
+OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (never in steady decode)
+
+
+@dataclass(frozen=True)
+class F32Rows:
+    """A stream of f32 rows outside the layer buffer (what a StreamLayout says of a
+    passthrough stream, for the reconstruct-then-attend baseline)."""
+    coded: bool = False
+    sparsity: int = 0
+    residual_bits: int = 0
+    has_mean: bool = False
+    head_atoms_stride: int = 0
+    head_vec_stride: int = 0
+
+
+class PassBuilder:
+    def __init__(self, att):
+        self.att, self.layout, self.device = att, att.layout, att.device
+        self._kernels: dict = {}
+        self._ops: dict = {}
+
+    # --- pipelines and operations -------------------------------------------------------------
+    def _kernel(self, key, shader: str, buffers, items: int, **spec) -> Kernel:
+        if key not in self._kernels:
+            att = self.att
+            spec = {"HEAD_DIM": self.layout.head_dim, "GROUP": att.group, "LOCAL": att.local, "HB": att.hb, **spec}
+            self._kernels[key] = Kernel(self.device, shader, buffers, spec, max_items=items)
+        return self._kernels[key]
+
+    def _cached_op(self, key, kernel: Kernel, **push):
+        """kernel.op(**push), made once per (kernel, push constants)."""
+        k = (key, tuple(sorted(push.items())))
+        op = self._ops.get(k)
+        if op is None:
+            if len(self._ops) >= OP_CACHE_LIMIT:
+                self._ops.clear()
+            op = self._ops[k] = kernel.op(**push)
+        return op
+
+    def sync(self, *buffers):
+        """The compute→compute barrier (kvdict_vk.vk.attend): a sync of what was just written."""
+        k = ("sync",) + tuple(id(b) for b in buffers)
+        op = self._ops.get(k)
+        if op is None:
+            op = self._ops[k] = kp.OpTensorSyncLocal([b.tensor for b in buffers])
+        return op
+
+    # --- the direct path ------------------------------------------------------------------------
+    def _direct(self, key, cache, k, v, source: dict, plan, n_used: int, n_cached: int, t_first: int,
+                n_splits: int, split_len: int, split0: int, scale: float, fresh_words=(0, 0)):
+        """One attend_direct dispatch over tokens [t_first, n_used) of `cache` (k, v: its
+        streams' StreamLayouts, or None for f32 rows at source's k_word / v_word)."""
+        att, lay = self.att, self.layout
+        upload = att.arena._upload
+        spec = dict(K_SPARSITY=k.sparsity if k.coded else 0, K_BITS=k.residual_bits,
+                    V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits)
+        kernel = self._kernel(("direct",) + key, "attend_direct",
+                              [cache, cache, upload, upload, att.q, att.accs, att.stats, att.out],
+                              att.units * att.max_splits, **spec)
+        write_out = int(plan.write_out and t_first == 0)
+        use_mean = int(write_out and v.coded and v.has_mean)
+        return kernel.op(**source, fresh_k_word=fresh_words[0], fresh_v_word=fresh_words[1], t_first=t_first,
+                         n_used=n_used, n_cached=n_cached, split_len=split_len, n_splits=n_splits, split0=split0,
+                         n_kv=lay.n_kv_heads, n_atoms=max(lay.n_atoms, 1),
+                         k_atoms_word=k.atoms_word if k.coded else 0, v_atoms_word=v.atoms_word if v.coded else 0,
+                         head_atoms=k.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
+                         v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
+                         write_out=write_out, use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
+                         score_scale=scale)
+
+    def _merge(self, key, buf, v, records: int) -> list:
+        att, lay = self.att, self.layout
+        use_mean = int(v is not None and v.coded and v.has_mean)
+        kernel = self._kernel(("merge",) + key, "attend_merge", [buf, att.stats, att.accs, att.out],
+                              lay.n_kv_heads * att.group * lay.head_dim // 4)
+        return [self.sync(att.stats, att.accs),
+                self._cached_op(("merge",) + key, kernel, n_kv=lay.n_kv_heads, n_splits=records, use_mean=use_mean,
+                                mean_word=v.mean_word if use_mean else 0,
+                                head_vec=v.head_vec_stride if use_mean else 0)]
+
+    # --- one attention ------------------------------------------------------------------------------
+    def ops(self, layer: int, plan, n_used: int, n_cached: int, scale: float, fresh_words=(0, 0)) -> list:
+        """The operations of one attention over tokens [0, n_used) of ``layer``, those from
+        n_cached on fresh (in the upload buffer at fresh_words)."""
+        lay = self.layout
+        k, v = lay.layers[layer].streams
+        buf = self.att.arena._layers[layer]
+        source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx)
+        key = ("layer", layer)
+        if plan.path == "direct":
+            ops = [self._direct(key, buf, k, v, source, plan, n_used, n_cached, 0, plan.n_splits, plan.split_len,
+                                0, scale, fresh_words)]
+            return ops if plan.write_out else ops + self._merge(key, buf, v, plan.records)
+        ops = self._table_ops(layer, plan, n_cached, scale)
+        if plan.fresh_splits:  # a step's new tokens: records after the split pass's
+            ops.append(self._direct(key, buf, k, v, source, plan, n_used, n_cached, n_cached, plan.fresh_splits,
+                                    plan.fresh_len, plan.n_splits, scale, fresh_words))
+        return ops + self._table_tail(layer, plan)
+
+    def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
+        """The direct path over f32 rows in ``rows``: K at word 0, V after it, n_used tokens
+        per KV head (the reconstruct-then-attend baseline)."""
+        lay = self.layout
+        source = dict(k_word=0, v_word=lay.n_kv_heads * n_used * lay.head_dim, n_ctx=n_used)
+        key = ("rows", id(rows))
+        ops = [self._direct(key, rows, F32Rows(), F32Rows(), source, plan, n_used, n_used, 0, plan.n_splits, plan.split_len,
+                            0, scale)]
+        return ops if plan.write_out else ops + self._merge(key, rows, None, plan.records)
+
+    # --- the table path ---------------------------------------------------------------------------
+    def _table_ops(self, layer: int, plan, n_cached: int, scale: float) -> list:
+        """attend_table (K dict-coded), then attend_split_coded over the cached tokens."""
+        att, lay = self.att, self.layout
+        n_kv, buf = lay.n_kv_heads, att.arena._layers[layer]
+        k, v = lay.layers[layer].streams
+        ops = []
+        if k.coded:
+            # a few contiguous runs of atoms per hardware thread (the query reload is the
+            # cost), each within the loop budget
+            runs = max(att.preferred_splits * att.units, -(-att.units * lay.n_atoms // (LOOP_BUDGET // 2)))
+            table = self._kernel(("table", layer), "attend_table", [buf, att.q, att.table],
+                                 min(att.units * lay.n_atoms, runs))
+            ops += [self._cached_op(("table", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
+                                    n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(att.table)]
+        spec = dict(K_CODED=int(k.coded), K_BITS=k.residual_bits, V_CODED=int(v.coded), V_BITS=v.residual_bits)
+        # unused bindings: the query (read-only) for the table, a dummy for the weights
+        split = self._kernel(("split_coded", layer), "attend_split_coded",
+                             [buf, buf, att.q, att.accs, att.stats, att.table if k.coded else att.q,
+                              att.bins if v.coded else att.dummy, att.scores], att.units * att.max_splits, **spec)
+        ops.append(split.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_cached,
+                            split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, n_atoms=max(lay.n_atoms, 1),
+                            k_sparsity=k.sparsity if k.coded else 0, v_sparsity=v.sparsity if v.coded else 0,
+                            k_scale_word=k.scale_word if k.residual_bits else 0,
+                            v_scale_word=v.scale_word if v.residual_bits else 0,
+                            head_vec=k.head_vec_stride, score_scale=scale))
+        return ops
+
+    def _table_tail(self, layer: int, plan) -> list:
+        """attend_combine → attend_atoms (V dict-coded) → attend_reduce over plan.records splits."""
+        att, lay, sz = self.att, self.layout, self.att.sizes
+        n_kv, buf, records = lay.n_kv_heads, att.arena._layers[layer], plan.records
+        v = lay.layers[layer].v
+        ops = [self.sync(att.stats, att.accs, *([att.bins] if v.coded else []))]
+        combine = self._kernel(("combine",), "attend_combine", [att.stats], n_kv * att.group)
+        ops += [self._cached_op(("combine",), combine, n_kv=n_kv, n_splits=records, f_word=sz.f_word,
+                                inv_l_word=sz.inv_l_word), self.sync(att.stats)]
+        if v.coded:  # the atom weights times the atoms (and the bins cleared for the next call)
+            atoms = self._kernel(("atoms", layer), "attend_atoms", [buf, att.stats, att.bins, att.blocks],
+                                 att.units * n_blocks(lay.n_atoms))
+            ops += [self._cached_op(("atoms", layer), atoms, atoms_word=v.atoms_word, head_atoms=v.head_atoms_stride,
+                                    n_atoms=lay.n_atoms, n_kv=n_kv, n_splits=records, f_word=sz.f_word),
+                    self.sync(att.blocks)]
+        reduce = self._kernel(("reduce", layer), "attend_reduce",
+                              [buf, att.stats, att.accs, att.blocks if v.coded else att.accs, att.out],
+                              n_kv * att.group * lay.head_dim // 4)
+        use_mean = v.coded and v.has_mean
+        ops.append(self._cached_op(("reduce", layer), reduce, n_kv=n_kv, n_splits=records, f_word=sz.f_word,
+                                   inv_l_word=sz.inv_l_word, n_blocks=n_blocks(lay.n_atoms) if v.coded else 0,
+                                   use_mean=int(use_mean), mean_word=v.mean_word if use_mean else 0,
+                                   head_vec=v.head_vec_stride if use_mean else 0))
+        return ops
+
+    # --- the reconstruct-then-attend baseline ---------------------------------------------------
+    def reconstruct_plan(self, layer: int, n_used: int, out):
+        key = ("recon_plan", layer, n_used)
+        if key not in self._kernels:
+            from .reader import ReadPlan
+            for old in [k for k in self._kernels if k[0] == "recon_plan"]:
+                del self._kernels[old]  # its pipelines live in the arena's cache
+            self._kernels[key] = ReadPlan(self.att.arena, layer, 0, n_used, out=out)
+        return self._kernels[key]
+
+    def free(self) -> None:
+        self._ops.clear()
+        for k in self._kernels.values():
+            if isinstance(k, Kernel):
+                k.destroy()
+        self._kernels.clear()
+

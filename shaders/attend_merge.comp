@@ -1,0 +1,50 @@
+#version 450
+// Decode attention, last pass of the direct path (attend_direct.comp): merges the splits'
+// records into the output — flash-decoding's combine and reduce in one dispatch, which the
+// direct path can afford because, unlike a dict-coded V on the table path, it has no atom
+// weights that need the factors first. One invocation per output quad (query head h, quad c):
+//   M = max_i m_i,  L = sum_i exp(m_i - M) * l_i,
+//   out[h, c] = mean[g', c] + sum_i exp(m_i - M) * acc_i[c] / L
+// (every quad of a head recomputes M and L: 2 * n_splits stats words, less than a dispatch).
+#extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
+#include "common.glsl"
+#include "attend_common.glsl"
+
+layout(std430, binding = 0) readonly buffer LayerQuads { uvec4 layer_quads[]; };
+layout(std430, binding = 1) readonly buffer Stats { float stats[]; };
+layout(std430, binding = 2) readonly buffer Accs { vec4 accs[]; };
+layout(std430, binding = 3) writeonly buffer Out { vec4 out_quads[]; };
+
+layout(push_constant) uniform AttendMergePush {
+    uint n_kv;
+    uint n_splits;   // records per (KV head, query head)
+    uint use_mean;   // 1: add the V dictionary's mean
+    uint mean_word;  // a multiple of 4
+    uint head_vec;   // words between two KV heads' means (0: shared dictionary)
+} pc;
+
+void main() {
+    uint items = pc.n_kv * GROUP * Q4;
+    for (uint item = gl_GlobalInvocationID.x; item < items; item += grid_size()) {
+        uint h = item / Q4;
+        uint c = item - h * Q4;
+        uint g = h / GROUP;
+        uint hj = h - g * GROUP;
+        float big_m = NEG_INF;
+        [[dont_unroll]] for (uint i = 0u; i < pc.n_splits; ++i)
+            big_m = max(big_m, stats[(record(i, g, pc.n_kv) + hj) * 2u]);
+        float big_l = 0.0;
+        vec4 o = vec4(0.0);
+        [[dont_unroll]] for (uint i = 0u; i < pc.n_splits; ++i) {
+            uint rec = record(i, g, pc.n_kv) + hj;
+            float f = exp(stats[rec * 2u] - big_m);  // 0 for an empty split (m = -inf)
+            big_l += f * stats[rec * 2u + 1u];
+            o += f * accs[rec * Q4 + c];
+        }
+        vec4 mean = vec4(0.0);
+        if (pc.use_mean != 0u)
+            mean = uintBitsToFloat(layer_quads[((pc.mean_word + g * pc.head_vec) >> 2u) + c]);
+        out_quads[item] = mean + o * (1.0 / big_l);
+    }
+}
