@@ -95,3 +95,34 @@ def test_uncertified_artifact_is_shown_as_such(tmp_path):
     d = dump.describe(L.build_layout(1, 2, 4, 8, art), A.read_header(p), str(p))
     assert d["certification"]["passed"] is False
     assert "NOT CERTIFIED" in dump.format_table(d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("f32", [False, True])
+def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, activate):
+    """Every layer buffer KvArena allocates has the size kvdict-dump reports, and the atoms
+    and means sit at the words the dump names (read back from the device)."""
+    p, art = art_path
+    out = _dump(p, "--n-ctx", 100, "--json", *(["--f32"] if f32 else []))
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    if not f32:
+        activate(art)
+    arena = make_arena(3, 2, 12, 100, guard_words=0)
+    assert arena.mode == d["mode"] == ("f32" if f32 else "dict")
+    assert arena.layout.total_bytes == d["totals"]["bytes"]
+    assert [4 * b.words for b in arena._layers] == [l["total"]["bytes"] for l in d["layers"]]
+    if f32:
+        return
+    for l in d["layers"]:
+        words = arena.layer_words(l["layer"])
+        for b in l["blocks"]:
+            stream, what = b["name"].split(" ", 1)
+            sd = art.stream(l["layer"], stream == "k")
+            got = words[b["word"]:b["word"] + b["words"]].view(np.float32)
+            if sd is None and what != "region":  # a passthrough stream's share of the tail: zeros
+                assert not got.any()
+            elif what == "atoms":
+                assert np.array_equal(got, sd.atoms.astype(np.float32).reshape(-1))
+            elif what == "mean":
+                assert np.array_equal(got, sd.mean.astype(np.float32).reshape(-1))

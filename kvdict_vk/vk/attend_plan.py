@@ -27,7 +27,7 @@ from dataclasses import dataclass
 # atoms passes stream the atoms block. Calibrated on llvmpipe (Mesa 22.3, 2 cores) so the
 # model's crossover matches the measured one for the demo configuration (per-head
 # dictionaries of 1024 atoms, head_dim 64, 3 KV heads × GQA 3, K 4 atoms + 4 bits, V 4
-# atoms + 3 bits): `tools/bench_attention.py --crossover`, see its JSON.
+# atoms + 3 bits): `kvdict-bench attention` (its dict_direct and dict_table modes, side by side).
 DIRECT_WORD_COST = 1.0
 # Fixed cost of the table path's extra dispatches (table, atoms, combine + reduce instead of
 # merge) and their barriers, in words per unit. Same calibration.

@@ -2,7 +2,10 @@
 
 SPIR-V is package data (``kvdict_vk/spv/*.spv``) read with importlib.resources, so a wheel
 needs no compiler. In a checkout (``shaders/`` next to the package) stale or missing
-variants are rebuilt first, once per process.
+variants are rebuilt first, once per process. ``$KVDICT_VK_SPV_DIR`` names a directory
+whose ``<variant>.spv`` files replace the shipped ones (read once per process): how an
+engine author tries a modified shader under kvdict-validate, and how the tests prove that
+kvdict-validate catches a broken one.
 
 The reflection reads the module itself — descriptor bindings, the push-constant block's
 size, the specialization-constant IDs, the workgroup size, capabilities and extensions —
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 import threading
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +35,7 @@ _DEC_SPEC_ID, _DEC_BINDING, _DEC_SET, _DEC_OFFSET = 1, 33, 34, 35
 _SC_UNIFORM, _SC_PUSH_CONSTANT, _SC_STORAGE_BUFFER = 2, 9, 12
 _MODE_LOCAL_SIZE, _CAP_SHADER = 17, 1
 
+SPV_DIR_ENV = "KVDICT_VK_SPV_DIR"
 _BUILD_LOCK = threading.Lock()
 _built = False
 
@@ -58,6 +64,12 @@ def load(name: str) -> bytes:
     """The SPIR-V bytes of a shader variant (see shader_build.VARIANTS)."""
     if name not in shader_build.VARIANTS:
         raise E.ShaderBuildError(f"unknown shader variant {name!r}")
+    override = os.environ.get(SPV_DIR_ENV)
+    if override and (Path(override) / f"{name}.spv").is_file():
+        data = (Path(override) / f"{name}.spv").read_bytes()
+        if len(data) < 20 or len(data) % 4 or int.from_bytes(data[:4], "little") != MAGIC:
+            raise E.ShaderBuildError(f"{override}/{name}.spv (${SPV_DIR_ENV}) is not a SPIR-V module")
+        return data
     _ensure_built()
     try:
         data = (importlib.resources.files("kvdict_vk") / "spv" / f"{name}.spv").read_bytes()

@@ -1,0 +1,140 @@
+"""GPU OMP encoder (kvdict_vk.vk.encoder) vs the CPU reference codec.encode, vectors per second.
+
+One device, one run, interleaved repeats (machine noise hits every candidate alike);
+median, quartiles and min/max per candidate, for a dictionary without and with a residual
+stage. Candidates: ``gpu_encode`` (GpuEncoder.encode: upload, dispatches, read-back),
+``gpu_encode_into`` (GpuEncoder.encode_into a device buffer: no read-back, the arena's
+write path) and ``cpu_codec_encode`` (codec.encode_heads, NumPy). Host timing with
+time.perf_counter (device timestamps are unreliable on software drivers). Pipelines are
+created (and compiled) before the first timed repeat. Also reported: how often both pick
+the same atom set and how often the whole slot is identical.
+
+    .venv/bin/python -m kvdict_vk.bench.encode [--out out/bench_encode.json]
+
+Writes the JSON and a PNG (same stem) next to it.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import common
+
+NAME, TOOL = "encode", "kvdict_vk.bench.encode"
+CANDIDATES = ("gpu_encode", "gpu_encode_into", "cpu_codec_encode")
+QUICK = ["--n-tok", "256", "--repeats", "3"]  # kvdict-bench --quick
+USES_DEVICE, REQUIRES = True, {}
+
+
+def parse_args(argv=None):
+    ap = common.parser(__doc__, NAME, repeats=5)
+    ap.add_argument("--n-tok", type=int, default=1024, help="tokens per KV head per encode call")
+    ap.add_argument("--residual-bits", default="0,4", help="one configuration per value")
+    return common.parse(ap, argv)
+
+
+def bench_config(bits: int, args, dev, rng, progress) -> dict:
+    from kvdict_vk import codec
+    from kvdict_vk.dictionary import StreamDict
+    from kvdict_vk.vk.encoder import GpuEncoder
+    from kvdict_vk.vk.kernels import Buffer
+    hd, na, s = args.head_dim, args.n_atoms, args.sparsity
+    atoms = rng.standard_normal((na, hd))
+    atoms = (atoms / np.linalg.norm(atoms, axis=1, keepdims=True)).astype(np.float32)
+    d = StreamDict(atoms, mean=rng.standard_normal(hd).astype(np.float32), sparsity=s, residual_bits=bits,
+                   residual_scale=(rng.random(hd) + 0.5).astype(np.float32) if bits else None)
+    x = (d.mean + rng.standard_normal((args.n_kv, args.n_tok, hd))).astype(np.float32)
+    n = x.shape[0] * x.shape[1]
+    t = time.perf_counter()
+    enc = GpuEncoder(dev, d)
+    dest = Buffer(dev, n * d.slot_words, "storage", "bench destination")
+    enc.encode(x[:, :1])
+    enc.encode_into(dest, x[:, :1], 0, args.n_tok, 0)  # both pick pipelines exist before timing
+    setup = time.perf_counter() - t
+    cands = {"gpu_encode": lambda: enc.encode(x),
+             "gpu_encode_into": lambda: enc.encode_into(dest, x, 0, args.n_tok, 0),
+             "cpu_codec_encode": lambda: codec.encode_heads(x, d)}
+    secs, outs = common.interleaved(cands, args.repeats, lambda rep, secs: progress(
+        f"residual {bits} bits, repeat {rep + 1}/{args.repeats}: "
+        + ", ".join(f"{k} {n / v[-1]:,.0f} vec/s" for k, v in secs.items())))
+    gpu, cpu = outs["gpu_encode"], outs["cpu_codec_encode"]
+    gi, ci = (np.sort(codec.unpack_codes(a[..., :s])[0], -1) for a in (gpu, cpu))
+    rel = lambda slots: float(np.sum((codec.decode_heads(slots, d) - x) ** 2) / np.sum(x.astype(np.float64) ** 2))
+    result = {"residual_bits": bits, "slot_words": d.slot_words, "n_vectors": n, "atom_block": enc.atom_block,
+              "batch_capacity": enc.capacity, "setup_seconds": setup,
+              "same_atom_sets": float((gi == ci).all(-1).mean()),
+              "identical_slots": float((gpu == cpu).all(-1).mean()),
+              "rel_error": {"gpu": rel(gpu), "cpu": rel(cpu)}}
+    for name, v in secs.items():
+        result[name] = {"seconds": common.stats(v), "vectors_per_s": common.stats([n / t for t in v])}
+    ratios = [c / g for g, c in zip(secs["gpu_encode"], secs["cpu_codec_encode"])]
+    result["gpu_over_cpu_speed"] = common.stats(ratios)  # paired per repeat
+    dest.destroy()
+    enc.free()
+    return result
+
+
+def run(args, progress) -> dict:
+    dev = common.open_device(args)
+    rng = np.random.default_rng(0)
+    t0 = time.time()
+    configs = [bench_config(int(b), args, dev, rng, progress) for b in args.residual_bits.split(",") if b.strip()]
+    return {**common.run_header(TOOL, args, dev, t0),
+            "config": {k: getattr(args, k) for k in ("n_kv", "n_tok", "head_dim", "n_atoms", "sparsity", "repeats")},
+            "configs": configs}
+
+
+def headline(result) -> list[dict]:
+    """GPU (with read-back) / CPU encode speed: the medians of vectors per second."""
+    figures = []
+    for c in result["configs"]:
+        gpu, cpu = (c[k]["vectors_per_s"]["median"] for k in ("gpu_encode", "cpu_codec_encode"))
+        figures.append({"figure": "GPU / CPU encode speed", "case": f"residual {c['residual_bits']} bits",
+                        "numerator": gpu, "denominator": cpu, "unit": "vectors/s", "ratio": gpu / cpu,
+                        "paired_ratio_median": c["gpu_over_cpu_speed"]["median"]})
+    return figures
+
+
+def report(result) -> list[str]:
+    c = result["config"]
+    lines = [f"{result['device']['name']}: head_dim {c['head_dim']}, {c['n_atoms']} atoms, s {c['sparsity']}, "
+             f"{c['n_kv']}×{c['n_tok']} vectors per call, {c['repeats']} interleaved repeats"]
+    for c in result["configs"]:
+        lines.append(f"  residual bits {c['residual_bits']}: same atom sets {c['same_atom_sets']:.4f}, "
+                     f"identical slots {c['identical_slots']:.4f}, setup {c['setup_seconds']:.1f} s")
+        for name in CANDIDATES:
+            v = c[name]["vectors_per_s"]
+            lines.append(f"    {name:18s} {v['median']:10,.0f} vec/s  [{v['p25']:,.0f}, {v['p75']:,.0f}]")
+        r = c["gpu_over_cpu_speed"]
+        lines.append(f"    GPU / CPU speed (paired): {r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}]")
+    return lines
+
+
+def plot(plt, result):
+    configs = result["configs"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(CANDIDATES)
+    for i, name in enumerate(CANDIDATES):
+        med = [c[name]["vectors_per_s"]["median"] for c in configs]
+        lo = [c[name]["vectors_per_s"]["p25"] for c in configs]
+        hi = [c[name]["vectors_per_s"]["p75"] for c in configs]
+        pos = np.arange(len(configs)) + (i - 1) * width
+        ax.bar(pos, med, width, yerr=[np.subtract(med, lo), np.subtract(hi, med)], capsize=3,
+               label=name, color=["#37c", "#6a9", "#c73"][i])
+    ax.set_xticks(np.arange(len(configs)),
+                  [f"residual {c['residual_bits']} bits" if c["residual_bits"] else "no residual" for c in configs])
+    ax.set_ylabel("vectors / s (median, IQR)")
+    c = result["config"]
+    ax.set_title(f"{result['device']['name']}\nhead_dim {c['head_dim']}, {c['n_atoms']} atoms, s {c['sparsity']}, "
+                 f"{c['n_kv']}×{c['n_tok']} vectors per call", fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv=None) -> int:
+    return common.standalone(NAME, parse_args(argv), run, plot, report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""kvdict-validate: passes on this device, and catches a deliberately broken shader.
+
+The broken shader is the real reconstruct.comp with its output scaled by 1.001 — wrong by
+an NMSE of ~1e-6, far above the 1e-12 tolerance but invisible to any "does it run" check —
+compiled into a directory that $KVDICT_VK_SPV_DIR points at, in a child process (SPIR-V is
+loaded once per process).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvdict_vk.cli import validate
+from kvdict_vk.vk import shader_build, spirv
+
+pytestmark = pytest.mark.gpu
+
+STORE = "out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;"
+
+
+def test_quick_grid_passes(vk_device):
+    rows = validate.run_validation(vk_device, quick=True)
+    assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+    ops = {r["op"].split(" n_used")[0] for r in rows}
+    assert {"append+reconstruct K", "attend dict", "attend f32", "encode (GPU OMP) error vs CPU"} <= ops
+    worst = validate.worst_by_metric(rows)
+    assert worst["nmse"] <= validate.NMSE_ATTEND and set(worst) == {"nmse", "rel_err_diff"}
+
+
+def test_broken_shader_fails_with_its_row(tmp_path, vk_device):
+    src = (shader_build.SHADER_DIR / "reconstruct.comp").read_text()
+    assert src.count(STORE) == 1, "reconstruct.comp changed: update the test's broken line"
+    shaders = tmp_path / "shaders"
+    shaders.mkdir()
+    for f in shader_build.SHADER_DIR.iterdir():
+        (shaders / f.name).write_text(f.read_text())
+    (shaders / "reconstruct.comp").write_text(src.replace(STORE, STORE.replace("= acc;", "= acc * 1.001;")))
+    spv = tmp_path / "spv"
+    for variant in ("reconstruct_vec4", "reconstruct_scalar"):
+        shader_build.compile_variant(variant, shaders, spv)
+    env = dict(os.environ, **{spirv.SPV_DIR_ENV: str(spv), "KVDICT_VK_DEVICE": vk_device.name})
+    cmd = [sys.executable, "-m", "kvdict_vk.cli.validate", "--quick"]
+    proc = subprocess.run(cmd + ["--json"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    failed = [r for r in report["rows"] if not r["passed"]]
+    assert failed and all(r["op"].startswith("append+reconstruct") for r in failed)
+    assert all(1e-9 < r["nmse"] < 1e-4 for r in failed)  # wrong by the 1.001 scale, not crashed
+    # the human table shows the failing row
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1
+    fail_lines = [ln for ln in proc.stdout.splitlines() if " FAIL " in ln]
+    assert fail_lines and all(ln.startswith("append+reconstruct") for ln in fail_lines)
+
+
+def test_list_devices_and_bad_device():
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-m", "kvdict_vk.cli.validate", "--list", "--json"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    devs = json.loads(proc.stdout)
+    assert devs and all("name" in d and "limits" in d for d in devs)
+    proc = subprocess.run([sys.executable, "-m", "kvdict_vk.cli.validate", "--device", "no-such-gpu"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no usable Vulkan device" in proc.stderr
+    assert proc.stderr.count("\n") == 1  # one clear line
