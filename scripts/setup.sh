@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 STAMP="$VENV/.kvdict-setup"
 # The stamp records what the venv was built from; a changed pyproject.toml or this
 # script invalidates it.
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/setup.sh scripts/kp_patch.py | sha256sum | cut -c1-16)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -49,7 +49,7 @@ VPY="$VENV/bin/python"
 # Kompute would otherwise switch the validation layer on for every Manager whenever the
 # layer is installed (slow, and not ours to decide): tests enable it through
 # VK_INSTANCE_LAYERS instead. The options are recorded so that changing them rebuilds.
-KP_OPTS="KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON"
+KP_OPTS="KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON compute-barrier-binding-1"
 if ! "$VPY" -c "import kp" 2>/dev/null || [ "$(cat "$VENV/.kp-build-opts" 2>/dev/null)" != "$KP_OPTS" ]; then
   log "building kp==0.9.0 offline against system Vulkan/fmt and PyPI pybind11 (~2 min)"
   PB11=$("$VPY" -c 'import pybind11, os; print(os.path.abspath(os.path.join(pybind11.get_cmake_dir(), "..", "..", "..")))')
@@ -61,6 +61,8 @@ if ! "$VPY" -c "import kp" 2>/dev/null || [ "$(cat "$VENV/.kp-build-opts" 2>/dev
   # shim of another version breaks the build). Restore the comma.
   sed -i "s/'-DKOMPUTE_OPT_DISABLE_VULKAN_VERSION_CHECK=ON'$/'-DKOMPUTE_OPT_DISABLE_VULKAN_VERSION_CHECK=ON',/" "$src"/kp-0.9.0/setup.py
   grep -q "VERSION_CHECK=ON'," "$src"/kp-0.9.0/setup.py
+  # bind Kompute's OpMemoryBarrier as kp.OpComputeBarrier (the script says why)
+  "$VPY" scripts/kp_patch.py "$src"/kp-0.9.0
   KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON \
   KOMPUTE_OPT_INSTALL=OFF \
   KOMPUTE_OPT_USE_BUILT_IN_VULKAN_HEADER=OFF \

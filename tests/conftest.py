@@ -37,10 +37,16 @@ def validation_layer_installed() -> bool:
     return any(os.path.isfile(os.path.join(d, _LAYER_JSON)) for d in dirs)
 
 
-def layer_settings(log: Path) -> str:
-    return ("khronos_validation.debug_action = VK_DBG_LAYER_ACTION_LOG_MSG\n"
+def layer_settings(log: Path, *, sync: bool = True) -> str:
+    """The validation layer's settings: every message to ``log``; ``sync``: also
+    synchronization validation (off only for the soak: see tests/test_vk_soak.py)."""
+    text = ("khronos_validation.debug_action = VK_DBG_LAYER_ACTION_LOG_MSG\n"
             f"khronos_validation.log_filename = {log}\n"
             "khronos_validation.report_flags = error,warn,perf\n")
+    # synchronization validation: hazards between dispatches and copies (kernels.barrier
+    # records the barriers; this checks them)
+    sync_line = "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT\n"
+    return text + (sync_line if sync else "")
 
 
 def device_required() -> bool:

@@ -90,3 +90,33 @@ def test_session_gate_is_armed():
     assert conftest.LAYER in os.environ["VK_INSTANCE_LAYERS"].split(":")
     assert (Path(os.environ["VK_LAYER_SETTINGS_PATH"]) / "vk_layer_settings.txt").is_file()
     assert conftest.VALIDATION_LOG.exists(), "the session's instance should have opened the log"
+    settings = (Path(os.environ["VK_LAYER_SETTINGS_PATH"]) / "vk_layer_settings.txt").read_text()
+    assert "VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT" in settings
+
+
+def test_missing_barrier_is_reported(vk_device):
+    """Synchronization validation is really on: a dispatch that reads what the previous
+    one wrote, with no barrier between them, is reported — and kernels.barrier silences it."""
+    from kvdict_vk.vk import kernels
+    if not conftest.VALIDATION:
+        pytest.skip("validation layer not configured")
+    if conftest.device_required():
+        assert kernels.HAS_COMPUTE_BARRIER, "kp lacks OpComputeBarrier: scripts/setup.sh's patch did not apply"
+    a = kernels.Buffer(vk_device, 64, "storage", "a")
+    b = kernels.Buffer(vk_device, 64, "storage", "b")
+    c = kernels.Buffer(vk_device, 64, "storage", "c")
+    first = kernels.Kernel(vk_device, "copy_scalar", [a, b], max_items=64)
+    second = kernels.Kernel(vk_device, "copy_scalar", [b, c], max_items=64)
+    try:
+        kernels.run(vk_device, first.op(src_word=0, dst_word=0, n_words=64),
+                    second.op(src_word=0, dst_word=0, n_words=64))
+        text = conftest.LOG.new_text(expected=True)
+        assert "SYNC-HAZARD-READ-AFTER-WRITE" in text, text
+        kernels.run(vk_device, first.op(src_word=0, dst_word=0, n_words=64), kernels.barrier(b),
+                    second.op(src_word=0, dst_word=0, n_words=64))
+        assert "SYNC-HAZARD" not in conftest.LOG.new_text(expected=True)
+    finally:
+        for x in (first, second):
+            x.destroy()
+        for x in (a, b, c):
+            x.destroy()

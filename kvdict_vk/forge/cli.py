@@ -100,12 +100,19 @@ def main(argv=None) -> int:
                     help="comma-separated layers to code (the others pass through)")
     ap.add_argument("--passthrough", type=lambda s: s.split(","), default=None,
                     help="streams left f32, e.g. k:0,v:3")
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    ap.add_argument("--curve-atoms", type=ints, default=None, help="curve: atom counts (default 1024,4096,16384)")
+    ap.add_argument("--curve-sparsities", type=ints, default=None, help="curve: sparsities (default 4,6,8,12,16,24)")
+    ap.add_argument("--curve-plain-only", action="store_true",
+                    help="curve: skip relearning the residual-stage configurations")
     a = ap.parse_args(argv)
     try:
         cfg = config_from_args(a)
         if a.command == "curve":
-            from .curve import run_curve
-            return run_curve(cfg, a.out, log=_log)
+            from . import curve
+            return curve.run_curve(cfg, a.out, log=_log, atoms=a.curve_atoms or curve.ATOMS,
+                                   sparsities=a.curve_sparsities or curve.SPARSITIES,
+                                   residual_configs=() if a.curve_plain_only else curve.RESIDUAL_CONFIGS)
         code, _ = build(cfg, a.out, a.name, with_baselines=not a.no_baselines and not a.smoke)
         return code
     except E.KvDictError as e:

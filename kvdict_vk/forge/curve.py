@@ -51,7 +51,7 @@ def slot_bytes(head_dim: int, s: int, bits: int) -> int:
 
 
 def run_curve(cfg: P.ForgeConfig, out: str, log=print, atoms=ATOMS, sparsities=SPARSITIES,
-              learn_sparsity: int = 8) -> int:
+              learn_sparsity: int = 8, residual_configs=RESIDUAL_CONFIGS) -> int:
     os.makedirs(out, exist_ok=True)
     cache = os.path.join(out, "cache")
     kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=log, cache_dir=cache)
@@ -81,7 +81,7 @@ def run_curve(cfg: P.ForgeConfig, out: str, log=print, atoms=ATOMS, sparsities=S
                 point(f"atoms {n_atoms} s{s} {target}", "dictionary", bpv, SweepHook(art, k, v),
                       n_atoms=n_atoms, sparsity=s, target=target, dictionary_bytes=art.nbytes())
     # The residual-stage configurations, learned as the forge learns them.
-    for ks, kb, vs, vb in RESIDUAL_CONFIGS:
+    for ks, kb, vs, vb in residual_configs:
         c = dataclasses.replace(cfg, k_sparsity=ks, k_bits=kb, v_sparsity=vs, v_bits=vb)
         art = P.learn_artifact(kv, c)
         bpv = (slot_bytes(hd, ks, kb) + slot_bytes(hd, vs, vb)) / 2

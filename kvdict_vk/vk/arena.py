@@ -21,7 +21,7 @@ from .. import codec, runtime
 from .. import errors as E
 from .. import layout as L
 from .device import Device, get_device, kp
-from .kernels import Buffer, Kernel, run
+from .kernels import Buffer, Kernel, barrier, run
 from .attend import Attention, check_query
 from .reader import ReadPlan
 
@@ -372,7 +372,10 @@ class KvArena:
         up = self._upload.host_words()
         up[:k_words.size] = k_words.reshape(-1)
         up[v_word:v_end] = v_words.reshape(-1)
-        scatter = [self._scatter_op(i, 0, k_st, t0, t_new), self._scatter_op(i, v_word, v_st, t0, t_new)]
+        # the attention reads tokens [0, t0) of the layer the scatter writes [t0, t0 + t_new)
+        # of: disjoint words, but one binding — the barrier keeps that plain to any checker
+        scatter = [self._scatter_op(i, 0, k_st, t0, t_new), self._scatter_op(i, v_word, v_st, t0, t_new),
+                   barrier(self._layers[i])]
         out = att.step(i, q, t0, t_new, scale, scatter, (0, v_word))
         self._n_tokens[i] = t0 + t_new
         return out

@@ -16,14 +16,11 @@ attend_combine → attend_atoms (dict-coded V) → attend_reduce, never decoding
 (flash-decoding); each (KV head, block of query heads, split) is one invocation writing a
 record (attend_common.glsl) that the last passes merge.
 
-Kompute's Python API has no compute→compute barrier, so between dependent dispatches of one
-submission we record an OpTensorSyncLocal of the "device" buffer just written: its
-shader-write→transfer barrier, chained with the transfer→shader barrier Kompute records
-before every dispatch, orders the two dispatches and makes the writes visible (the copy to
-the staging buffer itself is a by-product, small here). A layer buffer is a "storage"
-buffer, for which that op records nothing — which is why a step's new tokens are read
-from the upload buffer (attend_direct's fresh rows) rather than from the layer the step's
-scatter writes them into: no dispatch of the step reads what another one writes there.
+Between dependent dispatches of one submission we record a compute→compute barrier on
+the buffers just written (kvdict_vk.vk.kernels.barrier: Kompute's OpMemoryBarrier, which
+scripts/setup.sh binds for Python). A step's new tokens are read from the upload buffer
+(attend_direct's fresh rows) rather than from the layer the step's scatter writes them
+into, so no dispatch of a step waits on the scatter.
 """
 from __future__ import annotations
 
@@ -169,7 +166,7 @@ class Attention:
             seq = self.device.manager.sequence()
             for op in ops:
                 seq.record(op)
-            seq.record(self.passes.sync(self.out))
+            seq.record(self.passes.read_back(self.out))
             seq.eval()
         self._bins_clear = True
         words = self.out.host_words()[:self.sizes.out]

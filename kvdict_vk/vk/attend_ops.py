@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .attend_plan import LOOP_BUDGET
 from .attend_specs import n_blocks
 from .device import kp
-from .kernels import Kernel
+from .kernels import Kernel, barrier
 
 OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (never in steady decode)
 
@@ -59,11 +59,19 @@ class PassBuilder:
         return op
 
     def sync(self, *buffers):
-        """The compute→compute barrier (kvdict_vk.vk.attend): a sync of what was just written."""
+        """The compute→compute barrier on what was just written (kernels.barrier)."""
         k = ("sync",) + tuple(id(b) for b in buffers)
         op = self._ops.get(k)
         if op is None:
-            op = self._ops[k] = kp.OpTensorSyncLocal([b.tensor for b in buffers])
+            op = self._ops[k] = barrier(*buffers)
+        return op
+
+    def read_back(self, buf):
+        """The copy of ``buf`` to its staging buffer, for the host (once per submission)."""
+        k = ("read_back", id(buf))
+        op = self._ops.get(k)
+        if op is None:
+            op = self._ops[k] = kp.OpTensorSyncLocal([buf.tensor])
         return op
 
     # --- the direct path ------------------------------------------------------------------------

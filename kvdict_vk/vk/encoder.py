@@ -25,7 +25,7 @@ from ..dictionary import StreamDict
 from . import encode_image as I
 from .device import Device, get_device, kp
 from .encode_specs import n_blocks
-from .kernels import Buffer, Kernel, run
+from .kernels import Buffer, Kernel, barrier, run
 
 TILE = 64  # tokens per workgroup (the shaders' WG_SIZE)
 # Workgroups per correlation/metric dispatch: a kp pipeline has a fixed count, and those two
@@ -191,21 +191,25 @@ class GpuEncoder:
         pick = self._pick_kernel(dest)
         push = dict(self._push, phase=0, step=0, group0=0, block=0, dict_head=0, n_tok=n_tok,
                     n_vectors=n, dst_word=region_word, n_ctx=n_ctx, t0=t0)
+        b = self._buffers
+        state = barrier(b["state_elems"], b["state_words"])  # pick → metric / corr / pick
         if self.stream.metric is None:
-            ops = [pick.op(**push)]
+            ops = [pick.op(**push), state]
         else:  # x − mean into the (still unused) basis area, then r = W(x − mean) by row blocks
-            ops = [pick.op(**dict(push, res_word=self._push["basis_word"]))]
+            ops = [pick.op(**dict(push, res_word=self._push["basis_word"])), state]
             for block in range(-(-self.head_dim // self.metric_rows)):
                 ops += self._runs("metric", 0, -(-n // TILE), **dict(push, block=block))
+            ops.append(barrier(b["state_elems"]))
         # The atom address of a correlation dispatch may depend on push constants only (see
         # omp_encode_corr.comp): one run of dispatches per (dictionary head, atom block).
+        # They write disjoint parts of the keys buffer, so they need no barrier between them.
         tiles = -(-n_tok // TILE)
         heads = [(h, h * tiles, tiles) for h in range(n_kv)] if self.stream.n_heads > 1 else [(0, 0, n_kv * tiles)]
         for k in range(self.stream.sparsity):
             for block in range(n_blocks(self.n_atoms, self.atom_block)):
                 for h, first, count in heads:
                     ops += self._runs("corr", first, count, **dict(push, step=k, block=block, dict_head=h))
-            ops.append(pick.op(**dict(push, phase=1, step=k)))
+            ops += [barrier(b["keys"]), pick.op(**dict(push, phase=1, step=k)), state]
         return ops
 
     def encode(self, x: np.ndarray) -> np.ndarray:

@@ -253,6 +253,23 @@ class Kernel:
             self.algorithm = None
 
 
+HAS_COMPUTE_BARRIER = hasattr(kp, "OpComputeBarrier")
+
+
+def barrier(*buffers: "Buffer"):
+    """The compute→compute barrier between a dispatch that writes ``buffers`` and a later
+    one in the same submission that reads or writes them: kp.OpComputeBarrier, which
+    scripts/setup.sh binds from Kompute's C++ OpMemoryBarrier (kp 0.9.0 does not expose
+    it; scripts/kp_patch.py). With a stock kp, the fallback is a sync of each "device"
+    buffer to its staging copy, whose compute→transfer barrier chains with the
+    transfer→compute barrier Kompute records before every dispatch — it orders
+    dispatches, but does nothing for "storage" buffers and is a best effort the
+    synchronization validation layer rejects."""
+    if HAS_COMPUTE_BARRIER:
+        return kp.OpComputeBarrier([b.tensor for b in buffers])
+    return kp.OpTensorSyncLocal([b.tensor for b in buffers if b.kind == "device"] or [buffers[0].tensor])
+
+
 def run(device: Device, *ops, what: str = "dispatch") -> None:
     """Record ``ops`` in a fresh sequence, submit, wait."""
     with device.guard(what):
