@@ -16,6 +16,7 @@ arena creation (the layout is chosen then, see ``kvdict_vk.vk.KvArena``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -99,6 +100,19 @@ def enable(artifact: KvDictArtifact | None = None) -> None:
 def disable() -> None:
     """Turn reconstruction OFF; the dictionaries stay installed."""
     _swap(enabled=False)
+
+
+@contextlib.contextmanager
+def enabled_with(artifact: KvDictArtifact):
+    """``enable(artifact)`` for the block, then the previous installed state and toggle
+    back (a new generation: holders still notice both swaps). For code that creates an
+    arena in a given mode inside a larger program: tools, benchmarks, tests."""
+    prev = snapshot()
+    enable(artifact)
+    try:
+        yield
+    finally:
+        _swap(enabled=prev.enabled, artifact=prev.artifact, cert=prev.cert)
 
 
 def is_enabled() -> bool:

@@ -185,3 +185,21 @@ def test_reconstruct_kv_per_head_residual_many_tokens(tmp_path):
         assert np.array_equal(two, x[:, :2])
     finally:
         runtime.deactivate()
+
+
+def test_enabled_with_restores_the_previous_state(art_file):
+    other = toy_artifact(np.random.default_rng(8))
+    runtime.load_certified(art_file[0])
+    runtime.disable()
+    before = runtime.snapshot()
+    with runtime.enabled_with(other):
+        assert runtime.dict_active() and runtime.snapshot().artifact is other
+    after = runtime.snapshot()
+    assert (after.enabled, after.artifact, after.cert) == (before.enabled, before.artifact, before.cert)
+    assert after.generation > before.generation
+    try:
+        with runtime.enabled_with(other):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert runtime.snapshot().artifact is before.artifact and not runtime.is_enabled()

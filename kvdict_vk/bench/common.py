@@ -9,7 +9,6 @@ timestamps are unreliable on software drivers).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -97,22 +96,12 @@ def missing_modules(requires: dict) -> str | None:
     return f"needs {', '.join(absent)} (not installed)" if absent else None
 
 
-@contextlib.contextmanager
 def dictionary_active(artifact):
     """``artifact`` is the runtime's active dictionary inside the block (arenas pick their
     mode when created); the previous state is restored after, since the benchmarks also run
     inside other programs (kvdict-bench, the tests)."""
     from kvdict_vk import runtime
-    prev = runtime.snapshot()
-    runtime.enable(artifact)
-    try:
-        yield
-    finally:
-        runtime.deactivate()
-        if prev.artifact is not None:
-            runtime.install(prev.artifact, prev.cert)
-        if prev.enabled:
-            runtime.enable()
+    return runtime.enabled_with(artifact)
 
 
 def random_slots(rng, d, n_kv, n_ctx):

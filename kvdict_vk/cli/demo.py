@@ -132,7 +132,8 @@ def format_report(r: dict) -> str:
         f"  artifact        {r['artifact']} (certified: ΔPPL {100 * g['delta_ppl']:+.2f} % on "
         f"{g['eval_tokens']} GPL-3 tokens, gate ≤ {100 * g['threshold']:+.0f} %)",
         f"  decode          {d['tokens']} tokens, GPU attention: PPL f32 {d['f32_ppl']:.3f} → dict {d['dict_ppl']:.3f} "
-        f"(ΔPPL {100 * d['delta_ppl']:+.2f} %, 95 % CI {100 * d['ci95'][0]:+.2f} … {100 * d['ci95'][1]:+.2f} %)",
+        f"(ΔPPL {100 * d['delta_ppl']:+.2f} %, 95 % CI {100 * d['ci95'][0]:+.2f} … {100 * d['ci95'][1]:+.2f} %;"
+        f" {d['tokens']} tokens are a smoke check — the gate above is the measurement)",
         f"  memory          {m['dict_bytes_per_token']} B/token vs {m['f32_bytes_per_token']} (f32): "
         f"{m['compression_vs_f32']:.2f}× vs f32, {m['compression_vs_f16']:.2f}× vs f16 "
         f"(+ {m['dictionary_tail_bytes'] / 2**20:.1f} MiB of dictionaries once)",

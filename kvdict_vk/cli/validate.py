@@ -79,16 +79,8 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
     v = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
     q = rng.standard_normal((n_kv * gqa, hd)).astype(np.float32)
     rows = []
-    prev = runtime.snapshot()
-    try:
-        runtime.enable(art)
+    with runtime.enabled_with(art):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8)
-    finally:
-        runtime.deactivate()
-        if prev.artifact is not None:
-            runtime.install(prev.artifact, prev.cert)
-            if prev.enabled:
-                runtime.enable()
     with arena:
         dk, dv = art.layers[0]
         ref_k = k if dk is None else codec.decode_heads(codec.encode_heads(k, dk), dk)
