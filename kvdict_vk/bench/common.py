@@ -51,8 +51,8 @@ def host_info() -> dict:
 
 def open_device(args):
     """The Vulkan device ``args.device`` names. Without ``--validation`` the Khronos layer is
-    disabled first (this kp build enables it whenever installed, and it distorts timings);
-    that only takes effect before the process's first Vulkan instance."""
+    disabled first, even when VK_INSTANCE_LAYERS asks for it (the test session does): it
+    distorts timings. That only takes effect before the process's first Vulkan instance."""
     if not args.validation:
         os.environ["VK_LOADER_LAYERS_DISABLE"] = "VK_LAYER_KHRONOS_validation"
     from kvdict_vk.vk import get_device
@@ -79,7 +79,7 @@ def parser(doc: str, name: str, repeats: int, gpu: bool = True) -> argparse.Argu
         ap.add_argument("--n-kv", type=int, default=3, help="KV heads")
         ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")
         ap.add_argument("--validation", action="store_true",
-                        help="keep the Khronos validation layer (this kp build enables it whenever installed)")
+                        help="keep the Khronos validation layer if VK_INSTANCE_LAYERS requests it")
     return ap
 
 
