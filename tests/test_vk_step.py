@@ -143,3 +143,25 @@ def test_encoder_choice(make_arena, activate, monkeypatch):
     assert make_arena(1, 1, 8, 4).encoder == "cpu"
     with pytest.raises(E.ArenaError, match="encoder"):
         make_arena(1, 1, 8, 4, encoder="tpu")
+
+
+def test_no_pipeline_is_made_mid_decode(make_arena, activate):
+    """The first attention of a layer makes every pipeline its plans may need: as the
+    context grows and the plan changes (one direct split → several + merge → the table
+    passes), no pipeline is compiled mid-decode (a stall of ~80 ms per layer on llvmpipe)."""
+    rng = np.random.default_rng(61)
+    hd, n_kv, g = 32, 2, 3
+    activate(random_artifact(rng, hd, 256, [((8, 4), (8, 3))], n_heads=n_kv))
+    arena = make_arena(1, n_kv, hd, 4096)
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    arena.step(0, _rows(rng, n_kv, 1, hd), _rows(rng, n_kv, 1, hd), q)
+    att = arena.attention(n_kv * g)
+    made = set(att.passes._kernels)
+    paths = set()
+    for n in (40, 400, 3000):
+        arena.append(0, _rows(rng, n_kv, n, hd), _rows(rng, n_kv, n, hd))
+        t = arena.n_tokens(0)
+        paths.add((att.plan(0, t).path, att.plan(0, t).write_out))
+        arena.step(0, _rows(rng, n_kv, 1, hd), _rows(rng, n_kv, 1, hd), q)
+    assert len(paths) >= 2, paths  # the plan did change
+    assert set(att.passes._kernels) == made

@@ -93,6 +93,7 @@ class Attention:
         self.sizes = sz = Sizes(n_kv, g, hd, max(lay.n_atoms, 1), lay.n_ctx, self.max_splits)
         self._buffers: list[Buffer] = []
         self._recon = None
+        self._warm_layers: set[int] = set()
         self.passes = None
         try:
             new = self._new_buffer
@@ -172,7 +173,25 @@ class Attention:
         words = self.out.host_words()[:self.sizes.out]
         return words.view(np.float32).reshape(self.n_heads, self.layout.head_dim).copy()
 
+    def _warm(self, layer: int, n_used: int, scale: float) -> None:
+        """On a layer's first attention, make every pipeline its plans may use (the direct
+        pass alone and with the merge; the table passes of a coded layer): the plan changes
+        as the context grows, and compiling a pipeline mid-decode stalls that token (~80 ms
+        per pipeline and layer on llvmpipe — seconds per plan change for a 30-layer model)."""
+        if layer in self._warm_layers:
+            return
+        k, v = self.layout.layers[layer].streams
+        plans = [P.Plan("direct", 1, n_used)]
+        if self.max_splits >= 2:
+            plans.append(P.Plan("direct", 2, -(-n_used // 2)))
+        if k.coded or v.coded:
+            plans.append(P.Plan("table", 1, n_used))
+        for p in plans:  # the operations are recorded later, if ever; only the pipelines stay
+            self.passes.ops(layer, p, n_used, n_used, scale)
+        self._warm_layers.add(layer)
+
     def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float) -> np.ndarray:
+        self._warm(layer, n_used, scale)
         ops = self.passes.ops(layer, self.plan(layer, n_used), n_used, n_used, scale)
         self._upload_q(q)
         return self._eval(ops, f"attending over layer {layer}")
@@ -183,6 +202,7 @@ class Attention:
         upload buffer at fresh_words = (K word, V word); ``scatter_ops`` (copying them into
         the layer) go first in the same submission."""
         n_used = n_cached + n_new
+        self._warm(layer, n_used, scale)
         ops = self.passes.ops(layer, self.plan(layer, n_used, n_cached), n_used, n_cached, scale, fresh_words)
         self._upload_q(q)
         return self._eval([*scatter_ops, *ops], f"decode step on layer {layer}")
