@@ -273,3 +273,26 @@ def make_arena(vk_device):
         if not a.closed:
             check_guards(a)
             a.free()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI (or with KVDICT_REQUIRE_DEVICE) nothing may skip itself green: a skip — a
+    missing optional package, device or layer — is reported as a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and device_required() and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.longrepr = f"skipped, which CI does not allow: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped at import (pytest.importorskip at top level)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and device_required():
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.longrepr = f"skipped, which CI does not allow: {reason}"
