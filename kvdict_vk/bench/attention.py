@@ -40,14 +40,6 @@ def parse_args(argv=None):
     return common.parse(ap, argv)
 
 
-def _forced_plan(att, n_used: int, path: str):
-    saved, att.path = att.path, path
-    try:
-        return att.plan(0, n_used)
-    finally:
-        att.path = saved
-
-
 def bytes_per_step(lay, att, n_used: int, mode: str) -> dict:
     """Bytes read per decode step (the query and output are a few KiB and left out).
     cache: the stored K/V representation of the n_used tokens; dictionary: atoms, means and
@@ -64,11 +56,11 @@ def bytes_per_step(lay, att, n_used: int, mode: str) -> dict:
     if mode == "dict_direct":  # every unit decodes every key and value: s atom rows per token
         s_k, s_v = k.sparsity, v.sparsity
         scales = 2 * n_kv * hd * (bool(k.residual_bits) + bool(v.residual_bits))
-        records = _forced_plan(att, n_used, "direct").records
+        records = att.plan(0, n_used, path="direct").records
         return {"cache": units * n_used * (k.slot_words + v.slot_words) * w,
                 "dictionary": (units * n_used * (s_k + s_v) * hd + scales) * w,
                 "scratch": 2 * records * n_heads * (hd + 2) * w}
-    n_splits = _forced_plan(att, n_used, "table").n_splits
+    n_splits = att.plan(0, n_used, path="table").n_splits
     if mode == "dict_table":
         s_k, s_v = k.sparsity, v.sparsity
         scratch = (n_kv * n_used * s_k * g  # table lookups

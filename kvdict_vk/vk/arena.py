@@ -73,6 +73,7 @@ class KvArena:
         self._upload = None
         self._attention: dict[int, Attention] = {}  # by query-head count, made on first attend
         self._encoders: dict = {}  # (layer, "k"/"v") → GpuEncoder, made on first GPU-encoded append
+        self._step_barriers: dict = {}  # layer → the barrier after a step's scatter (made once)
         self._n_tokens = [0] * n_layers
         self._freed = False
         try:
@@ -374,8 +375,10 @@ class KvArena:
         up[v_word:v_end] = v_words.reshape(-1)
         # the attention reads tokens [0, t0) of the layer the scatter writes [t0, t0 + t_new)
         # of: disjoint words, but one binding — the barrier keeps that plain to any checker
+        if i not in self._step_barriers:
+            self._step_barriers[i] = barrier(self._layers[i])
         scatter = [self._scatter_op(i, 0, k_st, t0, t_new), self._scatter_op(i, v_word, v_st, t0, t_new),
-                   barrier(self._layers[i])]
+                   self._step_barriers[i]]
         out = att.step(i, q, t0, t_new, scale, scatter, (0, v_word))
         self._n_tokens[i] = t0 + t_new
         return out
@@ -412,6 +415,7 @@ class KvArena:
         for enc in self._encoders.values():
             enc.free()
         self._encoders.clear()
+        self._step_barriers.clear()
         for k in list(self._kernels.values()):
             k.destroy()
         for b in [*self._outs.values(), *self._layers, self._upload]:

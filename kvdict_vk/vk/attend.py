@@ -130,15 +130,17 @@ class Attention:
         return b
 
     # --- planning ---------------------------------------------------------------------------------
-    def plan(self, layer: int, n_used: int, n_cached: int | None = None) -> P.Plan:
+    def plan(self, layer: int, n_used: int, n_cached: int | None = None, path: str | None = None) -> P.Plan:
         """How an attention over tokens [0, n_used) of ``layer`` runs, n_cached of them
-        (default: all) in the cache and the rest fresh (a step's new tokens)."""
-        if self.path not in PATHS:
-            raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {self.path!r}")
+        (default: all) in the cache and the rest fresh (a step's new tokens); ``path``
+        (default: ``self.path``) forces "direct" or "table"."""
+        path = self.path if path is None else path
+        if path not in PATHS:
+            raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {path!r}")
         k, v = self.layout.layers[layer].streams
         n_cached = n_used if n_cached is None else n_cached
         p = P.plan(k, v, self.layout.head_dim, self.hb, self.layout.n_atoms, n_used, n_cached,
-                   self.preferred_splits, self.path)
+                   self.preferred_splits, path)
         if p.records > self.max_splits:
             raise E.ArenaError(f"attention over {n_used} tokens needs {p.records} splits, this engine holds "
                                f"{self.max_splits}")
