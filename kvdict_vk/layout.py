@@ -8,13 +8,17 @@ dump tool read the same numbers. One storage buffer per layer:
 * coded region       word(h, t, j) = region + (h·n_ctx + t)·slot_words + j
   a slot (docs/FORMAT.md) is the stream's ``sparsity`` code words, then — residual_bits
   b > 0 — ⌈head_dim·b/32⌉ words of b-bit levels and one float32 step word
-* passthrough region word(h, t, e) = region + (h·n_ctx + t)·head_dim + e
+* passthrough region word(h, t, e) = region + (h·n_ctx + t)·head_dim + e (f32 rows), or
+  region + (h·n_ctx + t)·head_dim/2 + e/2 (f16 rows: element 2k in the low half of a word,
+  2k+1 in the high half — unpackHalf2x16 reads it, no 16-bit storage feature needed)
 * the K region, the V region and the tail start on a 64-word (256-byte) boundary; the
   tail blocks are packed, each for the G dictionary heads (G = 1: shared by the KV heads,
   G = n_kv_heads: one per KV head): atoms G×n_atoms×head_dim f32 (exactly the layer's
   block of ``atoms_flat()``, zeros for a passthrough stream), then the means G×head_dim
   and the residual scales G×head_dim (zeros when absent).
-* no active dictionary → every stream passthrough and no tail: the default f32 cache.
+* no active dictionary → every stream passthrough and no tail: the uncoded cache, f16 by
+  default (``cache="f32"`` keeps f32 rows). Passthrough streams of a dict-coded layout
+  (streams the artifact leaves uncoded) keep f32 rows.
 
 Test-only guard mode (``guard_words > 0``) leaves at least that many sentinel words
 before and after every region and tail block and at the end of each layer buffer; every
@@ -38,6 +42,8 @@ WORD_BYTES = 4
 ALIGN_WORDS = 64  # 256 bytes: ≥ any minStorageBufferOffsetAlignment, one cache line pair
 VEC4_WORDS = 4
 DEFAULT_GUARD_VALUE = 0x7FA5A5A5  # a NaN as float32; as a code word its coefficient is NaN
+CACHES = ("f16", "f32")  # row formats of the uncoded cache
+DEFAULT_CACHE = "f16"  # what engines keep (llama.cpp's default); f32 is the exact option
 
 
 def _round_up(x: int, m: int) -> int:
@@ -90,7 +96,7 @@ class StreamLayout:
     n_kv_heads: int
     head_dim: int
     n_ctx: int
-    row_words: int  # words per (head, token): the slot (coded) or head_dim (passthrough)
+    row_words: int  # words per (head, token): the slot (coded), head_dim (f32) or head_dim/2 (f16)
     region_word: int
     region_words: int
     atoms_word: int | None  # None in the f32 layout (no tail)
@@ -101,6 +107,12 @@ class StreamLayout:
     n_dict_heads: int = 1  # 1: one dictionary shared by the KV heads; n_kv_heads: one each
     scale_word: int | None = None  # residual scales, n_dict_heads × head_dim
     scale_words: int = 0
+    half: bool = False  # passthrough rows stored as f16 (two per word)
+
+    @property
+    def row_format(self) -> str:
+        """"slot" (dict-coded), "f16" or "f32" (passthrough rows)."""
+        return "slot" if self.coded else ("f16" if self.half else "f32")
 
     def word(self, head: int, token: int, j: int = 0) -> int:
         """Word index (within the layer buffer) of slot word j / element j of (head, token)."""
@@ -137,7 +149,7 @@ class StreamLayout:
         return {"layer": self.layer, "stream": self.stream, "coded": self.coded,
                 "sparsity": self.sparsity, "has_mean": self.has_mean,
                 "residual_bits": self.residual_bits, "n_dict_heads": self.n_dict_heads,
-                "row_words": self.row_words, "slot_words": self.slot_words,
+                "row_format": self.row_format, "row_words": self.row_words, "slot_words": self.slot_words,
                 "region": _span(self.region_word, self.region_words),
                 "atoms": None if self.atoms_word is None else _span(self.atoms_word, self.atoms_words),
                 "mean": None if self.mean_word is None else _span(self.mean_word, self.mean_words),
@@ -176,7 +188,7 @@ class LayerLayout:
 
 @dataclass(frozen=True)
 class ArenaLayout:
-    mode: str  # "dict" or "f32"
+    mode: str  # "dict", or the uncoded cache's row format: "f16" or "f32"
     n_layers: int
     n_kv_heads: int
     head_dim: int
@@ -210,6 +222,10 @@ class ArenaLayout:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * WORD_BYTES
 
     @property
+    def f16_bytes_per_token(self) -> int:
+        return self.f32_bytes_per_token // 2
+
+    @property
     def tail_bytes(self) -> int:
         return sum(l.tail_words for l in self.layers) * WORD_BYTES
 
@@ -223,6 +239,7 @@ class ArenaLayout:
                 "max_layer_bytes": self.max_layer_bytes, "tail_bytes": self.tail_bytes,
                 "bytes_per_token": self.bytes_per_token,
                 "f32_bytes_per_token": self.f32_bytes_per_token,
+                "f16_bytes_per_token": self.f16_bytes_per_token,
                 "layers": [l.to_dict() for l in self.layers]}
 
 
@@ -236,8 +253,10 @@ def _positive(**dims) -> None:
 
 def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
                  dictionary: KvDictArtifact | DictSpec | None = None, *,
-                 guard_words: int = 0, guard_value: int = DEFAULT_GUARD_VALUE) -> ArenaLayout:
-    """The arena layout for a model's dims and (optionally) the active dictionary."""
+                 guard_words: int = 0, guard_value: int = DEFAULT_GUARD_VALUE,
+                 cache: str = DEFAULT_CACHE) -> ArenaLayout:
+    """The arena layout for a model's dims and (optionally) the active dictionary; without
+    one, ``cache`` ("f16" or "f32") is the row format of the uncoded cache."""
     _positive(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, n_ctx=n_ctx)
     n_layers, n_kv_heads, head_dim, n_ctx = map(int, (n_layers, n_kv_heads, head_dim, n_ctx))
     if guard_words < 0:
@@ -246,6 +265,11 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
     if not 0 <= guard_value < 1 << 32:
         raise E.ArenaError(f"guard_value {guard_value:#x} is not a 32-bit word")
     spec = DictSpec.from_artifact(dictionary) if isinstance(dictionary, KvDictArtifact) else dictionary
+    if cache not in CACHES:
+        raise E.ArenaError(f"cache must be one of {CACHES}, got {cache!r}")
+    half = spec is None and cache == "f16"
+    if half and head_dim % 2:
+        raise E.ArenaError(f"an f16 cache needs an even head_dim, got {head_dim}")
     if spec is not None:
         if len(spec.layers) != n_layers:
             raise E.DictMismatchError(f"dictionary has {len(spec.layers)} layers, model {n_layers}")
@@ -256,8 +280,8 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
         if spec.n_heads not in (1, n_kv_heads):
             raise E.DictMismatchError(f"the dictionary has {spec.n_heads} heads per stream; the model "
                                       f"has {n_kv_heads} KV heads (per-head dictionaries need one each)")
-    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard) for i in range(n_layers))
-    return ArenaLayout("f32" if spec is None else "dict", n_layers, n_kv_heads, head_dim, n_ctx,
+    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard, half) for i in range(n_layers))
+    return ArenaLayout(cache if spec is None else "dict", n_layers, n_kv_heads, head_dim, n_ctx,
                        0 if spec is None else spec.n_atoms, 0 if spec is None else spec.sparsity,
                        guard, int(guard_value), layers, 1 if spec is None else spec.n_heads)
 
@@ -280,7 +304,7 @@ def _slot_words(index: int, name: str, ss: StreamSpec, spec: DictSpec, hd: int) 
     return slot
 
 
-def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int) -> LayerLayout:
+def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, half: bool = False) -> LayerLayout:
     cursor = 0
     placed = []  # (start, stop) of every region/block, for the guard spans
 
@@ -292,7 +316,8 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int) -> LayerLa
         return start
 
     pair = (StreamSpec(False), StreamSpec(False)) if spec is None else spec.layers[index]
-    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else hd for ss, name in zip(pair, "KV")]
+    pass_row = hd // 2 if half else hd
+    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else pass_row for ss, name in zip(pair, "KV")]
     regions = [place(n_kv * n_ctx * r, ALIGN_WORDS) for r in rows]
     tail_word, tail_words = None, 0
     atoms, means, scales = [None, None], [None, None], [None, None]
@@ -316,10 +341,22 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int) -> LayerLa
     streams = [StreamLayout(index, name, ss.coded, ss.sparsity if ss.coded else 0, ss.coded and ss.has_mean,
                             n_kv, hd, n_ctx, r, reg, n_kv * n_ctx * r,
                             a, 0 if a is None else g * spec.n_atoms * hd, m, 0 if m is None else g * hd,
-                            ss.residual_bits if ss.coded else 0, g, sc, 0 if sc is None else g * hd)
+                            ss.residual_bits if ss.coded else 0, g, sc, 0 if sc is None else g * hd,
+                            half and not ss.coded)
                for ss, name, r, reg, a, m, sc in zip(pair, "kv", rows, regions, atoms, means, scales)]
     return LayerLayout(index, streams[0], streams[1], tail_word, tail_words, total,
                        tuple(s for s in spans if s[1] > s[0]))
+
+
+def row_words_of(rows: np.ndarray, st: StreamLayout) -> np.ndarray:
+    """The words a passthrough stream stores for float32 rows (n_kv, T, head_dim): their
+    bits (f32), or the halves packed two to a word (f16: round to nearest even, as numpy)."""
+    rows = np.ascontiguousarray(rows, np.float32)
+    if st.coded:
+        raise E.ArenaError(f"layer {st.layer} {st.stream}: a coded stream stores slots, not rows")
+    if st.half:
+        return rows.astype(np.float16).view(np.uint32)
+    return rows.view(np.uint32)
 
 
 def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | None,
@@ -332,7 +369,7 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
     layer's (K, V) pairs, each None or an array broadcastable to (n_dict_heads, head_dim)."""
     ll = layout.layers[layer]
     if ll.tail_word is None:
-        raise E.ArenaError("the f32 layout has no tail")
+        raise E.ArenaError("the uncoded layout has no tail")
     img = np.full(ll.tail_words, layout.guard_value, np.uint32)
     g, hd = layout.n_dict_heads, layout.head_dim
     block = g * layout.n_atoms * hd
@@ -437,7 +474,8 @@ PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, SCATTER_PUS
                                    *_ATTEND_BLOCKS.values())}
 # shader source file → the block it declares
 SHADER_PUSH_BLOCKS = {"reconstruct.comp": RECONSTRUCT_PUSH, "copy_rows.comp": COPY_ROWS_PUSH,
-                      "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH, **_ATTEND_BLOCKS}
+                      "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH,
+                      "read_rows_f16.comp": COPY_ROWS_PUSH, **_ATTEND_BLOCKS}
 
 # GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encoder.py): one block for its
 # three kernels; shaders/encode_common.glsl says what each field is.

@@ -49,7 +49,7 @@ VPY="$VENV/bin/python"
 # Kompute would otherwise switch the validation layer on for every Manager whenever the
 # layer is installed (slow, and not ours to decide): tests enable it through
 # VK_INSTANCE_LAYERS instead. The options are recorded so that changing them rebuilds.
-KP_OPTS="KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON compute-barrier-binding-1"
+KP_OPTS="KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON kp_patch=$(sha256sum scripts/kp_patch.py | cut -c1-12)"
 if ! "$VPY" -c "import kp" 2>/dev/null || [ "$(cat "$VENV/.kp-build-opts" 2>/dev/null)" != "$KP_OPTS" ]; then
   log "building kp==0.9.0 offline against system Vulkan/fmt and PyPI pybind11 (~2 min)"
   PB11=$("$VPY" -c 'import pybind11, os; print(os.path.abspath(os.path.join(pybind11.get_cmake_dir(), "..", "..", "..")))')
@@ -61,7 +61,9 @@ if ! "$VPY" -c "import kp" 2>/dev/null || [ "$(cat "$VENV/.kp-build-opts" 2>/dev
   # shim of another version breaks the build). Restore the comma.
   sed -i "s/'-DKOMPUTE_OPT_DISABLE_VULKAN_VERSION_CHECK=ON'$/'-DKOMPUTE_OPT_DISABLE_VULKAN_VERSION_CHECK=ON',/" "$src"/kp-0.9.0/setup.py
   grep -q "VERSION_CHECK=ON'," "$src"/kp-0.9.0/setup.py
-  # bind Kompute's OpMemoryBarrier as kp.OpComputeBarrier (the script says why)
+  # bind Kompute's OpMemoryBarrier as kp.OpComputeBarrier, make sequences cheap to
+  # evaluate again (fence reuse and polling, resettable command buffers, timestamp resets):
+  # the script says why
   "$VPY" scripts/kp_patch.py "$src"/kp-0.9.0
   KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON \
   KOMPUTE_OPT_INSTALL=OFF \

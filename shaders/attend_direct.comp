@@ -5,8 +5,8 @@
 //   score_t = scale * q . (sum_j c_j atoms[g', idx_j] + r_t)      (K dict-coded)
 //   acc    += p_t * (sum_j c_j atoms[g', idx_j] + r_t)             (V dict-coded)
 // with r_t the residual stage (levels - half) * step * residual_scale[g'] when the stream
-// has one; a passthrough stream (K_SPARSITY / V_SPARSITY 0, and the f32 cache) reads its f32
-// rows. The means are left out: q . mean_k is the same for every token of a head (it cancels
+// has one; a passthrough stream (K_SPARSITY / V_SPARSITY 0, and the f16/f32 caches) reads its
+// rows (f16 or f32: ROW_HALF). The means are left out: q . mean_k is the same for every token of a head (it cancels
 // in the softmax) and mean_v is added once at the end (probabilities sum to one).
 //
 // Why a second path next to the table one (attend_table/split/atoms.comp): that one reads
@@ -40,10 +40,14 @@ layout(constant_id = 4) const uint K_SPARSITY = 0u;  // code words per K slot (0
 layout(constant_id = 5) const uint K_BITS = 0u;      // residual bits of K (0: none)
 layout(constant_id = 6) const uint V_SPARSITY = 0u;
 layout(constant_id = 7) const uint V_BITS = 0u;
+// Passthrough rows as f16 (the default uncoded cache: two halves per word, element 2k in the
+// low half, unpackHalf2x16 — no 16-bit storage feature needed) or f32. Needs HEAD_DIM % 8 == 0.
+layout(constant_id = 8) const uint ROW_HALF = 0u;
+const uint PASS_ROW = ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM;
 const uint K_LEVEL_WORDS = (HEAD_DIM * K_BITS + 31u) / 32u;
 const uint V_LEVEL_WORDS = (HEAD_DIM * V_BITS + 31u) / 32u;
-const uint K_ROW = K_SPARSITY > 0u ? K_SPARSITY + K_LEVEL_WORDS + (K_BITS + 7u) / 8u : HEAD_DIM;
-const uint V_ROW = V_SPARSITY > 0u ? V_SPARSITY + V_LEVEL_WORDS + (V_BITS + 7u) / 8u : HEAD_DIM;
+const uint K_ROW = K_SPARSITY > 0u ? K_SPARSITY + K_LEVEL_WORDS + (K_BITS + 7u) / 8u : PASS_ROW;
+const uint V_ROW = V_SPARSITY > 0u ? V_SPARSITY + V_LEVEL_WORDS + (V_BITS + 7u) / 8u : PASS_ROW;
 const uint MAX_LEVEL_WORDS = K_LEVEL_WORDS > V_LEVEL_WORDS ? K_LEVEL_WORDS : V_LEVEL_WORDS;
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };
@@ -103,6 +107,15 @@ vec4 row_quad(bool fresh, uint x) {
 // sum_j c_j atoms[atoms_word + idx_j*HEAD_DIM] + the residual times `scale`.
 void decode_row(bool fresh, uint slot, uint sparsity, uint bits, uint level_words, uint atoms_word,
                 vec4 scale[Q4], out vec4 row[Q4]) {
+    if (sparsity == 0u && ROW_HALF > 0u) {
+        [[unroll]] for (uint c = 0u; c < Q4; c += 2u) {  // a quad of words is 8 halves
+            uvec4 w = floatBitsToUint(row_quad(fresh, (slot >> 2u) + c / 2u));
+            row[c] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+            if (c + 1u < Q4)
+                row[c + 1u] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+        }
+        return;
+    }
     if (sparsity == 0u) {
         [[unroll]] for (uint c = 0u; c < Q4; ++c)
             row[c] = row_quad(fresh, (slot >> 2u) + c);

@@ -35,25 +35,50 @@ ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu" or 
 GPU_ENCODE_BATCH = 1024  # vectors per GPU-encoder submission (bounds its work buffers to ~1–2 MiB)
 
 
+CACHE_ENV = "KVDICT_VK_CACHE"  # the uncoded cache's row format when the switch is off: f16 / f32
+
+
+def resolve_cache(cache: str | None, dict_active: bool) -> str:
+    """The cache an arena gets: "dict", "f16" or "f32" (KvArena's ``cache`` argument)."""
+    if cache is None:
+        if dict_active:
+            return "dict"
+        cache = os.environ.get(CACHE_ENV, "").strip().lower() or L.DEFAULT_CACHE
+    if cache == "dict":
+        if not dict_active:
+            raise E.ArenaError("cache='dict' needs an active dictionary (kvdict_vk.runtime.activate)")
+        return cache
+    if cache not in L.CACHES:
+        raise E.ArenaError(f"cache must be None, 'dict' or one of {L.CACHES} (or ${CACHE_ENV}), got {cache!r}")
+    return cache
+
+
 class KvArena:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
                  device: "int | str | Device | None" = None, shader_mapping: str | None = None,
-                 guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE, encoder: str | None = None):
+                 guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE, encoder: str | None = None,
+                 cache: str | None = None):
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
         where appends run OMP — "cpu" (codec, the reference) or "gpu" (kvdict_vk.vk.encoder,
         slots written straight into the layer); None reads $KVDICT_VK_ENCODER, default "cpu"
-        (on llvmpipe the CPU codec is the faster of the two: tools/bench_encode.py)."""
+        (on llvmpipe the CPU codec is the faster of the two: tools/bench_encode.py).
+        ``cache``: None — the runtime switch decides: the dict-coded cache when a dictionary
+        is active, else the uncoded cache in $KVDICT_VK_CACHE's row format ("f16" default,
+        or "f32"); "dict" requires an active dictionary; "f16" / "f32" give that uncoded
+        cache whatever the switch says."""
         if encoder is None:
             encoder = os.environ.get(ENCODER_ENV, "").strip().lower() or "cpu"
         if encoder not in ENCODERS:
             raise E.ArenaError(f"encoder must be one of {ENCODERS} (or ${ENCODER_ENV}), got {encoder!r}")
         self.encoder = encoder
         snap = runtime.snapshot()  # once: the layout never changes under a live arena
-        art = snap.artifact if snap.active else None
+        cache = resolve_cache(cache, snap.active)
+        art = snap.artifact if cache == "dict" else None
         self._layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx, art,
-                                      guard_words=guard_words, guard_value=guard_value)
+                                      guard_words=guard_words, guard_value=guard_value,
+                                      cache=L.DEFAULT_CACHE if cache == "dict" else cache)
         self._art = art
         self._flat = None if art is None else art.atoms_flat()  # = runtime.atoms_flat() of the snapshot
         self.device = get_device(device)
@@ -235,7 +260,7 @@ class KvArena:
         for r, st in zip(rows, self.layout.layers[layer].streams):
             if st.coded and t_new:
                 self._gpu_encoder(layer, st).encode_into(buf, r, st.region_word, n_ctx, t0)
-        passthrough = [(r.view(np.uint32), st) for r, st in zip(rows, self.layout.layers[layer].streams)
+        passthrough = [(L.row_words_of(r, st), st) for r, st in zip(rows, self.layout.layers[layer].streams)
                        if not st.coded]
         if passthrough and t_new:
             self._scatter_words(layer, passthrough)
@@ -257,19 +282,21 @@ class KvArena:
             if st.coded:
                 words.append(codec.encode_heads(r, self._art.stream(layer, st.stream == "k")))
             else:
-                words.append(r.view(np.uint32))
+                words.append(L.row_words_of(r, st))
         return words
 
     def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
         """Append already-encoded tokens: uint32 slots (n_kv, T_new, slot_words) for a coded
         stream (codec.encode_heads' output), float32 rows (n_kv, T_new, head_dim) for a
-        passthrough stream. Slots are stored as given (an out-of-range atom index
-        reconstructs as zero)."""
+        passthrough stream (stored as f16 in an f16 cache). Slots are stored as given (an
+        out-of-range atom index reconstructs as zero)."""
         i = self._layer_index(layer)
         words = []
         for n, a, st in zip(("k", "v"), (k, v), self.layout.layers[i].streams):
-            w = self._rows(n, a, np.uint32 if st.coded else np.float32, st.row_words)
-            words.append(w.view(np.uint32))
+            if st.coded:
+                words.append(self._rows(n, a, np.uint32, st.row_words))
+            else:
+                words.append(L.row_words_of(self._rows(n, a, np.float32, self.layout.head_dim), st))
         self._check_room(i, words[0].shape[1], words[1].shape[1])
         return self._append_words(i, *words)
 
@@ -312,7 +339,7 @@ class KvArena:
         step = self._caps["out"] // self._caps["token_out"]
         for c0 in range(t0, t1, step):
             c1 = min(t1, c0 + step)
-            k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run()
+            k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run_once()
         return k, v
 
     def read_plan(self, layer: int, t0: int = 0, t1: int | None = None) -> ReadPlan:

@@ -36,6 +36,7 @@ from .attend_ops import PassBuilder
 from .attend_specs import Sizes
 from .device import kp
 from .kernels import Buffer
+from .submit import Recording
 
 MAX_SPLITS = 64  # per KV head
 CPU_SIMD_LANES = 8  # 32-bit lanes of llvmpipe's 256-bit vectors: the workgroup size on CPU drivers
@@ -62,6 +63,9 @@ class Attention:
         lay = arena.layout
         if lay.head_dim % 4:
             raise E.ArenaError(f"GPU attention needs head_dim % 4 == 0 (vec4 rows), got {lay.head_dim}")
+        if lay.mode == "f16" and lay.head_dim % 8:
+            raise E.ArenaError(f"GPU attention over an f16 cache needs head_dim % 8 == 0 (a vec4 of words "
+                               f"is 8 halves), got {lay.head_dim}")
         self.arena, self.device, self.layout = arena, arena.device, lay
         self.n_heads, self.group = n_heads, n_heads // lay.n_kv_heads
         self.hb = head_block(self.group, lay.head_dim)
@@ -97,7 +101,9 @@ class Attention:
         self.passes = None
         try:
             new = self._new_buffer
-            self.q = new(sz.out, "host", "attention query")
+            # device-local: on a discrete GPU a shader reading host-visible memory crosses
+            # PCIe on every load; the query is copied up once per call instead (q_upload)
+            self.q = new(sz.out, "device", "attention query")
             self.out = new(sz.out, "device", "attention output")
             self.stats = new(sz.stats, "device", "attention split stats")
             self.accs = new(sz.accs, "device", "attention split accumulators")
@@ -120,8 +126,7 @@ class Attention:
         if self.bins is None or self._bins_clear:
             return
         self.bins.host_words()[:] = 0
-        with self.device.guard("clearing the atom weights"):
-            self.device.manager.sequence().eval(kp.OpTensorSyncDevice([self.bins.tensor]))
+        self.device.submit(kp.OpTensorSyncDevice([self.bins.tensor]), what="clearing the atom weights")
         self._bins_clear = True
 
     def _new_buffer(self, words: int, kind: str, name: str) -> Buffer:
@@ -161,19 +166,32 @@ class Attention:
         self.q.host_words()[:] = np.ascontiguousarray(q, np.float32).reshape(-1).view(np.uint32)
 
     def _eval(self, ops, what: str) -> np.ndarray:
-        """Record ``ops`` and the read-back of the output in one sequence, submit, wait."""
+        """The query's upload, ``ops`` and the read-back of the output in one submission."""
         self.arena._live()
         self._clear_bins()
         self._bins_clear = False
-        with self.device.guard(what):
-            seq = self.device.manager.sequence()
-            for op in ops:
-                seq.record(op)
-            seq.record(self.passes.read_back(self.out))
-            seq.eval()
+        self.device.submit(self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out), what=what)
         self._bins_clear = True
+        return self.output()
+
+    def output(self) -> np.ndarray:
+        """The last attention's output, (n_heads, head_dim) float32."""
         words = self.out.host_words()[:self.sizes.out]
         return words.view(np.float32).reshape(self.n_heads, self.layout.head_dim).copy()
+
+    def recording(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None,
+                  path: str | None = None, timestamps: bool = False) -> Recording:
+        """One attention over tokens [0, n_used) of ``layer`` recorded once (query upload,
+        passes, read-back), for benchmarks: every run() repeats exactly that attention —
+        the query is uploaded here, and each run copies it to the device again. The atom
+        weights the table path needs cleared are cleared by every completed run."""
+        q, n_used, scale = check_query(self.layout, q, n_used, self.arena.n_tokens(layer), scale)
+        self._warm(layer, n_used, scale)
+        self._clear_bins()
+        ops = self.passes.ops(layer, self.plan(layer, n_used, path=path), n_used, n_used, scale)
+        self._upload_q(q)
+        return Recording(self.device, [self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
+                         timestamps=timestamps, what=f"attention over layer {layer}")
 
     def _warm(self, layer: int, n_used: int, scale: float) -> None:
         """On a layer's first attention, make every pipeline its plans may use (the direct

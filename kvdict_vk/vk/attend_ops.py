@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import errors as E
 from .attend_plan import LOOP_BUDGET
 from .attend_specs import n_blocks
 from .device import kp
@@ -32,6 +33,7 @@ class F32Rows:
     has_mean: bool = False
     head_atoms_stride: int = 0
     head_vec_stride: int = 0
+    half: bool = False
 
 
 class PassBuilder:
@@ -66,6 +68,14 @@ class PassBuilder:
             op = self._ops[k] = barrier(*buffers)
         return op
 
+    def q_upload(self, buf):
+        """The copy of the query from its staging buffer to the device (once per submission)."""
+        k = ("q_upload", id(buf))
+        op = self._ops.get(k)
+        if op is None:
+            op = self._ops[k] = kp.OpTensorSyncDevice([buf.tensor])
+        return op
+
     def read_back(self, buf):
         """The copy of ``buf`` to its staging buffer, for the host (once per submission)."""
         k = ("read_back", id(buf))
@@ -81,8 +91,10 @@ class PassBuilder:
         streams' StreamLayouts, or None for f32 rows at source's k_word / v_word)."""
         att, lay = self.att, self.layout
         upload = att.arena._upload
+        if k.half != v.half:
+            raise E.ArenaError("attend_direct reads K and V rows in one format (both f16 or both f32)")
         spec = dict(K_SPARSITY=k.sparsity if k.coded else 0, K_BITS=k.residual_bits,
-                    V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits)
+                    V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits, ROW_HALF=int(k.half))
         kernel = self._kernel(("direct",) + key, "attend_direct",
                               [cache, cache, upload, upload, att.q, att.accs, att.stats, att.out],
                               att.units * att.max_splits, **spec)

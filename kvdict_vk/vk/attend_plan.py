@@ -84,7 +84,7 @@ def direct_words(k, v, head_dim: int, hb: int, n_tokens: int) -> int:
     per token and coded stream the code words, one atom row per code word and the residual
     stage; f32 rows otherwise. Plus the query block, residual scales and its record."""
     def per_token(st):
-        return st.sparsity * (1 + head_dim) + _residual_words(st) if st.coded else head_dim
+        return st.sparsity * (1 + head_dim) + _residual_words(st) if st.coded else st.row_words
     fixed = hb * head_dim + 2 * head_dim + hb * (head_dim + 2)
     return n_tokens * (per_token(k) + per_token(v)) + fixed
 

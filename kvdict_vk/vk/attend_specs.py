@@ -13,13 +13,14 @@ from .. import layout as L
 ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
 CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
-DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS")
+DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
 
 
-def row_words(head_dim: int, sparsity: int, bits: int) -> int:
-    """Words per (KV head, token) of a stream: its slot, or head_dim f32 when passthrough."""
+def row_words(head_dim: int, sparsity: int, bits: int, half: int = 0) -> int:
+    """Words per (KV head, token) of a stream: its slot, or head_dim f32 (head_dim / 2 f16:
+    ``half``) when passthrough."""
     if not sparsity:
-        return head_dim
+        return head_dim // 2 if half else head_dim
     return sparsity + ((-(-head_dim * bits // 32) + 1) if bits else 0)
 
 
@@ -166,8 +167,10 @@ def _direct_extents(p, s):
     n_fresh = used - cached
     streams = ((p["k_word"], p["fresh_k_word"], s["K_SPARSITY"], s["K_BITS"], p["k_atoms_word"], p["k_scale_word"]),
                (p["v_word"], p["fresh_v_word"], s["V_SPARSITY"], s["V_BITS"], p["v_atoms_word"], p["v_scale_word"]))
+    if s["ROW_HALF"] and hd % 8:
+        raise E.DispatchError(f"attend_direct: f16 rows need HEAD_DIM % 8 == 0, got {hd}")
     for word, fresh_word, sparsity, bits, atoms_word, scale_word in streams:
-        row = row_words(hd, sparsity, bits)
+        row = row_words(hd, sparsity, bits, s["ROW_HALF"])
         if min(used, cached) > first:
             (words if sparsity else quads).append(_span(word, ((n_kv - 1) * p["n_ctx"] + min(used, cached)) * row))
         if used > max(first, cached):

@@ -65,6 +65,7 @@ class Device:
         # external synchronisation): every Kompute call on this device goes through guard(),
         # which holds this lock. Re-entrant, since guarded code may allocate or dispatch.
         self._lock = threading.RLock()
+        self._submitter = None
 
     @property
     def name(self) -> str:
@@ -77,6 +78,14 @@ class Device:
                 if self._manager is None:
                     self._manager = kp.Manager(self.info.index)
         return self._manager
+
+    def submit(self, *ops, what: str = "dispatch") -> None:
+        """Record ``ops`` and evaluate them once, on the sequence this device reuses for
+        one-off work (kvdict_vk.vk.submit says why not a new one per call)."""
+        if self._submitter is None:
+            from .submit import Submitter
+            self._submitter = Submitter(self)
+        self._submitter.submit(ops, what)
 
     @property
     def is_cpu(self) -> bool:

@@ -137,6 +137,16 @@ def _scatter_extents(p, s):
     return [(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + g * p["group_stride"] + (i + 1) * rw)]
 
 
+def _read_f16_extents(p, s):
+    _check_rows(p)
+    if not p["n_rows"]:
+        return [], []
+    hd = s["HEAD_DIM"]
+    if hd % 2:
+        raise E.DispatchError(f"read_rows_f16: HEAD_DIM {hd} is odd")
+    return [_rows_extents(p, hd // 2)], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+
+
 def _copy_extents(p, s):
     n = p["n_words"]
     return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
@@ -157,6 +167,8 @@ SHADERS = {
     **{f"copy_{v}": ShaderSpec(f"copy_{v}", L.COPY_PUSH, (n, n), (False, True), (), _copy_extents)
        for v, n in (("vec4", 4), ("scalar", 1))},
     "scatter": ShaderSpec("scatter", L.SCATTER_PUSH, (1, 1), (False, True), (), _scatter_extents),
+    "read_rows_f16": ShaderSpec("read_rows_f16", L.COPY_ROWS_PUSH, (1, 2), (False, True), ("HEAD_DIM",),
+                                _read_f16_extents),
 }
 
 
@@ -271,12 +283,8 @@ def barrier(*buffers: "Buffer"):
 
 
 def run(device: Device, *ops, what: str = "dispatch") -> None:
-    """Record ``ops`` in a fresh sequence, submit, wait."""
-    with device.guard(what):
-        seq = device.manager.sequence()
-        for op in ops:
-            seq.record(op)
-        seq.eval()
+    """Record ``ops`` on the device's reused sequence, submit, wait (Device.submit)."""
+    device.submit(*ops, what=what)
 
 
 # Decode attention (kvdict_vk/vk/attend.py): its contracts live in attend_specs

@@ -17,6 +17,7 @@ import numpy as np
 from .. import errors as E
 from .device import kp
 from .kernels import Buffer, Kernel
+from .submit import Recording
 
 
 class ReadPlan:
@@ -51,42 +52,58 @@ class ReadPlan:
                 self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word, n_atoms=lay.n_atoms,
                                         scale_word=st.scale_word, head_atoms=st.head_atoms_stride,
                                         head_vec=st.head_vec_stride, **common))
+            elif st.half:
+                kern = self._kernel(("read_rows_f16", layer, out.words), "read_rows_f16", [layer_buf, out])
+                self.ops.append(kern.op(**common))
             else:
                 kern = self._kernel(("copy_rows", layer, out.words), "copy_rows", [layer_buf, out])
                 self.ops.append(kern.op(**common))
-        self._dispatch_seq = self._readback_seq = self._run_seq = None
+        self._recordings: dict = {}
 
     def _kernel(self, key, shader: str, buffers, **spec) -> Kernel:
         a = self.arena
         key = key + (id(buffers[-1]),)  # one pipeline per output buffer (Kompute binds at creation)
         if key not in a._kernels:
+            if shader == "read_rows_f16":  # one invocation per word of halves
+                a._kernels[key] = Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim},
+                                         max_items=buffers[-1].words // 2)
+                return a._kernels[key]
             variant = f"{shader}_{'vec4' if a._lanes == 4 else 'scalar'}"
             a._kernels[key] = Kernel(a.device, variant, buffers,
                                      {"HEAD_DIM": a.layout.head_dim, "CHUNKS": a._chunks, **spec},
                                      max_items=buffers[-1].words // a.layout.head_dim)
         return a._kernels[key]
 
-    def _eval(self, attr: str, ops, what: str) -> None:
+    def recording(self, part: str = "run", timestamps: bool = False) -> Recording:
+        """The recorded sequence of ``part``: "dispatch" (the GPU work only), "readback"
+        (the copy to the host) or "run" (both); made on first use and kept."""
+        key = (part, bool(timestamps))
+        if key not in self._recordings:
+            sync = kp.OpTensorSyncLocal([self.out.tensor])
+            ops = {"dispatch": self.ops, "readback": [sync], "run": [*self.ops, sync]}[part]
+            self._recordings[key] = Recording(self.arena.device, ops, timestamps=timestamps,
+                                              what=f"read ({part})")
+        return self._recordings[key]
+
+    def _run(self, part: str) -> None:
         self.arena._live()
-        dev = self.arena.device
-        with dev.guard(what):
-            seq = getattr(self, attr)
-            if seq is None:
-                seq = dev.manager.sequence()
-                for op in ops:
-                    seq.record(op)
-                setattr(self, attr, seq)
-            seq.eval()
+        self.recording(part).run()
 
     def dispatch(self) -> None:
-        self._eval("_dispatch_seq", self.ops, "reconstructing")
+        self._run("dispatch")
 
     def readback(self) -> tuple[np.ndarray, np.ndarray]:
-        self._eval("_readback_seq", [kp.OpTensorSyncLocal([self.out.tensor])], "reading back")
+        self._run("readback")
         return self._split()
 
     def run(self) -> tuple[np.ndarray, np.ndarray]:
-        self._eval("_run_seq", [*self.ops, kp.OpTensorSyncLocal([self.out.tensor])], "reading")
+        self._run("run")
+        return self._split()
+
+    def run_once(self) -> tuple[np.ndarray, np.ndarray]:
+        """run() without keeping a recording (KvArena.read: each read is a new range)."""
+        self.arena._live()
+        self.arena.device.submit(*self.ops, kp.OpTensorSyncLocal([self.out.tensor]), what="reading")
         return self._split()
 
     def _split(self) -> tuple[np.ndarray, np.ndarray]:

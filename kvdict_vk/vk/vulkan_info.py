@@ -97,6 +97,14 @@ class _MemoryProps(ctypes.Structure):
                 ("memoryHeapCount", _u32), ("memoryHeaps", _u64 * 32)]  # 16 × (size, flags+pad)
 
 
+class _QueueFamily(ctypes.Structure):
+    _fields_ = [("queueFlags", ctypes.c_uint32), ("queueCount", ctypes.c_uint32),
+                ("timestampValidBits", ctypes.c_uint32), ("granularity", ctypes.c_uint32 * 3)]
+
+
+_QUEUE_COMPUTE = 0x2
+
+
 class _AppInfo(ctypes.Structure):
     _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("pApplicationName", ctypes.c_char_p),
                 ("applicationVersion", _u32), ("pEngineName", ctypes.c_char_p),
@@ -194,6 +202,12 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
     vk.vkGetPhysicalDeviceProperties2(ctypes.c_void_p(handle), ctypes.byref(props2))
     mem = _MemoryProps()
     vk.vkGetPhysicalDeviceMemoryProperties(ctypes.c_void_p(handle), ctypes.byref(mem))
+    n_families = _u32(0)
+    vk.vkGetPhysicalDeviceQueueFamilyProperties(ctypes.c_void_p(handle), ctypes.byref(n_families), None)
+    families = (_QueueFamily * n_families.value)()
+    vk.vkGetPhysicalDeviceQueueFamilyProperties(ctypes.c_void_p(handle), ctypes.byref(n_families), families)
+    # Kompute submits to the first family with compute: its timestamps are the ones we read
+    compute = [f for f in families if f.queueFlags & _QUEUE_COMPUTE]
     lim = base.limits
     limits = {
         "max_storage_buffer_range": lim.maxStorageBufferRange,
@@ -207,6 +221,7 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
         "min_storage_buffer_offset_alignment": lim.minStorageBufferOffsetAlignment,
         "timestamp_compute_and_graphics": bool(lim.timestampComputeAndGraphics),
         "timestamp_period_ns": lim.timestampPeriod,
+        "timestamp_valid_bits": compute[0].timestampValidBits if compute else 0,
     }
     heaps = tuple((int(mem.memoryHeaps[2 * i]), bool(mem.memoryHeaps[2 * i + 1] & _HEAP_DEVICE_LOCAL))
                   for i in range(mem.memoryHeapCount))

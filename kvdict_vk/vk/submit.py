@@ -1,0 +1,129 @@
+"""Submissions: record once, evaluate many times, and read the GPU time they took.
+
+Two ways work reaches the queue:
+
+* :class:`Recording` — a kp.Sequence recorded ONCE and evaluated again and again (the
+  same commands each time: Kompute bakes push constants into the command buffer at record
+  time, so per-call values must live in buffers). With ``timestamps=True`` it latches a
+  timestamp before the first op and after every op; :meth:`Recording.gpu_seconds` gives
+  the last run's GPU time (first to last, in the device's timestampPeriod, masked by the
+  queue's timestampValidBits).
+* :meth:`Submitter.submit` — record these ops and evaluate them once, on a sequence the
+  device keeps and records again (``Device.submit``; kernels.run). Kompute 0.9.0 made a new
+  sequence — a command pool, a command buffer, a fence — for every call: 284–356 µs a call
+  on an NVIDIA H200. scripts/kp_patch.py makes a sequence cheap to clear and re-record and
+  to evaluate again (one fence, reset and polled).
+
+Both go through Device.guard, which serialises every Kompute call on a device.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import errors as E
+
+
+def timestamps_usable(device) -> bool:
+    """Whether the device's compute queue writes timestamps we can turn into seconds."""
+    lim = device.info.limits
+    return bool(lim.get("timestamp_compute_and_graphics")) and lim.get("timestamp_period_ns", 0) > 0 \
+        and lim.get("timestamp_valid_bits", 0) > 0
+
+
+def device_kind(device) -> str:
+    """"cpu" for a software driver (lavapipe, SwiftShader), "gpu" otherwise."""
+    return "cpu" if device.is_cpu else "gpu"
+
+
+def ticks_to_seconds(device, start: int, end: int) -> float:
+    """GPU seconds between two raw timestamps (valid bits only, wrap-around safe)."""
+    bits = device.info.limits["timestamp_valid_bits"]
+    mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
+    return ((int(end) - int(start)) & mask) * float(device.info.limits["timestamp_period_ns"]) * 1e-9
+
+
+class Recording:
+    """``ops`` recorded once into their own sequence; :meth:`run` evaluates them again.
+
+    The ops (and what they bind) must outlive the recording; it keeps references to them.
+    """
+
+    def __init__(self, device, ops, *, timestamps: bool = False, what: str = "dispatch"):
+        self.device, self.what = device, what
+        self._ops = list(ops)
+        if not self._ops:
+            raise E.DispatchError(f"{what}: a recording needs at least one operation")
+        self.timestamps = bool(timestamps) and timestamps_usable(device)
+        self._ran = False
+        with device.guard(f"recording {what}"):
+            self._seq = device.manager.sequence(0, len(self._ops) if self.timestamps else 0)
+            for op in self._ops:
+                self._seq.record(op)
+
+    def run(self) -> None:
+        """Submit the recorded commands and wait for them."""
+        if self._seq is None:
+            raise E.DispatchError(f"{self.what}: the recording was freed")
+        with self.device.guard(self.what):
+            self._seq.eval()
+        self._ran = True
+
+    def gpu_seconds(self) -> float | None:
+        """GPU time of the last :meth:`run` (None: no timestamps on this device, or never run)."""
+        if not (self.timestamps and self._ran and self._seq is not None):
+            return None
+        with self.device.guard(f"reading the timestamps of {self.what}"):
+            ts = self._seq.get_timestamps()
+        return ticks_to_seconds(self.device, ts[0], ts[-1])
+
+    def op_seconds(self) -> list[float] | None:
+        """GPU time of each op of the last run (timestamp after it minus the one before)."""
+        if not (self.timestamps and self._ran and self._seq is not None):
+            return None
+        with self.device.guard(f"reading the timestamps of {self.what}"):
+            ts = np.asarray(self._seq.get_timestamps(), np.uint64)
+        return [ticks_to_seconds(self.device, a, b) for a, b in zip(ts[:-1], ts[1:])]
+
+    def free(self) -> None:
+        if self._seq is not None:
+            with self.device.guard(f"freeing the recording of {self.what}"):
+                self._seq.destroy()
+            self._seq = None
+            self._ops = []
+
+    def __enter__(self) -> "Recording":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+class Submitter:
+    """One reusable sequence of a device: each :meth:`submit` clears it, records the ops
+    and evaluates them (the caller holds the device's guard while it does)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._seq = None
+
+    def submit(self, ops, what: str) -> None:
+        ops = list(ops)
+        if not ops:
+            return
+        with self.device.guard(what):
+            if self._seq is None:
+                self._seq = self.device.manager.sequence()
+            seq = self._seq
+            seq.clear()  # ends a recording an earlier failure left open, drops the old ops
+            try:
+                for op in ops:
+                    seq.record(op)
+                seq.eval()
+            finally:
+                seq.clear()  # no references to these ops (and their buffers) stay behind
+
+    def free(self) -> None:
+        if self._seq is not None:
+            with self.device.guard("freeing the submission sequence"):
+                self._seq.destroy()
+            self._seq = None
