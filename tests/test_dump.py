@@ -59,9 +59,13 @@ def test_human_table_and_layer_filter(art_path):
     assert rows and all(r.split()[0] == "1" for r in rows)
 
 
-def test_f32_layout_from_flags():
-    out = _dump("--n-layers", 30, "--n-kv-heads", 3, "--head-dim", 64, "--n-ctx", 1024, "--json")
-    d = json.loads(out.stdout)
+def test_uncoded_layouts_from_flags():
+    dims = ("--n-layers", 30, "--n-kv-heads", 3, "--head-dim", 64, "--n-ctx", 1024, "--json")
+    d = json.loads(_dump(*dims).stdout)
+    assert d["mode"] == "f16" and d["totals"]["bytes"] == 30 * 2 * 3 * 1024 * 64 * 2
+    assert d["totals"]["compression_vs_f32"] == 2.0 and d["totals"]["compression_vs_f16"] == 1.0
+    assert d["layers"][0]["k"]["row_format"] == "f16"
+    d = json.loads(_dump(*dims, "--cache", "f32").stdout)
     assert d["mode"] == "f32" and d["totals"]["bytes"] == 30 * 2 * 3 * 1024 * 64 * 4
     assert d["totals"]["compression_vs_f32"] == 1.0
 
@@ -108,7 +112,7 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
     d = json.loads(out.stdout)
     if not f32:
         activate(art)
-    arena = make_arena(3, 2, 12, 100, guard_words=0)
+    arena = make_arena(3, 2, 12, 100, guard_words=0, **({"cache": "f32"} if f32 else {}))
     assert arena.mode == d["mode"] == ("f32" if f32 else "dict")
     assert arena.layout.total_bytes == d["totals"]["bytes"]
     assert [4 * b.words for b in arena._layers] == [l["total"]["bytes"] for l in d["layers"]]

@@ -47,8 +47,22 @@ def _blocks(ll: L.LayerLayout):
     return out
 
 
-def test_f32_layout_is_the_default_cache():
+def test_f16_layout_is_the_default_cache():
     lay = L.build_layout(2, 3, 64, 100)
+    assert lay.mode == "f16" and lay.n_atoms == 0
+    for ll in lay.layers:
+        k, v = ll.streams
+        assert k.half and k.row_format == "f16" and k.row_words == 32 and ll.tail_word is None
+        assert v.region_word == 3 * 100 * 32 and k.word(2, 99, 31) == (2 * 100 + 99) * 32 + 31
+    assert lay.bytes_per_token == lay.f16_bytes_per_token == lay.f32_bytes_per_token // 2
+    with pytest.raises(E.ArenaError, match="even"):
+        L.build_layout(1, 1, 7, 4)
+    with pytest.raises(E.ArenaError, match="cache"):
+        L.build_layout(1, 1, 8, 4, cache="bf16")
+
+
+def test_f32_layout_on_request():
+    lay = L.build_layout(2, 3, 64, 100, cache="f32")
     assert lay.mode == "f32" and lay.n_atoms == 0
     for ll in lay.layers:
         assert ll.tail_word is None and ll.tail_words == 0
@@ -244,10 +258,11 @@ def test_layout_invariants(n_layers, n_kv, hd, n_ctx, na, guard, per_head, data)
     spec = None if not ss else L.DictSpec(hd, na, max(ss), tuple(
         tuple(L.StreamSpec(False) if p is None else L.StreamSpec(True, p[0], residual_bits=p[1], n_heads=g)
               for p in pair) for pair in pairs), g)
-    lay = L.build_layout(n_layers, n_kv, hd, n_ctx, spec, guard_words=guard)
+    half = spec is None and hd % 2 == 0  # the uncoded cache is f16 where it can be
+    lay = L.build_layout(n_layers, n_kv, hd, n_ctx, spec, guard_words=guard, cache="f16" if half else "f32")
     for ll, pair in zip(lay.layers, pairs):
         for st_, p in zip(ll.streams, pair):
-            assert st_.row_words == (hd if p is None else p[0] + residual_words(hd, p[1]))
+            assert st_.row_words == ((hd // 2 if half else hd) if p is None else p[0] + residual_words(hd, p[1]))
             if ll.tail_word is not None:
                 assert st_.atoms_words == g * na * hd and st_.mean_words == st_.scale_words == g * hd
     for ll in lay.layers:

@@ -18,7 +18,7 @@ def _rows(rng, n_kv, t, hd):
 @pytest.mark.parametrize("mapping", ["row", "chunk"])
 def test_f32_mode_returns_exactly_what_was_appended(mapping, make_arena):
     rng = np.random.default_rng(0)
-    arena = make_arena(2, 3, 64, 40, shader_mapping=mapping)
+    arena = make_arena(2, 3, 64, 40, shader_mapping=mapping, cache="f32")
     assert arena.mode == "f32" and arena.layout.layers[0].tail_word is None
     k, v = _rows(rng, 3, 40, 64), _rows(rng, 3, 40, 64)
     k[0, 0, :4] = [np.nan, -0.0, np.inf, -np.inf]
@@ -38,11 +38,42 @@ def test_f32_mode_returns_exactly_what_was_appended(mapping, make_arena):
 @pytest.mark.parametrize("mapping", ["row", "chunk"])
 def test_f32_mode_scalar_head_dim(mapping, make_arena):
     rng = np.random.default_rng(1)
-    arena = make_arena(1, 2, 18, 9, shader_mapping=mapping)  # 18 % 4 ≠ 0 → scalar shaders
+    arena = make_arena(1, 2, 18, 9, shader_mapping=mapping, cache="f32")  # 18 % 4 ≠ 0 → scalar shaders
     k, v = _rows(rng, 2, 9, 18), _rows(rng, 2, 9, 18)
     arena.append(0, k, v)
     kk, vv = arena.read(0, 2, 9)
     assert np.array_equal(kk, k[:, 2:]) and np.array_equal(vv, v[:, 2:])
+
+
+@pytest.mark.parametrize("hd", [8, 18, 64])
+def test_f16_mode_reads_the_halves_of_what_was_appended(hd, make_arena, monkeypatch):
+    """The default uncoded cache stores f16 (two halves a word): a read returns exactly
+    numpy's float16 rounding of the appended rows, widened back — NaN and ±Inf included,
+    overflow to ±Inf as numpy does — and the layer holds head_dim/2 words a row."""
+    monkeypatch.delenv("KVDICT_VK_CACHE", raising=False)
+    rng = np.random.default_rng(21)
+    arena = make_arena(2, 3, hd, 20)
+    assert arena.mode == "f16" and arena.layout.layers[0].k.row_words == hd // 2
+    k = (rng.standard_normal((3, 20, hd)) * 30).astype(np.float32)
+    v = rng.standard_normal((3, 20, hd)).astype(np.float32)
+    k[0, 0, :4] = [np.nan, np.inf, -np.inf, 1e6]  # 1e6 overflows f16 → inf
+    arena.append(1, k[:, :13], v[:, :13])
+    arena.append_codes(1, k[:, 13:], v[:, 13:])  # rows given as f32 are stored as f16 too
+    kk, vv = arena.read(1, 0, 20)
+    want_k, want_v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    assert np.array_equal(np.isnan(kk), np.isnan(want_k))
+    assert np.array_equal(np.nan_to_num(kk), np.nan_to_num(want_k)) and np.array_equal(vv, want_v)
+    assert np.isinf(kk[0, 0, 3]) and not np.array_equal(kk, k)  # really rounded, not f32
+    monkeypatch.setenv("KVDICT_VK_CACHE", "f32")
+    assert make_arena(1, 1, 8, 4).mode == "f32"
+    monkeypatch.setenv("KVDICT_VK_CACHE", "bf16")
+    with pytest.raises(E.ArenaError, match="cache"):
+        make_arena(1, 1, 8, 4)
+
+
+def test_f16_mode_needs_an_even_head_dim(make_arena):
+    with pytest.raises(E.ArenaError, match="even head_dim"):
+        make_arena(1, 1, 7, 4, cache="f16")
 
 
 def _reconstruct_on_write(layer, k_not_v, rows, n_tokens):
@@ -112,7 +143,7 @@ def test_chunked_appends_and_reads(make_arena, activate, monkeypatch):
 
 def test_read_plan_reruns(make_arena):
     rng = np.random.default_rng(4)
-    arena = make_arena(1, 1, 8, 16)
+    arena = make_arena(1, 1, 8, 16, cache="f32")
     k, v = _rows(rng, 1, 16, 8), _rows(rng, 1, 16, 8)
     arena.append(0, k, v)
     plan = arena.read_plan(0, 4, 12)
@@ -189,12 +220,12 @@ def test_too_large_is_refused_before_allocating(vk_device, monkeypatch):
     # one layer beyond maxStorageBufferRange (software drivers: 128 MiB per binding)
     n_ctx = lim // (2 * 8 * 128 * 4) + 1
     with pytest.raises(E.ArenaTooLargeError, match="maxStorageBufferRange"):
-        KvArena(1, 8, 128, n_ctx, device=vk_device)
+        KvArena(1, 8, 128, n_ctx, device=vk_device, cache="f32")
     # every layer fits, all of them together exceed the device heap
     per_layer = 2 * 8 * 128 * 4 * 4096
     n_layers = vk_device.info.device_local_bytes // per_layer + 2
     with pytest.raises(E.ArenaTooLargeError, match="heap"):
-        KvArena(n_layers, 8, 128, 4096, device=vk_device)
+        KvArena(n_layers, 8, 128, 4096, device=vk_device, cache="f32")
 
 
 def test_dictionary_that_does_not_fit_the_model(vk_device, activate):
@@ -216,9 +247,11 @@ def test_dictionary_that_does_not_fit_the_model(vk_device, activate):
         with pytest.raises(E.ShapeError):
             a.append_codes(0, slots[..., :-1], slots)  # a slot is slot_words wide
         a.append_codes(0, slots, slots)
-    runtime.disable()  # toggle off: the next arena is the f32 cache, dictionaries stay installed
+    runtime.disable()  # toggle off: the next arena is the uncoded cache, dictionaries stay installed
     with KvArena(3, 1, 32, 4, device=vk_device) as a:
-        assert a.mode == "f32"
+        assert a.mode == "f16"
+    with pytest.raises(E.ArenaError, match="active dictionary"):
+        KvArena(3, 1, 32, 4, device=vk_device, cache="dict")
 
 
 def test_layout_is_fixed_at_creation(make_arena, activate, monkeypatch):

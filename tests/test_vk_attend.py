@@ -49,19 +49,23 @@ def _stream(rng, d, n_kv, n_ctx, hd):
     return random_slots(rng, d, (n_kv, n_ctx)) if d is not None else rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
 
 
-def _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art):
-    """An arena over `art` (None: the f32 cache) with every layer filled with random slots/rows."""
+def _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, cache="f32"):
+    """An arena over `art` (None: the uncoded cache in `cache`'s row format) with every
+    layer filled with random slots/rows. What it stores is what the cache holds: f16-rounded
+    rows for an f16 cache (the reference attends over those)."""
     if art is not None:
         activate(art)
     n_layers = 1 if art is None else art.n_layers
-    arena = make_arena(n_layers, n_kv, hd, n_ctx, guard_words=64)
-    assert arena.mode == ("f32" if art is None else "dict")
+    arena = make_arena(n_layers, n_kv, hd, n_ctx, guard_words=64, **({"cache": cache} if art is None else {}))
+    assert arena.mode == (cache if art is None else "dict")
     stored = []
     for layer in range(n_layers):
         pair = (None, None) if art is None else art.layers[layer]
         k, v = (_stream(rng, d, n_kv, n_ctx, hd) for d in pair)
         for t0 in range(0, n_ctx, 1 << 14):  # a few appends
             arena.append_codes(layer, k[:, t0:t0 + (1 << 14)], v[:, t0:t0 + (1 << 14)])
+        if arena.mode == "f16":
+            k, v = (x.astype(np.float16).astype(np.float32) for x in (k, v))
         stored.append((k, v, *pair))
     return arena, stored
 
@@ -175,10 +179,12 @@ def test_the_grid_is_covered():
     assert any(None in p and p != (None, None) for c in CASES for p in c[5])  # a mixed layer
 
 
+@pytest.mark.parametrize("cache", ["f16", "f32"])
 @pytest.mark.parametrize("hd,g,n_kv,n_ctx", [(64, 3, 3, 32768), (32, 8, 2, 4096), (128, 1, 4, 300)])
-def test_f32_cache_attention_equals_reference(hd, g, n_kv, n_ctx, make_arena):
+def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, make_arena):
+    """The f16 cache against the float64 reference of its f16-rounded rows; f32 exactly so."""
     rng = np.random.default_rng(hd * 1000 + g)
-    arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None)
+    arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, cache)
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
         _check(arena, stored, 0, q, n_used)

@@ -42,15 +42,18 @@ def _rows(rng, n_kv, t, hd):
 
 
 @pytest.mark.parametrize("path", [None, "direct", "table"])
-@pytest.mark.parametrize("mode", ["f32", "dict", "mixed"])
+@pytest.mark.parametrize("mode", ["f16", "f32", "dict", "mixed"])
 def test_step_equals_append_then_attend(mode, path, make_arena, activate):
     hd, n_kv, g, n_ctx = 32, 2, 3, 6200
     rng = np.random.default_rng(31)
-    if mode != "f32":
+    uncoded = mode in ("f16", "f32")
+    if not uncoded:
         pair = ((8, 4), (8, 3)) if mode == "dict" else ((8, 4), None)
         activate(random_artifact(rng, hd, 64, [pair], n_heads=n_kv))
-    stepped = make_arena(1, n_kv, hd, n_ctx)
-    plain = make_arena(1, n_kv, hd, n_ctx)
+    cache = {"cache": mode} if uncoded else {}
+    stepped = make_arena(1, n_kv, hd, n_ctx, **cache)
+    plain = make_arena(1, n_kv, hd, n_ctx, **cache)
+    assert stepped.mode == plain.mode == ("dict" if mode == "mixed" else mode)
     att = stepped.attention(n_kv * g)
     att.path = path
     # a long prefill first (beyond one fresh split: the two-submission fallback), then
@@ -73,8 +76,10 @@ def test_step_equals_append_then_attend(mode, path, make_arena, activate):
     k_all, v_all = np.concatenate(k_all, 1), np.concatenate(v_all, 1)
     from kvdict_vk import runtime
     kd = vd = None
-    if mode != "f32":
+    if not uncoded:
         kd, vd = runtime.clone_layer_dict(0, True), runtime.clone_layer_dict(0, False)
+    if mode == "f16":  # the cache holds the rows rounded to f16
+        k_all, v_all = (x.astype(np.float16).astype(np.float32) for x in (k_all, v_all))
     k_w = k_all if kd is None else codec.encode_heads(k_all, kd)
     v_w = v_all if vd is None else codec.encode_heads(v_all, vd)
     assert nmse(reference(q, k_w, v_w, kd, vd, t), got) <= 1e-9

@@ -1,7 +1,7 @@
 """kvdict-dump: show how a KV arena will be laid out, before allocating it.
 
     kvdict-dump smollm2.q42art --n-ctx 4096          # an artifact's dict-coded layout
-    kvdict-dump --n-layers 30 --n-kv-heads 3 --head-dim 64 --n-ctx 4096   # the f32 layout
+    kvdict-dump --n-layers 30 --n-kv-heads 3 --head-dim 64 --n-ctx 4096   # the f16 layout (--cache f32)
     kvdict-dump smollm2.q42art --json --layer 0      # JSON to stdout, one layer
 
 Needs neither Vulkan nor Kompute: every number comes from kvdict_vk.layout (the module
@@ -78,7 +78,7 @@ def describe(lay: L.ArenaLayout, cert=None, source: str | None = None, only_laye
 
 def _mode(s) -> str:
     if not s["coded"]:
-        return "f32"
+        return s.get("row_format", "f32")
     return f"s{s['sparsity']}" + (f"+{s['residual_bits']}b" if s["residual_bits"] else "")
 
 
@@ -109,8 +109,9 @@ def format_table(d: dict) -> str:
     lines.append(f"total         {t['bytes'] / mib:.2f} MiB = regions {t['region_bytes'] / mib:.2f} + tails "
                  f"{t['tail_bytes'] / mib:.2f} + padding {t['padding_bytes'] / mib:.3f} MiB; largest layer "
                  f"{t['max_layer_bytes'] / mib:.2f} MiB")
-    lines.append(f"per token     {t['bytes_per_token']} B (f32 cache {t['f32_bytes_per_token']} B): "
-                 f"{t['compression_vs_f32']:.2f}× vs f32, {t['compression_vs_f16']:.2f}× vs f16")
+    lines.append(f"per token     {t['bytes_per_token']} B (f16 cache {t['f32_bytes_per_token'] // 2} B, f32 "
+                 f"{t['f32_bytes_per_token']} B): {t['compression_vs_f16']:.2f}× vs f16, "
+                 f"{t['compression_vs_f32']:.2f}× vs f32")
     return "\n".join(lines)
 
 
@@ -122,7 +123,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n-kv-heads", type=int)
     ap.add_argument("--head-dim", type=int)
     ap.add_argument("--n-ctx", type=int, default=4096)
-    ap.add_argument("--f32", action="store_true", help="the default f32 layout even with an artifact")
+    ap.add_argument("--cache", choices=L.CACHES, default=None,
+                    help="the uncoded layout in this row format, even with an artifact (default: the "
+                         f"artifact's dict-coded layout, else {L.DEFAULT_CACHE})")
+    ap.add_argument("--f32", action="store_true", help="same as --cache f32")
     ap.add_argument("--layer", type=int, help="only this layer's rows")
     ap.add_argument("--json", action="store_true", help="JSON to stdout")
     a = ap.parse_args(argv)
@@ -138,8 +142,9 @@ def main(argv=None) -> int:
         missing = [k for k, v in dims.items() if v is None]
         if missing:
             raise E.DimsError("give an artifact or --" + ", --".join(m.replace("_", "-") for m in missing))
+        cache = "f32" if a.f32 else a.cache
         lay = L.build_layout(dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], a.n_ctx,
-                             None if a.f32 else art)
+                             None if cache else art, cache=cache or L.DEFAULT_CACHE)
         if a.layer is not None and not 0 <= a.layer < lay.n_layers:
             raise E.LayerIndexError(f"--layer {a.layer} outside 0..{lay.n_layers - 1}")
         d = describe(lay, cert, a.artifact, a.layer)

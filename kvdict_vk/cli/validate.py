@@ -95,10 +95,17 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             out = arena.attend(0, q, n_used)
             ref = attention_ref.attend(q, ref_k, ref_v, n_used)
             rows.append(_row(f"attend dict n_used={n_used}", shape, ref, out, NMSE_ATTEND, time.perf_counter() - t0, arena))
-    with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8) as f32:
-        f32.append(0, k, v)
-        out = f32.attend(0, q, n_ctx)
-        rows.append(_row("attend f32", shape, attention_ref.attend(q, k, v, n_ctx), out, NMSE_ATTEND, None, f32))
+    for cache in ("f16", "f32") if hd % 8 == 0 else ("f32",):  # GPU attention over f16 needs hd % 8
+        with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, cache=cache) as plain:
+            # the reference is the float64 attention over what the cache holds
+            kc, vc = (x.astype(np.float16).astype(np.float32) for x in (k, v)) if cache == "f16" else (k, v)
+            plain.append(0, k, v)
+            gk, gv = plain.read(0, 0, n_ctx)
+            rows.append(_row(f"append+read {cache} K", shape, kc, gk, NMSE_READ, None, plain))
+            rows.append(_row(f"append+read {cache} V", shape, vc, gv, NMSE_READ, None, plain))
+            out = plain.attend(0, q, n_ctx)
+            rows.append(_row(f"attend {cache}", shape, attention_ref.attend(q, kc, vc, n_ctx), out, NMSE_ATTEND,
+                             None, plain))
     for d, name in ((art.layers[0][0], "K"), (art.layers[0][1], "V")):
         if d is not None:
             rows.append(_encoder_row(dev, d, k[:, :64], f"{shape} stream={name}"))
