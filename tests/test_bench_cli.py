@@ -1,20 +1,29 @@
-"""kvdict-bench: JSON per benchmark and a summary whose ratios are the benchmarks' medians,
-exit 2 on bad arguments, 1 on a failed benchmark, a skip (exit 0) when an optional
-dependency is missing; the progress line plain off a terminal, rewritten in place on one.
+"""kvdict-bench: summary.json with the results schema (device, driver, roofline, fixed
+costs, rows), what the rows say checked against the work done (bytes from the layout,
+the modes computing the same attention, GPU time inside the wall time), presets that
+size a GPU run past its L2, exit 2 on bad arguments, 1 on a failed benchmark, a skip
+(exit 0) when an optional dependency is missing; the progress line plain off a
+terminal, rewritten in place on one. No test asserts a speed.
 
-The GPU run uses --quick with 2 repeats (omp and reconstruct: ~10 s on lavapipe).
+The GPU run uses --quick with 2 repeats (fixed, attention, reconstruct: ~10 s on lavapipe).
 """
 from __future__ import annotations
 
 import io
 import json
-import math
+import sys
+import types
 
+import numpy as np
 import pytest
 
 from kvdict_vk import errors as E
-from kvdict_vk.bench import common, omp
+from kvdict_vk import layout as L
+from kvdict_vk.bench import attention, common, fixed, omp, reconstruct, results, roofline, sdpa, traffic
 from kvdict_vk.cli import bench
+from kvdict_vk.vk.attend_plan import Plan
+
+L2_BYTES = 60e6  # the H200's L2: the GPU preset's working sets must be well past it
 
 
 @pytest.fixture
@@ -24,41 +33,89 @@ def restore_env(monkeypatch):
     monkeypatch.setenv("VK_LOADER_LAYERS_DISABLE", "")
 
 
-def _positive_finite(x) -> bool:
-    return isinstance(x, float) and math.isfinite(x) and x > 0
+def _rows(summary, benchmark):
+    return [r for r in summary["rows"] if r["benchmark"] == benchmark]
 
 
 @pytest.mark.gpu
-def test_omp_and_reconstruct_summary_matches_their_json(tmp_path, capsys, restore_env, vk_device):
-    pytest.importorskip("sklearn")
-    code = bench.main(["omp", "reconstruct", "--quick", "--repeats", "2", "--out-dir", str(tmp_path), "--json"])
+def test_quick_run_of_the_device_benchmarks(tmp_path, restore_env, vk_device):
+    """One quick run (the CI smoke run, without encode and omp), checked from several sides."""
+    code = bench.main(["fixed", "attention", "reconstruct", "--quick", "--repeats", "2", "--out-dir", str(tmp_path)])
     assert code == 0
-    printed = json.loads(capsys.readouterr().out)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert printed == summary
-    assert list(summary["benchmarks"]) == ["omp", "reconstruct"]
-    assert summary["quick"] is True and summary["device"] == vk_device.name
-    per = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("omp", "reconstruct")}
-    for name, entry in summary["benchmarks"].items():
-        assert entry["json"] == str(tmp_path / f"{name}.json")
-        assert entry["png"] is None or (tmp_path / f"{name}.png").is_file()
-        assert entry["headline"], name
-        for fig in entry["headline"]:
-            assert all(_positive_finite(fig[k]) for k in ("numerator", "denominator", "ratio")), fig
-            assert fig["ratio"] == pytest.approx(fig["numerator"] / fig["denominator"], rel=1e-12)
+    _check_schema(summary, tmp_path, vk_device)
+    _check_gpu_time_inside_wall_time(summary)
+    _check_attention(summary, json.loads((tmp_path / "attention.json").read_text()))
+    _check_reconstruct_and_fixed(summary, tmp_path)
 
-    o = per["omp"]
-    (omp_fig,) = summary["benchmarks"]["omp"]["headline"]
+
+def _check_schema(summary, out, dev):
+    assert summary["device"] == dev.name and dev.info.driver_name in summary["driver"]
+    assert summary["command"].startswith("kvdict-bench fixed attention reconstruct --quick")
+    assert summary["preset"] == "quick" and summary["device_kind"] == ("cpu" if dev.is_cpu else "gpu")
+    assert summary["roofline"]["bytes"] == roofline.size_for(dev) and summary["roofline"]["bytes_per_s"] > 0
+    assert set(summary["fixed_costs_us"]) == set(fixed.COSTS)
+    assert all(v > 0 for v in summary["fixed_costs_us"].values())
+    results.check(summary["rows"])  # every required key, (benchmark, case) unique
+    for name in ("fixed", "attention", "reconstruct"):
+        assert (out / f"{name}.json").is_file()
+        assert summary["benchmarks"][name]["headline"]
+
+
+def _check_gpu_time_inside_wall_time(summary):
+    timed = [r for r in summary["rows"] if r["gpu_s"] is not None]
+    if summary["timestamps"]:
+        assert timed, "a device with timestamps gave no GPU time"
+    for r in summary["rows"]:
+        if r["gpu_s"] is None:
+            assert r["notes"], r["case"]  # says why
+        else:  # a tick-conversion error (ns for s, the wrong period) lands far outside
+            assert 0 < r["gpu_s"] <= r["wall_s"], r["case"]
+
+
+def _check_attention(summary, result):
+    args = attention.parse_args(attention.PRESETS["quick"])
+    rows = _rows(summary, "attention")
+    for n in args.n_used_list:
+        assert {r["cache"] for r in rows if r["n_used"] == n} == {"f16", "f32", "dict"}, n
+    by_case = {r["case"]: r for r in rows}
+    n_kv, gqa, hd, n = args.n_kv, args.gqa, args.head_dim, args.n_used_list[0]
+    # K and V of every token read once: an f16 row is half an f32 row
+    assert by_case[f"f16 {n_kv}x{gqa} d{hd} n{n}"]["bytes_by_part"]["cache"] == 2 * n_kv * n * hd * 2
+    assert by_case[f"f32 {n_kv}x{gqa} d{hd} n{n}"]["bytes_by_part"]["cache"] == 2 * n_kv * n * hd * 4
+    for case in result["cases"]:  # every mode computed the attention it claims to time
+        for r in case["by_n_used"]:
+            checks = r["checks"]
+            assert checks["f16_vs_f32_nmse"] < 1e-5  # f16 rounding of unit-variance rows: ~1e-7
+            assert all(v < 1e-9 for k, v in checks.items() if k != "f16_vs_f32_nmse"), checks
+    if sdpa.anchor()[0] is None:
+        assert all(r["torch_sdpa_f16_s"] is None for r in rows)
+        assert result["sdpa"]["available"] is False and result["sdpa"]["note"]
+
+
+def _check_reconstruct_and_fixed(summary, out):
+    rec = json.loads((out / "reconstruct.json").read_text())
+    assert rec["main"]["nmse_vs_float64"] < 1e-9
+    rows = {r["case"].split(" ")[0]: r for r in _rows(summary, "reconstruct")}
+    assert {"reconstruct", "copy", "f32", "f16", "readback"} <= set(rows)
+    assert rows["f32"]["cache"] == "f32" and rows["f16"]["cache"] == "f16" and rows["reconstruct"]["cache"] == "dict"
+    assert rows["readback"]["roofline_fraction"] is None  # a transfer to the host, not a shader
+    costs = json.loads((out / "fixed.json").read_text())
+    c = fixed.parse_args(fixed.PRESETS["quick"])
+    assert costs["costs"]["decode_step_layer"]["n_used"] == c.prefill + c.steps + 1  # warm-up + timed steps
+
+
+@pytest.mark.gpu
+def test_omp_summary_rows(tmp_path, capsys, restore_env, vk_device):
+    pytest.importorskip("sklearn")
+    assert bench.main(["omp", "--quick", "--repeats", "2", "--out-dir", str(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["device"] is None and summary["roofline"] is None  # CPU only: no Vulkan device opened
+    o = json.loads((tmp_path / "omp.json").read_text())
     assert o["n_vectors"] == 5000 and o["n_vectors_sklearn"] == 300 and len(o["kvdict_vk_vec_per_s"]["all"]) == 2
-    assert omp_fig["ratio"] == pytest.approx(
-        o["kvdict_vk_vec_per_s"]["median"] / o["sklearn_vec_per_s"]["median"], rel=1e-12)
-
-    r = per["reconstruct"]
-    (rec_fig,) = summary["benchmarks"]["reconstruct"]["headline"]
-    assert r["sweep"] == [] and r["config"]["repeats"] == 2 and len(r["main"]["reconstruct"]["samples"]) == 2
-    assert rec_fig["ratio"] == pytest.approx(r["main"]["copy_shader"]["median"] / r["main"]["reconstruct"]["median"],
-                                             rel=1e-12)
-    assert rec_fig["goal"] == {"at_least": 0.7, "met": rec_fig["ratio"] >= 0.7}
+    assert o["same_atoms_fraction"] > 0.9  # the same OMP as scikit-learn's, not just a fast one
+    rows = _rows(summary, "omp")
+    assert [r["device_kind"] for r in rows] == ["cpu", "cpu"] and all(r["vectors_per_s"] > 0 for r in rows)
 
 
 @pytest.mark.gpu
@@ -68,7 +125,10 @@ def test_unknown_device_exits_2(tmp_path, capsys, restore_env, vk_device):
     assert not (tmp_path / "summary.json").exists()
 
 
-@pytest.mark.parametrize("argv", [["nosuch"], ["omp", "--repeats", "0"], ["--repeats", "x"], ["--bogus"]])
+# --- no device needed ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["nosuch"], ["omp", "--repeats", "0"], ["--repeats", "x"], ["--bogus"],
+                                  ["--quick", "--preset", "gpu"], ["--preset", "huge"]])
 def test_bad_arguments_exit_2(argv, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main(argv + ["--out-dir", str(tmp_path)])
@@ -81,7 +141,7 @@ def test_missing_optional_dependency_skips(tmp_path, monkeypatch, capsys):
     assert bench.main(["omp", "--out-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["benchmarks"]["omp"] == {"skipped": "needs no-such-package (not installed)"}
-    assert summary["device"] is None  # omp alone needs no Vulkan device
+    assert summary["device"] is None and summary["rows"] == []  # omp alone needs no Vulkan device
     out = capsys.readouterr()
     assert "omp: skipped" in out.err and "skipped" in out.out
 
@@ -100,15 +160,102 @@ def test_typed_error_fails_the_benchmark_in_one_line(tmp_path, monkeypatch, caps
     assert summary["benchmarks"]["omp"]["failed"].startswith("ShapeError: bad shape")
 
 
-def test_quick_and_repeats_become_the_benchmarks_options(tmp_path):
+def test_presets_and_repeats_become_the_benchmarks_options(tmp_path):
     a = bench.parse_args(["attention", "omp", "attention", "--quick", "--repeats", "4", "--device", "llvmpipe",
                           "--out-dir", str(tmp_path)])
     assert a.names == ["attention", "omp"]
-    args = bench.BENCHMARKS["attention"].parse_args(bench.bench_argv("attention", a))
+    args = attention.parse_args(bench.bench_argv("attention", a, "quick"))
     assert (args.n_used, args.repeats, args.device) == ("1024,4096", 4, "llvmpipe")
     assert args.out == tmp_path / "attention.json"
-    assert "--device" not in bench.bench_argv("omp", a)  # CPU only: takes no --device
-    assert bench.parse_args([]).names == ["attention", "encode", "omp", "reconstruct"]
+    assert "--device" not in bench.bench_argv("omp", a, "quick")  # CPU only: takes no --device
+    assert bench.parse_args([]).names == ["fixed", "attention", "encode", "omp", "reconstruct"]
+    for name, mod in bench.BENCHMARKS.items():
+        assert set(mod.PRESETS) == set(common.PRESETS), name
+        mod.parse_args(bench.bench_argv(name, bench.parse_args([]), "gpu"))  # every preset parses
+
+
+def test_default_preset_follows_the_device_kind():
+    cpu, gpu = (types.SimpleNamespace(is_cpu=flag) for flag in (True, False))
+    assert common.preset_for(cpu) == "cpu" and common.preset_for(gpu) == "gpu"
+
+
+def test_gpu_preset_sizes_are_past_a_gpu_l2():
+    att = attention.parse_args(attention.PRESETS["gpu"])
+    assert set(att.shape_list) == {(8, 4), (3, 3)} and set(att.head_dim_list) == {64, 128}
+    assert att.n_used_list == [8192, 32768, 131072]
+    biggest = max(2 * n_kv * max(att.n_used_list) * hd * 2 for n_kv, _ in att.shape_list for hd in att.head_dim_list)
+    assert biggest > 4 * L2_BYTES  # the f16 cache at the longest context
+    rec = reconstruct.parse_args(reconstruct.PRESETS["gpu"])
+    assert 2 * rec.n_kv * rec.n_ctx * rec.head_dim * 4 >= 1 << 30  # ≥ 1 GiB of output per read
+    assert roofline.GPU_BYTES >= 1 << 30
+
+
+def _layout(cache="f16", n_kv=3, hd=64, n_ctx=4096):
+    return L.build_layout(1, n_kv, hd, n_ctx, cache=cache)
+
+
+def test_traffic_of_uncoded_caches_counts_each_row_once():
+    n = 1000
+    for cache, width in (("f16", 2), ("f32", 4)):
+        lay = _layout(cache)
+        direct = traffic.bytes_moved("attend", lay, 0, n, plan=Plan("direct", 1, n), n_heads=9)
+        assert direct["cache"] == 2 * 3 * n * 64 * width and direct["dictionary"] == 0
+        assert direct["scratch"] == 0  # one split writes the output itself
+        split = traffic.bytes_moved("attend", lay, 0, n, plan=Plan("direct", 4, 250), n_heads=9)
+        assert split["scratch"] == 2 * 3 * 4 * 3 * (64 + 2) * 4  # records: written, read by the merge
+        assert traffic.bytes_moved("attend", lay, 0, n, plan=Plan("flash", 4, 250), n_heads=9) == split
+        with pytest.raises(ValueError, match="no byte count"):
+            traffic.bytes_moved("attend", lay, 0, n, plan=Plan("someday", 4, 250), n_heads=9)
+        read = traffic.bytes_moved("read", lay, 0, n)
+        assert read["output"] == 2 * 3 * n * 64 * 4 and read["total"] == read["cache"] + read["output"]
+    assert traffic.bytes_moved("copy", n_words=256) == {"cache": 1024, "dictionary": 0, "scratch": 0,
+                                                         "output": 1024, "total": 2048}
+
+
+def test_traffic_of_a_coded_cache_counts_the_atoms_it_can_touch():
+    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+    rng = np.random.default_rng(1)
+    d = StreamDict(rng.standard_normal((1024, 64)).astype(np.float32), sparsity=8)
+    lay = L.build_layout(1, 3, 64, 4096, KvDictArtifact(64, 1024, 8, ((d, d),)))
+    few = traffic.bytes_moved("attend", lay, 0, 10, plan=Plan("direct", 1, 10), n_heads=9)
+    assert few["cache"] == 2 * 3 * 10 * 8 * 4
+    assert few["dictionary"] == 2 * (3 * 10 * 8) * 64 * 4  # 240 code words per stream name ≤ 240 atoms
+    many = traffic.bytes_moved("attend", lay, 0, 4096, plan=Plan("direct", 1, 4096), n_heads=9)
+    assert many["dictionary"] == 2 * 1024 * 64 * 4  # at most the whole block
+    table = traffic.bytes_moved("attend", lay, 0, 10, plan=Plan("table", 1, 10), n_heads=9)
+    assert table["dictionary"] == 2 * 1024 * 64 * 4  # the table and atoms passes stream every atom
+    recon = traffic.bytes_moved("reconstruct_then_attend", lay, 0, 10, plan=Plan("direct", 1, 10), n_heads=9)
+    assert recon["scratch"] == 2 * (2 * 3 * 10 * 64) * 4  # f32 rows written, then read by the attention
+
+
+def test_rows_name_each_case_once_and_carry_the_schema():
+    t = {"wall_s": 2e-3, "gpu_s": 1e-3}
+    roof = {"bytes_per_s": 1e9, "timing": "gpu"}
+    r = results.row("attention", "f16 3x3 d64 n8", t, cache="f16", moved={"cache": 1000, "total": 1e6},
+                    roofline=roof, torch_sdpa_f16_s=5e-4)
+    assert r["roofline_fraction"] == pytest.approx(1.0) and r["vs_torch_sdpa"] == pytest.approx(2.0)
+    assert r["bytes_per_s"] == pytest.approx(1e9)  # GPU time when there is one
+    results.check([r])
+    with pytest.raises(ValueError, match="two rows"):
+        results.check([r, dict(r)])
+    with pytest.raises(ValueError, match="lacks"):
+        results.check([{k: v for k, v in r.items() if k != "gpu_s"}])
+    with pytest.raises(ValueError):
+        results.row("attention", "x", t, cache="q8_0")
+    wall_only = results.row("encode", "x", {"wall_s": 2e-3, "gpu_s": None, "note": "why"}, moved={"total": 1e6},
+                            roofline=roof)
+    assert wall_only["roofline_fraction"] is None and wall_only["notes"] == ["why"]  # no GPU time to divide
+
+
+def test_sdpa_column_says_why_without_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    torch, note = sdpa.anchor()
+    assert torch is None and "torch is not installed" in note
+    a = sdpa.Anchor()
+    assert a.seconds(8, 4, 64, 8192) is None and a.to_dict()["available"] is False
+    no_cuda = types.SimpleNamespace(__version__="9.9", cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", no_cuda)
+    assert sdpa.anchor() == (None, "torch 9.9 sees no CUDA device")
 
 
 class _Terminal(io.StringIO):

@@ -1,20 +1,23 @@
-"""Decode-attention time per step: dict-coded attention vs the f32-cache attention vs
+"""Decode-attention time per step over the f16, f32 and dict-coded caches, and
 reconstruct-then-attend (GPU reconstruct of K/V into f32 rows, then the f32 kernels).
 
-dict_coded is what KvArena.attend does (the cost model of kvdict_vk.vk.attend_plan picks
-the direct or the table path); dict_direct and dict_table force one path each, so the JSON
-shows whether the model picked the faster one.
+Per case — KV heads × GQA (``--shapes``), head_dim (``--head-dims``), context length
+(``--n-used``) — every mode attends one query over the same context:
 
-One device, one run, interleaved repeats (machine noise hits every mode alike), medians,
-quartiles and the ratios paired per repeat. Host timing with time.perf_counter around the
-whole KvArena.attend call (record + submit + wait + read back the (n_heads, head_dim)
-output: what an engine pays per decode step; device timestamps are unreliable on
-software drivers). Also a table of the bytes each mode reads per decode step.
+* ``f16_cache`` / ``f32_cache`` — the uncoded caches (the direct shader over rows);
+* ``dict_<fmt>`` — what KvArena.attend does over the codes (the cost model of
+  kvdict_vk.vk.attend_plan picks the direct or the table path); ``dict_<fmt>_direct`` and
+  ``dict_<fmt>_table`` force one path each, so the JSON shows whether it picked the faster;
+* ``recon_<fmt>`` — reconstruct-then-attend (two submissions: wall time only).
+
+Each attention is recorded once (Attention.recording: query upload, passes, read-back of
+the output) and run again per repeat: GPU time from timestamps (first to last), wall time
+around the submit and wait. One device, one run, interleaved repeats (machine noise hits
+every mode alike), medians. Bytes per mode from kvdict_vk.bench.traffic, over the copy
+roofline (kvdict_vk.bench.roofline). Where PyTorch with CUDA is importable, the same shape
+through torch's scaled_dot_product_attention over an f16 cache (kvdict_vk.bench.sdpa).
 
     .venv/bin/python -m kvdict_vk.bench.attention [--out out/bench_attention.json]
-
-Writes the JSON and a PNG (same stem). Goal on lavapipe: dict-coded no slower than the
-f32 cache at 8k tokens and faster at 32k.
 """
 from __future__ import annotations
 
@@ -22,191 +25,274 @@ import time
 
 import numpy as np
 
-from . import common
+from . import common, results, roofline, sdpa, timing, traffic
 
 NAME, TOOL = "attention", "kvdict_vk.bench.attention"
-MODES = ("dict_coded", "dict_direct", "dict_table", "f32_cache", "reconstruct_then_attend")
-QUICK = ["--n-used", "1024,4096", "--repeats", "5"]  # kvdict-bench --quick
+PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", "20"],
+           "cpu": [],
+           # the issue's shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB)
+           "gpu": ["--shapes", "8x4,3x3", "--head-dims", "64,128", "--n-used", "8192,32768,131072",
+                   "--repeats", "20", "--case-budget-s", "10"]}
 USES_DEVICE, REQUIRES = True, {}
+UNCODED = ("f16", "f32")
 
 
 def parse_args(argv=None):
     ap = common.parser(__doc__, NAME, repeats=7)
     ap.add_argument("--n-used", default="1024,8192,32768", help="context lengths attended over")
     ap.add_argument("--gqa", type=int, default=3, help="query heads per KV head")
-    ap.add_argument("--formats", default="0/0,4/3", help="K/V residual bits per format ('0/0' = none)")
+    ap.add_argument("--shapes", default=None, help="KV heads x GQA, comma-separated (default: --n-kv x --gqa)")
+    ap.add_argument("--head-dims", default=None, help="comma-separated (default: --head-dim)")
+    ap.add_argument("--formats", default="0/0,4/3", help="K/V residual bits per dict format ('0/0' = none)")
     ap.add_argument("--per-head", action="store_true", help="one dictionary per KV head (default: shared)")
-    ap.add_argument("--no-reconstruct", action="store_true", help="skip reconstruct-then-attend (slow)")
-    return common.parse(ap, argv)
+    ap.add_argument("--no-reconstruct", action="store_true", help="skip reconstruct-then-attend")
+    ap.add_argument("--case-budget-s", type=float, default=30.0,
+                    help="seconds the repeats of one context length may take (fewer repeats, at least 3, past it)")
+    ap.add_argument("--sdpa-calls", type=int, default=100, help="timed torch SDPA calls per case")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA anchor")
+    args = common.parse(ap, argv)
+    args.shape_list = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")] \
+        if args.shapes else [(args.n_kv, args.gqa)]
+    args.head_dim_list = [int(x) for x in args.head_dims.split(",")] if args.head_dims else [args.head_dim]
+    args.n_used_list = [int(x) for x in args.n_used.split(",")]
+    args.format_list = [tuple(int(b) for b in f.split("/")) for f in args.formats.split(",") if f.strip()]
+    return args
 
 
-def bytes_per_step(lay, att, n_used: int, mode: str) -> dict:
-    """Bytes read per decode step (the query and output are a few KiB and left out).
-    cache: the stored K/V representation of the n_used tokens; dictionary: atoms, means and
-    residual scales read by the passes; scratch: the table lookups, score scratch, atom
-    weights and partial results the kernels write and read back."""
-    hd, n_kv, w = lay.head_dim, lay.n_kv_heads, 4
-    k, v = lay.layers[0].streams
-    g, units = att.group, n_kv * (att.group // att.hb)
-    n_heads = n_kv * g
-    if mode == "f32_cache":
-        return {"cache": 2 * n_kv * n_used * hd * w, "dictionary": 0, "scratch": 0}
-    if mode == "dict_coded":
-        mode = f"dict_{att.plan(0, n_used).path}"
-    if mode == "dict_direct":  # every unit decodes every key and value: s atom rows per token
-        s_k, s_v = k.sparsity, v.sparsity
-        scales = 2 * n_kv * hd * (bool(k.residual_bits) + bool(v.residual_bits))
-        records = att.plan(0, n_used, path="direct").records
-        return {"cache": units * n_used * (k.slot_words + v.slot_words) * w,
-                "dictionary": (units * n_used * (s_k + s_v) * hd + scales) * w,
-                "scratch": 2 * records * n_heads * (hd + 2) * w}
-    n_splits = att.plan(0, n_used, path="table").n_splits
-    if mode == "dict_table":
-        s_k, s_v = k.sparsity, v.sparsity
-        scratch = (n_kv * n_used * s_k * g  # table lookups
-                   + 2 * n_heads * n_used  # scores written, read back
-                   + 2 * n_kv * n_used * s_v * g  # atom-weight read-modify-writes
-                   + 2 * n_kv * n_splits * g * lay.n_atoms  # bins read back and cleared
-                   + n_heads * lay.n_atoms) * w  # the table written
-        dictionary = (2 * units * lay.n_atoms * hd + 2 * n_kv * hd * (bool(k.residual_bits) + bool(v.residual_bits))) * w
-        return {"cache": n_kv * n_used * (k.slot_words + v.slot_words) * w, "dictionary": dictionary,
-                "scratch": scratch}
-    # reconstruct-then-attend: slots + the gathered atoms, f32 rows written and read again
-    gathered = n_kv * n_used * (k.sparsity + v.sparsity) * hd * w
-    rows = 2 * n_kv * n_used * hd * w
-    return {"cache": n_kv * n_used * (k.slot_words + v.slot_words) * w, "dictionary": gathered,
-            "scratch": 2 * rows}
+def format_name(bits) -> str:
+    return f"k{bits[0]}v{bits[1]}"
 
 
-def bench_format(bits, args, dev, rng, progress) -> dict:
+def _dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
+    """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost does
+    not depend on what the codes say; OMP-encoding that many rows would dominate the run)."""
+    from kvdict_vk import runtime
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     from kvdict_vk.vk import KvArena
-    hd, n_kv, na, s = args.head_dim, args.n_kv, args.n_atoms, args.sparsity
-    n_used_values = [int(x) for x in args.n_used.split(",")]
-    n_ctx = max(n_used_values)
-    heads = n_kv if args.per_head else 1
+    heads, na = (n_kv if args.per_head else 1), args.n_atoms
     dicts = [StreamDict(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd),
-                        mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=s, residual_bits=b,
-                        residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
+                        mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
+                        residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
              for b in bits]
-    with common.dictionary_active(KvDictArtifact(hd, na, s, ((dicts[0], dicts[1]),))):
-        coded = KvArena(1, n_kv, hd, n_ctx, device=dev)
-    f32 = KvArena(1, n_kv, hd, n_ctx, device=dev)
-    coded.append_codes(0, *(common.random_slots(rng, d, n_kv, n_ctx) for d in dicts))
-    rows = [rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32) for _ in "kv"]
-    f32.append(0, *rows)
-    q = rng.standard_normal((n_kv * args.gqa, hd), dtype=np.float32)
-    att = coded.attention(q.shape[0])
-    scale = 1.0 / np.sqrt(hd)
-    modes = [m for m in MODES if not (args.no_reconstruct and m == "reconstruct_then_attend")]
+    with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),))):
+        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict")
+    arena.append_codes(0, *(common.random_slots(rng, d, n_kv, n_ctx) for d in dicts))
+    return arena, dicts
 
-    def forced(path):
-        att.path = path
-        try:
-            return coded.attend(0, q, n)
-        finally:
-            att.path = None
-    out = {"residual_bits": {"k": bits[0], "v": bits[1]},
-           "slot_words": {"k": dicts[0].slot_words, "v": dicts[1].slot_words}, "by_n_used": []}
-    for n in n_used_values:
-        calls = {"dict_coded": lambda: forced(None),
-                 "dict_direct": lambda: forced("direct"),
-                 "dict_table": lambda: forced("table"),
-                 "f32_cache": lambda: f32.attend(0, q, n),
-                 "reconstruct_then_attend": lambda: att.attend_reconstructed(0, q, n, scale)}
-        calls = {m: calls[m] for m in modes}
-        for call in calls.values():  # warm-up: pipelines compiled, buffers made
-            call()
-        agree = float(np.sum((coded.attend(0, q, n) - att.attend_reconstructed(0, q, n, scale)) ** 2)
-                      / np.sum(coded.attend(0, q, n) ** 2))
-        times, _ = common.interleaved(calls, args.repeats)
-        res = {"n_used": n, "splits_per_kv_head": att.splits(n, 0)[0], "path_chosen": att.plan(0, n).path,
-               "coded_vs_reconstructed_nmse": agree, "seconds": {m: common.stats(times[m]) for m in modes},
-               "bytes": {m: bytes_per_step(coded.layout, att, n, m) for m in modes}}
-        for m in modes:
-            res["bytes"][m]["total"] = sum(res["bytes"][m].values())
-        coded_t = np.asarray(times["dict_coded"])
-        res["speedup_vs_f32"] = common.stats(np.asarray(times["f32_cache"]) / coded_t)
-        if "reconstruct_then_attend" in times:
-            res["speedup_vs_reconstruct"] = common.stats(np.asarray(times["reconstruct_then_attend"]) / coded_t)
-        out["by_n_used"].append(res)
-        progress(f"residual K{bits[0]}/V{bits[1]} n_used {n}: f32/coded {res['speedup_vs_f32']['median']:.2f}")
-    for a in (coded, f32):
-        a.free()
+
+def _rows(rng, n_kv, n_ctx, hd, block: int = 4096):
+    """(n_kv, n_ctx, hd) float32: a random block of tokens repeated (drawing 10⁸ normals
+    takes seconds; the cost of an attention does not depend on the values)."""
+    b = rng.standard_normal((n_kv, min(n_ctx, block), hd), dtype=np.float32)
+    return np.ascontiguousarray(np.tile(b, (1, -(-n_ctx // b.shape[1]), 1))[:, :n_ctx])
+
+
+def _arenas(n_kv, hd, args, dev, rng) -> dict:
+    """{mode family: arena}: f16, f32 (the same rows) and one dict arena per format."""
+    from kvdict_vk.vk import KvArena
+    n_ctx = max(args.n_used_list)
+    rows = [_rows(rng, n_kv, n_ctx, hd) for _ in "kv"]
+    arenas = {}
+    for cache in UNCODED:
+        arenas[cache] = KvArena(1, n_kv, hd, n_ctx, device=dev, cache=cache)
+        arenas[cache].append(0, *rows)
+    del rows
+    for bits in args.format_list:
+        arenas[format_name(bits)], _ = _dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng)
+    return arenas
+
+
+def _modes(arenas, args) -> dict:
+    """{mode: (arena, cache, format, forced path or None, reconstruct?)}."""
+    modes = {f"{c}_cache": (arenas[c], c, None, None, False) for c in UNCODED}
+    for bits in args.format_list:
+        f = format_name(bits)
+        modes[f"dict_{f}"] = (arenas[f], "dict", f, None, False)
+        modes[f"dict_{f}_direct"] = (arenas[f], "dict", f, "direct", False)
+        modes[f"dict_{f}_table"] = (arenas[f], "dict", f, "table", False)
+        if not args.no_reconstruct:
+            modes[f"recon_{f}"] = (arenas[f], "dict", f, None, True)
+    return modes
+
+
+def _nmse(a, b) -> float:
+    return float(np.sum((a.astype(np.float64) - b) ** 2) / np.sum(np.asarray(b, np.float64) ** 2))
+
+
+def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
+    n_kv, gqa, hd = shape
+    scale = 1.0 / np.sqrt(hd)
+    candidates, info, made = {}, {}, []
+    f32_att = modes["f32_cache"][0].attention(q.shape[0])
+    try:
+        for mode, (arena, cache, fmt, path, recon) in modes.items():
+            att = arena.attention(q.shape[0])
+            if recon:
+                candidates[mode] = lambda att=att: att.attend_reconstructed(0, q, n, scale)
+                moved = traffic.bytes_moved("reconstruct_then_attend", arena.layout, 0, n, plan=f32_att.plan(0, n),
+                                            n_heads=q.shape[0])
+                plan = {"path": "reconstruct_then_attend"}
+            else:
+                rec = att.recording(0, q, n, scale, path=path, timestamps=True)
+                made.append(rec)
+                candidates[mode] = rec
+                p = att.plan(0, n, path=path)
+                moved = traffic.bytes_moved("attend", arena.layout, 0, n, plan=p, n_heads=q.shape[0])
+                plan = {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len}
+            info[mode] = {"cache": cache, "format": fmt, "forced": path, "plan": plan, "bytes": moved}
+        outputs = {}
+        for mode, c in candidates.items():  # warm-up, and what each mode computes
+            if timing.is_recording(c):
+                c.run()
+                outputs[mode] = modes[mode][0].attention(q.shape[0]).output()
+            else:
+                outputs[mode] = c()
+        checks = {"f16_vs_f32_nmse": _nmse(outputs["f16_cache"], outputs["f32_cache"])}
+        for bits in args.format_list:
+            f = format_name(bits)
+            for m in (f"dict_{f}_direct", f"dict_{f}_table", f"recon_{f}"):
+                if m in outputs:
+                    checks[f"{m}_vs_dict_{f}_nmse"] = _nmse(outputs[m], outputs[f"dict_{f}"])
+        times = timing.measure(candidates, args.repeats, budget_s=args.case_budget_s)
+    finally:
+        for rec in made:
+            rec.free()
+    torch_s = anchor.seconds(n_kv, gqa, hd, n)
+    out = {"n_used": n, "repeats": len(next(iter(times.values()))["wall"]["samples"]), "checks": checks,
+           "torch_sdpa_f16_s": torch_s, "modes": {}}
+    for mode, t in times.items():
+        out["modes"][mode] = {**info[mode], "seconds": t,
+                              "roofline_fraction": roofline.fraction(info[mode]["bytes"]["total"], t, roof)}
     return out
+
+
+def case_name(mode_info, shape, n) -> str:
+    n_kv, gqa, hd = shape
+    if mode_info["cache"] in UNCODED:
+        what = mode_info["cache"]
+    elif mode_info["plan"]["path"] == "reconstruct_then_attend":
+        what = f"recon {mode_info['format']}"
+    else:
+        what = f"dict {mode_info['format']}" + (f" {mode_info['forced']}" if mode_info["forced"] else "")
+    return f"{what} {n_kv}x{gqa} d{hd} n{n}"
+
+
+def make_rows(result) -> list[dict]:
+    kind = "cpu" if result["device"]["device_type"] == "cpu" else "gpu"
+    rows = []
+    for case in result["cases"]:
+        shape = (case["n_kv"], case["gqa"], case["head_dim"])
+        for r in case["by_n_used"]:
+            for mode, m in r["modes"].items():
+                rows.append(results.row(
+                    NAME, case_name(m, shape, r["n_used"]), m["seconds"], cache=m["cache"], n_used=r["n_used"],
+                    n_kv=shape[0], gqa=shape[1], head_dim=shape[2], moved=m["bytes"], roofline=result["roofline"],
+                    torch_sdpa_f16_s=r["torch_sdpa_f16_s"], mode=mode, path=m["plan"]["path"], format=m["format"],
+                    device_kind=kind))
+    return rows
 
 
 def run(args, progress) -> dict:
     dev = common.open_device(args)
     rng = np.random.default_rng(0)
     t0 = time.time()
-    progress(f"{dev.name}: head_dim {args.head_dim}, {args.n_kv} KV heads × GQA {args.gqa}, s {args.sparsity}, "
-             f"{args.n_atoms} atoms ({'per-head' if args.per_head else 'shared'} dictionaries)")
-    formats = [bench_format(tuple(int(b) for b in f.split("/")), args, dev, rng, progress)
-               for f in args.formats.split(",")]
-    return {**common.run_header(TOOL, args, dev, t0),
-            "config": {k: getattr(args, k) for k in ("head_dim", "n_kv", "gqa", "sparsity", "n_atoms", "per_head",
-                                                     "repeats")},
-            "timing": "time.perf_counter around KvArena.attend (record, submit, wait, read back)",
-            "formats": formats}
+    roof = roofline.measure(dev)
+    anchor = sdpa.Anchor(args.sdpa_calls, enabled=not args.no_sdpa)
+    progress(f"{dev.name}: roofline {roof['bytes_per_s'] / 1e9:.2f} GB/s; SDPA anchor: "
+             f"{'torch ' + anchor.info['torch'] if anchor.info else anchor.note}")
+    cases = []
+    for n_kv, gqa in args.shape_list:
+        for hd in args.head_dim_list:
+            shape = (n_kv, gqa, hd)
+            arenas = _arenas(n_kv, hd, args, dev, rng)
+            try:
+                modes = _modes(arenas, args)
+                q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+                by_n = []
+                for n in args.n_used_list:
+                    by_n.append(bench_n_used(n, modes, q, anchor, shape, args, roof))
+                    m = by_n[-1]["modes"]
+                    progress(f"{n_kv}x{gqa} d{hd} n_used {n}: " + ", ".join(
+                        f"{k} {1e3 * timing.best_seconds(v['seconds']):.3f} ms" for k, v in m.items()
+                        if v["cache"] in UNCODED or not (v["forced"] or k.startswith("recon"))))
+            finally:
+                for a in arenas.values():
+                    a.free()
+            cases.append({"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "by_n_used": by_n})
+    result = {**common.run_header(TOOL, args, dev, t0),
+              "config": {k: getattr(args, k) for k in ("sparsity", "n_atoms", "per_head", "repeats", "formats",
+                                                       "case_budget_s")},
+              "timing": "Attention.recording (query upload, passes, read-back) run per repeat: GPU time from "
+                        "timestamps, wall time around submit + wait; recon_*: KvArena's two submissions, wall",
+              "roofline": roof, "sdpa": anchor.to_dict(), "cases": cases}
+    result["rows"] = make_rows(result)
+    return result
 
 
-def _format(fmt) -> str:
-    return f"K{fmt['residual_bits']['k']}/V{fmt['residual_bits']['v']}"
+def rows(result) -> list[dict]:
+    return result["rows"]
+
+
+def notes(result) -> list[str]:
+    """What summary.json should say about this run's columns."""
+    sd = result["sdpa"]
+    return [] if sd["available"] and not sd["note"] else [f"torch_sdpa_f16_s: {sd['note']}"]
 
 
 def headline(result) -> list[dict]:
-    """dict-coded / f32-cache time per decode step (medians) at each format and n_used."""
-    return [{"figure": "dict-coded / f32 cache time", "case": f"{_format(fmt)} n_used {r['n_used']}",
-             "numerator": r["seconds"]["dict_coded"]["median"], "denominator": r["seconds"]["f32_cache"]["median"],
-             "unit": "s", "ratio": r["seconds"]["dict_coded"]["median"] / r["seconds"]["f32_cache"]["median"]}
-            for fmt in result["formats"] for r in fmt["by_n_used"]]
+    """dict-coded (the path KvArena.attend picks) / f16-cache time per decode step, per
+    case and format: GPU time where the device has timestamps, else wall time."""
+    figures = []
+    for case in result["cases"]:
+        for r in case["by_n_used"]:
+            f16 = r["modes"]["f16_cache"]["seconds"]
+            for mode, m in r["modes"].items():
+                if m["cache"] != "dict" or m["forced"] or m["plan"]["path"] == "reconstruct_then_attend":
+                    continue
+                num, den = timing.best_seconds(m["seconds"]), timing.best_seconds(f16)
+                figures.append({"figure": f"dict {m['format']} / f16 cache time",
+                                "case": f"{case['n_kv']}x{case['gqa']} d{case['head_dim']} n{r['n_used']}",
+                                "numerator": num, "denominator": den, "unit": "s", "ratio": num / den})
+    return figures
 
 
 def report(result) -> list[str]:
-    lines = [f"{result['device']['name']}: per decode step (median ms; f32/coded paired, IQR):"]
-    for fmt in result["formats"]:
-        for r in fmt["by_n_used"]:
-            sp = r["speedup_vs_f32"]
-            lines.append(f"  residual {_format(fmt)}  n_used {r['n_used']:6d}: " + "  ".join(
-                f"{m} {1e3 * t['median']:8.2f} ms" for m, t in r["seconds"].items())
-                + f"  | f32/coded {sp['median']:.2f} (IQR {sp['p25']:.2f}–{sp['p75']:.2f})")
-    lines.append("bytes read per decode step (MiB: cache + dictionary + scratch = total):")
-    for fmt in result["formats"]:
-        for r in fmt["by_n_used"]:
-            lines.append(f"  {_format(fmt)} n_used {r['n_used']:6d}: " + "   ".join(
-                f"{m} {b['cache'] / 2**20:.2f}+{b['dictionary'] / 2**20:.2f}+{b['scratch'] / 2**20:.2f}"
-                f"={b['total'] / 2**20:.2f}" for m, b in r["bytes"].items()))
+    lines = [f"{result['device']['name']}: per decode step, median ms (GPU time where there are timestamps, "
+             f"else wall); roofline {result['roofline']['bytes_per_s'] / 1e9:.2f} GB/s"]
+    sd = result["sdpa"]
+    lines.append(f"  torch SDPA anchor: {'available' if sd['available'] else sd['note']}")
+    for case in result["cases"]:
+        for r in case["by_n_used"]:
+            lines.append(f"  {case['n_kv']}x{case['gqa']} d{case['head_dim']} n_used {r['n_used']}:"
+                         + (f"  (torch SDPA {1e3 * r['torch_sdpa_f16_s']:.3f} ms)" if r["torch_sdpa_f16_s"] else ""))
+            for mode, m in r["modes"].items():
+                frac = m["roofline_fraction"]
+                lines.append(f"    {mode:20s} {1e3 * timing.best_seconds(m['seconds']):9.3f} ms  "
+                             f"wall {1e3 * m['seconds']['wall_s']:9.3f} ms  {m['bytes']['total'] / 2**20:8.2f} MiB"
+                             + (f"  {frac:6.3f} of roofline" if frac is not None else ""))
     return lines
 
 
 def plot(plt, result):
-    fmts = result["formats"]
-    fig, axes = plt.subplots(1, len(fmts), figsize=(6 * len(fmts), 4.5), squeeze=False)
-    colors = {"dict_coded": "#37c", "dict_direct": "#7ad", "dict_table": "#9bd", "f32_cache": "#888",
-              "reconstruct_then_attend": "#c73"}
-    for ax, fmt in zip(axes[0], fmts):
-        rows = fmt["by_n_used"]
-        modes = list(rows[0]["seconds"])
+    cases = result["cases"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        rows = case["by_n_used"]
+        modes = list(rows[0]["modes"])
         x = np.arange(len(rows))
         width = 0.8 / len(modes)
-        for i, m in enumerate(modes):
-            med = np.array([1e3 * r["seconds"][m]["median"] for r in rows])
-            lo = med - [1e3 * r["seconds"][m]["p25"] for r in rows]
-            hi = np.array([1e3 * r["seconds"][m]["p75"] for r in rows]) - med
-            ax.bar(x + (i - (len(modes) - 1) / 2) * width, med, width, yerr=[lo, hi], capsize=3,
-                   label=m.replace("_", " "), color=colors[m])
-        for xi, r in zip(x, rows):
-            ax.annotate(f"×{r['speedup_vs_f32']['median']:.2f}", (xi, 1e3 * r["seconds"]["dict_coded"]["median"]),
-                        textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+        for i, mode in enumerate(modes):
+            med = [1e3 * timing.best_seconds(r["modes"][mode]["seconds"]) for r in rows]
+            ax.bar(x + (i - (len(modes) - 1) / 2) * width, med, width, label=mode.replace("_", " "))
+        sd = [r["torch_sdpa_f16_s"] for r in rows]
+        if all(s is not None for s in sd):
+            ax.plot(x, [1e3 * s for s in sd], "k_", markersize=30, label="torch SDPA f16")
         ax.set_yscale("log")
         ax.set_xticks(x, [f"{r['n_used']} tokens" for r in rows])
-        ax.set_ylabel("ms per decode step (median, IQR)")
-        ax.set_title(f"residual {_format(fmt)} bits (×: f32 / dict-coded)", fontsize=9)
-        ax.legend(fontsize=8)
-    c = result["config"]
-    fig.suptitle(f"{result['device']['name']}: head_dim {c['head_dim']}, {c['n_kv']} KV heads × GQA {c['gqa']}, "
-                 f"s {c['sparsity']}, {c['n_atoms']} atoms", fontsize=10)
+        ax.set_ylabel("ms per decode step (median)")
+        ax.set_title(f"{case['n_kv']} KV heads × GQA {case['gqa']}, head_dim {case['head_dim']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['device']['name']}: decode attention (GPU time where available)", fontsize=10)
     return fig
 
 

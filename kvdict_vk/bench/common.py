@@ -1,10 +1,14 @@
 """What the benchmarks share: interleaved timing, statistics, the run header (host and
-device), the dictionary switch around arena creation, random slots, JSON and PNG output,
-and a progress line on stderr.
+device), random slots, size presets, JSON and PNG output, and a progress line on stderr.
 
 Every benchmark measures its candidates side by side in one process, interleaved (machine
-noise hits every candidate alike), with host timing by time.perf_counter (device
-timestamps are unreliable on software drivers).
+noise hits every candidate alike): wall time by time.perf_counter, GPU time from the
+timestamps of recorded submissions (kvdict_vk.bench.timing) where the device has them.
+
+Each benchmark module has PRESETS, its own command-line options per size preset:
+"quick" (a smoke run: seconds on lavapipe), "cpu" (its defaults: what a software driver
+finishes in minutes) and "gpu" (working sets well past a GPU's L2). kvdict-bench picks
+"gpu" or "cpu" by the device's kind unless told (--preset, --quick).
 """
 from __future__ import annotations
 
@@ -96,12 +100,13 @@ def missing_modules(requires: dict) -> str | None:
     return f"needs {', '.join(absent)} (not installed)" if absent else None
 
 
-def dictionary_active(artifact):
-    """``artifact`` is the runtime's active dictionary inside the block (arenas pick their
-    mode when created); the previous state is restored after, since the benchmarks also run
-    inside other programs (kvdict-bench, the tests)."""
-    from kvdict_vk import runtime
-    return runtime.enabled_with(artifact)
+PRESETS = ("quick", "cpu", "gpu")
+
+
+def preset_for(dev) -> str:
+    """The size preset a device gets by default: "gpu" on a GPU, "cpu" on a software driver."""
+    from kvdict_vk.vk.submit import device_kind
+    return device_kind(dev)
 
 
 def random_slots(rng, d, n_kv, n_ctx):

@@ -4,10 +4,13 @@ One device, one run, interleaved repeats (machine noise hits every candidate ali
 median, quartiles and min/max per candidate, for a dictionary without and with a residual
 stage. Candidates: ``gpu_encode`` (GpuEncoder.encode: upload, dispatches, read-back),
 ``gpu_encode_into`` (GpuEncoder.encode_into a device buffer: no read-back, the arena's
-write path) and ``cpu_codec_encode`` (codec.encode_heads, NumPy). Host timing with
-time.perf_counter (device timestamps are unreliable on software drivers). Pipelines are
+write path) and ``cpu_codec_encode`` (codec.encode_heads, NumPy). Wall time with
+time.perf_counter: an encode is one submission per batch plus host work between them, so
+there is no single recording to read GPU time from (the rows say so). Pipelines are
 created (and compiled) before the first timed repeat. Also reported: how often both pick
-the same atom set and how often the whole slot is identical.
+the same atom set and how often the whole slot is identical. Rows (summary.json) carry
+vectors_per_s and device_kind: "gpu" or "cpu" for the Vulkan device's kind (a software
+driver is a CPU), "cpu" for the NumPy codec.
 
     .venv/bin/python -m kvdict_vk.bench.encode [--out out/bench_encode.json]
 
@@ -19,11 +22,11 @@ import time
 
 import numpy as np
 
-from . import common
+from . import common, results, timing
 
 NAME, TOOL = "encode", "kvdict_vk.bench.encode"
 CANDIDATES = ("gpu_encode", "gpu_encode_into", "cpu_codec_encode")
-QUICK = ["--n-tok", "256", "--repeats", "3"]  # kvdict-bench --quick
+PRESETS = {"quick": ["--n-tok", "128", "--repeats", "3"], "cpu": [], "gpu": ["--n-tok", "4096", "--repeats", "5"]}
 USES_DEVICE, REQUIRES = True, {}
 
 
@@ -80,9 +83,32 @@ def run(args, progress) -> dict:
     rng = np.random.default_rng(0)
     t0 = time.time()
     configs = [bench_config(int(b), args, dev, rng, progress) for b in args.residual_bits.split(",") if b.strip()]
-    return {**common.run_header(TOOL, args, dev, t0),
-            "config": {k: getattr(args, k) for k in ("n_kv", "n_tok", "head_dim", "n_atoms", "sparsity", "repeats")},
-            "configs": configs}
+    result = {**common.run_header(TOOL, args, dev, t0),
+              "config": {k: getattr(args, k) for k in ("n_kv", "n_tok", "head_dim", "n_atoms", "sparsity", "repeats")},
+              "configs": configs}
+    result["rows"] = make_rows(result)
+    return result
+
+
+def make_rows(result) -> list[dict]:
+    c = result["config"]
+    kind = "cpu" if result["device"]["device_type"] == "cpu" else "gpu"
+    rows = []
+    for cfg in result["configs"]:
+        for name in CANDIDATES:
+            t = timing.timing(cfg[name]["seconds"]["samples"], recorded=False)
+            if name == "cpu_codec_encode":
+                t["note"] = "NumPy on the host"
+            rows.append(results.row(NAME, f"{name} r{cfg['residual_bits']} d{c['head_dim']} s{c['sparsity']}", t,
+                                    cache="dict", n_kv=c["n_kv"], head_dim=c["head_dim"],
+                                    vectors_per_s=cfg[name]["vectors_per_s"]["median"], n_vectors=cfg["n_vectors"],
+                                    device_kind="cpu" if name == "cpu_codec_encode" else kind,
+                                    residual_bits=cfg["residual_bits"]))
+    return rows
+
+
+def rows(result) -> list[dict]:
+    return result["rows"]
 
 
 def headline(result) -> list[dict]:

@@ -16,10 +16,10 @@ import statistics
 
 import numpy as np
 
-from . import common
+from . import common, results, timing
 
 NAME = "omp"
-QUICK = ["--n", "5000", "--n-sklearn", "300"]  # kvdict-bench --quick
+PRESETS = {"quick": ["--n", "5000", "--n-sklearn", "300"], "cpu": [], "gpu": []}
 USES_DEVICE, REQUIRES = False, {"sklearn": "scikit-learn"}
 
 
@@ -52,14 +52,34 @@ def run(args, progress) -> dict:
     idx, ref = outs["kvdict_vk"][0], outs["sklearn"]
     agree = float(np.mean([set(np.flatnonzero(ref[i])) == set(idx[i]) for i in range(len(xs))]))
     ratios = [a / b for a, b in zip(ours, theirs)]
-    return dict(
+    result = dict(
         benchmark="omp_encode", head_dim=args.head_dim, n_atoms=args.n_atoms,
         sparsity=args.sparsity, n_vectors=args.n, n_vectors_sklearn=args.n_sklearn,
         kvdict_vk_vec_per_s=dict(median=statistics.median(ours), all=ours),
         sklearn_vec_per_s=dict(median=statistics.median(theirs), all=theirs),
         speedup=dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios)),
         same_atoms_fraction=agree, machine=dict(cpu_count=os.cpu_count(), platform=platform.platform()),
+        seconds={k: secs[k] for k in cands},
     )
+    result["rows"] = make_rows(result)
+    return result
+
+
+def make_rows(result) -> list[dict]:
+    """Host work: wall time only, device_kind "cpu"."""
+    rows = []
+    for name in ("kvdict_vk", "sklearn"):
+        t = timing.timing(result["seconds"][name], recorded=False)
+        t["note"] = "NumPy on the host" if name == "kvdict_vk" else "scikit-learn on the host"
+        rows.append(results.row(NAME, f"{name} d{result['head_dim']} K{result['n_atoms']} s{result['sparsity']}", t,
+                                head_dim=result["head_dim"], vectors_per_s=result[f"{name}_vec_per_s"]["median"],
+                                n_vectors=result["n_vectors" if name == "kvdict_vk" else "n_vectors_sklearn"],
+                                device_kind="cpu"))
+    return rows
+
+
+def rows(result) -> list[dict]:
+    return result["rows"]
 
 
 def headline(result) -> list[dict]:

@@ -1,14 +1,18 @@
-"""Reconstruct-shader throughput vs. the plain copy shader, the f32 cache read and NumPy.
+"""Reconstruct-shader throughput vs the plain copy shader, the f32 and f16 cache reads and
+NumPy, for the same output: every K and V row of n_ctx tokens as f32.
 
-One device, one run, interleaved repeats (so machine noise hits every candidate alike);
-medians, quartiles and the paired copy/reconstruct ratio per repeat. Host timing with
-time.perf_counter around Sequence.eval (device timestamps are unreliable on software
-drivers); the dispatch is timed without the read-back, which is reported separately.
+Each GPU candidate is recorded once and run again per repeat: GPU time from timestamps,
+wall time around submit + wait; interleaved repeats (machine noise hits every candidate
+alike), medians, and the paired copy / reconstruct ratio per repeat. The reads write into
+one device-local buffer sized for the whole output (≥ 1 GiB on a GPU with the gpu preset,
+past any L2), so only the shaders are timed; ``readback`` (the copy of a read-back buffer
+to the host) is timed apart, over the largest range one read-back buffer holds. Bytes
+from kvdict_vk.bench.traffic, over the copy roofline (kvdict_vk.bench.roofline).
 
     .venv/bin/python -m kvdict_vk.bench.reconstruct [--out out/bench_reconstruct.json]
 
-Writes the JSON and a PNG (same stem) next to it. The goal is reconstruct ≥ 0.7× the copy
-shader's bandwidth for the same output bytes.
+Writes the JSON and a PNG (same stem) next to it. The goal (#10) is reconstruct ≥ 0.7×
+the copy shader's bandwidth for the same output bytes.
 """
 from __future__ import annotations
 
@@ -16,12 +20,17 @@ import time
 
 import numpy as np
 
-from . import common
+from . import common, results, roofline, timing, traffic
 
 NAME, TOOL = "reconstruct", "kvdict_vk.bench.reconstruct"
 GOAL = 0.7
-QUICK = ["--n-ctx", "2048", "--sweep", "", "--repeats", "5"]  # kvdict-bench --quick
+PRESETS = {"quick": ["--n-ctx", "2048", "--sweep", "", "--repeats", "5"],
+           "cpu": [],
+           # 8 KV heads × 128 × 131 072 tokens: 1 GiB of f32 output per read
+           "gpu": ["--n-kv", "8", "--head-dim", "128", "--n-ctx", "131072", "--sweep", "1,2,4,8,16",
+                   "--repeats", "10", "--no-numpy"]}
 USES_DEVICE, REQUIRES = True, {}
+CHECK_TOKENS = 256  # tokens read back and compared with NumPy per sparsity
 
 
 def parse_args(argv=None):
@@ -32,12 +41,13 @@ def parse_args(argv=None):
     ap.add_argument("--per-head", action="store_true", help="one dictionary per KV head (default: shared)")
     ap.add_argument("--mapping", choices=["row", "chunk"], default=None,
                     help="shader invocation mapping (default: by device type — row on CPU drivers)")
+    ap.add_argument("--no-numpy", action="store_true", help="skip the NumPy reconstruct (slow at GPU sizes)")
     return common.parse(ap, argv)
 
 
-def _setup(s, args, dev, rng):
-    """A one-layer dict arena filled with n_ctx tokens of random codes, and the same words
-    for NumPy."""
+def _coded(s, args, dev, rng):
+    """A one-layer dict arena of n_ctx tokens of random slots, the slots and dictionaries."""
+    from kvdict_vk import runtime
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     from kvdict_vk.vk import KvArena
     hd, na, n_kv, n_ctx, bits = args.head_dim, args.n_atoms, args.n_kv, args.n_ctx, args.residual_bits
@@ -46,125 +56,215 @@ def _setup(s, args, dev, rng):
                         mean=rng.standard_normal((g, hd), dtype=np.float32), sparsity=s, residual_bits=bits,
                         residual_scale=rng.random((g, hd), dtype=np.float32) + 0.5 if bits else None)
              for _ in "kv"]
-    with common.dictionary_active(KvDictArtifact(hd, na, s, ((dicts[0], dicts[1]),))):
-        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, shader_mapping=args.mapping)
+    with runtime.enabled_with(KvDictArtifact(hd, na, s, ((dicts[0], dicts[1]),))):
+        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, shader_mapping=args.mapping, cache="dict")
     codes = [common.random_slots(rng, d, n_kv, n_ctx) for d in dicts]
     arena.append_codes(0, *codes)
     return arena, codes, dicts
 
 
-def _copy_sequence(dev, n_words):
+def _uncoded(args, dev, rng) -> dict:
+    """f32 and f16 arenas holding the same n_ctx tokens (a random block repeated: the
+    values do not change a copy's cost, and drawing 1 GiB of normals takes seconds)."""
+    from kvdict_vk.vk import KvArena
+    block = rng.standard_normal((args.n_kv, min(args.n_ctx, 1024), args.head_dim), dtype=np.float32)
+    reps = -(-args.n_ctx // block.shape[1])
+    rows = np.ascontiguousarray(np.tile(block, (1, reps, 1))[:, :args.n_ctx])
+    arenas = {}
+    for cache in ("f32", "f16"):
+        arenas[cache] = KvArena(1, args.n_kv, args.head_dim, args.n_ctx, device=dev, shader_mapping=args.mapping,
+                                cache=cache)
+        arenas[cache].append(0, rows, rows)
+    return arenas
+
+
+def _copy(dev, n_words):
+    """A recorded copy shader of n_words words between two device-local buffers."""
     from kvdict_vk.vk.kernels import Buffer, Kernel
+    from kvdict_vk.vk.submit import Recording
     src, dst = Buffer(dev, n_words, "storage", "copy src"), Buffer(dev, n_words, "storage", "copy dst")
     kernel = Kernel(dev, "copy_vec4" if n_words % 4 == 0 else "copy_scalar", [src, dst], max_items=n_words)
-    seq = dev.manager.sequence()
-    seq.record(kernel.op(src_word=0, dst_word=0, n_words=n_words))
-    return seq, (kernel, src, dst)
+    rec = Recording(dev, [kernel.op(src_word=0, dst_word=0, n_words=n_words)], timestamps=True, what="copy shader")
+    return rec, [kernel, src, dst]
 
 
-def bench_sparsity(s, args, dev, rng, *, numpy_too: bool) -> dict:
-    """The candidates at sparsity ``s``; an f32 arena with the same rows for the baseline read."""
+def _nmse_check(arena, codes, dicts, n_ctx) -> float:
     from kvdict_vk import codec
-    from kvdict_vk.vk import KvArena
-    arena, codes, dicts = _setup(s, args, dev, rng)
-    plan = arena.read_plan(0, 0, args.n_ctx)
-    k, v = plan.run()  # warm-up (pipeline compile) and a correctness check
-    ref = codec.decode_heads(codes[0], dicts[0])
-    nmse = float(np.sum((ref - k) ** 2) / np.sum(ref ** 2))
-    out_bytes = 4 * plan.n_words
-    copy_seq, keep = _copy_sequence(dev, plan.n_words)
-    copy_seq.eval()
-    f32 = KvArena(1, args.n_kv, args.head_dim, args.n_ctx, device=dev, shader_mapping=args.mapping)
-    f32.append(0, k, v)
-    f32_plan = f32.read_plan(0, 0, args.n_ctx)
-    f32_plan.dispatch()
-    cand = {"reconstruct": plan.dispatch, "copy_shader": copy_seq.eval, "f32_cache_read": f32_plan.dispatch,
-            "readback": plan.readback}
-    if numpy_too:
-        cand["numpy_reconstruct_f32"] = lambda: [codec.decode_heads(c, d, np.float32)
-                                                 for c, d in zip(codes, dicts)]
-    times, _ = common.interleaved(cand, args.repeats)
-    vectors = 2 * args.n_kv * args.n_ctx  # head vectors produced per read (K and V)
-    res = {"sparsity": s, "shader_mapping": arena.shader_mapping, "output_bytes": out_bytes,
-           "head_vectors": vectors, "nmse_vs_float64": nmse}
+    n = min(n_ctx, CHECK_TOKENS)
+    k, _ = arena.read(0, 0, n)
+    ref = codec.decode_heads(codes[0][:, :n], dicts[0])
+    return float(np.sum((ref - k) ** 2) / np.sum(ref ** 2))
+
+
+def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_too: bool) -> dict:
+    """Reconstruct at sparsity ``s`` beside the copy shader (and ``baselines``: {name:
+    (candidate, bytes moved, cache)}); every read writes into ``out``."""
+    from kvdict_vk import codec
+    from kvdict_vk.vk import ReadPlan
+    arena, codes, dicts = _coded(s, args, dev, rng)
+    try:
+        nmse = _nmse_check(arena, codes, dicts, args.n_ctx)
+        rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+        rec.run()  # warm-up
+        n_words = 2 * args.n_kv * args.n_ctx * args.head_dim
+        cands = {"reconstruct": (rec, traffic.bytes_moved("read", arena.layout, 0, args.n_ctx), "dict"),
+                 "copy_shader": (copy_rec, traffic.bytes_moved("copy", n_words=n_words), None), **baselines}
+        if numpy_too:
+            cands["numpy_reconstruct_f32"] = (lambda: [codec.decode_heads(c, d, np.float32)
+                                                       for c, d in zip(codes, dicts)], cands["reconstruct"][1], "dict")
+        times = timing.measure({n: c[0] for n, c in cands.items()}, args.repeats)
+        rec.free()
+    finally:
+        arena.free()
+    res = {"sparsity": s, "shader_mapping": arena.shader_mapping, "output_bytes": 4 * n_words,
+           "head_vectors": 2 * args.n_kv * args.n_ctx, "nmse_vs_float64": nmse, "candidates": {}}
     for name, t in times.items():
-        st = common.stats(t)
-        st["output_gb_per_s"] = out_bytes / st["median"] / 1e9
-        st["vectors_per_s"] = vectors / st["median"]
-        res[name] = st
-    paired = np.asarray(times["copy_shader"]) / np.asarray(times["reconstruct"])
-    res["ratio_reconstruct_over_copy"] = common.stats(paired)
-    res["ratio_of_medians"] = res["copy_shader"]["median"] / res["reconstruct"]["median"]
-    for x in (arena, f32):
-        x.free()
-    for x in keep:
-        x.destroy()
+        moved, cache = cands[name][1], cands[name][2]
+        sec = timing.best_seconds(t)
+        res["candidates"][name] = {**t, "cache": cache, "bytes": moved,
+                                   "output_gb_per_s": moved["output"] / sec / 1e9,
+                                   "vectors_per_s": res["head_vectors"] / sec}
+    basis = "gpu" if times["reconstruct"]["gpu"] and times["copy_shader"]["gpu"] else "wall"
+    paired = [np.asarray(times[n][basis]["samples"]) for n in ("copy_shader", "reconstruct")]
+    res["timing"] = basis
+    res["ratio_reconstruct_over_copy"] = common.stats(paired[0] / paired[1])
+    res["ratio_of_medians"] = times["copy_shader"][f"{basis}_s"] / times["reconstruct"][f"{basis}_s"]
     return res
 
 
 def run(args, progress) -> dict:
+    from kvdict_vk.vk.kernels import Buffer
     dev = common.open_device(args)
     rng = np.random.default_rng(0)
     sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
     t0 = time.time()
-    progress(f"{dev.name}: s {args.sparsity}, {args.n_kv}×{args.n_ctx} rows/stream")
-    main_res = bench_sparsity(args.sparsity, args, dev, rng, numpy_too=True)
-    sweep_res = []
-    for s in sweep:
-        progress(f"sweep s={s} ({len(sweep_res) + 1}/{len(sweep)})")
-        sweep_res.append(main_res if s == args.sparsity else bench_sparsity(s, args, dev, rng, numpy_too=False))
-    return {**common.run_header(TOOL, args, dev, t0),
-            "config": {k: getattr(args, k) for k in ("n_kv", "head_dim", "n_ctx", "n_atoms", "sparsity", "repeats",
-                                                     "residual_bits", "per_head")},
-            "goal_ratio": GOAL, "main": main_res, "sweep": sweep_res}
+    roof = roofline.measure(dev)
+    n_words = 2 * args.n_kv * args.n_ctx * args.head_dim
+    progress(f"{dev.name}: s {args.sparsity}, {args.n_kv}×{args.n_ctx} rows/stream, "
+             f"{4 * n_words / 2**20:.0f} MiB out; roofline {roof['bytes_per_s'] / 1e9:.2f} GB/s")
+    out = Buffer(dev, n_words, "storage", "reconstructed rows")
+    copy_rec, keep = _copy(dev, n_words)
+    copy_rec.run()
+    uncoded = _uncoded(args, dev, rng)
+    base_recs = []
+    try:
+        from kvdict_vk.vk import ReadPlan
+        baselines = {}
+        for cache, arena in uncoded.items():
+            rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+            rec.run()
+            base_recs.append(rec)
+            baselines[f"{cache}_cache_read"] = (rec, traffic.bytes_moved("read", arena.layout, 0, args.n_ctx), cache)
+        # the copy of one read-back buffer to the host, over the largest range it holds
+        f32 = uncoded["f32"]
+        n_rb = min(args.n_ctx, f32._caps["out"] // f32._caps["token_out"])
+        rb_plan = f32.read_plan(0, 0, n_rb)
+        rb_plan.dispatch()
+        rb = rb_plan.recording("readback", timestamps=True)
+        baselines["readback"] = (rb, traffic.bytes_moved("copy", n_words=rb_plan.out.words), None)
+        main_res = bench_sparsity(args.sparsity, args, dev, rng, out, copy_rec, baselines,
+                                  numpy_too=not args.no_numpy)
+        main_res["readback_tokens"] = n_rb
+        sweep_res = []
+        for s in sweep:
+            progress(f"sweep s={s} ({len(sweep_res) + 1}/{len(sweep)})")
+            sweep_res.append(main_res if s == args.sparsity else
+                             bench_sparsity(s, args, dev, rng, out, copy_rec, {}, numpy_too=False))
+    finally:
+        for rec in base_recs:
+            rec.free()
+        for a in uncoded.values():
+            a.free()
+        copy_rec.free()
+        for x in keep:
+            x.destroy()
+        out.destroy()
+    result = {**common.run_header(TOOL, args, dev, t0),
+              "config": {k: getattr(args, k) for k in ("n_kv", "head_dim", "n_ctx", "n_atoms", "sparsity", "repeats",
+                                                       "residual_bits", "per_head")},
+              "timing": "recorded dispatches run per repeat: GPU time from timestamps, wall time around submit + wait",
+              "goal_ratio": GOAL, "roofline": roof, "main": main_res, "sweep": sweep_res}
+    result["rows"] = make_rows(result)
+    return result
+
+
+ROW_NAMES = {"reconstruct": "reconstruct", "copy_shader": "copy shader", "f32_cache_read": "f32 read",
+             "f16_cache_read": "f16 read", "readback": "readback", "numpy_reconstruct_f32": "numpy reconstruct"}
+
+
+def make_rows(result) -> list[dict]:
+    """The main sparsity's candidates, then the sweep's other reconstructs. The readback
+    (a transfer to host memory) and NumPy (the host) are not divided by the shader roofline."""
+    c, roof, main = result["config"], result["roofline"], result["main"]
+    todo = [(main, name) for name in main["candidates"]]
+    todo += [(r, "reconstruct") for r in result["sweep"] if r["sparsity"] != main["sparsity"]]
+    rows = []
+    for res, name in todo:
+        t = dict(res["candidates"][name])
+        on_host, transfer = name.startswith("numpy"), name == "readback"
+        if on_host:
+            t["note"] = "NumPy on the host"
+        tokens = main["readback_tokens"] if transfer else c["n_ctx"]
+        sparse = f" s{res['sparsity']}" if name in ("reconstruct", "numpy_reconstruct_f32") else ""
+        rows.append(results.row(
+            NAME, f"{ROW_NAMES[name]}{sparse} {c['n_kv']}kv d{c['head_dim']} n{tokens}", t, cache=t["cache"],
+            n_used=tokens, n_kv=c["n_kv"], head_dim=c["head_dim"], moved=t["bytes"],
+            roofline=None if on_host or transfer else roof, output_bytes=res["output_bytes"],
+            sparsity=res["sparsity"], device_kind="cpu" if on_host else _kind(result)))
+    return rows
+
+
+def _kind(result) -> str:
+    return "cpu" if result["device"]["device_type"] == "cpu" else "gpu"
+
+
+def rows(result) -> list[dict]:
+    return result["rows"]
 
 
 def headline(result) -> list[dict]:
-    """Reconstruct / copy-shader bandwidth for the same output bytes (ratio of the medians)
-    against the goal."""
-    m = result["main"]
-    ratio = m["reconstruct"]["output_gb_per_s"] / m["copy_shader"]["output_gb_per_s"]
+    """Reconstruct / copy-shader bandwidth for the same output bytes (ratio of the medians,
+    GPU time where there are timestamps) against the goal."""
+    m = result["main"]["candidates"]
+    rec, cp = timing.best_seconds(m["reconstruct"]), timing.best_seconds(m["copy_shader"])
+    out = result["main"]["output_bytes"] / 1e9
+    ratio = cp / rec
     return [{"figure": "reconstruct / copy shader bandwidth",
-             "case": f"s {m['sparsity']}, {result['config']['n_kv']}×{result['config']['n_ctx']} rows",
-             "numerator": m["reconstruct"]["output_gb_per_s"], "denominator": m["copy_shader"]["output_gb_per_s"],
-             "unit": "GB/s", "ratio": ratio, "paired_ratio_median": m["ratio_reconstruct_over_copy"]["median"],
+             "case": f"s {result['main']['sparsity']}, {result['config']['n_kv']}×{result['config']['n_ctx']} rows",
+             "numerator": out / rec, "denominator": out / cp, "unit": "GB/s", "ratio": ratio,
+             "paired_ratio_median": result["main"]["ratio_reconstruct_over_copy"]["median"],
              "goal": {"at_least": result["goal_ratio"], "met": ratio >= result["goal_ratio"]}}]
 
 
 def report(result) -> list[str]:
     m, c = result["main"], result["config"]
     lines = [f"{result['device']['name']}: head_dim {c['head_dim']}, s {c['sparsity']}, {c['n_atoms']} atoms, "
-             f"{c['n_kv']}×{c['n_ctx']} rows/stream, {m['output_bytes'] / 2**20:.1f} MiB out"]
-    for name in ("reconstruct", "copy_shader", "f32_cache_read", "numpy_reconstruct_f32", "readback"):
-        r = m[name]
-        lines.append(f"  {name:22s} {1e3 * r['median']:9.2f} ms  [{1e3 * r['p25']:.2f}, {1e3 * r['p75']:.2f}]"
-                     f"  {r['output_gb_per_s']:7.3f} GB/s  {r['vectors_per_s'] / 1e6:8.3f} M vectors/s")
+             f"{c['n_kv']}×{c['n_ctx']} rows/stream, {m['output_bytes'] / 2**20:.1f} MiB out; "
+             f"roofline {result['roofline']['bytes_per_s'] / 1e9:.2f} GB/s ({m['timing']} time)"]
+    for name, r in m["candidates"].items():
+        lines.append(f"  {name:22s} {1e3 * timing.best_seconds(r):9.3f} ms  wall {1e3 * r['wall_s']:9.3f} ms"
+                     f"  {r['output_gb_per_s']:8.3f} GB/s out")
     ratio = m["ratio_reconstruct_over_copy"]
     lines.append(f"  reconstruct / copy bandwidth: {ratio['median']:.3f} (paired, IQR {ratio['p25']:.3f}–"
                  f"{ratio['p75']:.3f}; goal ≥ {result['goal_ratio']})   NMSE vs float64 {m['nmse_vs_float64']:.2e}")
     for r in result["sweep"]:
         lines.append(f"  sweep s={r['sparsity']:<3d} ratio {r['ratio_reconstruct_over_copy']['median']:.3f}  "
-                     f"reconstruct {r['reconstruct']['output_gb_per_s']:.3f} GB/s")
+                     f"reconstruct {r['candidates']['reconstruct']['output_gb_per_s']:.3f} GB/s")
     return lines
 
 
 def plot(plt, result):
     main, sweep = result["main"], result["sweep"]
-    # no sweep asked for (kvdict-bench --quick): the bars alone, no empty axes
     fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 6.5, 4.5), squeeze=False)
     ax1 = axes[0][0]
-    names = ["copy_shader", "f32_cache_read", "reconstruct", "numpy_reconstruct_f32"]
-    names = [n for n in names if n in main]
-    med = [main[n]["output_gb_per_s"] for n in names]
-    lo = [main["output_bytes"] / main[n]["p75"] / 1e9 for n in names]
-    hi = [main["output_bytes"] / main[n]["p25"] / 1e9 for n in names]
-    ax1.bar(names, med, yerr=[np.subtract(med, lo), np.subtract(hi, med)], capsize=4,
-            color=["#888", "#6a9", "#37c", "#c73"][:len(names)])
-    ax1.set_ylabel("output GB/s (median, IQR)")
+    names = [n for n in ("copy_shader", "f32_cache_read", "f16_cache_read", "reconstruct", "numpy_reconstruct_f32")
+             if n in main["candidates"]]
+    ax1.bar(names, [main["candidates"][n]["output_gb_per_s"] for n in names])
+    ax1.set_ylabel(f"output GB/s (median, {main['timing']} time)")
     c = result["config"]
     ax1.set_title(f"head_dim {c['head_dim']}, s {c['sparsity']}, {c['n_atoms']} atoms, "
                   f"{c['n_kv']} KV heads × {c['n_ctx']} tokens", fontsize=9)
-    ax1.tick_params(axis="x", labelsize=8)
+    ax1.tick_params(axis="x", labelsize=7)
     if sweep:
         ax2 = axes[0][1]
         ss = [r["sparsity"] for r in sweep]

@@ -1,14 +1,23 @@
-"""kvdict-bench: the side-by-side benchmarks on one Vulkan device, and their headline figures.
+"""kvdict-bench: the side-by-side benchmarks on one Vulkan device, their rows and headline
+figures in one summary.json.
 
-    kvdict-bench                           # all four, full settings (several minutes)
-    kvdict-bench --quick                   # small settings (under 2 minutes on lavapipe)
+    kvdict-bench                           # all of them, sizes for this device (minutes)
+    kvdict-bench --quick                   # small settings (a minute or so on lavapipe)
+    kvdict-bench --out-dir docs/results/h200          # the committed results of a device
     kvdict-bench omp reconstruct --json    # some of them; the summary as JSON on stdout
 
-NAME is one of attention, encode, omp, reconstruct (default: all, in that order). Each runs
-in this process on the same device and writes <out-dir>/<name>.json and .png (the PNG
-only when matplotlib is installed); <out-dir>/summary.json holds each one's headline
-figures (numerator / denominator = ratio, the medians of the benchmark's JSON). Logs and
-progress go to stderr, the summary table (or --json) to stdout.
+NAME is one of fixed, attention, encode, omp, reconstruct (default: all, in that order).
+Each runs in this process on the same device and writes <out-dir>/<name>.json and .png
+(the PNG only when matplotlib is installed). Sizes come from each benchmark's presets:
+"gpu" (working sets well past a GPU's L2) on a GPU, "cpu" on a software driver, or what
+--preset / --quick say.
+
+<out-dir>/summary.json: device, driver, command, when; roofline (the best copy shader's
+read + write bandwidth, measured first: kvdict_vk.bench.roofline); fixed_costs_us
+(kvdict_vk.bench.fixed); rows (one per measured case: kvdict_vk.bench.results has the
+schema); and per benchmark its headline figures (numerator / denominator = ratio, from
+the benchmark's medians). Logs and progress go to stderr, the summary table (or --json)
+to stdout.
 
 Exit status: 0; 1 when a benchmark failed (one line on stderr names it); 2 on bad
 arguments or no usable Vulkan device. A benchmark whose optional dependency is missing
@@ -18,15 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from .. import errors as E
-from ..bench import attention, common, encode, omp, reconstruct
+from ..bench import attention, common, encode, fixed, omp, reconstruct, results, roofline
 
-BENCHMARKS = {"attention": attention, "encode": encode, "omp": omp, "reconstruct": reconstruct}
+BENCHMARKS = {"fixed": fixed, "attention": attention, "encode": encode, "omp": omp, "reconstruct": reconstruct}
+ROOFLINE_KEYS = ("bytes", "bytes_per_s", "kernel", "timing", "gpu_s", "wall_s", "repeats", "note")
 
 
 def _log(msg: str) -> None:
@@ -37,7 +48,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="kvdict-bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"{', '.join(BENCHMARKS)} (default: all)")
-    ap.add_argument("--quick", action="store_true", help="small settings, for a smoke run")
+    ap.add_argument("--quick", action="store_true", help="small settings, for a smoke run (= --preset quick)")
+    ap.add_argument("--preset", choices=common.PRESETS, default=None,
+                    help="size preset (default: gpu on a GPU, cpu on a software driver)")
     ap.add_argument("--out-dir", type=Path, default=Path("out/bench"), help="for the JSON, PNG and summary.json")
     ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default: each benchmark's)")
@@ -48,15 +61,18 @@ def parse_args(argv=None):
         ap.error(f"unknown benchmark {', '.join(unknown)} (choose from {', '.join(BENCHMARKS)})")
     if a.repeats is not None and a.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if a.quick and a.preset not in (None, "quick"):
+        ap.error(f"--quick contradicts --preset {a.preset}")
     a.names = list(dict.fromkeys(a.names)) or list(BENCHMARKS)
+    a.argv = sys.argv[1:] if argv is None else list(argv)
     return a
 
 
-def bench_argv(name: str, a) -> list[str]:
+def bench_argv(name: str, a, preset: str) -> list[str]:
     """The benchmark's own command line for these kvdict-bench options (later options win,
-    so --repeats overrides --quick's)."""
+    so --repeats overrides the preset's)."""
     mod = BENCHMARKS[name]
-    argv = list(mod.QUICK) if a.quick else []
+    argv = list(mod.PRESETS[preset])
     if a.repeats is not None:
         argv += ["--repeats", str(a.repeats)]
     if mod.USES_DEVICE and a.device is not None:
@@ -64,14 +80,14 @@ def bench_argv(name: str, a) -> list[str]:
     return argv + ["--out", str(a.out_dir / f"{name}.json")]
 
 
-def run_benchmark(name: str, a) -> dict:
-    """Run one benchmark, write its JSON + PNG: its summary entry."""
+def run_benchmark(name: str, a, preset: str) -> tuple[dict, dict | None]:
+    """Run one benchmark, write its JSON + PNG: (its summary entry, its result or None)."""
     mod = BENCHMARKS[name]
     reason = common.missing_modules(mod.REQUIRES)
     if reason:
         _log(f"{name}: skipped: {reason}")
-        return {"skipped": reason}
-    args = mod.parse_args(bench_argv(name, a))
+        return {"skipped": reason}, None
+    args = mod.parse_args(bench_argv(name, a, preset))
     progress = common.Progress(name)
     t0 = time.perf_counter()
     try:
@@ -79,26 +95,35 @@ def run_benchmark(name: str, a) -> dict:
     except E.KvDictError as e:
         progress.end()
         _log(f"{name}: failed: {type(e).__name__}: {e}")
-        return {"failed": f"{type(e).__name__}: {e}"}
+        return {"failed": f"{type(e).__name__}: {e}"}, None
     progress.end()
     seconds = time.perf_counter() - t0
     written = common.write_outputs(result, args.out, mod.plot)
     _log(f"{name}: {seconds:.1f} s, wrote {' and '.join(map(str, written))}")
     return {"seconds": round(seconds, 1), "argv": args.argv, "json": str(written[0]),
-            "png": str(written[1]) if len(written) > 1 else None, "headline": mod.headline(result)}
+            "png": str(written[1]) if len(written) > 1 else None, "headline": mod.headline(result),
+            "rows": len(mod.rows(result))}, result
 
 
 def _values(fig: dict) -> str:
     num, den, unit = fig["numerator"], fig["denominator"], fig["unit"]
     if unit == "s":
-        return f"{1e3 * num:.2f} / {1e3 * den:.2f} ms"
+        return f"{1e3 * num:.3f} / {1e3 * den:.3f} ms"
     if unit == "GB/s":
         return f"{num:.3f} / {den:.3f} GB/s"
     return f"{num:,.0f} / {den:,.0f} {unit}"
 
 
 def summary_table(summary: dict) -> list[str]:
-    lines = [f"{'benchmark':<12} {'figure':<36} {'case':<22} {'ratio':>7}  from medians"]
+    lines = []
+    roof = summary["roofline"]
+    if roof and "bytes_per_s" in roof:
+        lines.append(f"roofline: {roof['kernel']} {roof['bytes_per_s'] / 1e9:.2f} GB/s read+write over "
+                     f"{roof['bytes'] / 2**20:.0f} MiB ({roof['timing']} time)")
+    if summary["fixed_costs_us"]:
+        lines.append("fixed costs (µs, wall median): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in summary["fixed_costs_us"].items()))
+    lines.append(f"{'benchmark':<12} {'figure':<36} {'case':<24} {'ratio':>7}  from medians")
     for name, entry in summary["benchmarks"].items():
         if "headline" not in entry:
             state = "skipped" if "skipped" in entry else "FAILED"
@@ -107,30 +132,58 @@ def summary_table(summary: dict) -> list[str]:
         for fig in entry["headline"]:
             goal = fig.get("goal")
             note = f"  (goal ≥ {goal['at_least']}: {'met' if goal['met'] else 'NOT met'})" if goal else ""
-            lines.append(f"{name:<12} {fig['figure']:<36} {fig['case']:<22} {fig['ratio']:7.2f}  "
+            lines.append(f"{name:<12} {fig['figure']:<36} {fig['case']:<24} {fig['ratio']:7.2f}  "
                          f"{_values(fig)}{note}")
     where = f" on {summary['device']}" if summary["device"] else ""
-    lines.append(f"{summary['seconds']:.0f} s{where}; JSON and PNG in {summary['out_dir']}")
+    lines.append(f"{summary['seconds']:.0f} s{where}, {len(summary['rows'])} rows; JSON and PNG in "
+                 f"{summary['out_dir']}")
     return lines
+
+
+def _device_fields(dev) -> dict:
+    if dev is None:
+        return {"device": None, "driver": None, "device_kind": None, "timestamps": None}
+    from ..vk.submit import device_kind, timestamps_usable
+    info = dev.info
+    return {"device": info.name, "driver": f"{info.driver_name} {info.driver_info}".strip(),
+            "device_kind": device_kind(dev), "timestamps": timestamps_usable(dev)}
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     t0 = time.perf_counter()
-    device = None
+    dev = None
     if any(BENCHMARKS[n].USES_DEVICE for n in a.names):
-        try:  # once, up front: a wrong --device is an argument error, not three failed benchmarks
-            device = common.open_device(SimpleNamespace(device=a.device, validation=False)).name
+        try:  # once, up front: a wrong --device is an argument error, not five failed benchmarks
+            dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
         except (E.KvDictError, ImportError) as e:
             print(f"kvdict-bench: no usable Vulkan device: {e}", file=sys.stderr)
             return 2
-    _log(f"{', '.join(a.names)}{' (quick)' if a.quick else ''}" + (f" on {device}" if device else "")
-         + f" → {a.out_dir}")
-    entries = {name: run_benchmark(name, a) for name in a.names}
-    summary = {"tool": "kvdict-bench", "argv": sys.argv[1:] if argv is None else list(argv),
-               "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": a.quick,
-               "seconds": round(time.perf_counter() - t0, 1), "out_dir": str(a.out_dir), "device": device,
-               "host": common.host_info(), "benchmarks": entries}
+    preset = "quick" if a.quick else a.preset or (common.preset_for(dev) if dev else "cpu")
+    _log(f"{', '.join(a.names)} (preset {preset})" + (f" on {dev.name}" if dev else "") + f" → {a.out_dir}")
+    roof = None
+    if dev is not None:  # first, on an idle device: every bandwidth row is divided by it
+        try:
+            roof = {k: v for k, v in roofline.measure(dev).items() if k in ROOFLINE_KEYS}
+            _log(f"roofline: {roof['bytes_per_s'] / 1e9:.2f} GB/s ({roof['kernel']}, {roof['timing']} time)")
+        except E.KvDictError as e:
+            roof = {"failed": f"{type(e).__name__}: {e}"}
+            _log(f"roofline: failed: {roof['failed']}")
+    entries, rows, fixed_costs, fixed_gpu = {}, [], None, None
+    notes = [f"roofline: {roof['note']}"] if roof and roof.get("note") else []
+    for name in a.names:
+        entries[name], result = run_benchmark(name, a, preset)
+        if result is not None:
+            rows += BENCHMARKS[name].rows(result)
+            notes += getattr(BENCHMARKS[name], "notes", lambda r: [])(result)
+            if name == "fixed":
+                fixed_costs, fixed_gpu = fixed.fixed_costs_us(result), fixed.fixed_costs_gpu_us(result)
+    summary = {**_device_fields(dev), "command": "kvdict-bench " + shlex.join(a.argv),
+               "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preset": preset, "quick": preset == "quick",
+               "roofline": roof, "fixed_costs_us": fixed_costs, "fixed_costs_gpu_us": fixed_gpu,
+               "rows": results.check(rows), "notes": notes, "tool": "kvdict-bench", "argv": a.argv,
+               "seconds": round(time.perf_counter() - t0, 1), "out_dir": str(a.out_dir), "host": common.host_info(),
+               "benchmarks": entries}
     common.write_json(summary, a.out_dir / "summary.json")
     print(json.dumps(summary, indent=1) if a.json else "\n".join(summary_table(summary)))
     return 1 if any("failed" in e for e in entries.values()) else 0

@@ -1,0 +1,87 @@
+"""The anchor: PyTorch's scaled_dot_product_attention over an f16 cache of the same shape,
+timed with CUDA events — when torch with CUDA is importable (an optional benchmark
+dependency, never an install requirement: imported here, inside functions).
+
+One decode query: q (1, n_heads, 1, head_dim), k/v (1, n_kv, n_used, head_dim) f16,
+grouped-query through ``enable_gqa=True`` where that torch has it, else k/v expanded to
+n_heads with repeat_interleave before the timed region. Each call is timed by its own pair
+of events on the current stream; the figure is the median over many calls.
+"""
+from __future__ import annotations
+
+WARMUP = 10
+
+
+def anchor():
+    """(torch, None) when torch with CUDA is usable here, else (None, why not)."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"torch is not installed ({e})"
+    try:
+        if not torch.cuda.is_available():
+            return None, f"torch {torch.__version__} sees no CUDA device"
+    except Exception as e:  # a broken CUDA runtime must not end the benchmark
+        return None, f"torch {torch.__version__}: CUDA unusable ({type(e).__name__}: {e})"
+    return torch, None
+
+
+def describe(torch) -> dict:
+    return {"torch": torch.__version__, "cuda_device": torch.cuda.get_device_name(0),
+            "timing": "CUDA events around each call, median"}
+
+
+def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100) -> dict:
+    """{"seconds": median, "samples", "gqa": how the groups were expanded}."""
+    import torch.nn.functional as F
+    dev, f16 = "cuda", torch.float16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, n_kv * gqa, 1, head_dim, device=dev, dtype=f16, generator=gen)
+    k = torch.randn(1, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
+    v = torch.randn(1, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
+    try:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        kwargs, how = {"enable_gqa": True}, "enable_gqa"
+    except TypeError:  # torch < 2.5
+        k, v = (x.repeat_interleave(gqa, dim=1) for x in (k, v))
+        kwargs, how = {}, "repeat_interleave (outside the timed calls)"
+    for _ in range(WARMUP):
+        F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        start.record()
+        F.scaled_dot_product_attention(q, k, v, **kwargs)
+        end.record()
+    torch.cuda.synchronize()
+    samples = sorted(start.elapsed_time(end) * 1e-3 for start, end in events)  # ms → s
+    del q, k, v
+    torch.cuda.empty_cache()
+    return {"seconds": samples[len(samples) // 2], "samples": samples, "gqa": how}
+
+
+class Anchor:
+    """The SDPA column of one benchmark run: ``seconds(shape...)`` or None, and why."""
+
+    def __init__(self, calls: int = 100, enabled: bool = True):
+        self.calls = calls
+        self.torch, self.note = anchor() if enabled else (None, "not asked for (--no-sdpa)")
+        self.info = describe(self.torch) if self.torch is not None else None
+        self.results: dict = {}
+
+    def seconds(self, n_kv: int, gqa: int, head_dim: int, n_used: int) -> float | None:
+        if self.torch is None:
+            return None
+        key = (n_kv, gqa, head_dim, n_used)
+        if key not in self.results:
+            try:
+                self.results[key] = time_sdpa(self.torch, n_kv, gqa, head_dim, n_used, self.calls)
+            except Exception as e:  # the anchor is optional: a failure is a note, not a failed run
+                self.results[key] = {"seconds": None, "error": f"{type(e).__name__}: {e}"}
+                self.note = f"SDPA failed at {key}: {type(e).__name__}: {e}"
+        return self.results[key]["seconds"]
+
+    def to_dict(self) -> dict:
+        return {"available": self.torch is not None, "note": self.note, "info": self.info,
+                "cases": [{"n_kv": k[0], "gqa": k[1], "head_dim": k[2], "n_used": k[3], **{
+                    x: y for x, y in r.items() if x != "samples"}} for k, r in self.results.items()]}
