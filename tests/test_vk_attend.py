@@ -179,16 +179,31 @@ def test_the_grid_is_covered():
     assert any(None in p and p != (None, None) for c in CASES for p in c[5])  # a mixed layer
 
 
+@pytest.mark.parametrize("path", ["direct", "flash"])
 @pytest.mark.parametrize("cache", ["f16", "f32"])
 @pytest.mark.parametrize("hd,g,n_kv,n_ctx", [(64, 3, 3, 32768), (32, 8, 2, 4096), (128, 1, 4, 300)])
-def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, make_arena):
-    """The f16 cache against the float64 reference of its f16-rounded rows; f32 exactly so."""
+def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, path, make_arena):
+    """The f16 cache against the float64 reference of its f16-rounded rows; f32 exactly so;
+    both shaders (attend_direct, and attend_flash — the GPUs' default)."""
     rng = np.random.default_rng(hd * 1000 + g)
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, cache)
+    arena.attention(n_kv * g).path = path
+    assert arena.attention(n_kv * g).plan(0, n_ctx).path == path
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
         _check(arena, stored, 0, q, n_used)
     _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
+
+
+def test_flash_path_needs_an_uncoded_layer(make_arena, activate):
+    """attend_flash reads uncoded rows only: forcing it on a dict-coded layer is a typed
+    error, and the planner never picks it there."""
+    rng = np.random.default_rng(12)
+    arena, stored = _filled_arena(make_arena, activate, rng, 32, 2, 64, random_artifact(rng, 32, 16, [((2, 3), None)]))
+    att = arena.attention(4)
+    assert att.plan(0, 64).path in ("direct", "table") and not att.flash_fits(0)
+    with pytest.raises(E.ArenaError, match="attend_flash"):
+        att.plan(0, 64, path="flash")
 
 
 def test_chunked_reference_is_attend_coded(make_arena):

@@ -87,6 +87,25 @@ def test_step_equals_append_then_attend(mode, path, make_arena, activate):
     assert nmse(plain.attend(0, q, t), stepped.attend(0, q, t)) <= 1e-12
 
 
+@pytest.mark.parametrize("cache", ["f16", "f32"])
+def test_flash_step_equals_append_then_attend(cache, make_arena):
+    """A decode step whose attention is attend_flash (it reads the layer after the step's
+    scatter and barrier, not the upload buffer) equals append + attend, token after token."""
+    hd, n_kv, g, n_ctx = 64, 2, 4, 700
+    rng = np.random.default_rng(32)
+    stepped = make_arena(1, n_kv, hd, n_ctx, cache=cache)
+    plain = make_arena(1, n_kv, hd, n_ctx, cache=cache)
+    stepped.attention(n_kv * g).path = "flash"
+    t = 0
+    for n in [600, 3, 1, 1]:
+        k, v = _rows(rng, n_kv, n, hd), _rows(rng, n_kv, n, hd)
+        q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+        got = stepped.step(0, k, v, q)
+        plain.append(0, k, v)
+        t += n
+        assert stepped.n_tokens(0) == t and nmse(plain.attend(0, q, t), got) <= 1e-9, f"after {t} tokens"
+
+
 def test_step_checks_before_writing(make_arena, activate):
     from kvdict_vk import errors as E
     rng = np.random.default_rng(41)

@@ -33,7 +33,7 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import Sizes
+from .attend_specs import FLASH_LOCAL, FLASH_MAX_GROUP, Sizes, flash_chunk, flash_shared_bytes
 from .device import kp
 from .kernels import Buffer
 from .submit import Recording
@@ -44,7 +44,8 @@ SPLIT_LANES_PER_CPU = 8  # CPU drivers: splits (over all KV heads) per hardware 
 GPU_LOCAL = 64
 HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps for its block of heads
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
-PATHS = (None, "direct", "table")
+PATHS = (None, "direct", "table", "flash")
+FLASH_MIN_SPLIT_TOKENS = 256  # attend_flash: a split's fixed costs (queries, record, merge) stay small
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -135,6 +136,19 @@ class Attention:
         return b
 
     # --- planning ---------------------------------------------------------------------------------
+    def flash_fits(self, layer: int) -> bool:
+        """Whether attend_flash can attend over ``layer``: both streams uncoded, at most
+        FLASH_MAX_GROUP query heads per KV head, rows of at most FLASH_LOCAL words dividing
+        it, and its shared memory within the device's limit."""
+        k, v = self.layout.layers[layer].streams
+        if k.coded or v.coded or k.half != v.half or self.group > FLASH_MAX_GROUP:
+            return False
+        row, hd = k.row_words, self.layout.head_dim
+        if row % 4 or row > FLASH_LOCAL or FLASH_LOCAL % row:
+            return False
+        chunk = flash_chunk(hd, k.half, FLASH_LOCAL)
+        return flash_shared_bytes(hd, self.group, FLASH_LOCAL, chunk) <= self.device.limit("max_compute_shared_memory_size")
+
     def plan(self, layer: int, n_used: int, n_cached: int | None = None, path: str | None = None) -> P.Plan:
         """How an attention over tokens [0, n_used) of ``layer`` runs, n_cached of them
         (default: all) in the cache and the rest fresh (a step's new tokens); ``path``
@@ -144,6 +158,14 @@ class Attention:
             raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {path!r}")
         k, v = self.layout.layers[layer].streams
         n_cached = n_used if n_cached is None else n_cached
+        # GPUs: the uncoded cache takes attend_flash (a workgroup per split and KV head);
+        # CPU drivers keep attend_direct, shaped for them (attend_common.glsl says why)
+        if path == "flash" or (path is None and self.local == GPU_LOCAL and self.flash_fits(layer)):
+            if not self.flash_fits(layer):
+                raise E.ArenaError(f"layer {layer}: attend_flash needs an uncoded layer, at most "
+                                   f"{FLASH_MAX_GROUP} query heads per KV head and rows of ≤ {FLASH_LOCAL} words")
+            n, split_len = P.split_count(n_used, self.max_splits, FLASH_MIN_SPLIT_TOKENS, n_used)
+            return P.Plan("flash", n, split_len)
         p = P.plan(k, v, self.layout.head_dim, self.hb, self.layout.n_atoms, n_used, n_cached,
                    self.preferred_splits, path)
         if p.records > self.max_splits:
@@ -206,6 +228,8 @@ class Attention:
             plans.append(P.Plan("direct", 2, -(-n_used // 2)))
         if k.coded or v.coded:
             plans.append(P.Plan("table", 1, n_used))
+        if self.flash_fits(layer):
+            plans.append(P.Plan("flash", 1, n_used))
         for p in plans:  # the operations are recorded later, if ever; only the pipelines stay
             self.passes.ops(layer, p, n_used, n_used, scale)
         self._warm_layers.add(layer)

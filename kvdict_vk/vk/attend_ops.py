@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .. import errors as E
 from .attend_plan import LOOP_BUDGET
-from .attend_specs import n_blocks
+from .attend_specs import FLASH_LOCAL, flash_chunk, n_blocks
 from .device import kp
 from .kernels import Kernel, barrier
 
@@ -128,6 +128,8 @@ class PassBuilder:
         buf = self.att.arena._layers[layer]
         source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx)
         key = ("layer", layer)
+        if plan.path == "flash":  # reads the layer only: a step's scatter and barrier come first
+            return self.flash_ops(layer, plan, n_used, scale)
         if plan.path == "direct":
             ops = [self._direct(key, buf, k, v, source, plan, n_used, n_cached, 0, plan.n_splits, plan.split_len,
                                 0, scale, fresh_words)]
@@ -137,6 +139,18 @@ class PassBuilder:
             ops.append(self._direct(key, buf, k, v, source, plan, n_used, n_cached, n_cached, plan.fresh_splits,
                                     plan.fresh_len, plan.n_splits, scale, fresh_words))
         return ops + self._table_tail(layer, plan)
+
+    def flash_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
+        """attend_flash over tokens [0, n_used) of an uncoded layer, then attend_merge."""
+        att, lay = self.att, self.layout
+        k, v = lay.layers[layer].streams
+        buf = att.arena._layers[layer]
+        kernel = self._kernel(("flash", layer), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
+                              lay.n_kv_heads * att.max_splits * FLASH_LOCAL, LOCAL=FLASH_LOCAL, HB=1,
+                              ROW_HALF=int(k.half), CHUNK=flash_chunk(lay.head_dim, k.half, FLASH_LOCAL))
+        op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
+                       split_len=plan.split_len, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, score_scale=scale)
+        return [op] + self._merge(("layer", layer), buf, v, plan.records)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """The direct path over f32 rows in ``rows``: K at word 0, V after it, n_used tokens

@@ -14,6 +14,23 @@ ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
 CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
 DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
+FLASH_SPEC = SPEC + ("ROW_HALF", "CHUNK")
+FLASH_LOCAL = 128  # attend_flash.comp's workgroup: rows of up to 128 words, four warps / two wave64s
+FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
+
+
+def flash_shared_bytes(head_dim: int, group: int, local: int, chunk: int) -> int:
+    """attend_flash.comp's shared memory: the queries, the chunk's scores, the reductions
+    (and the m, l, correction triples)."""
+    return 4 * (group * head_dim + group * chunk + group * local + 3 * group)
+
+
+def flash_chunk(head_dim: int, half: bool, local: int) -> int:
+    """Tokens per chunk of attend_flash.comp: the smallest multiple of ``local`` whose
+    scores buffer also holds the token lanes' accumulators at the end (lanes × head_dim)."""
+    row = head_dim // 2 if half else head_dim
+    lanes = local // row
+    return max(local, -(-lanes * head_dim // local) * local)
 
 
 def row_words(head_dim: int, sparsity: int, bits: int, half: int = 0) -> int:
@@ -187,6 +204,21 @@ def _direct_extents(p, s):
             *(records or [[], []]), [_span(0, n_kv * g * hd)] if p["write_out"] else []]
 
 
+def _flash_extents(p, s):
+    """attend_flash.comp: K and V rows of tokens [0, n_used) of every KV head, the queries,
+    records 0 .. n_splits of every (KV head, query head)."""
+    hd, g, n_kv, used, local, chunk = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"], s["CHUNK"]
+    row = row_words(hd, 0, 0, s["ROW_HALF"])
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
+           and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
+    _check(g <= FLASH_MAX_GROUP and row % 4 == 0 and row <= local and local % row == 0 and chunk % local == 0
+           and chunk >= (local // row) * hd and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0,
+           "attend_flash (specialization)", dict(p, **s))
+    rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + used) * row) for w in (p["k_word"], p["v_word"])]
+    records = n_kv * p["n_splits"] * g
+    return [rows, rows, [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
+
+
 def _merge_extents(p, s):
     hd, g, n_kv = s["HEAD_DIM"], s["GROUP"], p["n_kv"]
     _check(n_kv >= 1 and p["n_splits"] >= 1 and p["use_mean"] <= 1, "attend_merge", p)
@@ -218,5 +250,8 @@ def shader_specs(shader_spec) -> dict:
                     optional_spec=tuple((n, 0) for n in DIRECT_SPEC[4:])),
         shader_spec("attend_merge", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
                     _merge_extents),
+        # cache words, cache quads, query, accs, stats
+        shader_spec("attend_flash", L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
+                    FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0),)),
     ]
     return {s.variant: s for s in specs}
