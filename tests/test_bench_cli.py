@@ -160,6 +160,17 @@ def test_typed_error_fails_the_benchmark_in_one_line(tmp_path, monkeypatch, caps
     assert summary["benchmarks"]["omp"]["failed"].startswith("ShapeError: bad shape")
 
 
+def test_a_bug_in_one_benchmark_is_a_failed_entry_with_its_traceback(tmp_path, monkeypatch, capsys):
+    def buggy(args, progress):
+        raise ZeroDivisionError("division by zero")
+    monkeypatch.setattr(omp, "run", buggy)
+    monkeypatch.setattr(omp, "REQUIRES", {})
+    assert bench.main(["omp", "--quick", "--out-dir", str(tmp_path)]) == 1
+    assert "Traceback" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["benchmarks"]["omp"] == {"failed": "ZeroDivisionError: division by zero"}
+
+
 def test_presets_and_repeats_become_the_benchmarks_options(tmp_path):
     a = bench.parse_args(["attention", "omp", "attention", "--quick", "--repeats", "4", "--device", "llvmpipe",
                           "--out-dir", str(tmp_path)])
@@ -256,6 +267,63 @@ def test_sdpa_column_says_why_without_torch(monkeypatch):
     no_cuda = types.SimpleNamespace(__version__="9.9", cuda=types.SimpleNamespace(is_available=lambda: False))
     monkeypatch.setitem(sys.modules, "torch", no_cuda)
     assert sdpa.anchor() == (None, "torch 9.9 sees no CUDA device")
+
+
+class _FakeTorch(types.SimpleNamespace):
+    """Just enough of torch for sdpa.time_sdpa: tensors are shapes, the event clock counts
+    SDPA calls (each takes one "ms"), ``enable_gqa`` optional (torch < 2.5 lacks it)."""
+
+    def __init__(self, has_gqa: bool):
+        self.calls, self.shapes = 0, []
+        torch = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = torch.calls
+
+            def elapsed_time(self, end):  # ms
+                return float(end.t - self.t)
+
+        class Tensor:
+            def __init__(self, shape):
+                self.shape = tuple(shape)
+
+            def repeat_interleave(self, n, dim):
+                return Tensor(self.shape[:dim] + (self.shape[dim] * n,) + self.shape[dim + 1:])
+
+        def sdpa(q, k, v, **kw):
+            if "enable_gqa" in kw and not has_gqa:
+                raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'enable_gqa'")
+            if not kw and k.shape[1] != q.shape[1]:
+                raise RuntimeError("heads differ without enable_gqa")
+            torch.calls += 1
+            torch.shapes.append((q.shape, k.shape))
+            return q
+
+        super().__init__(
+            __version__="2.x", float16="f16",
+            Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None),
+            randn=lambda *shape, **kw: Tensor(shape),
+            nn=types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa)),
+            cuda=types.SimpleNamespace(is_available=lambda: True, synchronize=lambda: None, Event=Event,
+                                       empty_cache=lambda: None, get_device_name=lambda i: "Fake GPU"))
+
+
+@pytest.mark.parametrize("has_gqa, how", [(True, "enable_gqa"), (False, "repeat_interleave")])
+def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
+    fake = _FakeTorch(has_gqa)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    a = sdpa.Anchor(calls=5)
+    assert a.info["cuda_device"] == "Fake GPU"
+    seconds = a.seconds(8, 4, 64, 1024)
+    r = a.results[(8, 4, 64, 1024)]
+    assert r["gqa"].startswith(how) and r["samples"] == [1e-3] * 5 and seconds == 1e-3  # one call per event pair
+    q_shape, k_shape = fake.shapes[-1]
+    assert q_shape == (1, 32, 1, 64) and k_shape == (1, 8 if has_gqa else 32, 1024, 64)
+    assert a.to_dict()["cases"][0]["seconds"] == seconds
 
 
 class _Terminal(io.StringIO):

@@ -30,6 +30,7 @@ import json
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,8 +93,10 @@ def run_benchmark(name: str, a, preset: str) -> tuple[dict, dict | None]:
     t0 = time.perf_counter()
     try:
         result = mod.run(args, progress)
-    except E.KvDictError as e:
+    except Exception as e:  # one benchmark's failure must not lose the others' results
         progress.end()
+        if not isinstance(e, E.KvDictError):  # a bug, not a refused configuration: show where
+            traceback.print_exc(file=sys.stderr)
         _log(f"{name}: failed: {type(e).__name__}: {e}")
         return {"failed": f"{type(e).__name__}: {e}"}, None
     progress.end()
@@ -171,6 +174,14 @@ def main(argv=None) -> int:
             _log(f"roofline: failed: {roof['failed']}")
     entries, rows, fixed_costs, fixed_gpu = {}, [], None, None
     notes = [f"roofline: {roof['note']}"] if roof and roof.get("note") else []
+
+    def current_summary() -> dict:
+        return {**_device_fields(dev), "command": "kvdict-bench " + shlex.join(a.argv),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preset": preset, "quick": preset == "quick",
+                "roofline": roof, "fixed_costs_us": fixed_costs, "fixed_costs_gpu_us": fixed_gpu,
+                "rows": results.check(rows), "notes": notes, "tool": "kvdict-bench", "argv": a.argv,
+                "seconds": round(time.perf_counter() - t0, 1), "out_dir": str(a.out_dir),
+                "host": common.host_info(), "benchmarks": entries}
     for name in a.names:
         entries[name], result = run_benchmark(name, a, preset)
         if result is not None:
@@ -178,12 +189,8 @@ def main(argv=None) -> int:
             notes += getattr(BENCHMARKS[name], "notes", lambda r: [])(result)
             if name == "fixed":
                 fixed_costs, fixed_gpu = fixed.fixed_costs_us(result), fixed.fixed_costs_gpu_us(result)
-    summary = {**_device_fields(dev), "command": "kvdict-bench " + shlex.join(a.argv),
-               "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preset": preset, "quick": preset == "quick",
-               "roofline": roof, "fixed_costs_us": fixed_costs, "fixed_costs_gpu_us": fixed_gpu,
-               "rows": results.check(rows), "notes": notes, "tool": "kvdict-bench", "argv": a.argv,
-               "seconds": round(time.perf_counter() - t0, 1), "out_dir": str(a.out_dir), "host": common.host_info(),
-               "benchmarks": entries}
+        common.write_json(current_summary(), a.out_dir / "summary.json")  # after each: a killed run keeps the rest
+    summary = current_summary()
     common.write_json(summary, a.out_dir / "summary.json")
     print(json.dumps(summary, indent=1) if a.json else "\n".join(summary_table(summary)))
     return 1 if any("failed" in e for e in entries.values()) else 0
