@@ -19,7 +19,7 @@ import pytest
 
 from kvdict_vk import errors as E
 from kvdict_vk import layout as L
-from kvdict_vk.bench import attention, common, fixed, omp, reconstruct, results, roofline, sdpa, traffic
+from kvdict_vk.bench import attention, common, fixed, omp, reconstruct, results, roofline, torch_anchor, traffic
 from kvdict_vk.cli import bench
 from kvdict_vk.vk.attend_plan import Plan
 
@@ -88,7 +88,7 @@ def _check_attention(summary, result):
             checks = r["checks"]
             assert checks["f16_vs_f32_nmse"] < 1e-5  # f16 rounding of unit-variance rows: ~1e-7
             assert all(v < 1e-9 for k, v in checks.items() if k != "f16_vs_f32_nmse"), checks
-    if sdpa.anchor()[0] is None:
+    if torch_anchor.anchor()[0] is None:
         assert all(r["torch_sdpa_f16_s"] is None for r in rows)
         assert result["sdpa"]["available"] is False and result["sdpa"]["note"]
 
@@ -260,17 +260,17 @@ def test_rows_name_each_case_once_and_carry_the_schema():
 
 def test_sdpa_column_says_why_without_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
-    torch, note = sdpa.anchor()
+    torch, note = torch_anchor.anchor()
     assert torch is None and "torch is not installed" in note
-    a = sdpa.Anchor()
+    a = torch_anchor.Anchor()
     assert a.seconds(8, 4, 64, 8192) is None and a.to_dict()["available"] is False
     no_cuda = types.SimpleNamespace(__version__="9.9", cuda=types.SimpleNamespace(is_available=lambda: False))
     monkeypatch.setitem(sys.modules, "torch", no_cuda)
-    assert sdpa.anchor() == (None, "torch 9.9 sees no CUDA device")
+    assert torch_anchor.anchor() == (None, "torch 9.9 sees no CUDA device")
 
 
 class _FakeTorch(types.SimpleNamespace):
-    """Just enough of torch for sdpa.time_sdpa: tensors are shapes, the event clock counts
+    """Just enough of torch for torch_anchor.time_sdpa: tensors are shapes, the event clock counts
     SDPA calls (each takes one "ms"), ``enable_gqa`` optional (torch < 2.5 lacks it)."""
 
     def __init__(self, has_gqa: bool):
@@ -294,6 +294,13 @@ class _FakeTorch(types.SimpleNamespace):
             def repeat_interleave(self, n, dim):
                 return Tensor(self.shape[:dim] + (self.shape[dim] * n,) + self.shape[dim + 1:])
 
+            def add_(self, x):
+                torch.calls += 1
+
+            def copy_(self, src):
+                assert src.shape == self.shape
+                torch.calls += 1
+
         def sdpa(q, k, v, **kw):
             if "enable_gqa" in kw and not has_gqa:
                 raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'enable_gqa'")
@@ -304,9 +311,10 @@ class _FakeTorch(types.SimpleNamespace):
             return q
 
         super().__init__(
-            __version__="2.x", float16="f16",
+            __version__="2.x", float16="f16", float32="f32",
             Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None),
-            randn=lambda *shape, **kw: Tensor(shape),
+            randn=lambda *shape, **kw: Tensor(shape), zeros=lambda *shape, **kw: Tensor(shape),
+            empty=lambda *shape, **kw: Tensor(shape), empty_like=lambda t: Tensor(t.shape),
             nn=types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa)),
             cuda=types.SimpleNamespace(is_available=lambda: True, synchronize=lambda: None, Event=Event,
                                        empty_cache=lambda: None, get_device_name=lambda i: "Fake GPU"))
@@ -316,7 +324,7 @@ class _FakeTorch(types.SimpleNamespace):
 def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
     fake = _FakeTorch(has_gqa)
     monkeypatch.setitem(sys.modules, "torch", fake)
-    a = sdpa.Anchor(calls=5)
+    a = torch_anchor.Anchor(calls=5)
     assert a.info["cuda_device"] == "Fake GPU"
     seconds = a.seconds(8, 4, 64, 1024)
     r = a.results[(8, 4, 64, 1024)]
@@ -324,6 +332,16 @@ def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
     q_shape, k_shape = fake.shapes[-1]
     assert q_shape == (1, 32, 1, 64) and k_shape == (1, 8 if has_gqa else 32, 1024, 64)
     assert a.to_dict()["cases"][0]["seconds"] == seconds
+
+
+def test_device_anchors_with_and_without_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", _FakeTorch(True))
+    a = torch_anchor.device_anchors(1 << 20)
+    assert a["available"] and a["cuda_tiny_kernel_sync_us"] > 0
+    assert a["torch_copy_bytes_per_s"] == pytest.approx(2 * (1 << 20) / 1e-3)  # one "ms" per copy
+    monkeypatch.setitem(sys.modules, "torch", None)
+    a = torch_anchor.device_anchors(1 << 20)
+    assert not a["available"] and a["cuda_tiny_kernel_sync_us"] is None and "not installed" in a["note"]
 
 
 class _Terminal(io.StringIO):

@@ -20,6 +20,7 @@ The convention (write README.md's speed section to it):
       59.2 ms<!-- lavapipe rows[attention/dict k4v3 3x3 d64 n4096].gpu_s -->
       **0.87×**<!-- h200 rows[attention/dict k4v3 8x4 d128 n131072].vs_torch_sdpa -->
       24.1 µs<!-- h200 fixed_costs_us.submit_roundtrip -->
+      31.5 µs<!-- h200 anchors.cuda_tiny_kernel_sync_us -->
       3.97 TB/s<!-- h200 roofline.bytes_per_s -->
       1.19×<!-- lavapipe rows[attention/dict k4v3 3x3 d64 n4096].gpu_s / rows[attention/f16 3x3 d64 n4096].gpu_s -->
 

@@ -7,6 +7,6 @@ each with ``PRESETS`` (its options per size preset), ``parse_args(argv)``,
 standalone ``main(argv)``. What they share: ``common`` (statistics, interleaving,
 output), ``timing`` (wall and GPU time of recorded submissions), ``traffic`` (bytes moved,
 from the layout), ``roofline`` (the copy-shader ceiling), ``results`` (the row schema),
-``sdpa`` (the optional torch anchor). ``kvdict-bench`` (kvdict_vk.cli.bench) runs them
+``torch_anchor`` (the optional PyTorch anchors: SDPA, CUDA round trip, device copy). ``kvdict-bench`` (kvdict_vk.cli.bench) runs them
 together.
 """

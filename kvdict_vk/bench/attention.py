@@ -15,7 +15,7 @@ the output) and run again per repeat: GPU time from timestamps (first to last), 
 around the submit and wait. One device, one run, interleaved repeats (machine noise hits
 every mode alike), medians. Bytes per mode from kvdict_vk.bench.traffic, over the copy
 roofline (kvdict_vk.bench.roofline). Where PyTorch with CUDA is importable, the same shape
-through torch's scaled_dot_product_attention over an f16 cache (kvdict_vk.bench.sdpa).
+through torch's scaled_dot_product_attention over an f16 cache (kvdict_vk.bench.torch_anchor).
 
     .venv/bin/python -m kvdict_vk.bench.attention [--out out/bench_attention.json]
 """
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from . import common, results, roofline, sdpa, timing, traffic
+from . import common, results, roofline, timing, torch_anchor, traffic
 
 NAME, TOOL = "attention", "kvdict_vk.bench.attention"
 PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", "20"],
@@ -129,8 +129,9 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
             att = arena.attention(q.shape[0])
             if recon:
                 candidates[mode] = lambda att=att: att.attend_reconstructed(0, q, n, scale)
-                moved = traffic.bytes_moved("reconstruct_then_attend", arena.layout, 0, n, plan=f32_att.plan(0, n),
-                                            n_heads=q.shape[0])
+                # the f32 kernels over the rows: what the f32 engine plans on its direct path
+                moved = traffic.bytes_moved("reconstruct_then_attend", arena.layout, 0, n,
+                                            plan=f32_att.plan(0, n, path="direct"), n_heads=q.shape[0])
                 plan = {"path": "reconstruct_then_attend"}
             else:
                 rec = att.recording(0, q, n, scale, path=path, timestamps=True)
@@ -197,7 +198,7 @@ def run(args, progress) -> dict:
     rng = np.random.default_rng(0)
     t0 = time.time()
     roof = roofline.measure(dev)
-    anchor = sdpa.Anchor(args.sdpa_calls, enabled=not args.no_sdpa)
+    anchor = torch_anchor.Anchor(args.sdpa_calls, enabled=not args.no_sdpa)
     progress(f"{dev.name}: roofline {roof['bytes_per_s'] / 1e9:.2f} GB/s; SDPA anchor: "
              f"{'torch ' + anchor.info['torch'] if anchor.info else anchor.note}")
     cases = []

@@ -13,8 +13,9 @@ Each runs in this process on the same device and writes <out-dir>/<name>.json an
 --preset / --quick say.
 
 <out-dir>/summary.json: device, driver, command, when; roofline (the best copy shader's
-read + write bandwidth, measured first: kvdict_vk.bench.roofline); fixed_costs_us
-(kvdict_vk.bench.fixed); rows (one per measured case: kvdict_vk.bench.results has the
+read + write bandwidth, measured first: kvdict_vk.bench.roofline); anchors (on a GPU with
+torch + CUDA: a tiny CUDA kernel + synchronize, torch's device copy; else null with a
+note: kvdict_vk.bench.torch_anchor); fixed_costs_us (kvdict_vk.bench.fixed); rows (one per measured case: kvdict_vk.bench.results has the
 schema); and per benchmark its headline figures (numerator / denominator = ratio, from
 the benchmark's medians). Logs and progress go to stderr, the summary table (or --json)
 to stdout.
@@ -35,7 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .. import errors as E
-from ..bench import attention, common, encode, fixed, omp, reconstruct, results, roofline
+from ..bench import attention, common, encode, fixed, omp, reconstruct, results, roofline, torch_anchor
 
 BENCHMARKS = {"fixed": fixed, "attention": attention, "encode": encode, "omp": omp, "reconstruct": reconstruct}
 ROOFLINE_KEYS = ("bytes", "bytes_per_s", "kernel", "timing", "gpu_s", "wall_s", "repeats", "note")
@@ -123,6 +124,11 @@ def summary_table(summary: dict) -> list[str]:
     if roof and "bytes_per_s" in roof:
         lines.append(f"roofline: {roof['kernel']} {roof['bytes_per_s'] / 1e9:.2f} GB/s read+write over "
                      f"{roof['bytes'] / 2**20:.0f} MiB ({roof['timing']} time)")
+    anc = summary["anchors"]
+    if anc:
+        lines.append("torch anchors: " + (f"CUDA tiny kernel + sync {anc['cuda_tiny_kernel_sync_us']:.1f} µs, device copy "
+                                          f"{anc['torch_copy_bytes_per_s'] / 1e9:.1f} GB/s"
+                                          if anc["torch_copy_bytes_per_s"] else anc["note"]))
     if summary["fixed_costs_us"]:
         lines.append("fixed costs (µs, wall median): " + ", ".join(
             f"{k} {v:.1f}" for k, v in summary["fixed_costs_us"].items()))
@@ -172,13 +178,15 @@ def main(argv=None) -> int:
         except E.KvDictError as e:
             roof = {"failed": f"{type(e).__name__}: {e}"}
             _log(f"roofline: failed: {roof['failed']}")
+    anchors = torch_anchor.device_anchors(roof["bytes"] if roof and "bytes" in roof else roofline.GPU_BYTES) \
+        if dev is not None and common.preset_for(dev) == "gpu" else None
     entries, rows, fixed_costs, fixed_gpu = {}, [], None, None
     notes = [f"roofline: {roof['note']}"] if roof and roof.get("note") else []
 
     def current_summary() -> dict:
         return {**_device_fields(dev), "command": "kvdict-bench " + shlex.join(a.argv),
                 "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preset": preset, "quick": preset == "quick",
-                "roofline": roof, "fixed_costs_us": fixed_costs, "fixed_costs_gpu_us": fixed_gpu,
+                "roofline": roof, "anchors": anchors, "fixed_costs_us": fixed_costs, "fixed_costs_gpu_us": fixed_gpu,
                 "rows": results.check(rows), "notes": notes, "tool": "kvdict-bench", "argv": a.argv,
                 "seconds": round(time.perf_counter() - t0, 1), "out_dir": str(a.out_dir),
                 "host": common.host_info(), "benchmarks": entries}

@@ -1,13 +1,20 @@
-"""The anchor: PyTorch's scaled_dot_product_attention over an f16 cache of the same shape,
-timed with CUDA events — when torch with CUDA is importable (an optional benchmark
-dependency, never an install requirement: imported here, inside functions).
+"""The anchors from PyTorch on the same GPU, when torch with CUDA is importable (an
+optional benchmark dependency, never an install requirement: imported here, inside
+functions):
 
-One decode query: q (1, n_heads, 1, head_dim), k/v (1, n_kv, n_used, head_dim) f16,
-grouped-query through ``enable_gqa=True`` where that torch has it, else k/v expanded to
-n_heads with repeat_interleave before the timed region. Each call is timed by its own pair
-of events on the current stream; the figure is the median over many calls.
+* SDPA — torch.nn.functional.scaled_dot_product_attention over an f16 cache of the
+  attention benchmark's shape. One decode query: q (1, n_heads, 1, head_dim), k/v
+  (1, n_kv, n_used, head_dim) f16, grouped-query through ``enable_gqa=True`` where that
+  torch has it, else k/v expanded to n_heads with repeat_interleave before the timed
+  region. Each call timed by its own pair of CUDA events; the median over many calls.
+* ``cuda_tiny_kernel_sync_us`` — a one-element add + torch.cuda.synchronize(), wall
+  time, median: what a submission round trip is measured against.
+* ``torch_copy_bytes_per_s`` — a device-to-device tensor copy of the roofline's size,
+  read + write bytes over CUDA-event time: the copy roofline's counterpart.
 """
 from __future__ import annotations
+
+import time
 
 WARMUP = 10
 
@@ -60,8 +67,55 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     return {"seconds": samples[len(samples) // 2], "samples": samples, "gqa": how}
 
 
+def cuda_tiny_kernel_sync_s(torch, calls: int = 1000) -> float:
+    x = torch.zeros(1, device="cuda")
+    samples = []
+    for i in range(WARMUP + calls):
+        t = time.perf_counter()
+        x.add_(1)
+        torch.cuda.synchronize()
+        if i >= WARMUP:
+            samples.append(time.perf_counter() - t)
+    return sorted(samples)[len(samples) // 2]
+
+
+def copy_seconds(torch, n_bytes: int, calls: int = 20) -> float:
+    """Median CUDA-event time of one device-to-device copy of n_bytes."""
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        start.record()
+        dst.copy_(src)
+        end.record()
+    torch.cuda.synchronize()
+    samples = sorted(start.elapsed_time(end) * 1e-3 for start, end in events)
+    del src, dst
+    torch.cuda.empty_cache()
+    return samples[len(samples) // 2]
+
+
+def device_anchors(n_bytes: int) -> dict:
+    """summary.json's ``anchors``: the CUDA round trip and device copy (None, with a note,
+    without torch + CUDA or when they fail)."""
+    torch, note = anchor()
+    out = {"available": torch is not None, "note": note, "info": describe(torch) if torch else None,
+           "cuda_tiny_kernel_sync_us": None, "torch_copy_bytes": n_bytes, "torch_copy_bytes_per_s": None}
+    if torch is None:
+        return out
+    try:
+        out["cuda_tiny_kernel_sync_us"] = 1e6 * cuda_tiny_kernel_sync_s(torch)
+        out["torch_copy_bytes_per_s"] = 2 * n_bytes / copy_seconds(torch, n_bytes)
+    except Exception as e:  # optional: a failure is a note, not a failed run
+        out["note"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 class Anchor:
-    """The SDPA column of one benchmark run: ``seconds(shape...)`` or None, and why."""
+    """The SDPA column of one attention benchmark run: ``seconds(shape...)`` or None, and why."""
 
     def __init__(self, calls: int = 100, enabled: bool = True):
         self.calls = calls
