@@ -4,7 +4,9 @@ reconstruct-then-attend (GPU reconstruct of K/V into f32 rows, then the f32 kern
 Per case — KV heads × GQA (``--shapes``), head_dim (``--head-dims``), context length
 (``--n-used``) — every mode attends one query over the same context:
 
-* ``f16_cache`` / ``f32_cache`` — the uncoded caches (the direct shader over rows);
+* ``f16_cache`` / ``f32_cache`` — the uncoded caches, on the path their engine picks
+  (attend_flash on GPUs, attend_direct on CPU drivers); where that is not attend_direct,
+  ``f16_cache_direct`` / ``f32_cache_direct`` force it, beside;
 * ``dict_<fmt>`` — what KvArena.attend does over the codes (the cost model of
   kvdict_vk.vk.attend_plan picks the direct or the table path); ``dict_<fmt>_direct`` and
   ``dict_<fmt>_table`` force one path each, so the JSON shows whether it picked the faster;
@@ -102,9 +104,15 @@ def _arenas(n_kv, hd, args, dev, rng) -> dict:
     return arenas
 
 
-def _modes(arenas, args) -> dict:
-    """{mode: (arena, cache, format, forced path or None, reconstruct?)}."""
-    modes = {f"{c}_cache": (arenas[c], c, None, None, False) for c in UNCODED}
+def _modes(arenas, args, n_heads: int) -> dict:
+    """{mode: (arena, cache, format, forced path or None, reconstruct?)}. An uncoded cache
+    whose engine picks another path than attend_direct (attend_flash on GPUs) also gets
+    attend_direct forced, beside it."""
+    modes = {}
+    for c in UNCODED:
+        modes[f"{c}_cache"] = (arenas[c], c, None, None, False)
+        if arenas[c].attention(n_heads).plan(0, args.n_used_list[0]).path != "direct":
+            modes[f"{c}_cache_direct"] = (arenas[c], c, None, "direct", False)
     for bits in args.format_list:
         f = format_name(bits)
         modes[f"dict_{f}"] = (arenas[f], "dict", f, None, False)
@@ -149,6 +157,9 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
             else:
                 outputs[mode] = c()
         checks = {"f16_vs_f32_nmse": _nmse(outputs["f16_cache"], outputs["f32_cache"])}
+        for c in UNCODED:
+            if f"{c}_cache_direct" in outputs:
+                checks[f"{c}_cache_direct_vs_{c}_cache_nmse"] = _nmse(outputs[f"{c}_cache_direct"], outputs[f"{c}_cache"])
         for bits in args.format_list:
             f = format_name(bits)
             for m in (f"dict_{f}_direct", f"dict_{f}_table", f"recon_{f}"):
@@ -170,7 +181,7 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
 def case_name(mode_info, shape, n) -> str:
     n_kv, gqa, hd = shape
     if mode_info["cache"] in UNCODED:
-        what = mode_info["cache"]
+        what = mode_info["cache"] + (f" {mode_info['forced']}" if mode_info["forced"] else "")
     elif mode_info["plan"]["path"] == "reconstruct_then_attend":
         what = f"recon {mode_info['format']}"
     else:
@@ -207,8 +218,8 @@ def run(args, progress) -> dict:
             shape = (n_kv, gqa, hd)
             arenas = _arenas(n_kv, hd, args, dev, rng)
             try:
-                modes = _modes(arenas, args)
                 q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+                modes = _modes(arenas, args, q.shape[0])
                 by_n = []
                 for n in args.n_used_list:
                     by_n.append(bench_n_used(n, modes, q, anchor, shape, args, roof))
