@@ -1,4 +1,4 @@
-"""Arena arithmetic: where every word of a KV arena lives (DESIGN.md, "Arena layout").
+"""Arena arithmetic: where every word of a KV arena lives (docs/ARENA.md explains it word by word).
 
 Pure Python/NumPy — no GPU import, no I/O — so the GPU backend (`kvdict_vk.vk`) and the
 dump tool read the same numbers. One storage buffer per layer:
@@ -402,7 +402,7 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
 class PushBlock:
     """A GLSL ``layout(push_constant) uniform <name> { … }`` block of 32-bit scalars.
     Packed as uint32 words — floats bit-cast — because Kompute takes the push-constant
-    dtype from the specialization constants, which are uint32 (DESIGN.md, Known traps)."""
+    dtype from the specialization constants, which are uint32 (docs/DESIGN.md, "Building kp")."""
     name: str
     fields: tuple  # ((field name, "uint" | "float"), …) in declaration order
     defaults: tuple = ()  # ((field name, value), …): fields a caller may omit
