@@ -238,6 +238,21 @@ class ArenaLayout:
     def tail_bytes(self) -> int:
         return sum(l.tail_words for l in self.layers) * WORD_BYTES
 
+    def guard_breaches(self, layer_words) -> list[tuple[int, int, int, list[int]]]:
+        """Guard mode: every guard span whose words no longer all hold the sentinel, as
+        (layer, start, stop, the first 8 overwritten word indices); ``layer_words(i)``
+        gives layer i's words (e.g. ``KvArena.layer_words``). Empty when all are intact."""
+        out = []
+        for ll in self.layers:
+            if not ll.guard_spans:
+                continue
+            words = layer_words(ll.index)
+            for lo, hi in ll.guard_spans:
+                bad = np.flatnonzero(words[lo:hi] != self.guard_value)
+                if bad.size:
+                    out.append((ll.index, lo, hi, (lo + bad[:8]).tolist()))
+        return out
+
     def to_dict(self) -> dict:
         return {"mode": self.mode, "n_layers": self.n_layers, "n_kv_heads": self.n_kv_heads,
                 "head_dim": self.head_dim, "n_ctx": self.n_ctx, "n_atoms": self.n_atoms,

@@ -200,16 +200,9 @@ def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_
 
 def check_guards(arena) -> None:
     """Every word outside every region/tail block still holds the sentinel."""
-    import numpy as np
-    lay = arena.layout
-    for ll in lay.layers:
-        if not ll.guard_spans:
-            continue
-        words = arena.layer_words(ll.index)
-        for lo, hi in ll.guard_spans:
-            bad = np.flatnonzero(words[lo:hi] != lay.guard_value)
-            assert bad.size == 0, (f"layer {ll.index}: guard words [{lo}, {hi}) overwritten at "
-                                   f"{(lo + bad[:8]).tolist()}")
+    breaches = arena.layout.guard_breaches(arena.layer_words)
+    assert not breaches, "; ".join(f"layer {layer}: guard words [{lo}, {hi}) overwritten at {where}"
+                                   for layer, lo, hi, where in breaches)
 
 
 @pytest.fixture

@@ -27,16 +27,6 @@ NMSE_READ = 1e-12  # reconstruct / append: float32 GPU vs float64 reference
 NMSE_ATTEND = 1e-9
 
 
-def _guards_ok(arena) -> bool:
-    lay = arena.layout
-    for ll in lay.layers:
-        if ll.guard_spans:
-            words = arena.layer_words(ll.index)
-            if any((words[lo:hi] != lay.guard_value).any() for lo, hi in ll.guard_spans):
-                return False
-    return True
-
-
 # (head_dim, n_atoms, (K sparsity, K bits) | None, (V sparsity, V bits) | None, per-head, n_ctx, GQA)
 QUICK_GRID = [(64, 1024, (4, 4), (4, 3), True, 512, 3), (48, 256, (8, 0), None, False, 300, 1),
               (36, 64, (1, 2), (3, 8), True, 97, 2)]
@@ -104,7 +94,7 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
 
 def _row(op, shape, ref, got, tol, seconds, arena) -> dict:
     c = compare(ref, got)
-    guards = _guards_ok(arena)
+    guards = not arena.layout.guard_breaches(arena.layer_words)
     return dict(op=op, shape=shape, metric="nmse", nmse=c.nmse, max_abs=c.max_abs, nan_inf_match=c.nonfinite_match,
                 guards_intact=guards, tolerance=tol, seconds=seconds,
                 passed=bool(c.nmse <= tol and c.nonfinite_match and guards))
