@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         return 2
 
 
-def _device(a):
+def choose_device(a):
     """The device the demo runs on, how it was chosen, and every device there is."""
     from ..vk import device as vk_device
     spec, how = a.device, "--device"
@@ -129,7 +129,7 @@ def _run(a) -> int:
     t0 = time.perf_counter()
     path = ensure_artifact(a.out, a.rebuild)
     cert = runtime.load_certified(path)
-    dev, how, devices = _device(a)
+    dev, how, devices = choose_device(a)
     _log(f"device: {dev.name} ({how}; devices here: {'; '.join(devices)})")
 
     _log("validating every shader against NumPy on this device")
