@@ -3,9 +3,9 @@
 1. make (first run, a few minutes) or reuse a certified dictionary for SmolLM2-135M;
 2. load_certified + activate it (the engine's fail-closed path);
 3. validate the shaders against NumPy on this device;
-4. decode real text (GPL-3) token by token with the KV cache on the GPU, twice — the
-   default f32 arena and the dict-coded arena, chosen by the runtime switch alone —
-   attention computed on the GPU in both;
+4. decode real text (GPL-3) token by token with the KV cache on the GPU, twice — an f32
+   arena (the cache the certificate is relative to) and the dict-coded arena the runtime
+   switch gives — attention computed on the GPU in both;
 5. check both decodes against the CPU path: at every (layer, token) step the GPU cache's
    attention output equals the NumPy reference's over the same cached vectors (the
    forge's codec for the dict cache) within the validation tolerance; and the f32
@@ -72,14 +72,15 @@ NLL_TOLERANCE = 1e-3
 DEFAULT_DEVICE = "llvmpipe"  # Mesa lavapipe: the device scripts/setup.sh installs everywhere
 
 
-def run_decode(tokens, n_ctx: int, label: str, dev):
-    """A GPU decode in the runtime's current mode, checked step by step against the NumPy
-    reference cache: (DecodeResult, arena layout, ReferenceCheck)."""
+def run_decode(tokens, n_ctx: int, label: str, dev, cache: str | None = None):
+    """A GPU decode — ``cache`` as KvArena takes it (None: the runtime switch decides) —
+    checked step by step against the NumPy reference cache: (DecodeResult, arena layout,
+    ReferenceCheck)."""
     from ..forge import decode
     from ..forge.gguf_model import load_model
     from ..vk import KvArena
     c = load_model().config
-    with KvArena(c.n_layers, c.n_kv_heads, c.head_dim, n_ctx, device=dev) as arena:
+    with KvArena(c.n_layers, c.n_kv_heads, c.head_dim, n_ctx, device=dev, cache=cache) as arena:
         _log(f"{label}: arena mode {arena.mode}, {arena.layout.total_bytes / 2**20:.1f} MiB; decoding {len(tokens)} tokens")
         art = runtime.snapshot().artifact if arena.mode == "dict" else None
         check = decode.ReferenceCheck(decode.NumpyCache(c.n_layers, c.n_kv_heads, c.head_dim, n_ctx, art))
@@ -141,7 +142,8 @@ def _run(a) -> int:
     tokens = tokenizer.encode(tokenizer.read_text())[: a.tokens]
     n_ctx = -(-len(tokens) // 64) * 64
     runtime.deactivate()
-    f32, f32_layout, f32_steps = run_decode(tokens, n_ctx, "f32 cache", dev)
+    # the f32 cache (not the f16 default): the cache the certificate's ΔPPL is relative to
+    f32, f32_layout, f32_steps = run_decode(tokens, n_ctx, "f32 cache", dev, cache="f32")
     _log("f32 cache: the forge's batched CPU forward on the same tokens")
     f32_nll = nll_agreement(f32.nll, llama.token_nll(tokens))
     runtime.activate(path)
