@@ -59,9 +59,11 @@ def test_arena_work_while_switch_flips(vk_device, tmp_path):
     with runtime.enabled_with(arts[0], allow_uncertified=True):
         arena = KvArena(2, 2, 8, 256)
     runtime.deactivate()
+    with KvArena(2, 2, 8, 16) as plain:
+        uncoded = plain.mode  # the uncoded cache's row format ($KVDICT_VK_CACHE, f16 by default)
     stop = threading.Event()
     errors: list[str] = []
-    created = {"f32": 0, "dict": 0}
+    created = {uncoded: 0, "dict": 0}
 
     def flipper():
         ops = _switch_ops(paths, arts, np.random.default_rng(1))
@@ -76,8 +78,8 @@ def test_arena_work_while_switch_flips(vk_device, tmp_path):
         while not stop.is_set():
             try:
                 with KvArena(2, 2, 8, 16) as a:
-                    # A consistent layout: f32, or dict with the sparsity of one artifact.
-                    assert a.mode in ("f32", "dict")
+                    # A consistent layout: uncoded, or dict with the sparsity of one artifact.
+                    assert a.mode in created
                     if a.mode == "dict":
                         assert a.layout.sparsity in (2, 3)
                     created[a.mode] += 1
