@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from .. import attention_ref, codec, runtime
-from ..metrics import compare
 from .. import errors as E
 from ..dictionary import KvDictArtifact, StreamDict
+from ..metrics import compare
 
 NMSE_READ = 1e-12  # reconstruct / append: float32 GPU vs float64 reference
 NMSE_ATTEND = 1e-9

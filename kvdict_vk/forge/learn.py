@@ -131,4 +131,3 @@ def learn_stream(x: np.ndarray, n_atoms: int, sparsity: int, *, iters: int = 10,
     atoms = d if w is None else np.linalg.solve(w, d.T).T  # back to the data space
     return StreamDict(atoms.astype(np.float32), None if mean is None else mean.astype(np.float32),
                       None if w is None else w.astype(np.float32), sparsity), stats
-
