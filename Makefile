@@ -3,20 +3,23 @@
 # second when everything is already there.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The embedded default device is Mesa's lavapipe; tests pin it and require it, so a
-# missing Vulkan device fails the run instead of skipping it.
-export KVDICT_VK_DEVICE      ?= llvmpipe
-export KVDICT_EXPECT_DRIVER  ?= llvmpipe
-export KVDICT_REQUIRE_DEVICE ?= 1
 
-.PHONY: setup demo test shaders bench clean
+.PHONY: setup demo test bench clean
 
 setup:
 	@bash scripts/setup.sh
 
+# The demo runs on $KVDICT_VK_DEVICE (an index or a name substring) when it is set, else on
+# Mesa's lavapipe, and says which one it ran on: `KVDICT_VK_DEVICE=1 make demo`.
 demo: setup
 	@$(PY) -m kvdict_vk.cli.demo
 
+# The tests pin lavapipe and require it, so a missing Vulkan device fails the run instead
+# of skipping it. To run them on another device, set all three, e.g.
+# `make test KVDICT_VK_DEVICE=nvidia KVDICT_EXPECT_DRIVER=nvidia`.
+test: export KVDICT_VK_DEVICE      ?= llvmpipe
+test: export KVDICT_EXPECT_DRIVER  ?= llvmpipe
+test: export KVDICT_REQUIRE_DEVICE ?= 1
 test: setup
 	@$(PY) -m pytest -q
 

@@ -4,7 +4,7 @@ This module is three things at once: the reference every shader is validated aga
 the CPU write path of the cache, and the forge's inner loop. So it is exact first
 (float64 where it decides the result) and vectorised over many vectors second.
 
-Code word (DESIGN.md): bits 0–15 atom index, bits 16–31 IEEE-754 binary16 coefficient —
+Code word (docs/DESIGN.md): bits 0–15 atom index, bits 16–31 IEEE-754 binary16 coefficient —
 GLSL reads it with ``unpackHalf2x16(w).y`` and needs no optional Vulkan feature.
 Attention references live in :mod:`kvdict_vk.attention_ref`.
 """

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import errors as E
-from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words
+from .residual import MAX_BITS as MAX_RESIDUAL_BITS, slot_words
 
 MAX_N_ATOMS = 1 << 16  # a code word's atom index is 16 bits
 
@@ -125,7 +125,7 @@ class StreamDict:
     @property
     def slot_words(self) -> int:
         """uint32 words per coded head vector: code words, then the residual stage."""
-        return self.sparsity + residual_words(self.head_dim, self.residual_bits)
+        return slot_words(self.head_dim, self.sparsity, self.residual_bits)
 
     def head(self, h: int) -> HeadDict:
         """The dictionary KV head h uses (head 0's for every h when shared)."""

@@ -42,6 +42,11 @@ class NotCertifiedError(ArtifactError):
     """The artifact did not pass its certification gate (passed != true)."""
 
 
+class UncertifiedError(NotCertifiedError):
+    """Dictionaries without a certificate were offered to the runtime (install, enable,
+    enabled_with, install_from_cbor) without ``allow_uncertified=True``; nothing changed."""
+
+
 class PayloadLengthError(ArtifactError):
     """The payload's length differs from the one the header declares."""
 
@@ -87,10 +92,6 @@ class LayerIndexError(KvDictError, IndexError):
 
 class CodeWordError(KvDictError, ValueError):
     """A code word is invalid (atom index >= n_atoms, non-finite coefficient)."""
-
-
-class NotInstalledError(KvDictError):
-    """An operation needs an installed dictionary and none is installed."""
 
 
 # --- GPU side -------------------------------------------------------------------------

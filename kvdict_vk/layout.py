@@ -1,4 +1,4 @@
-"""Arena arithmetic: where every word of a KV arena lives (DESIGN.md, "Arena layout").
+"""Arena arithmetic: where every word of a KV arena lives (docs/ARENA.md explains it word by word).
 
 Pure Python/NumPy — no GPU import, no I/O — so the GPU backend (`kvdict_vk.vk`) and the
 dump tool read the same numbers. One storage buffer per layer:
@@ -36,7 +36,7 @@ import numpy as np
 
 from . import errors as E
 from .dictionary import MAX_N_ATOMS, KvDictArtifact
-from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words
+from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words, slot_words
 
 WORD_BYTES = 4
 ALIGN_WORDS = 64  # 256 bytes: ≥ any minStorageBufferOffsetAlignment, one cache line pair
@@ -48,6 +48,15 @@ DEFAULT_CACHE = "f16"  # what engines keep (llama.cpp's default); f32 is the exa
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def row_words(head_dim: int, sparsity: int, residual_bits: int, half: bool = False) -> int:
+    """Words per (KV head, token) of a region: the slot of a coded stream (sparsity ≥ 1);
+    for a passthrough one (sparsity 0) head_dim float32, or head_dim/2 words of f16 pairs
+    (``half``)."""
+    if sparsity:
+        return slot_words(head_dim, sparsity, residual_bits)
+    return head_dim // 2 if half else head_dim
 
 
 # --- what the layout needs to know about a dictionary --------------------------------------
@@ -229,6 +238,21 @@ class ArenaLayout:
     def tail_bytes(self) -> int:
         return sum(l.tail_words for l in self.layers) * WORD_BYTES
 
+    def guard_breaches(self, layer_words) -> list[tuple[int, int, int, list[int]]]:
+        """Guard mode: every guard span whose words no longer all hold the sentinel, as
+        (layer, start, stop, the first 8 overwritten word indices); ``layer_words(i)``
+        gives layer i's words (e.g. ``KvArena.layer_words``). Empty when all are intact."""
+        out = []
+        for ll in self.layers:
+            if not ll.guard_spans:
+                continue
+            words = layer_words(ll.index)
+            for lo, hi in ll.guard_spans:
+                bad = np.flatnonzero(words[lo:hi] != self.guard_value)
+                if bad.size:
+                    out.append((ll.index, lo, hi, (lo + bad[:8]).tolist()))
+        return out
+
     def to_dict(self) -> dict:
         return {"mode": self.mode, "n_layers": self.n_layers, "n_kv_heads": self.n_kv_heads,
                 "head_dim": self.head_dim, "n_ctx": self.n_ctx, "n_atoms": self.n_atoms,
@@ -298,7 +322,7 @@ def _slot_words(index: int, name: str, ss: StreamSpec, spec: DictSpec, hd: int) 
     if ss.n_heads != spec.n_heads:
         raise E.DictMismatchError(f"{where}: {ss.n_heads} dictionary heads, the artifact's streams have "
                                   f"{spec.n_heads}")
-    slot = ss.sparsity + residual_words(hd, ss.residual_bits)
+    slot = slot_words(hd, ss.sparsity, ss.residual_bits)
     if ss.slot_words not in (0, slot):
         raise E.DictMismatchError(f"{where}: slot_words {ss.slot_words}, expected {slot}")
     return slot
@@ -316,8 +340,8 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, half: bool
         return start
 
     pair = (StreamSpec(False), StreamSpec(False)) if spec is None else spec.layers[index]
-    pass_row = hd // 2 if half else hd
-    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else pass_row for ss, name in zip(pair, "KV")]
+    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else row_words(hd, 0, 0, half)
+            for ss, name in zip(pair, "KV")]
     regions = [place(n_kv * n_ctx * r, ALIGN_WORDS) for r in rows]
     tail_word, tail_words = None, 0
     atoms, means, scales = [None, None], [None, None], [None, None]
@@ -393,7 +417,7 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
 class PushBlock:
     """A GLSL ``layout(push_constant) uniform <name> { … }`` block of 32-bit scalars.
     Packed as uint32 words — floats bit-cast — because Kompute takes the push-constant
-    dtype from the specialization constants, which are uint32 (DESIGN.md, Known traps)."""
+    dtype from the specialization constants, which are uint32 (docs/DESIGN.md, "Building kp")."""
     name: str
     fields: tuple  # ((field name, "uint" | "float"), …) in declaration order
     defaults: tuple = ()  # ((field name, value), …): fields a caller may omit

@@ -35,6 +35,13 @@ def residual_words(head_dim: int, bits: int) -> int:
     return -(-head_dim * bits // 32) + 1
 
 
+def slot_words(head_dim: int, sparsity: int, residual_bits: int) -> int:
+    """Words of one coded head vector — a *slot* (docs/FORMAT.md): ``sparsity`` code words,
+    then the residual stage. The one definition; the layout, the dictionaries and the
+    shaders' dispatch checks all read it."""
+    return sparsity + residual_words(head_dim, residual_bits)
+
+
 def _pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
     """(N, d) uint levels < 2^bits → (N, ceil(d·bits/32)) uint32 bitstream."""
     n, d = levels.shape

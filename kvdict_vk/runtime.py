@@ -13,6 +13,15 @@ The user switch has three parts, as in the seed: the environment variable
 module is first imported; :func:`activate` / :func:`deactivate` set it at run time;
 :func:`dict_active` reads it back. Like the int8 toggle it takes effect at the next
 arena creation (the layout is chosen then, see ``kvdict_vk.vk.KvArena``).
+
+Two doors lead in. The certified one — :func:`load_certified`, :func:`activate` and the
+environment variable — takes only a framed file whose certificate passed its gate, and
+verifies all of it. The other — :func:`install`, :func:`install_from_cbor`,
+:func:`enable` with an artifact and :func:`enabled_with` — takes dictionaries that carry
+no certificate (the forge certifying its candidate, kvdict-validate's and the benchmarks'
+random dictionaries, tests) and opens only when the caller says
+``allow_uncertified=True``; without it they raise :class:`~kvdict_vk.errors.UncertifiedError`
+and change nothing.
 """
 from __future__ import annotations
 
@@ -74,27 +83,43 @@ def load_certified(path: str | os.PathLike) -> CertInfo:
     return cert
 
 
-def install(artifact: KvDictArtifact, cert: CertInfo | None = None) -> None:
-    """Install already-validated dictionaries (toggle unchanged)."""
+def _consent(what: str, allow_uncertified: bool) -> None:
+    """The uncertified door opens only when the caller says so."""
+    if not allow_uncertified:
+        raise E.UncertifiedError(
+            f"{what}() installs dictionaries without a certificate; pass allow_uncertified=True to mean "
+            f"it, or load a certified file with load_certified()/activate()")
+
+
+def _uncertified(what: str, artifact, allow_uncertified: bool) -> KvDictArtifact:
     if not isinstance(artifact, KvDictArtifact):
-        raise E.SchemaError(f"install() needs a KvDictArtifact, got {type(artifact).__name__}")
-    _swap(artifact=artifact, cert=cert)
+        raise E.SchemaError(f"{what}() needs a KvDictArtifact, got {type(artifact).__name__}")
+    _consent(what, allow_uncertified)
+    return artifact
 
 
-def install_from_cbor(payload: bytes) -> None:
-    """Decode a CBOR KvDictArtifact payload (the bytes after the provenance header) and
-    install it. No certification is checked here: that is what load_certified is for."""
-    install(payload_from_cbor(bytes(payload)))
+def install(artifact: KvDictArtifact, *, allow_uncertified: bool = False) -> None:
+    """Install dictionaries that carry no certificate (toggle unchanged); refused with
+    UncertifiedError unless ``allow_uncertified=True``."""
+    _swap(artifact=_uncertified("install", artifact, allow_uncertified), cert=None)
 
 
-def enable(artifact: KvDictArtifact | None = None) -> None:
-    """Install the per-layer dictionaries (if given) and turn reconstruction ON."""
+def install_from_cbor(payload: bytes, *, allow_uncertified: bool = False) -> None:
+    """Decode a bare CBOR KvDictArtifact payload (the bytes after the provenance header)
+    and install it. A bare payload has no certificate: refused with UncertifiedError
+    unless ``allow_uncertified=True`` (checked before decoding)."""
+    _consent("install_from_cbor", allow_uncertified)
+    install(payload_from_cbor(bytes(payload)), allow_uncertified=True)
+
+
+def enable(artifact: KvDictArtifact | None = None, *, allow_uncertified: bool = False) -> None:
+    """Turn reconstruction ON, over what is installed; given an artifact (which carries no
+    certificate), install it first — refused with UncertifiedError unless
+    ``allow_uncertified=True``."""
     if artifact is None:
         _swap(enabled=True)
     else:
-        if not isinstance(artifact, KvDictArtifact):
-            raise E.SchemaError(f"enable() needs a KvDictArtifact, got {type(artifact).__name__}")
-        _swap(enabled=True, artifact=artifact, cert=None)
+        _swap(enabled=True, artifact=_uncertified("enable", artifact, allow_uncertified), cert=None)
 
 
 def disable() -> None:
@@ -102,17 +127,26 @@ def disable() -> None:
     _swap(enabled=False)
 
 
+def restore(state: Snapshot) -> None:
+    """Put back the installed dictionaries, certificate and toggle of an earlier
+    :func:`snapshot` (a new generation: holders notice). For code that switches for a
+    while inside a larger program; it can only bring back what was installed before."""
+    if not isinstance(state, Snapshot):
+        raise E.SchemaError(f"restore() needs a Snapshot, got {type(state).__name__}")
+    _swap(enabled=state.enabled, artifact=state.artifact, cert=state.cert)
+
+
 @contextlib.contextmanager
-def enabled_with(artifact: KvDictArtifact):
-    """``enable(artifact)`` for the block, then the previous installed state and toggle
-    back (a new generation: holders still notice both swaps). For code that creates an
-    arena in a given mode inside a larger program: tools, benchmarks, tests."""
+def enabled_with(artifact: KvDictArtifact, *, allow_uncertified: bool = False):
+    """``enable(artifact, allow_uncertified=…)`` for the block, then :func:`restore` of the
+    state before. For code that creates an arena in a given mode inside a larger program:
+    tools, benchmarks, tests."""
     prev = snapshot()
-    enable(artifact)
+    enable(artifact, allow_uncertified=allow_uncertified)
     try:
         yield
     finally:
-        _swap(enabled=prev.enabled, artifact=prev.artifact, cert=prev.cert)
+        restore(prev)
 
 
 def is_enabled() -> bool:

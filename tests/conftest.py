@@ -160,17 +160,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 # --- shared helpers for the gpu tests ---------------------------------------------------------
 
-def nmse(a, b) -> float:
-    """Σ(a−b)²/Σa² (ggml's convention), a the reference; NaN/Inf positions must agree."""
-    import numpy as np
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.array_equal(np.isnan(a64), np.isnan(b64)), "NaN positions differ"
-    assert np.array_equal(np.isposinf(a64), np.isposinf(b64)), "+Inf positions differ"
-    assert np.array_equal(np.isneginf(a64), np.isneginf(b64)), "-Inf positions differ"
-    fin = np.isfinite(a64)
-    den = float(np.sum(a64[fin] ** 2))
-    num = float(np.sum((a64[fin] - b64[fin]) ** 2))
-    return num / den if den else num
+def stable_seed(case) -> int:
+    """A seed from a test case's repr: the same in every process (``hash`` of a tuple that
+    holds None or a str changes between processes)."""
+    import zlib
+    return zlib.crc32(repr(case).encode())
 
 
 def _stream_entry(e):
@@ -204,57 +198,21 @@ def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_
     return KvDictArtifact(head_dim, n_atoms, s_max, tuple(layers))
 
 
-def random_codes(rng, shape, n_atoms: int, *, out_of_range: float = 0.0):
-    """Random code words (…, s): distinct-ish atom indices, N(0,1) binary16 coefficients;
-    a fraction ``out_of_range`` gets an atom index ≥ n_atoms (when one exists)."""
-    import numpy as np
-    from kvdict_vk import codec
-    idx = rng.integers(0, n_atoms, shape)
-    if out_of_range and n_atoms < 1 << 16:
-        bad = rng.random(shape) < out_of_range
-        idx = np.where(bad, rng.integers(n_atoms, 1 << 16, shape), idx)
-    return codec.pack_codes(idx, rng.standard_normal(shape))
-
-
-def random_slots(rng, d, shape, *, out_of_range: float = 0.0):
-    """Random slots (*shape, d.slot_words) of StreamDict ``d``: random code words, then
-    (residual stage) random level bits — padding bits too, decoders must ignore them —
-    and a finite random step."""
-    import numpy as np
-    codes = random_codes(rng, tuple(shape) + (d.sparsity,), d.n_atoms, out_of_range=out_of_range)
-    extra = d.slot_words - d.sparsity
-    if not extra:
-        return codes
-    levels = rng.integers(0, 1 << 32, tuple(shape) + (extra - 1,), dtype=np.uint64).astype(np.uint32)
-    step = (np.abs(rng.standard_normal(tuple(shape) + (1,))) * 0.2 + 1e-3).astype(np.float32).view(np.uint32)
-    return np.concatenate([codes, levels, step], axis=-1)
-
-
 def check_guards(arena) -> None:
     """Every word outside every region/tail block still holds the sentinel."""
-    import numpy as np
-    lay = arena.layout
-    for ll in lay.layers:
-        if not ll.guard_spans:
-            continue
-        words = arena.layer_words(ll.index)
-        for lo, hi in ll.guard_spans:
-            bad = np.flatnonzero(words[lo:hi] != lay.guard_value)
-            assert bad.size == 0, (f"layer {ll.index}: guard words [{lo}, {hi}) overwritten at "
-                                   f"{(lo + bad[:8]).tolist()}")
+    breaches = arena.layout.guard_breaches(arena.layer_words)
+    assert not breaches, "; ".join(f"layer {layer}: guard words [{lo}, {hi}) overwritten at {where}"
+                                   for layer, lo, hi, where in breaches)
 
 
 @pytest.fixture
 def activate():
-    """activate(artifact): make it the runtime's active dictionary; restored afterwards."""
+    """activate(artifact): make the test's (uncertified, random) artifact the runtime's
+    active dictionary; the state before is restored afterwards."""
     from kvdict_vk import runtime
     prev = runtime.snapshot()
-    yield runtime.enable
-    if prev.artifact is None:
-        runtime.deactivate()
-    else:
-        runtime.install(prev.artifact, prev.cert)
-        (runtime.enable if prev.enabled else runtime.disable)()
+    yield lambda artifact: runtime.enable(artifact, allow_uncertified=True)
+    runtime.restore(prev)
 
 
 @pytest.fixture

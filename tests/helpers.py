@@ -11,13 +11,6 @@ from kvdict_vk import artifact as A
 from kvdict_vk.dictionary import KvDictArtifact, StreamDict
 
 
-def nmse(ref, got) -> float:
-    ref = np.asarray(ref, np.float64)
-    got = np.asarray(got, np.float64)
-    den = float(np.sum(ref * ref))
-    return float(np.sum((ref - got) ** 2)) / (den if den > 0 else 1.0)
-
-
 def unit_atoms(rng, n_atoms, head_dim, dtype=np.float32):
     a = rng.standard_normal((n_atoms, head_dim))
     a /= np.linalg.norm(a, axis=1, keepdims=True)

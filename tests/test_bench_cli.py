@@ -107,7 +107,7 @@ def _check_reconstruct_and_fixed(summary, out):
 
 @pytest.mark.gpu
 def test_omp_summary_rows(tmp_path, capsys, restore_env, vk_device):
-    pytest.importorskip("sklearn")
+    import sklearn  # noqa: F401 — the omp benchmark needs it (the test extra); missing is a failure
     assert bench.main(["omp", "--quick", "--repeats", "2", "--out-dir", str(tmp_path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["device"] is None and summary["roofline"] is None  # CPU only: no Vulkan device opened
@@ -126,6 +126,34 @@ def test_unknown_device_exits_2(tmp_path, capsys, restore_env, vk_device):
 
 
 # --- no device needed ----------------------------------------------------------------------------
+
+# Seconds per repeat, injected in place of the clock: vectors/s, their medians and the
+# ratios are worked out by hand below (--quick: 5000 vectors for kvdict_vk, 300 for sklearn).
+KNOWN_SECONDS = {"kvdict_vk": [0.5, 0.25, 0.4], "sklearn": [3.0, 2.0, 6.0]}
+
+
+def test_omp_headline_from_known_timings(tmp_path, monkeypatch, capsys):
+    import sklearn  # noqa: F401 — the omp benchmark needs it (the test extra)
+
+    def known_timings(candidates, repeats, after_repeat=None):
+        assert set(candidates) == set(KNOWN_SECONDS) and repeats == 3
+        last = {name: fn() for name, fn in candidates.items()}  # the real work, once each
+        for rep in range(repeats):
+            if after_repeat:
+                after_repeat(rep, {n: s[:rep + 1] for n, s in KNOWN_SECONDS.items()})
+        return {n: list(s) for n, s in KNOWN_SECONDS.items()}, last
+
+    monkeypatch.setattr(common, "interleaved", known_timings)
+    assert bench.main(["omp", "--quick", "--repeats", "3", "--out-dir", str(tmp_path), "--json"]) == 0
+    (fig,) = json.loads(capsys.readouterr().out)["benchmarks"]["omp"]["headline"]
+    # kvdict_vk: 10 000, 20 000, 12 500 vec/s → median 12 500; sklearn: 100, 150, 50 → 100
+    assert fig["numerator"] == pytest.approx(12_500) and fig["denominator"] == pytest.approx(100)
+    assert fig["ratio"] == pytest.approx(125)
+    # paired per repeat: 100, 133.3, 250 → median 133.3
+    assert fig["paired_ratio_median"] == pytest.approx(400 / 3)
+    o = json.loads((tmp_path / "omp.json").read_text())
+    assert o["kvdict_vk_vec_per_s"]["all"] == pytest.approx([10_000, 20_000, 12_500])
+    assert (o["speedup"]["min"], o["speedup"]["max"]) == pytest.approx((100, 250))
 
 @pytest.mark.parametrize("argv", [["nosuch"], ["omp", "--repeats", "0"], ["--repeats", "x"], ["--bogus"],
                                   ["--quick", "--preset", "gpu"], ["--preset", "huge"]])

@@ -8,8 +8,9 @@ from sklearn.linear_model import orthogonal_mp_gram
 
 from kvdict_vk import codec, errors as E
 from kvdict_vk.dictionary import StreamDict
+from kvdict_vk.metrics import nmse
 
-from helpers import nmse, unit_atoms
+from helpers import unit_atoms
 
 
 def textbook_omp(x, atoms, s):

@@ -197,6 +197,19 @@ def test_guard_mode_surrounds_every_block():
             assert s.atoms_word % 4 == 0 and s.mean_word % 4 == 0
 
 
+def test_guard_breaches_name_every_overwritten_guard_word():
+    lay = L.build_layout(3, 2, 12, 9, _artifact(np.random.default_rng(2), hd=12), guard_words=8)
+    words = [np.full(ll.total_words, lay.guard_value, np.uint32) for ll in lay.layers]
+    for ll in lay.layers:  # what the blocks hold does not matter, only the guards
+        for lo, hi in _blocks(ll):
+            words[ll.index][lo:hi] = 0
+    assert lay.guard_breaches(words.__getitem__) == []
+    lo, hi = lay.layers[2].guard_spans[2]
+    words[2][hi - 1] = 0  # the last guard word before a block
+    words[2][lo] ^= 1
+    assert lay.guard_breaches(words.__getitem__) == [(2, lo, hi, [lo, hi - 1])]
+
+
 def test_mismatches_and_bad_dims_are_typed():
     rng = np.random.default_rng(3)
     art = _artifact(rng)

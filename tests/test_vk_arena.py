@@ -4,9 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import check_guards, nmse, random_artifact, random_slots
+from conftest import check_guards, random_artifact
 from kvdict_vk import codec, runtime
 from kvdict_vk import errors as E
+from kvdict_vk.metrics import nmse
+from kvdict_vk.synthetic import random_slots
 
 pytestmark = pytest.mark.gpu
 

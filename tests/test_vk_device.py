@@ -57,7 +57,7 @@ def test_device_selection(monkeypatch, vk_device):
 @pytest.mark.parametrize("kind", ["host", "device"])
 @pytest.mark.parametrize("dtype", [np.uint32, np.float32])
 def test_kp_tensor_data_round_trips_under_numpy2(vk_device, kind, dtype):
-    """Debian's pybind11 2.10 silently corrupts Tensor.data() under numpy 2 (DESIGN.md)."""
+    """Debian's pybind11 2.10 silently corrupts Tensor.data() under numpy 2 (docs/DESIGN.md)."""
     from kvdict_vk.vk.device import kp
     rng = np.random.default_rng(0)
     if dtype is np.uint32:

@@ -12,8 +12,10 @@ import random
 import numpy as np
 import pytest
 
-from conftest import _stream_entry, nmse, random_artifact, random_codes, random_slots
+from conftest import _stream_entry, random_artifact, stable_seed
 from kvdict_vk import codec
+from kvdict_vk.metrics import nmse
+from kvdict_vk.synthetic import random_codes, random_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +89,7 @@ def _check_read(arena, art, stored, layer, t0, t1):
             assert np.array_equal(out.view(np.uint32), words[:, t0:t1].view(np.uint32))
         else:
             ref = codec.decode_heads(words[:, t0:t1], d, np.float64)
-            err = nmse(ref, out)  # also asserts identical NaN/±Inf positions
+            err = nmse(ref, out)  # infinite unless the NaN/±Inf positions agree
             assert err <= 1e-12, f"layer {layer} [{t0}, {t1}): NMSE {err:.3g}"
 
 
@@ -99,7 +101,7 @@ def _case_id(c):
 @pytest.mark.parametrize("case", CASES + _random_cases(4), ids=_case_id)
 def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate):
     hd, na, n_kv, n_ctx, per_head, layers = case
-    rng = np.random.default_rng(abs(hash(case)) % 2 ** 32)
+    rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1)
     activate(art)
     arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping)
@@ -167,7 +169,7 @@ def test_out_of_range_words_contribute_zero_and_read_nothing_outside(mapping, pe
 
 def test_nan_and_inf_propagate_like_the_reference(make_arena, activate):
     """Non-finite coefficients and residual steps give NaN/±Inf exactly where the
-    reference does (nmse asserts the positions)."""
+    reference does (nmse is infinite unless the positions agree)."""
     rng = np.random.default_rng(8)
     hd, na = 32, 64
     art = random_artifact(rng, hd, na, [((8, 3), 2)], means=False)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import nmse, random_artifact
+from conftest import random_artifact
 from kvdict_vk import codec
+from kvdict_vk.metrics import nmse
 from test_vk_attend import CASES, _case_id, _check, _filled_arena, reference
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ their header and payload with the CRC and SHA-256 fixed up, so the fuzzer reache
 the integrity checks. A custom mutator re-seals the frame (header CRC, payload hash and
 length) after libFuzzer's byte mutations half of the time, for the same reason.
 
-    .venv/bin/pip install atheris coverage
+    .venv/bin/pip install -e ".[fuzz]"          # atheris and coverage
     .venv/bin/python tools/fuzz_loader.py -atheris_runs=200000 out/fuzz-corpus
     .venv/bin/python tools/fuzz_loader.py --coverage out/fuzz-corpus   # line coverage of the loader
 """

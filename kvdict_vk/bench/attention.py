@@ -68,7 +68,7 @@ def format_name(bits) -> str:
 def _dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
     """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost does
     not depend on what the codes say; OMP-encoding that many rows would dominate the run)."""
-    from kvdict_vk import runtime
+    from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     from kvdict_vk.vk import KvArena
     heads, na = (n_kv if args.per_head else 1), args.n_atoms
@@ -76,9 +76,9 @@ def _dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
                         mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
                         residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
              for b in bits]
-    with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),))):
+    with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict")
-    arena.append_codes(0, *(common.random_slots(rng, d, n_kv, n_ctx) for d in dicts))
+    arena.append_codes(0, *(synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts))
     return arena, dicts
 
 

@@ -1,5 +1,6 @@
 """What the benchmarks share: interleaved timing, statistics, the run header (host and
-device), random slots, size presets, JSON and PNG output, and a progress line on stderr.
+device), size presets, JSON and PNG output, and a progress line on stderr. (Arenas in a
+given mode come from ``runtime.enabled_with``, random slots from ``kvdict_vk.synthetic``.)
 
 Every benchmark measures its candidates side by side in one process, interleaved (machine
 noise hits every candidate alike): wall time by time.perf_counter, GPU time from the
@@ -107,20 +108,6 @@ def preset_for(dev) -> str:
     """The size preset a device gets by default: "gpu" on a GPU, "cpu" on a software driver."""
     from kvdict_vk.vk.submit import device_kind
     return device_kind(dev)
-
-
-def random_slots(rng, d, n_kv, n_ctx):
-    """Valid random slots of StreamDict ``d``: reconstruction and attention cost the same
-    whatever the codes say, and OMP-encoding that many rows would dominate the run."""
-    from kvdict_vk import codec
-    codes = codec.pack_codes(rng.integers(0, d.n_atoms, (n_kv, n_ctx, d.sparsity)),
-                             rng.standard_normal((n_kv, n_ctx, d.sparsity)) * 0.3)
-    extra = d.slot_words - d.sparsity
-    if not extra:
-        return codes
-    levels = rng.integers(0, 1 << 32, (n_kv, n_ctx, extra - 1), dtype=np.uint64).astype(np.uint32)
-    step = np.full((n_kv, n_ctx, 1), 0.05, np.float32).view(np.uint32)
-    return np.concatenate([codes, levels, step], axis=-1)
 
 
 def write_json(result: dict, path: Path) -> Path:

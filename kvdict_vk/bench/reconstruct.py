@@ -47,7 +47,7 @@ def parse_args(argv=None):
 
 def _coded(s, args, dev, rng):
     """A one-layer dict arena of n_ctx tokens of random slots, the slots and dictionaries."""
-    from kvdict_vk import runtime
+    from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     from kvdict_vk.vk import KvArena
     hd, na, n_kv, n_ctx, bits = args.head_dim, args.n_atoms, args.n_kv, args.n_ctx, args.residual_bits
@@ -56,9 +56,9 @@ def _coded(s, args, dev, rng):
                         mean=rng.standard_normal((g, hd), dtype=np.float32), sparsity=s, residual_bits=bits,
                         residual_scale=rng.random((g, hd), dtype=np.float32) + 0.5 if bits else None)
              for _ in "kv"]
-    with runtime.enabled_with(KvDictArtifact(hd, na, s, ((dicts[0], dicts[1]),))):
+    with runtime.enabled_with(KvDictArtifact(hd, na, s, ((dicts[0], dicts[1]),)), allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, shader_mapping=args.mapping, cache="dict")
-    codes = [common.random_slots(rng, d, n_kv, n_ctx) for d in dicts]
+    codes = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
     arena.append_codes(0, *codes)
     return arena, codes, dicts
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import codec
 from ..dictionary import KvDictArtifact
-from ..residual import residual_words
+from ..residual import slot_words
 from . import certify, llama, pipeline as P, report
 
 SPARSITIES = (4, 6, 8, 12, 16, 24)
@@ -47,7 +47,7 @@ class SweepHook(llama.KVHook):
 
 
 def slot_bytes(head_dim: int, s: int, bits: int) -> int:
-    return 4 * (s + residual_words(head_dim, bits))
+    return 4 * slot_words(head_dim, s, bits)
 
 
 def run_curve(cfg: P.ForgeConfig, out: str, log=print, atoms=ATOMS, sparsities=SPARSITIES,

@@ -131,11 +131,3 @@ def learn_stream(x: np.ndarray, n_atoms: int, sparsity: int, *, iters: int = 10,
     atoms = d if w is None else np.linalg.solve(w, d.T).T  # back to the data space
     return StreamDict(atoms.astype(np.float32), None if mean is None else mean.astype(np.float32),
                       None if w is None else w.astype(np.float32), sparsity), stats
-
-
-def relative_error(x: np.ndarray, d: StreamDict, sparsity: int | None = None) -> float:
-    """Held-out Σ‖x − x̂‖² / Σ‖x − mean‖² through the binary16 code words."""
-    x = np.asarray(x, np.float64)
-    rec = codec.reconstruct(codec.encode(x, d, sparsity), d.atoms, d.mean)
-    xc = x - (d.mean if d.mean is not None else 0)
-    return float(np.sum((x - rec) ** 2) / max(np.sum(xc * xc), 1e-30))

@@ -205,7 +205,7 @@ def token_nll(tokens, hook: KVHook | None = None, model: Model | None = None,
 def eval_windows(tokens, window: int = 1024, keep_tail: bool = False) -> list[np.ndarray]:
     """Non-overlapping windows of ``window`` tokens.
 
-    The short tail is dropped by default: that is the convention of DESIGN.md's baseline
+    The short tail is dropped by default: that is the convention of docs/DESIGN.md's baseline
     (GPL-3: 7 full windows, PPL 19.82; with the 471-token tail as an 8th window, 19.29).
     """
     tokens = np.asarray(tokens, dtype=np.int64)

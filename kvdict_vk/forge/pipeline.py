@@ -172,8 +172,9 @@ def eval_windows(cfg: ForgeConfig):
 
 
 def certify_artifact(art: KvDictArtifact, wins, base_nll) -> certify.PairedResult:
-    """Paired ΔPPL of the installed-and-enabled artifact (process-wide runtime state)."""
-    runtime.enable(art)
+    """Paired ΔPPL of the installed-and-enabled artifact (process-wide runtime state).
+    The candidate has no certificate yet — measuring it is how it gets one."""
+    runtime.enable(art, allow_uncertified=True)
     try:
         return certify.evaluate(wins, RuntimeHook(), base_nll)
     finally:

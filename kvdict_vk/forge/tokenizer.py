@@ -2,7 +2,7 @@
 
 GGUF ``tokenizer.ggml.model == "gpt2"`` with ``pre == "smollm"``: byte-level BPE whose
 pre-tokenizer splits every digit on its own before the GPT-2 regex. The GGUF says
-``add_bos_token``, but the perplexity numbers in DESIGN.md are measured without a BOS
+``add_bos_token``, but the perplexity numbers in docs/DESIGN.md are measured without a BOS
 (the model is an instruct model whose "BOS" is ``<|im_start|>``), so none is added.
 """
 

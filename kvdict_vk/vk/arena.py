@@ -63,7 +63,7 @@ class KvArena:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
         where appends run OMP — "cpu" (codec, the reference) or "gpu" (kvdict_vk.vk.encoder,
         slots written straight into the layer); None reads $KVDICT_VK_ENCODER, default "cpu"
-        (on llvmpipe the CPU codec is the faster of the two: tools/bench_encode.py).
+        (on llvmpipe the CPU codec is the faster of the two: `kvdict-bench encode`).
         ``cache``: None — the runtime switch decides: the dict-coded cache when a dictionary
         is active, else the uncoded cache in $KVDICT_VK_CACHE's row format ("f16" default,
         or "f32"); "dict" requires an active dictionary; "f16" / "f32" give that uncoded

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .. import errors as E
 from .. import layout as L
+from ..layout import row_words
 
 ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
@@ -31,14 +32,6 @@ def flash_chunk(head_dim: int, half: bool, local: int) -> int:
     row = head_dim // 2 if half else head_dim
     lanes = local // row
     return max(local, -(-lanes * head_dim // local) * local)
-
-
-def row_words(head_dim: int, sparsity: int, bits: int, half: int = 0) -> int:
-    """Words per (KV head, token) of a stream: its slot, or head_dim f32 (head_dim / 2 f16:
-    ``half``) when passthrough."""
-    if not sparsity:
-        return head_dim // 2 if half else head_dim
-    return sparsity + ((-(-head_dim * bits // 32) + 1) if bits else 0)
 
 
 def n_blocks(n_atoms: int) -> int:

@@ -13,6 +13,7 @@ ShaderSpec class), so registering the encoder there is a two-line hook without a
 from __future__ import annotations
 
 from .. import errors as E
+from ..residual import slot_words
 
 
 def n_blocks(n_atoms: int, atom_block: int) -> int:
@@ -23,10 +24,6 @@ def n_blocks(n_atoms: int, atom_block: int) -> int:
 def state_words(sparsity: int) -> int:
     """Per-vector bookkeeping words of the pick kernel: R (s×s), z (s), atom indices (s)."""
     return sparsity * sparsity + 2 * sparsity
-
-
-def slot_words(dim: int, sparsity: int, residual_bits: int) -> int:
-    return sparsity + ((-(-dim * residual_bits // 32) + 1) if residual_bits else 0)
 
 
 def _span(word: int, words: int) -> tuple:

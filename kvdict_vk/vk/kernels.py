@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import errors as E
 from .. import layout as L
+from ..residual import slot_words
 from . import spirv
 from .device import Device, kp
 
@@ -92,11 +93,6 @@ def _check_rows(p) -> None:
     if p["n_rows"] and (p["n_tok"] < 1 or p["n_rows"] % p["n_tok"] or p["t0"] + p["n_tok"] > p["n_ctx"]):
         raise E.DispatchError(f"row range n_rows={p['n_rows']} n_tok={p['n_tok']} t0={p['t0']} "
                               f"n_ctx={p['n_ctx']} is inconsistent")
-
-
-def slot_words(head_dim: int, sparsity: int, res_bits: int) -> int:
-    """Words of one coded head vector (docs/FORMAT.md): code words, level words, step."""
-    return sparsity + ((-(-head_dim * res_bits // 32) + 1) if res_bits else 0)
 
 
 def _reconstruct_extents(p, s):

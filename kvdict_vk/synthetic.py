@@ -1,0 +1,38 @@
+"""Random but well-formed slots, for the tests and the benchmarks.
+
+Decoding, reconstruction and attention cost the same whatever the codes say, and their
+results are checked against the NumPy decode of the very same words, so these stand in
+for OMP-encoded data wherever encoding that many rows would only cost time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import codec
+from .dictionary import StreamDict
+
+
+def random_codes(rng: np.random.Generator, shape, n_atoms: int, *, out_of_range: float = 0.0) -> np.ndarray:
+    """Code words of ``shape`` (…, s): uniform atom indices and N(0, 1) binary16
+    coefficients; a fraction ``out_of_range`` gets an atom index ≥ n_atoms (where one
+    fits in 16 bits), which every decoder must read as zero."""
+    shape = tuple(shape)
+    idx = rng.integers(0, n_atoms, shape)
+    if out_of_range and n_atoms < 1 << 16:
+        bad = rng.random(shape) < out_of_range
+        idx = np.where(bad, rng.integers(n_atoms, 1 << 16, shape), idx)
+    return codec.pack_codes(idx, rng.standard_normal(shape))
+
+
+def random_slots(rng: np.random.Generator, d: StreamDict, shape, *, out_of_range: float = 0.0) -> np.ndarray:
+    """Slots (*shape, d.slot_words) uint32 of stream ``d``: random code words, then — with a
+    residual stage — random level bits (padding bits too: decoders must ignore them) and a
+    finite positive step."""
+    shape = tuple(shape)
+    codes = random_codes(rng, shape + (d.sparsity,), d.n_atoms, out_of_range=out_of_range)
+    extra = d.slot_words - d.sparsity
+    if not extra:
+        return codes
+    levels = rng.integers(0, 1 << 32, shape + (extra - 1,), dtype=np.uint64).astype(np.uint32)
+    step = (np.abs(rng.standard_normal(shape + (1,))) * 0.2 + 1e-3).astype(np.float32).view(np.uint32)
+    return np.concatenate([codes, levels, step], axis=-1)
