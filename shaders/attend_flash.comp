@@ -46,7 +46,7 @@ layout(push_constant) uniform AttendFlashPush {
     float score_scale;
 } pc;
 
-shared float q_sh[GROUP * HEAD_DIM];
+shared vec4 q_sh[GROUP * HEAD_DIM / 4u];  // vec4: one shared load per four query elements
 shared float p_sh[GROUP * CHUNK];   // scores, then probabilities; at the end the lane sums
 shared float red_sh[GROUP * LOCAL]; // reductions
 shared float m_sh[GROUP], l_sh[GROUP], corr_sh[GROUP];
@@ -78,8 +78,10 @@ void main() {
         uint t0 = i * pc.split_len;
         uint t1 = min(t0 + pc.split_len, pc.n_used);
 
-        for (uint x = tid; x < GROUP * HEAD_DIM; x += LOCAL)
-            q_sh[x] = q_floats[g * GROUP * HEAD_DIM + x] * pc.score_scale;
+        for (uint x = tid; x < GROUP * HEAD_DIM / 4u; x += LOCAL) {
+            uint f = g * GROUP * HEAD_DIM + 4u * x;
+            q_sh[x] = vec4(q_floats[f], q_floats[f + 1u], q_floats[f + 2u], q_floats[f + 3u]) * pc.score_scale;
+        }
         if (tid < GROUP) {
             m_sh[tid] = NEG_INF;
             l_sh[tid] = 0.0;
@@ -114,13 +116,13 @@ void main() {
                         } else {
                             k0 = row_quad_f32(quad + c);
                         }
-                        uint d = c * 4u * DIMS_PER_WORD;
+                        uint d4 = c * DIMS_PER_WORD;  // the quad's first element, in vec4s
                         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
                             if (h < GROUP) {
-                                uint qb = h * HEAD_DIM + d;
-                                s[h] += dot(k0, vec4(q_sh[qb], q_sh[qb + 1u], q_sh[qb + 2u], q_sh[qb + 3u]));
+                                uint qb = h * (HEAD_DIM / 4u) + d4;
+                                s[h] += dot(k0, q_sh[qb]);
                                 if (ROW_HALF > 0u)
-                                    s[h] += dot(k1, vec4(q_sh[qb + 4u], q_sh[qb + 5u], q_sh[qb + 6u], q_sh[qb + 7u]));
+                                    s[h] += dot(k1, q_sh[qb + 1u]);
                             }
                         }
                     }

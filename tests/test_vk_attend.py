@@ -197,15 +197,49 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
 
 
-def test_flash_path_needs_an_uncoded_layer(make_arena, activate):
-    """attend_flash reads uncoded rows only: forcing it on a dict-coded layer is a typed
-    error, and the planner never picks it there."""
+def test_flash_path_needs_a_layer_it_fits(make_arena, activate):
+    """The flash kernels read uncoded rows (attend_flash) or a layer whose streams are both
+    dict-coded (attend_flash_coded): forcing one on a mixed layer is a typed error, and the
+    planner never picks it there."""
     rng = np.random.default_rng(12)
     arena, stored = _filled_arena(make_arena, activate, rng, 32, 2, 64, random_artifact(rng, 32, 16, [((2, 3), None)]))
     att = arena.attention(4)
     assert att.plan(0, 64).path in ("direct", "table") and not att.flash_fits(0)
-    with pytest.raises(E.ArenaError, match="attend_flash"):
+    with pytest.raises(E.ArenaError, match="flash"):
         att.plan(0, 64, path="flash")
+
+
+# (head_dim, n_kv, GQA, n_atoms, per-head dictionaries, ((K s, K bits), (V s, V bits)), n_ctx)
+FLASH_CODED_CASES = [
+    (64, 3, 3, 256, True, ((4, 4), (4, 3)), 2000),   # SmolLM2's shape, the certified format
+    (64, 2, 4, 1024, True, ((4, 4), (4, 3)), 700),
+    (32, 2, 8, 64, False, ((2, 0), (3, 5)), 300),    # atoms only for K, a shared dictionary
+    (128, 1, 1, 128, False, ((8, 2), (1, 0)), 129),
+    (64, 2, 2, 512, True, ((1, 8), (16, 1)), 1100),
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CODED_CASES, ids=lambda c: "hd{}-kv{}-g{}-a{}-{}".format(*c[:4], c[5]))
+def test_flash_coded_attention_equals_reference(case, make_arena, activate):
+    """attend_flash_coded (the GPUs' path over the codes) against the float64 reference over
+    the same slots, out-of-range code words included (they contribute zero)."""
+    hd, n_kv, g, n_atoms, per_head, pair, n_ctx = case
+    rng = np.random.default_rng(stable_seed(case))
+    art = random_artifact(rng, hd, n_atoms, [pair], n_heads=n_kv if per_head else 1)
+    activate(art)
+    arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64)
+    kd, vd = art.layers[0]
+    k = random_slots(rng, kd, (n_kv, n_ctx), out_of_range=0.05)
+    v = random_slots(rng, vd, (n_kv, n_ctx), out_of_range=0.05)
+    arena.append_codes(0, k, v)
+    att = arena.attention(n_kv * g)
+    att.path = "flash"
+    assert att.flash_coded_heads(0) >= 1
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    for n_used in sorted({1, 129, n_ctx // 2 + 1, n_ctx}):
+        assert att.plan(0, n_used).path == "flash"
+        _check(arena, [(k, v, kd, vd)], 0, q, n_used)
+    _check(arena, [(k, v, kd, vd)], 0, q * 40, n_ctx)  # large scores: the running maximum moves
 
 
 def test_chunked_reference_is_attend_coded(make_arena):

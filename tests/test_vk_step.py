@@ -107,6 +107,25 @@ def test_flash_step_equals_append_then_attend(cache, make_arena):
         assert stepped.n_tokens(0) == t and nmse(plain.attend(0, q, t), got) <= 1e-9, f"after {t} tokens"
 
 
+def test_flash_coded_step_equals_append_then_attend(make_arena, activate):
+    """A decode step over a dict-coded layer through attend_flash_coded (reading the slots
+    the step's scatter wrote, after its barrier) equals append + attend."""
+    hd, n_kv, g, n_ctx = 64, 2, 3, 800
+    rng = np.random.default_rng(33)
+    activate(random_artifact(rng, hd, 128, [((4, 4), (4, 3))], n_heads=n_kv))
+    stepped = make_arena(1, n_kv, hd, n_ctx)
+    plain = make_arena(1, n_kv, hd, n_ctx)
+    stepped.attention(n_kv * g).path = "flash"
+    t = 0
+    for n in [700, 2, 1]:
+        k, v = _rows(rng, n_kv, n, hd), _rows(rng, n_kv, n, hd)
+        q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+        got = stepped.step(0, k, v, q)
+        plain.append(0, k, v)
+        t += n
+        assert nmse(plain.attend(0, q, t), got) <= 1e-9, f"after {t} tokens"
+
+
 def test_step_checks_before_writing(make_arena, activate):
     from kvdict_vk import errors as E
     rng = np.random.default_rng(41)

@@ -105,7 +105,10 @@ def _attend(layout, ll, plan, n_used: int, n_heads: int) -> dict:
     if plan.path not in ROW_PATHS + TABLE_PATHS:
         raise ValueError(f"no byte count for the {plan.path!r} attention path (kvdict_vk.bench.traffic)")
     scratch = _records_words(plan, n_kv, n_heads, hd)
-    if plan.path in ROW_PATHS:
+    if plan.path == "flash" and k.coded:  # attend_flash_coded: the table pass, the atom weights × atoms
+        dictionary = sum(_atoms_touched(layout, st, None) + _side_words(st) for st in ll.streams)
+        scratch += 2 * n_heads * n_atoms  # the q·atom table: written, read into shared memory
+    elif plan.path in ROW_PATHS:
         dictionary = sum(_atoms_touched(layout, st, _gathers(layout, st, n_used)) + _side_words(st)
                          for st in ll.streams)
     else:  # table: the table pass and the atoms pass stream whole atom blocks

@@ -33,7 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import FLASH_LOCAL, FLASH_MAX_GROUP, Sizes, flash_chunk, flash_shared_bytes
+from .attend_specs import (FLASH_LOCAL, FLASH_MAX_GROUP, Sizes, flash_chunk, flash_coded_shared_bytes,
+                           flash_shared_bytes)
 from .device import kp
 from .kernels import Buffer
 from .submit import Recording
@@ -46,6 +47,11 @@ HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps fo
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
 PATHS = (None, "direct", "table", "flash")
 FLASH_MIN_SPLIT_TOKENS = 256  # attend_flash: a split's fixed costs (queries, record, merge) stay small
+# attend_flash_coded: each workgroup loads its heads' q·atom table and multiplies its atom
+# weights by every atom at the end (n_atoms × head_dim words from the L2): splits stay long
+# and few — about two workgroups per multiprocessor of a large GPU.
+FLASH_CODED_MIN_SPLIT_TOKENS = 512
+FLASH_CODED_WORKGROUPS = 256
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -137,10 +143,13 @@ class Attention:
 
     # --- planning ---------------------------------------------------------------------------------
     def flash_fits(self, layer: int) -> bool:
-        """Whether attend_flash can attend over ``layer``: both streams uncoded, at most
+        """Whether a flash kernel can attend over ``layer``: attend_flash_coded (both streams
+        dict-coded; flash_coded_heads) or attend_flash (both uncoded, at most
         FLASH_MAX_GROUP query heads per KV head, rows of at most FLASH_LOCAL words dividing
-        it, and its shared memory within the device's limit."""
+        it, its shared memory within the device's limit)."""
         k, v = self.layout.layers[layer].streams
+        if k.coded and v.coded:
+            return self.flash_coded_heads(layer) > 0
         if k.coded or v.coded or k.half != v.half or self.group > FLASH_MAX_GROUP:
             return False
         row, hd = k.row_words, self.layout.head_dim
@@ -148,6 +157,19 @@ class Attention:
             return False
         chunk = flash_chunk(hd, k.half, FLASH_LOCAL)
         return flash_shared_bytes(hd, self.group, FLASH_LOCAL, chunk) <= self.device.limit("max_compute_shared_memory_size")
+
+    def flash_coded_heads(self, layer: int) -> int:
+        """Query heads per workgroup of attend_flash_coded over ``layer`` (0: it cannot):
+        the largest divisor of the group, at most FLASH_MAX_GROUP, whose q·atom table and
+        atom weights fit the device's shared memory."""
+        k, v = self.layout.layers[layer].streams
+        hd, na = self.layout.head_dim, self.layout.n_atoms
+        if not (k.coded and v.coded) or hd > FLASH_LOCAL or FLASH_LOCAL % hd:
+            return 0
+        limit = self.device.limit("max_compute_shared_memory_size")
+        fits = [d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1)
+                if self.group % d == 0 and flash_coded_shared_bytes(hd, d, FLASH_LOCAL, na) <= limit]
+        return max(fits, default=0)
 
     def plan(self, layer: int, n_used: int, n_cached: int | None = None, path: str | None = None) -> P.Plan:
         """How an attention over tokens [0, n_used) of ``layer`` runs, n_cached of them
@@ -162,9 +184,16 @@ class Attention:
         # CPU drivers keep attend_direct, shaped for them (attend_common.glsl says why)
         if path == "flash" or (path is None and self.local == GPU_LOCAL and self.flash_fits(layer)):
             if not self.flash_fits(layer):
-                raise E.ArenaError(f"layer {layer}: attend_flash needs an uncoded layer, at most "
-                                   f"{FLASH_MAX_GROUP} query heads per KV head and rows of ≤ {FLASH_LOCAL} words")
-            n, split_len = P.split_count(n_used, self.max_splits, FLASH_MIN_SPLIT_TOKENS, n_used)
+                raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
+                                   f"{FLASH_MAX_GROUP} query heads per KV head, rows of ≤ {FLASH_LOCAL} words; "
+                                   f"attend_flash_coded: both streams dict-coded, head_dim dividing {FLASH_LOCAL}, "
+                                   f"the q·atom table in shared memory)")
+            if k.coded:
+                blocks = self.layout.n_kv_heads * (self.group // self.flash_coded_heads(layer))
+                want = min(self.max_splits, max(1, -(-FLASH_CODED_WORKGROUPS // blocks)))
+                n, split_len = P.split_count(n_used, want, FLASH_CODED_MIN_SPLIT_TOKENS, n_used)
+            else:
+                n, split_len = P.split_count(n_used, self.max_splits, FLASH_MIN_SPLIT_TOKENS, n_used)
             return P.Plan("flash", n, split_len)
         p = P.plan(k, v, self.layout.head_dim, self.hb, self.layout.n_atoms, n_used, n_cached,
                    self.preferred_splits, path)
@@ -228,7 +257,7 @@ class Attention:
             plans.append(P.Plan("direct", 2, -(-n_used // 2)))
         if k.coded or v.coded:
             plans.append(P.Plan("table", 1, n_used))
-        if self.flash_fits(layer):
+        if self.flash_fits(layer) and (self.local == GPU_LOCAL or self.path == "flash"):  # plannable there
             plans.append(P.Plan("flash", 1, n_used))
         for p in plans:  # the operations are recorded later, if ever; only the pipelines stay
             self.passes.ops(layer, p, n_used, n_used, scale)

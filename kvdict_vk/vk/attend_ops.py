@@ -141,16 +141,39 @@ class PassBuilder:
         return ops + self._table_tail(layer, plan)
 
     def flash_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
-        """attend_flash over tokens [0, n_used) of an uncoded layer, then attend_merge."""
+        """attend_flash (an uncoded layer) or attend_table + attend_flash_coded (a dict-coded
+        one) over tokens [0, n_used), then attend_merge."""
         att, lay = self.att, self.layout
         k, v = lay.layers[layer].streams
         buf = att.arena._layers[layer]
+        if k.coded:
+            return self._flash_coded_ops(layer, plan, n_used, scale)
         kernel = self._kernel(("flash", layer), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
                               lay.n_kv_heads * att.max_splits * FLASH_LOCAL, LOCAL=FLASH_LOCAL, HB=1,
                               ROW_HALF=int(k.half), CHUNK=flash_chunk(lay.head_dim, k.half, FLASH_LOCAL))
         op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                        split_len=plan.split_len, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, score_scale=scale)
         return [op] + self._merge(("layer", layer), buf, v, plan.records)
+
+    def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
+        att, lay = self.att, self.layout
+        k, v = lay.layers[layer].streams
+        n_kv, buf = lay.n_kv_heads, att.arena._layers[layer]
+        # the q·atom table of every (KV head, query head): one invocation per atom and head block
+        table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table], att.units * lay.n_atoms)
+        ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
+                               n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(att.table)]
+        hb = att.flash_coded_heads(layer)
+        kernel = self._kernel(("flash_coded", layer), "attend_flash_coded", [buf, att.table, att.q, att.accs, att.stats],
+                              n_kv * (att.group // hb) * att.max_splits * FLASH_LOCAL, LOCAL=FLASH_LOCAL, HB=hb,
+                              K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms)
+        ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
+                             split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, n_atoms=lay.n_atoms,
+                             k_sparsity=k.sparsity, v_sparsity=v.sparsity, v_atoms_word=v.atoms_word,
+                             head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
+                             v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
+                             score_scale=scale))
+        return ops + self._merge(("layer", layer), buf, v, plan.records)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """The direct path over f32 rows in ``rows``: K at word 0, V after it, n_used tokens

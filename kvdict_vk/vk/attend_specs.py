@@ -26,6 +26,15 @@ def flash_shared_bytes(head_dim: int, group: int, local: int, chunk: int) -> int
     return 4 * (group * head_dim + group * chunk + group * local + 3 * group)
 
 
+FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS")
+
+
+def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -> int:
+    """attend_flash_coded.comp's shared memory: the q·atom table and the atom weights of its
+    HB heads, the scaled queries, the chunk's probabilities and the reductions."""
+    return 4 * (2 * hb * n_atoms + hb * head_dim + 2 * hb * local + 2 * hb)
+
+
 def flash_chunk(head_dim: int, half: bool, local: int) -> int:
     """Tokens per chunk of attend_flash.comp: the smallest multiple of ``local`` whose
     scores buffer also holds the token lanes' accumulators at the end (lanes × head_dim)."""
@@ -212,6 +221,26 @@ def _flash_extents(p, s):
     return [rows, rows, [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
+def _flash_coded_extents(p, s):
+    """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), V's atoms, both
+    residual scales, the q·atom table, the queries, records 0 .. n_splits."""
+    hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
+           and p["n_splits"] * p["split_len"] >= used and p["k_sparsity"] >= 1 and p["v_sparsity"] >= 1
+           and p["n_atoms"] == s["N_ATOMS"], "attend_flash_coded", p)
+    _check(g % hb == 0 and hd <= local and local % hd == 0, "attend_flash_coded (specialization)", s)
+    words = []
+    for word, sp, bits in ((p["k_word"], p["k_sparsity"], s["K_BITS"]), (p["v_word"], p["v_sparsity"], s["V_BITS"])):
+        words.append(_span(word, ((n_kv - 1) * p["n_ctx"] + used) * row_words(hd, sp, bits)))
+    words.append(_atoms_span(dict(p, atoms_word=p["v_atoms_word"]), hd))
+    for word, bits in ((p["k_scale_word"], s["K_BITS"]), (p["v_scale_word"], s["V_BITS"])):
+        if bits:
+            words.append(_vec_span(word, n_kv, p["head_vec"], hd))
+    records = n_kv * p["n_splits"] * g
+    return [words, [_span(0, n_kv * g * p["n_atoms"])], [_span(0, n_kv * g * hd)], [_span(0, records * hd)],
+            [_span(0, 2 * records)]]
+
+
 def _merge_extents(p, s):
     hd, g, n_kv = s["HEAD_DIM"], s["GROUP"], p["n_kv"]
     _check(n_kv >= 1 and p["n_splits"] >= 1 and p["use_mean"] <= 1, "attend_merge", p)
@@ -246,5 +275,9 @@ def shader_specs(shader_spec) -> dict:
         # cache words, cache quads, query, accs, stats
         shader_spec("attend_flash", L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
                     FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0),)),
+        # layer words, q·atom table, query, accs, stats
+        shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 1, 1, 1, 1),
+                    (False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
+                    optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
     ]
     return {s.variant: s for s in specs}
