@@ -27,6 +27,7 @@ const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2 (attend_com
 const uint ROW_WORDS = ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM;
 const uint ROW_QUADS = ROW_WORDS / 4u;  // HEAD_DIM % 8 == 0 (f16) / % 4 == 0 (f32): host-checked
 const uint DIMS_PER_WORD = ROW_HALF > 0u ? 2u : 1u;
+const uint VALUE_UNROLL = 8u;  // value words per token lane loaded together
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };
@@ -172,16 +173,27 @@ void main() {
                 acc[h][0] *= corr[h];
                 acc[h][1] *= corr[h];
             }
+            // VALUE_UNROLL tokens' words loaded before any is used: independent loads in flight
+            // together, so the loop does not wait out a memory latency per token
             if (lane < lanes)
-                for (uint x = lane; x < n; x += lanes) {
-                    uint w = cache_words[v_base + (c0 + x) * ROW_WORDS + word];
-                    vec2 v = ROW_HALF > 0u ? unpackHalf2x16(w) : vec2(uintBitsToFloat(w), 0.0);
-                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                        if (h < GROUP) {
-                            float p = p_sh[h * CHUNK + x];
-                            acc[h][0] += p * v.x;
-                            acc[h][1] += p * v.y;
+                for (uint x0 = lane; x0 < n; x0 += lanes * VALUE_UNROLL) {
+                    uint wv[VALUE_UNROLL];
+                    [[unroll]] for (uint u = 0u; u < VALUE_UNROLL; ++u) {
+                        uint x = x0 + u * lanes;
+                        wv[u] = x < n ? cache_words[v_base + (c0 + x) * ROW_WORDS + word] : 0u;
+                    }
+                    [[unroll]] for (uint u = 0u; u < VALUE_UNROLL; ++u) {
+                        uint x = x0 + u * lanes;
+                        if (x < n) {
+                            vec2 v = ROW_HALF > 0u ? unpackHalf2x16(wv[u]) : vec2(uintBitsToFloat(wv[u]), 0.0);
+                            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                                if (h < GROUP) {
+                                    float p = p_sh[h * CHUNK + x];
+                                    acc[h][0] += p * v.x;
+                                    acc[h][1] += p * v.y;
+                                }
                         }
+                    }
                 }
             barrier();  // the chunk's probabilities are read before the next chunk's scores
         }

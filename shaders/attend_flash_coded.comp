@@ -25,6 +25,7 @@ layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary hea
 const uint LOCAL = gl_WorkGroupSize.x;
 const uint K_LEVEL_WORDS = (HEAD_DIM * K_BITS + 31u) / 32u;
 const uint V_LEVEL_WORDS = (HEAD_DIM * V_BITS + 31u) / 32u;
+const uint UNROLL = 8u;  // loads issued together in the token and atom loops (latency, not bandwidth)
 const uint TOKEN_LANES = LOCAL / HEAD_DIM;  // token lanes of the V residual and atoms passes (host: >= 1)
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, atoms, scales
@@ -54,7 +55,7 @@ layout(push_constant) uniform AttendFlashCodedPush {
 
 shared float tab_sh[HB * N_ATOMS];
 shared uint bins_sh[HB * N_ATOMS];  // float bits: the per-atom value weights
-shared float qs_sh[HB * HEAD_DIM];  // scale * q * K's residual scale
+shared vec4 qs_sh[HB * HEAD_DIM / 4u];  // scale * q * K's residual scale, as vec4
 shared float p_sh[HB * LOCAL];      // the chunk's scores, then probabilities; at the end the lanes' sums
 shared float red_sh[HB * LOCAL];
 shared float m_sh[HB], l_sh[HB];
@@ -83,13 +84,6 @@ void reduce(bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh[h*LOCAL]
     barrier();
 }
 
-uint level_of(uint lw0, uint e, uint bits, uint level_words) {  // element e's level, words from lw0
-    uint bit = e * bits;
-    uint w = bit >> 5u;
-    uint w1 = w + 1u < level_words ? cache_words[lw0 + w + 1u] : 0u;
-    return residual_level(cache_words[lw0 + w], w1, bit & 31u, bits);
-}
-
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint e = tid % HEAD_DIM, lane = tid / HEAD_DIM;  // the element and lane of the V passes
@@ -108,9 +102,15 @@ void main() {
             tab_sh[x] = table[h0 * pc.n_atoms + x] * pc.score_scale;  // rows h0 .. h0+HB-1
             bins_sh[x] = 0u;
         }
-        for (uint x = tid; x < HB * HEAD_DIM; x += LOCAL) {
-            float rs = K_BITS > 0u ? uintBitsToFloat(cache_words[pc.k_scale_word + g * pc.head_vec + x % HEAD_DIM]) : 0.0;
-            qs_sh[x] = q_floats[h0 * HEAD_DIM + x] * rs * pc.score_scale;
+        for (uint x = tid; x < HB * HEAD_DIM / 4u; x += LOCAL) {
+            vec4 qv, rs = vec4(0.0);
+            [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+                uint f = 4u * x + k;
+                qv[k] = q_floats[h0 * HEAD_DIM + f];
+                if (K_BITS > 0u)
+                    rs[k] = uintBitsToFloat(cache_words[pc.k_scale_word + g * pc.head_vec + f % HEAD_DIM]);
+            }
+            qs_sh[x] = qv * rs * pc.score_scale;
         }
         if (tid < HB) {
             m_sh[tid] = NEG_INF;
@@ -155,11 +155,14 @@ void main() {
                     float r[HB];
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
                         r[h] = 0.0;
-                    [[unroll]] for (uint d = 0u; d < HEAD_DIM; ++d) {
-                        uint bit = d * K_BITS;
-                        float lv = float(residual_level(lw[bit >> 5u], lw[(bit >> 5u) + 1u], bit & 31u, K_BITS)) - half_;
+                    [[unroll]] for (uint d4 = 0u; d4 < HEAD_DIM / 4u; ++d4) {
+                        vec4 lv;
+                        [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+                            uint bit = (4u * d4 + k) * K_BITS;
+                            lv[k] = float(residual_level(lw[bit >> 5u], lw[(bit >> 5u) + 1u], bit & 31u, K_BITS)) - half_;
+                        }
                         [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            r[h] += qs_sh[h * HEAD_DIM + d] * lv;
+                            r[h] += dot(qs_sh[h * (HEAD_DIM / 4u) + d4], lv);
                     }
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
                         s[h] += step_ * r[h];
@@ -213,13 +216,27 @@ void main() {
             }
             // 5. the values' residual, element e, token lanes
             if (V_BITS > 0u && lane < TOKEN_LANES) {
+                // UNROLL tokens' words loaded before any is used (loads in flight together)
                 float half_ = residual_half(V_BITS);
-                for (uint x = lane; x < n; x += TOKEN_LANES) {
-                    uint lw0 = v_base + (c0 + x) * v_row + pc.v_sparsity;
-                    float d = uintBitsToFloat(cache_words[lw0 + V_LEVEL_WORDS])
-                              * (float(level_of(lw0, e, V_BITS, V_LEVEL_WORDS)) - half_);
-                    [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        res[h] += p_sh[h * LOCAL + x] * d;
+                uint bit = e * V_BITS, w = bit >> 5u;
+                bool straddles = (bit & 31u) + V_BITS > 32u;
+                for (uint x0 = lane; x0 < n; x0 += TOKEN_LANES * UNROLL) {
+                    uint w0[UNROLL], w1[UNROLL], st[UNROLL];
+                    [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
+                        uint x = min(x0 + u * TOKEN_LANES, n - 1u);  // past the end: re-read the last (unused)
+                        uint lw0 = v_base + (c0 + x) * v_row + pc.v_sparsity;
+                        w0[u] = cache_words[lw0 + w];
+                        w1[u] = straddles ? cache_words[lw0 + w + 1u] : 0u;
+                        st[u] = cache_words[lw0 + V_LEVEL_WORDS];
+                    }
+                    [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
+                        uint x = x0 + u * TOKEN_LANES;
+                        if (x < n) {
+                            float d = uintBitsToFloat(st[u]) * (float(residual_level(w0[u], w1[u], bit & 31u, V_BITS)) - half_);
+                            [[unroll]] for (uint h = 0u; h < HB; ++h)
+                                res[h] += p_sh[h * LOCAL + x] * d;
+                        }
+                    }
                 }
             }
             barrier();  // the chunk's probabilities are read before the next chunk's scores
@@ -231,10 +248,16 @@ void main() {
             o[h] = 0.0;
         if (lane < TOKEN_LANES) {
             uint atoms = pc.v_atoms_word + g * pc.head_atoms + e;
-            for (uint a = lane; a < pc.n_atoms; a += TOKEN_LANES) {
-                float av = uintBitsToFloat(cache_words[atoms + a * HEAD_DIM]);
-                [[unroll]] for (uint h = 0u; h < HB; ++h)
-                    o[h] += uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * av;
+            for (uint a0 = lane; a0 < pc.n_atoms; a0 += TOKEN_LANES * UNROLL) {
+                float av[UNROLL];  // UNROLL atoms' element e loaded together
+                [[unroll]] for (uint u = 0u; u < UNROLL; ++u)
+                    av[u] = uintBitsToFloat(cache_words[atoms + min(a0 + u * TOKEN_LANES, pc.n_atoms - 1u) * HEAD_DIM]);
+                [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
+                    uint a = a0 + u * TOKEN_LANES;
+                    if (a < pc.n_atoms)
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            o[h] += uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * av[u];
+                }
             }
             float rs = V_BITS > 0u ? uintBitsToFloat(cache_words[pc.v_scale_word + g * pc.head_vec + e]) : 0.0;
             [[unroll]] for (uint h = 0u; h < HB; ++h)

@@ -39,14 +39,14 @@ from .device import kp
 from .kernels import Buffer
 from .submit import Recording
 
-MAX_SPLITS = 64  # per KV head
+MAX_SPLITS = 128  # per KV head
 CPU_SIMD_LANES = 8  # 32-bit lanes of llvmpipe's 256-bit vectors: the workgroup size on CPU drivers
 SPLIT_LANES_PER_CPU = 8  # CPU drivers: splits (over all KV heads) per hardware thread
 GPU_LOCAL = 64
 HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps for its block of heads
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
 PATHS = (None, "direct", "table", "flash")
-FLASH_MIN_SPLIT_TOKENS = 256  # attend_flash: a split's fixed costs (queries, record, merge) stay small
+FLASH_MIN_SPLIT_TOKENS = 128  # attend_flash: a split's fixed costs (queries, record, merge) stay small
 # attend_flash_coded: each workgroup loads its heads' q·atom table and multiplies its atom
 # weights by every atom at the end (n_atoms × head_dim words from the L2): splits stay long
 # and few — about two workgroups per multiprocessor of a large GPU.
