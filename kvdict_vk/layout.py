@@ -42,7 +42,8 @@ WORD_BYTES = 4
 ALIGN_WORDS = 64  # 256 bytes: ≥ any minStorageBufferOffsetAlignment, one cache line pair
 VEC4_WORDS = 4
 DEFAULT_GUARD_VALUE = 0x7FA5A5A5  # a NaN as float32; as a code word its coefficient is NaN
-CACHES = ("f16", "f32")  # row formats of the uncoded cache
+CACHES = ("f16", "f32", "q8_0")  # row formats of the uncoded cache
+Q8_BLOCK = 32  # q8_0 (llama.cpp): 32 int8 values and one f16 scale per block
 DEFAULT_CACHE = "f16"  # what engines keep (llama.cpp's default); f32 is the exact option
 
 
@@ -50,13 +51,21 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def row_words(head_dim: int, sparsity: int, residual_bits: int, half: bool = False) -> int:
+def q8_scale_words(head_dim: int) -> int:
+    """Words of a q8_0 row's f16 block scales (two to a word)."""
+    return -(-(head_dim // Q8_BLOCK) // 2)
+
+
+def row_words(head_dim: int, sparsity: int, residual_bits: int, rows: str = "f32") -> int:
     """Words per (KV head, token) of a region: the slot of a coded stream (sparsity ≥ 1);
-    for a passthrough one (sparsity 0) head_dim float32, or head_dim/2 words of f16 pairs
-    (``half``)."""
+    for a passthrough one (sparsity 0) in ``rows`` format: head_dim float32 ("f32"),
+    head_dim/2 words of f16 pairs ("f16"), or q8_0's block scales then head_dim int8 four
+    to a word ("q8_0": 17 words = 68 bytes at head_dim 64, llama.cpp's size)."""
     if sparsity:
         return slot_words(head_dim, sparsity, residual_bits)
-    return head_dim // 2 if half else head_dim
+    if rows == "q8_0":
+        return q8_scale_words(head_dim) + head_dim // 4
+    return head_dim // 2 if rows == "f16" else head_dim
 
 
 # --- what the layout needs to know about a dictionary --------------------------------------
@@ -116,12 +125,20 @@ class StreamLayout:
     n_dict_heads: int = 1  # 1: one dictionary shared by the KV heads; n_kv_heads: one each
     scale_word: int | None = None  # residual scales, n_dict_heads × head_dim
     scale_words: int = 0
-    half: bool = False  # passthrough rows stored as f16 (two per word)
+    rows: str = "f32"  # passthrough rows: "f32", "f16" (two per word) or "q8_0"
 
     @property
     def row_format(self) -> str:
-        """"slot" (dict-coded), "f16" or "f32" (passthrough rows)."""
-        return "slot" if self.coded else ("f16" if self.half else "f32")
+        """"slot" (dict-coded), or the passthrough rows' format: "f16", "f32" or "q8_0"."""
+        return "slot" if self.coded else self.rows
+
+    @property
+    def half(self) -> bool:
+        return not self.coded and self.rows == "f16"
+
+    @property
+    def q8(self) -> bool:
+        return not self.coded and self.rows == "q8_0"
 
     def word(self, head: int, token: int, j: int = 0) -> int:
         """Word index (within the layer buffer) of slot word j / element j of (head, token)."""
@@ -291,9 +308,11 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
     spec = DictSpec.from_artifact(dictionary) if isinstance(dictionary, KvDictArtifact) else dictionary
     if cache not in CACHES:
         raise E.ArenaError(f"cache must be one of {CACHES}, got {cache!r}")
-    half = spec is None and cache == "f16"
-    if half and head_dim % 2:
+    rows = cache if spec is None else "f32"  # an artifact's passthrough streams keep f32 rows
+    if rows == "f16" and head_dim % 2:
         raise E.ArenaError(f"an f16 cache needs an even head_dim, got {head_dim}")
+    if rows == "q8_0" and head_dim % Q8_BLOCK:
+        raise E.ArenaError(f"a q8_0 cache needs head_dim a multiple of {Q8_BLOCK}, got {head_dim}")
     if spec is not None:
         if len(spec.layers) != n_layers:
             raise E.DictMismatchError(f"dictionary has {len(spec.layers)} layers, model {n_layers}")
@@ -304,7 +323,7 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
         if spec.n_heads not in (1, n_kv_heads):
             raise E.DictMismatchError(f"the dictionary has {spec.n_heads} heads per stream; the model "
                                       f"has {n_kv_heads} KV heads (per-head dictionaries need one each)")
-    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard, half) for i in range(n_layers))
+    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard, rows) for i in range(n_layers))
     return ArenaLayout(cache if spec is None else "dict", n_layers, n_kv_heads, head_dim, n_ctx,
                        0 if spec is None else spec.n_atoms, 0 if spec is None else spec.sparsity,
                        guard, int(guard_value), layers, 1 if spec is None else spec.n_heads)
@@ -328,7 +347,7 @@ def _slot_words(index: int, name: str, ss: StreamSpec, spec: DictSpec, hd: int) 
     return slot
 
 
-def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, half: bool = False) -> LayerLayout:
+def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows: str = "f32") -> LayerLayout:
     cursor = 0
     placed = []  # (start, stop) of every region/block, for the guard spans
 
@@ -340,7 +359,7 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, half: bool
         return start
 
     pair = (StreamSpec(False), StreamSpec(False)) if spec is None else spec.layers[index]
-    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else row_words(hd, 0, 0, half)
+    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else row_words(hd, 0, 0, pass_rows)
             for ss, name in zip(pair, "KV")]
     regions = [place(n_kv * n_ctx * r, ALIGN_WORDS) for r in rows]
     tail_word, tail_words = None, 0
@@ -366,7 +385,7 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, half: bool
                             n_kv, hd, n_ctx, r, reg, n_kv * n_ctx * r,
                             a, 0 if a is None else g * spec.n_atoms * hd, m, 0 if m is None else g * hd,
                             ss.residual_bits if ss.coded else 0, g, sc, 0 if sc is None else g * hd,
-                            half and not ss.coded)
+                            pass_rows)
                for ss, name, r, reg, a, m, sc in zip(pair, "kv", rows, regions, atoms, means, scales)]
     return LayerLayout(index, streams[0], streams[1], tail_word, tail_words, total,
                        tuple(s for s in spans if s[1] > s[0]))
@@ -374,13 +393,58 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, half: bool
 
 def row_words_of(rows: np.ndarray, st: StreamLayout) -> np.ndarray:
     """The words a passthrough stream stores for float32 rows (n_kv, T, head_dim): their
-    bits (f32), or the halves packed two to a word (f16: round to nearest even, as numpy)."""
+    bits (f32), the halves packed two to a word (f16: round to nearest even, as numpy), or
+    q8_0 rows (q8_0_words)."""
     rows = np.ascontiguousarray(rows, np.float32)
     if st.coded:
         raise E.ArenaError(f"layer {st.layer} {st.stream}: a coded stream stores slots, not rows")
     if st.half:
         return rows.astype(np.float16).view(np.uint32)
+    if st.q8:
+        return q8_0_words(rows)
     return rows.view(np.uint32)
+
+
+def held_rows(rows: np.ndarray, fmt: str) -> np.ndarray:
+    """What an uncoded cache in row format ``fmt`` holds for float32 rows (…, head_dim),
+    as float32: the rows (f32), their f16 rounding, or their q8_0 round trip."""
+    x = np.asarray(rows, np.float32)
+    if fmt == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if fmt == "q8_0":
+        return q8_0_rows(q8_0_words(x), x.shape[-1])
+    if fmt != "f32":
+        raise E.ArenaError(f"no uncoded row format {fmt!r} (have {CACHES})")
+    return x
+
+
+def q8_0_words(rows: np.ndarray) -> np.ndarray:
+    """q8_0 rows (…, head_dim) → words (…, row_words): llama.cpp's quantisation — per block
+    of 32, d = max|x| / 127 and q = round(x / d) half away from zero (0 for an all-zero
+    block), d kept as f16 — laid out as the block scales (f16 pairs, block 2k in the low
+    half) then the int8 values four to a word (element 4k in the low byte). Finite input."""
+    x = np.asarray(rows, np.float32)
+    hd = x.shape[-1]
+    blocks = x.reshape(*x.shape[:-1], hd // Q8_BLOCK, Q8_BLOCK)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.trunc(blocks * inv[..., None] + np.copysign(np.float32(0.5), blocks)).astype(np.int8)
+    scales = d.astype(np.float16)
+    if scales.shape[-1] % 2:
+        scales = np.concatenate([scales, np.zeros(scales.shape[:-1] + (1,), np.float16)], axis=-1)
+    scale_words = np.ascontiguousarray(scales).view(np.uint32)
+    value_words = np.ascontiguousarray(q.reshape(*x.shape[:-1], hd)).view(np.uint32)
+    return np.concatenate([scale_words, value_words], axis=-1)
+
+
+def q8_0_rows(words: np.ndarray, head_dim: int) -> np.ndarray:
+    """The float32 rows q8_0 words decode to: q · d, d the block's f16 scale (the twin of
+    read_rows_q8.comp and attend_flash.comp's q8_0 rows)."""
+    w = np.ascontiguousarray(words, np.uint32)
+    sw = q8_scale_words(head_dim)
+    d = w[..., :sw].view(np.float16)[..., :head_dim // Q8_BLOCK].astype(np.float32)
+    q = w[..., sw:].view(np.int8).astype(np.float32).reshape(*w.shape[:-1], head_dim // Q8_BLOCK, Q8_BLOCK)
+    return (q * d[..., None]).reshape(*w.shape[:-1], head_dim)
 
 
 def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | None,
@@ -507,7 +571,8 @@ PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, SCATTER_PUS
 # shader source file → the block it declares
 SHADER_PUSH_BLOCKS = {"reconstruct.comp": RECONSTRUCT_PUSH, "copy_rows.comp": COPY_ROWS_PUSH,
                       "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH,
-                      "read_rows_f16.comp": COPY_ROWS_PUSH, **_ATTEND_BLOCKS}
+                      "read_rows_f16.comp": COPY_ROWS_PUSH, "read_rows_q8.comp": COPY_ROWS_PUSH,
+                      **_ATTEND_BLOCKS}
 
 # GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encoder.py): one block for its
 # three kernels; shaders/encode_common.glsl says what each field is.

@@ -1,5 +1,5 @@
 #version 450
-// Decode attention over the uncoded cache (f16 or f32 rows), shaped for GPUs: ONE WORKGROUP
+// Decode attention over the uncoded cache (f16, f32 or q8_0 rows), shaped for GPUs: ONE WORKGROUP
 // per (split i, KV head g) attends all GROUP query heads of g over the split's tokens, so each
 // key and value row is read from memory once (FlashDecoding: the context split across
 // workgroups, the running softmax kept in shared memory, attend_merge.comp combining the
@@ -23,10 +23,14 @@
 
 layout(constant_id = 4) const uint ROW_HALF = 1u;  // 1: f16 rows (two halves a word), 0: f32
 layout(constant_id = 5) const uint CHUNK = 256u;   // tokens per chunk, a multiple of LOCAL
+// 1: q8_0 rows (ROW_HALF 0): the block scales (f16 pairs), then the int8 values four to a word
+layout(constant_id = 6) const uint ROW_Q8 = 0u;
 const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2 (attend_common.glsl)
-const uint ROW_WORDS = ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM;
+const uint Q8_SCALE_WORDS = (HEAD_DIM / 32u + 1u) / 2u;
+const uint ROW_WORDS = ROW_Q8 > 0u ? Q8_SCALE_WORDS + HEAD_DIM / 4u : (ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM);
+const uint VALUE_WORDS = ROW_Q8 > 0u ? HEAD_DIM / 4u : ROW_WORDS;  // words holding the elements
 const uint ROW_QUADS = ROW_WORDS / 4u;  // HEAD_DIM % 8 == 0 (f16) / % 4 == 0 (f32): host-checked
-const uint DIMS_PER_WORD = ROW_HALF > 0u ? 2u : 1u;
+const uint DIMS_PER_WORD = ROW_Q8 > 0u ? 4u : (ROW_HALF > 0u ? 2u : 1u);
 const uint VALUE_UNROLL = 8u;  // value words per token lane loaded together
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
 
@@ -70,8 +74,8 @@ vec4 row_quad_f32(uint quad) { return uintBitsToFloat(cache_quads[quad]); }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint lanes = LOCAL / ROW_WORDS;  // token lanes of the value pass (host: LOCAL % ROW_WORDS == 0)
-    const uint word = tid % ROW_WORDS, lane = tid / ROW_WORDS;
+    const uint lanes = LOCAL / VALUE_WORDS;  // token lanes of the value pass (host: LOCAL % VALUE_WORDS == 0)
+    const uint word = tid % VALUE_WORDS, lane = tid / VALUE_WORDS;
     uint items = pc.n_kv * pc.n_splits;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint g = item % pc.n_kv;
@@ -87,11 +91,9 @@ void main() {
             m_sh[tid] = NEG_INF;
             l_sh[tid] = 0.0;
         }
-        float acc[MAX_G][2];
-        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-            acc[h][0] = 0.0;
-            acc[h][1] = 0.0;
-        }
+        vec4 acc[MAX_G];  // elements word*DIMS_PER_WORD + 0 .. DIMS_PER_WORD-1 of each head
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+            acc[h] = vec4(0.0);
         barrier();
 
         uint k_base = pc.k_word + g * pc.n_ctx * ROW_WORDS;
@@ -106,7 +108,19 @@ void main() {
                 float s[MAX_G];
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
                     s[h] = 0.0;
-                if (x < n) {
+                if (x < n && ROW_Q8 > 0u) {
+                    uint base = k_base + (c0 + x) * ROW_WORDS;
+                    for (uint blk = 0u; blk < HEAD_DIM / 32u; ++blk) {
+                        float d = unpackHalf2x16(cache_words[base + blk / 2u])[blk % 2u];
+                        [[unroll]] for (uint u = 0u; u < 8u; ++u) {
+                            uint c = blk * 8u + u;  // value word c: elements 4c .. 4c+3
+                            vec4 kv = int8x4(cache_words[base + Q8_SCALE_WORDS + c]) * d;
+                            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                                if (h < GROUP)
+                                    s[h] += dot(kv, q_sh[h * (HEAD_DIM / 4u) + c]);
+                        }
+                    }
+                } else if (x < n) {
                     uint quad = (k_base + (c0 + x) * ROW_WORDS) >> 2u;
                     for (uint c = 0u; c < ROW_QUADS; ++c) {
                         vec4 k0, k1;
@@ -169,29 +183,32 @@ void main() {
                 m_sh[tid] = m_new[tid];
             }
             // 3. values: word `word` of each token lane's rows
-            [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                acc[h][0] *= corr[h];
-                acc[h][1] *= corr[h];
-            }
+            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                acc[h] *= corr[h];
             // VALUE_UNROLL tokens' words loaded before any is used: independent loads in flight
             // together, so the loop does not wait out a memory latency per token
             if (lane < lanes)
                 for (uint x0 = lane; x0 < n; x0 += lanes * VALUE_UNROLL) {
-                    uint wv[VALUE_UNROLL];
+                    uint wv[VALUE_UNROLL], ws[VALUE_UNROLL];
                     [[unroll]] for (uint u = 0u; u < VALUE_UNROLL; ++u) {
                         uint x = x0 + u * lanes;
-                        wv[u] = x < n ? cache_words[v_base + (c0 + x) * ROW_WORDS + word] : 0u;
+                        uint base = v_base + (c0 + min(x, n - 1u)) * ROW_WORDS;  // past the end: unused
+                        wv[u] = cache_words[base + (ROW_Q8 > 0u ? Q8_SCALE_WORDS : 0u) + word];
+                        ws[u] = ROW_Q8 > 0u ? cache_words[base + word / 16u] : 0u;  // block word/8's scale pair
                     }
                     [[unroll]] for (uint u = 0u; u < VALUE_UNROLL; ++u) {
                         uint x = x0 + u * lanes;
                         if (x < n) {
-                            vec2 v = ROW_HALF > 0u ? unpackHalf2x16(wv[u]) : vec2(uintBitsToFloat(wv[u]), 0.0);
+                            vec4 v;
+                            if (ROW_Q8 > 0u)
+                                v = int8x4(wv[u]) * unpackHalf2x16(ws[u])[(word / 8u) % 2u];
+                            else if (ROW_HALF > 0u)
+                                v = vec4(unpackHalf2x16(wv[u]), 0.0, 0.0);
+                            else
+                                v = vec4(uintBitsToFloat(wv[u]), 0.0, 0.0, 0.0);
                             [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                                if (h < GROUP) {
-                                    float p = p_sh[h * CHUNK + x];
-                                    acc[h][0] += p * v.x;
-                                    acc[h][1] += p * v.y;
-                                }
+                                if (h < GROUP)
+                                    acc[h] += p_sh[h * CHUNK + x] * v;
                         }
                     }
                 }

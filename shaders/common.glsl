@@ -51,3 +51,11 @@ uint residual_level(uint w0, uint w1, uint bit, uint bits) {
     return v & ((1u << bits) - 1u);
 }
 float residual_half(uint bits) { return float((1u << bits) - 1u) * 0.5; }
+
+// --- q8_0 rows (docs/ARENA.md, kvdict_vk.layout.q8_0_words) ------------------------------------
+// The four int8 values of a word (element 4k in the low byte), as floats: bitfieldExtract of
+// a signed int sign-extends.
+vec4 int8x4(uint w) {
+    int s = int(w);
+    return vec4(bitfieldExtract(s, 0, 8), bitfieldExtract(s, 8, 8), bitfieldExtract(s, 16, 8), bitfieldExtract(s, 24, 8));
+}

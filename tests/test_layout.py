@@ -61,6 +61,21 @@ def test_f16_layout_is_the_default_cache():
         L.build_layout(1, 1, 8, 4, cache="bf16")
 
 
+def test_q8_0_layout():
+    """q8_0 rows: the f16 block scales (two a word) then the int8 values four a word —
+    llama.cpp's 34 bytes per block of 32: 68 B a head vector at head_dim 64."""
+    lay = L.build_layout(1, 2, 64, 10, cache="q8_0")
+    k = lay.layers[0].k
+    assert lay.mode == "q8_0" and k.q8 and k.row_format == "q8_0" and k.row_words * 4 == 68
+    assert L.row_words(128, 0, 0, "q8_0") * 4 == 136 and L.row_words(32, 0, 0, "q8_0") * 4 == 36
+    with pytest.raises(E.ArenaError, match="multiple of 32"):
+        L.build_layout(1, 1, 48, 4, cache="q8_0")
+    x = np.random.default_rng(2).standard_normal((2, 3, 64)).astype(np.float32)
+    w = L.q8_0_words(x)
+    assert w.dtype == np.uint32 and w.shape == (2, 3, 17)
+    assert np.abs(L.q8_0_rows(w, 64) - x).max() <= np.abs(x).max() / 127  # half a step, at most
+
+
 def test_f32_layout_on_request():
     lay = L.build_layout(2, 3, 64, 100, cache="f32")
     assert lay.mode == "f32" and lay.n_atoms == 0

@@ -73,6 +73,24 @@ def test_f16_mode_reads_the_halves_of_what_was_appended(hd, make_arena, monkeypa
         make_arena(1, 1, 8, 4)
 
 
+@pytest.mark.parametrize("hd", [32, 64, 96])
+def test_q8_0_mode_reads_llama_cpp_q8_0(hd, make_arena):
+    """cache="q8_0": a read returns exactly what llama.cpp's q8_0 round trip gives (the
+    forge's independent twin, kvdict_vk.forge.quant.q8_0), all-zero blocks included."""
+    from kvdict_vk.forge import quant
+    rng = np.random.default_rng(22)
+    arena = make_arena(1, 2, hd, 30, cache="q8_0")
+    assert arena.mode == "q8_0"
+    k = (rng.standard_normal((2, 30, hd)) * 7).astype(np.float32)
+    v = rng.standard_normal((2, 30, hd)).astype(np.float32)
+    k[1, 3, :32] = 0
+    arena.append(0, k[:, :20], v[:, :20])
+    arena.append_codes(0, k[:, 20:], v[:, 20:])
+    kk, vv = arena.read(0)
+    assert np.array_equal(kk, quant.q8_0(k)) and np.array_equal(vv, quant.q8_0(v))
+    assert not np.array_equal(kk, k)
+
+
 def test_f16_mode_needs_an_even_head_dim(make_arena):
     with pytest.raises(E.ArenaError, match="even head_dim"):
         make_arena(1, 1, 7, 4, cache="f16")

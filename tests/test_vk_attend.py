@@ -197,6 +197,27 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
 
 
+@pytest.mark.parametrize("hd,g,n_kv,n_ctx", [(64, 3, 3, 32768), (32, 8, 2, 4096), (128, 1, 4, 300)])
+def test_q8_0_cache_attention_equals_reference(hd, g, n_kv, n_ctx, make_arena):
+    """The q8_0 cache (attend_flash on every device) against the float64 reference of its
+    dequantised rows; attend_direct cannot read q8_0 rows: forcing it is a typed error."""
+    from kvdict_vk.forge import quant
+    rng = np.random.default_rng(hd * 100 + g)
+    arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64, cache="q8_0")
+    k = rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
+    v = rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
+    for t0 in range(0, n_ctx, 1 << 14):
+        arena.append(0, k[:, t0:t0 + (1 << 14)], v[:, t0:t0 + (1 << 14)])
+    stored = [(quant.q8_0(k), quant.q8_0(v), None, None)]
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    att = arena.attention(n_kv * g)
+    assert att.plan(0, n_ctx).path == "flash"
+    for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
+        _check(arena, stored, 0, q, n_used)
+    with pytest.raises(E.ArenaError, match="q8_0"):
+        att.plan(0, 10, path="direct")
+
+
 def test_flash_path_needs_a_layer_it_fits(make_arena, activate):
     """The flash kernels read uncoded rows (attend_flash) or a layer whose streams are both
     dict-coded (attend_flash_coded): forcing one on a mixed layer is a typed error, and the

@@ -88,7 +88,7 @@ def test_step_equals_append_then_attend(mode, path, make_arena, activate):
     assert nmse(plain.attend(0, q, t), stepped.attend(0, q, t)) <= 1e-12
 
 
-@pytest.mark.parametrize("cache", ["f16", "f32"])
+@pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
 def test_flash_step_equals_append_then_attend(cache, make_arena):
     """A decode step whose attention is attend_flash (it reads the layer after the step's
     scatter and barrier, not the upload buffer) equals append + attend, token after token."""

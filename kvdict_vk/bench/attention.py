@@ -36,7 +36,7 @@ PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", 
            "gpu": ["--shapes", "8x4,3x3", "--head-dims", "64,128", "--n-used", "8192,32768,131072",
                    "--repeats", "20", "--case-budget-s", "10"]}
 USES_DEVICE, REQUIRES = True, {}
-UNCODED = ("f16", "f32")
+UNCODED = ("f16", "f32", "q8_0")
 
 
 def parse_args(argv=None):
@@ -90,7 +90,7 @@ def _rows(rng, n_kv, n_ctx, hd, block: int = 4096):
 
 
 def _arenas(n_kv, hd, args, dev, rng) -> dict:
-    """{mode family: arena}: f16, f32 (the same rows) and one dict arena per format."""
+    """{mode family: arena}: f16, f32, q8_0 (the same rows) and one dict arena per format."""
     from kvdict_vk.vk import KvArena
     n_ctx = max(args.n_used_list)
     rows = [_rows(rng, n_kv, n_ctx, hd) for _ in "kv"]
@@ -111,7 +111,7 @@ def _modes(arenas, args, n_heads: int) -> dict:
     modes = {}
     for c in UNCODED:
         modes[f"{c}_cache"] = (arenas[c], c, None, None, False)
-        if arenas[c].attention(n_heads).plan(0, args.n_used_list[0]).path != "direct":
+        if c != "q8_0" and arenas[c].attention(n_heads).plan(0, args.n_used_list[0]).path != "direct":
             modes[f"{c}_cache_direct"] = (arenas[c], c, None, "direct", False)
     for bits in args.format_list:
         f = format_name(bits)
@@ -156,7 +156,8 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
                 outputs[mode] = modes[mode][0].attention(q.shape[0]).output()
             else:
                 outputs[mode] = c()
-        checks = {"f16_vs_f32_nmse": _nmse(outputs["f16_cache"], outputs["f32_cache"])}
+        checks = {"f16_vs_f32_nmse": _nmse(outputs["f16_cache"], outputs["f32_cache"]),
+                  "q8_0_vs_f32_nmse": _nmse(outputs["q8_0_cache"], outputs["f32_cache"])}
         for c in UNCODED:
             if f"{c}_cache_direct" in outputs:
                 checks[f"{c}_cache_direct_vs_{c}_cache_nmse"] = _nmse(outputs[f"{c}_cache_direct"], outputs[f"{c}_cache"])

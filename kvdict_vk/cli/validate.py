@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from .. import attention_ref, codec, runtime
+from .. import layout as L
 from .. import errors as E
 from ..dictionary import KvDictArtifact, StreamDict
 from ..metrics import compare
@@ -75,10 +76,12 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             out = arena.attend(0, q, n_used)
             ref = attention_ref.attend(q, ref_k, ref_v, n_used)
             rows.append(_row(f"attend dict n_used={n_used}", shape, ref, out, NMSE_ATTEND, time.perf_counter() - t0, arena))
-    for cache in ("f16", "f32") if hd % 8 == 0 else ("f32",):  # GPU attention over f16 needs hd % 8
+    # GPU attention over f16 needs hd % 8; over q8_0 (attend_flash), head_dim / 4 dividing 128
+    caches = ["f32"] + (["f16"] if hd % 8 == 0 else []) + (["q8_0"] if hd % 32 == 0 and 128 % (hd // 4) == 0 else [])
+    for cache in caches:
         with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, cache=cache) as plain:
             # the reference is the float64 attention over what the cache holds
-            kc, vc = (x.astype(np.float16).astype(np.float32) for x in (k, v)) if cache == "f16" else (k, v)
+            kc, vc = L.held_rows(k, cache), L.held_rows(v, cache)
             plain.append(0, k, v)
             gk, gv = plain.read(0, 0, n_ctx)
             rows.append(_row(f"append+read {cache} K", shape, kc, gk, NMSE_READ, None, plain))

@@ -34,7 +34,7 @@ from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
 from .attend_specs import (FLASH_LOCAL, FLASH_MAX_GROUP, Sizes, flash_chunk, flash_coded_shared_bytes,
-                           flash_shared_bytes)
+                           flash_shared_bytes, flash_value_words)
 from .device import kp
 from .kernels import Buffer
 from .submit import Recording
@@ -150,12 +150,13 @@ class Attention:
         k, v = self.layout.layers[layer].streams
         if k.coded and v.coded:
             return self.flash_coded_heads(layer) > 0
-        if k.coded or v.coded or k.half != v.half or self.group > FLASH_MAX_GROUP:
+        if k.coded or v.coded or k.rows != v.rows or self.group > FLASH_MAX_GROUP:
             return False
-        row, hd = k.row_words, self.layout.head_dim
-        if row % 4 or row > FLASH_LOCAL or FLASH_LOCAL % row:
+        hd = self.layout.head_dim
+        values = flash_value_words(hd, k.rows)
+        if (not k.q8 and k.row_words % 4) or values > FLASH_LOCAL or FLASH_LOCAL % values:
             return False
-        chunk = flash_chunk(hd, k.half, FLASH_LOCAL)
+        chunk = flash_chunk(hd, k.rows, FLASH_LOCAL)
         return flash_shared_bytes(hd, self.group, FLASH_LOCAL, chunk) <= self.device.limit("max_compute_shared_memory_size")
 
     def flash_coded_heads(self, layer: int) -> int:
@@ -182,7 +183,14 @@ class Attention:
         n_cached = n_used if n_cached is None else n_cached
         # GPUs: the uncoded cache takes attend_flash (a workgroup per split and KV head);
         # CPU drivers keep attend_direct, shaped for them (attend_common.glsl says why)
-        if path == "flash" or (path is None and self.local == GPU_LOCAL and self.flash_fits(layer)):
+        if k.q8 and path in ("direct", "table"):
+            raise E.ArenaError(f"layer {layer}: q8_0 rows are read by attend_flash only, not the {path} path")
+        if k.q8 and not self.flash_fits(layer):
+            raise E.ArenaError(f"layer {layer}: attention over q8_0 rows runs attend_flash only, which needs at most "
+                               f"{FLASH_MAX_GROUP} query heads per KV head and head_dim / 4 dividing {FLASH_LOCAL} "
+                               f"(head_dim 32, 64, 128, 256 or 512)")
+        # q8_0 rows: attend_flash on every device (the only kernel that reads them)
+        if path == "flash" or (path is None and (self.local == GPU_LOCAL or k.q8) and self.flash_fits(layer)):
             if not self.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
                                    f"{FLASH_MAX_GROUP} query heads per KV head, rows of ≤ {FLASH_LOCAL} words; "
@@ -252,12 +260,14 @@ class Attention:
         if layer in self._warm_layers:
             return
         k, v = self.layout.layers[layer].streams
-        plans = [P.Plan("direct", 1, n_used)]
-        if self.max_splits >= 2:
-            plans.append(P.Plan("direct", 2, -(-n_used // 2)))
+        plans = []
+        if not k.q8:  # attend_direct reads f16 / f32 rows and slots only
+            plans.append(P.Plan("direct", 1, n_used))
+            if self.max_splits >= 2:
+                plans.append(P.Plan("direct", 2, -(-n_used // 2)))
         if k.coded or v.coded:
             plans.append(P.Plan("table", 1, n_used))
-        if self.flash_fits(layer) and (self.local == GPU_LOCAL or self.path == "flash"):  # plannable there
+        if self.flash_fits(layer) and (self.local == GPU_LOCAL or self.path == "flash" or k.q8):  # plannable there
             plans.append(P.Plan("flash", 1, n_used))
         for p in plans:  # the operations are recorded later, if ever; only the pipelines stay
             self.passes.ops(layer, p, n_used, n_used, scale)

@@ -34,6 +34,8 @@ class F32Rows:
     head_atoms_stride: int = 0
     head_vec_stride: int = 0
     half: bool = False
+    q8: bool = False
+    rows: str = "f32"
 
 
 class PassBuilder:
@@ -91,8 +93,8 @@ class PassBuilder:
         streams' StreamLayouts, or None for f32 rows at source's k_word / v_word)."""
         att, lay = self.att, self.layout
         upload = att.arena._upload
-        if k.half != v.half:
-            raise E.ArenaError("attend_direct reads K and V rows in one format (both f16 or both f32)")
+        if k.half != v.half or k.q8 or v.q8:
+            raise E.ArenaError("attend_direct reads K and V rows in one format, f16 or f32 (q8_0: attend_flash)")
         spec = dict(K_SPARSITY=k.sparsity if k.coded else 0, K_BITS=k.residual_bits,
                     V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits, ROW_HALF=int(k.half))
         kernel = self._kernel(("direct",) + key, "attend_direct",
@@ -150,7 +152,7 @@ class PassBuilder:
             return self._flash_coded_ops(layer, plan, n_used, scale)
         kernel = self._kernel(("flash", layer), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
                               lay.n_kv_heads * att.max_splits * FLASH_LOCAL, LOCAL=FLASH_LOCAL, HB=1,
-                              ROW_HALF=int(k.half), CHUNK=flash_chunk(lay.head_dim, k.half, FLASH_LOCAL))
+                              ROW_HALF=int(k.half), ROW_Q8=int(k.q8), CHUNK=flash_chunk(lay.head_dim, k.rows, FLASH_LOCAL))
         op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                        split_len=plan.split_len, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, score_scale=scale)
         return [op] + self._merge(("layer", layer), buf, v, plan.records)

@@ -15,7 +15,7 @@ ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
 CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
 DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
-FLASH_SPEC = SPEC + ("ROW_HALF", "CHUNK")
+FLASH_SPEC = SPEC + ("ROW_HALF", "CHUNK", "ROW_Q8")
 FLASH_LOCAL = 128  # attend_flash.comp's workgroup: rows of up to 128 words, four warps / two wave64s
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
 
@@ -35,11 +35,16 @@ def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -
     return 4 * (2 * hb * n_atoms + hb * head_dim + 2 * hb * local + 2 * hb)
 
 
-def flash_chunk(head_dim: int, half: bool, local: int) -> int:
+def flash_value_words(head_dim: int, rows: str) -> int:
+    """Words of a row holding its elements, which attend_flash's value pass spreads over
+    invocations (q8_0: the int8 words, not the scales)."""
+    return {"f16": head_dim // 2, "q8_0": head_dim // 4}.get(rows, head_dim)
+
+
+def flash_chunk(head_dim: int, rows: str, local: int) -> int:
     """Tokens per chunk of attend_flash.comp: the smallest multiple of ``local`` whose
     scores buffer also holds the token lanes' accumulators at the end (lanes × head_dim)."""
-    row = head_dim // 2 if half else head_dim
-    lanes = local // row
+    lanes = local // flash_value_words(head_dim, rows)
     return max(local, -(-lanes * head_dim // local) * local)
 
 
@@ -189,7 +194,7 @@ def _direct_extents(p, s):
     if s["ROW_HALF"] and hd % 8:
         raise E.DispatchError(f"attend_direct: f16 rows need HEAD_DIM % 8 == 0, got {hd}")
     for word, fresh_word, sparsity, bits, atoms_word, scale_word in streams:
-        row = row_words(hd, sparsity, bits, s["ROW_HALF"])
+        row = row_words(hd, sparsity, bits, "f16" if s["ROW_HALF"] else "f32")
         if min(used, cached) > first:
             (words if sparsity else quads).append(_span(word, ((n_kv - 1) * p["n_ctx"] + min(used, cached)) * row))
         if used > max(first, cached):
@@ -210,15 +215,18 @@ def _flash_extents(p, s):
     """attend_flash.comp: K and V rows of tokens [0, n_used) of every KV head, the queries,
     records 0 .. n_splits of every (KV head, query head)."""
     hd, g, n_kv, used, local, chunk = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"], s["CHUNK"]
-    row = row_words(hd, 0, 0, s["ROW_HALF"])
+    rows = "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32")
+    row, values = row_words(hd, 0, 0, rows), flash_value_words(hd, rows)
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
-    _check(g <= FLASH_MAX_GROUP and row % 4 == 0 and row <= local and local % row == 0 and chunk % local == 0
-           and chunk >= (local // row) * hd and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0,
+    _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and values <= local and local % values == 0
+           and chunk % local == 0 and chunk >= (local // values) * hd and not (s["ROW_Q8"] and s["ROW_HALF"])
+           and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0,
            "attend_flash (specialization)", dict(p, **s))
     rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + used) * row) for w in (p["k_word"], p["v_word"])]
     records = n_kv * p["n_splits"] * g
-    return [rows, rows, [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
+    quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
+    return [rows, quads, [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _flash_coded_extents(p, s):
@@ -274,7 +282,7 @@ def shader_specs(shader_spec) -> dict:
                     _merge_extents),
         # cache words, cache quads, query, accs, stats
         shader_spec("attend_flash", L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
-                    FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0),)),
+                    FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0))),
         # layer words, q·atom table, query, accs, stats
         shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 1, 1, 1, 1),
                     (False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,

@@ -143,6 +143,16 @@ def _read_f16_extents(p, s):
     return [_rows_extents(p, hd // 2)], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
 
 
+def _read_q8_extents(p, s):
+    _check_rows(p)
+    if not p["n_rows"]:
+        return [], []
+    hd = s["HEAD_DIM"]
+    if hd % L.Q8_BLOCK:
+        raise E.DispatchError(f"read_rows_q8: HEAD_DIM {hd} is not whole q8_0 blocks")
+    return [_rows_extents(p, L.row_words(hd, 0, 0, "q8_0"))], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+
+
 def _copy_extents(p, s):
     n = p["n_words"]
     return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
@@ -165,6 +175,8 @@ SHADERS = {
     "scatter": ShaderSpec("scatter", L.SCATTER_PUSH, (1, 1), (False, True), (), _scatter_extents),
     "read_rows_f16": ShaderSpec("read_rows_f16", L.COPY_ROWS_PUSH, (1, 2), (False, True), ("HEAD_DIM",),
                                 _read_f16_extents),
+    "read_rows_q8": ShaderSpec("read_rows_q8", L.COPY_ROWS_PUSH, (1, 4), (False, True), ("HEAD_DIM",),
+                               _read_q8_extents),
 }
 
 

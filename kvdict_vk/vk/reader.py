@@ -52,8 +52,9 @@ class ReadPlan:
                 self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word, n_atoms=lay.n_atoms,
                                         scale_word=st.scale_word, head_atoms=st.head_atoms_stride,
                                         head_vec=st.head_vec_stride, **common))
-            elif st.half:
-                kern = self._kernel(("read_rows_f16", layer, out.words), "read_rows_f16", [layer_buf, out])
+            elif st.half or st.q8:
+                shader = "read_rows_f16" if st.half else "read_rows_q8"
+                kern = self._kernel((shader, layer, out.words), shader, [layer_buf, out])
                 self.ops.append(kern.op(**common))
             else:
                 kern = self._kernel(("copy_rows", layer, out.words), "copy_rows", [layer_buf, out])
@@ -64,9 +65,10 @@ class ReadPlan:
         a = self.arena
         key = key + (id(buffers[-1]),)  # one pipeline per output buffer (Kompute binds at creation)
         if key not in a._kernels:
-            if shader == "read_rows_f16":  # one invocation per word of halves
+            if shader in ("read_rows_f16", "read_rows_q8"):  # one invocation per 2 / 4 elements
+                per = 2 if shader == "read_rows_f16" else 4
                 a._kernels[key] = Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim},
-                                         max_items=buffers[-1].words // 2)
+                                         max_items=buffers[-1].words // per)
                 return a._kernels[key]
             variant = f"{shader}_{'vec4' if a._lanes == 4 else 'scalar'}"
             a._kernels[key] = Kernel(a.device, variant, buffers,

@@ -45,6 +45,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "copy_scalar": ("copy.comp", {"VEC4": 0}),
     "scatter": ("scatter.comp", {}),
     "read_rows_f16": ("read_rows_f16.comp", {}),
+    "read_rows_q8": ("read_rows_q8.comp", {}),
     # decode attention (kvdict_vk/vk/attend.py): f32 cache / dict-coded cache
     "attend_split_f32": ("attend_split.comp", {"CODED": 0}),
     "attend_split_coded": ("attend_split.comp", {"CODED": 1}),
