@@ -28,7 +28,12 @@ def test_certified_artifact_loads(smoke_runs):
     assert ok == 0
     try:
         cert = runtime.load_certified(out / "ok.q42art")
-        assert cert.passed and cert.metric == "delta_ppl_rel" and cert.eval_tokens == 255
+        assert cert.passed and cert.metric == "delta_ppl_rel" and cert.eval_tokens == 3 * 255
+        per_text = cert.extra["texts"]  # one 256-token window of each evaluation text
+        assert [t["name"] for t in per_text] == ["gpl3", "sedfaq", "pydoc"]
+        assert len({t["sha256"] for t in per_text}) == 3 and all(len(t["file_sha256"]) == 64 for t in per_text)
+        assert all(t["ci95"][1] <= 0.5 for t in per_text)  # the gate: every upper bound within it
+        assert cert.extra["ci95"][1] == max(t["ci95"][1] for t in per_text)
         assert cert.model["n_kv_heads"] == 3 and cert.model["gguf_sha256"]
         meta = runtime.installed_meta()
         assert meta == (4, 64)
@@ -40,6 +45,10 @@ def test_certified_artifact_loads(smoke_runs):
     summary = json.loads((out / "ok.json").read_text())
     assert summary["passed"] and summary["bytes_per_vector"]["all"] > 200  # 28 passthrough layers
     assert (out / "ok.png").stat().st_size > 1000 and "| dict" in (out / "ok.md").read_text()
+    fid = json.loads((out / "ok-fidelity.json").read_text())
+    assert fid["command"].startswith("kvdict-forge --smoke") and set(fid["texts"]) == {"gpl3", "sedfaq", "pydoc"}
+    row = fid["texts"]["sedfaq"]["rows"][0]
+    assert row["kind"] == "dictionary" and row["name"] == fid["default"] and len(row["ci95"]) == 2
 
 
 def test_failed_gate_is_written_and_refused(smoke_runs):

@@ -1,6 +1,7 @@
 """The ΔPPL-vs-bytes curve: plain dictionaries (atoms only) across sparsity and atom
 counts, K and V separately and together, next to the residual-stage configurations and
-the baselines — every point on the same GPL-3 windows, paired against the f32 cache.
+the baselines of the fidelity table — every point on the same windows of every evaluation
+text, paired against the f32 cache, one table per text.
 
 One dictionary per (stream, KV head, n_atoms) is learned at sparsity `learn_sparsity`
 and then used at every sparsity of the sweep (OMP picks s atoms from it): learning one
@@ -19,7 +20,8 @@ import numpy as np
 from .. import codec
 from ..dictionary import KvDictArtifact
 from ..residual import slot_words
-from . import certify, llama, pipeline as P, report
+from . import llama, pipeline as P, report, table
+from . import residual_only as R
 
 SPARSITIES = (4, 6, 8, 12, 16, 24)
 ATOMS = (1024, 4096, 16384)
@@ -55,18 +57,13 @@ def run_curve(cfg: P.ForgeConfig, out: str, log=print, atoms=ATOMS, sparsities=S
     os.makedirs(out, exist_ok=True)
     cache = os.path.join(out, "cache")
     kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=log, cache_dir=cache)
-    wins, text_sha = P.eval_windows(cfg)
-    base = P.baseline_nll(wins, text_sha, cache)
+    sets = P.eval_sets(cfg, cache)
     hd = kv[0][0].shape[-1]
-    rows = []
+    rows: list = []
 
-    def point(name, kind, bpv, hook, **extra):
-        t0 = time.perf_counter()
-        res = certify.evaluate(wins, hook, base)
-        rows.append(dict(name=name, kind=kind, bytes_per_vector=bpv, seconds=time.perf_counter() - t0,
-                         **extra, **res.to_dict()))
-        log(f"{name}: ΔPPL {100 * res.delta_rel:+.2f} % at {bpv:.1f} B/vector")
-        _save(out, rows, cfg, learn_sparsity)
+    def measure(new_rows):
+        rows.extend(table.measure(new_rows, sets, cache, log=log))
+        _save(out, rows, sets, cfg, learn_sparsity)
 
     for n_atoms in atoms:
         c = dataclasses.replace(cfg, n_atoms=n_atoms, k_sparsity=learn_sparsity, v_sparsity=learn_sparsity,
@@ -74,31 +71,38 @@ def run_curve(cfg: P.ForgeConfig, out: str, log=print, atoms=ATOMS, sparsities=S
         t0 = time.perf_counter()
         art = P.learn_artifact(kv, c)
         log(f"learned plain dictionaries, {n_atoms} atoms ({time.perf_counter() - t0:.0f} s)")
+        ident = table.digest(*[d.atoms for pair in art.layers for d in pair if d is not None])
+        points = []
         for s in sparsities:
             b = slot_bytes(hd, s, 0)
             for target, k, v, bpv in (("K", (s, 0), None, (b + 4 * hd) / 2), ("V", None, (s, 0), (b + 4 * hd) / 2),
                                       ("KV", (s, 0), (s, 0), b)):
-                point(f"atoms {n_atoms} s{s} {target}", "dictionary", bpv, SweepHook(art, k, v),
-                      n_atoms=n_atoms, sparsity=s, target=target, dictionary_bytes=art.nbytes())
+                points.append(table.Row(f"atoms {n_atoms} s{s} {target}", "dictionary", bpv,
+                                        lambda art=art, k=k, v=v: SweepHook(art, k, v), ident,
+                                        f"plain atoms, {target} coded (the other stream f32)"))
+        measure(points)
     # The residual-stage configurations, learned as the forge learns them.
     for ks, kb, vs, vb in residual_configs:
         c = dataclasses.replace(cfg, k_sparsity=ks, k_bits=kb, v_sparsity=vs, v_bits=vb)
         art = P.learn_artifact(kv, c)
+        ident = table.digest(*[a for pair in art.layers for d in pair if d is not None
+                               for a in (d.atoms, d.residual_scale)])
         bpv = (slot_bytes(hd, ks, kb) + slot_bytes(hd, vs, vb)) / 2
-        point(f"K{ks}+{kb}b V{vs}+{vb}b", "dictionary", bpv, SweepHook(art, (ks, kb), (vs, vb)),
-              n_atoms=cfg.n_atoms, target="KV", dictionary_bytes=art.nbytes())
-    rows += report.baselines(wins, base, hd, os.path.join(out, "baselines", f"{text_sha[:12]}-{cfg.window}x{len(wins)}.json"),
-                             log=log)
-    _save(out, rows, cfg, learn_sparsity)
-    report.plot([r for r in rows if r.get("target", "KV") == "KV"], os.path.join(out, "curve.png"),
-                f"ΔPPL vs bytes, K and V coded ({rows[0]['eval_tokens']} GPL-3 tokens)")
+        measure([table.Row(P.dict_row_name(c), "dictionary", bpv,
+                           lambda art=art, ks=ks, kb=kb, vs=vs, vb=vb: SweepHook(art, (ks, kb), (vs, vb)), ident)])
+    measure(table.baseline_rows(R.learn_means_scales(kv), hd, cfg.window))
+    one_stream = ("plain atoms, K ", "plain atoms, V ")  # the plot shows K-and-V caches only
+    report.plot_texts([r for r in rows if not r["note"].startswith(one_stream)], sets, os.path.join(out, "curve.png"))
+    md = table.markdown(rows, sets)
     with open(os.path.join(out, "curve.md"), "w") as f:
-        f.write(report.markdown_table(rows))
+        f.write(md)
+    print(md)
     return 0
 
 
-def _save(out, rows, cfg, learn_sparsity):
+def _save(out, rows, sets, cfg, learn_sparsity):
+    doc = table.fidelity_json(rows, sets, "kvdict-forge curve", P.dict_row_name(cfg))
+    doc.update(config=dataclasses.asdict(cfg), learn_sparsity=learn_sparsity,
+               note="plain dictionaries learned once per n_atoms at learn_sparsity, used at every s")
     with open(os.path.join(out, "curve.json"), "w") as f:
-        json.dump(dict(config=dataclasses.asdict(cfg), learn_sparsity=learn_sparsity,
-                       note="plain dictionaries learned once per n_atoms at learn_sparsity, used at every s",
-                       rows=rows), f, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        json.dump(doc, f, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))

@@ -20,7 +20,18 @@ from .gguf_model import Model, load_model
 
 
 class KVHook:
-    """Identity hook; subclass and override to code/reconstruct the KV cache."""
+    """Identity hook; subclass and override to code/reconstruct the KV cache.
+
+    A cache that keeps some tokens in full precision (binary16) — the first ``exact_sink``
+    tokens, and the recent ones: token j stays exact for the query at t while its group of
+    ``exact_group`` tokens (aligned at multiples of it) ends after t − ``exact_recent`` —
+    sets those attributes; attention then reads, per (query, key), the exact or the coded
+    vector, which is what a decode with such a window sees at every step.
+    """
+
+    exact_sink = 0
+    exact_recent = 0
+    exact_group = 1
 
     def keys_pre_rope(self, layer: int, k: np.ndarray) -> np.ndarray:
         """k: (n_kv, T, head_dim) before RoPE."""
@@ -82,12 +93,23 @@ def _causal_mask(T: int) -> np.ndarray:
     return mask
 
 
-def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 256) -> np.ndarray:
+def _exact_mask(hook: KVHook, rows: np.ndarray, T: int) -> np.ndarray:
+    """(len(rows), T) bool: which keys the query at each row reads in full precision."""
+    j = np.arange(T)
+    group_end = (j // hook.exact_group) * hook.exact_group + hook.exact_group - 1
+    recent = group_end[None, :] > rows[:, None] - hook.exact_recent if hook.exact_recent else False
+    return (j[None, :] < hook.exact_sink) | recent
+
+
+def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 256,
+                      exact=None) -> np.ndarray:
     """q (n_heads, T, d); k, v (n_kv, T, d) -> (T, n_heads*d).
 
     GQA: query head h reads KV head h // group (llama.cpp's mapping); the queries of a
     group are stacked so each KV head takes one matmul. Queries go in blocks that only
     score the keys they can see, which skips ~40 % of the causal triangle's wasted work.
+    ``exact`` = (hook, k_exact, v_exact): per (query, key) the exact vectors replace the
+    coded ones where ``_exact_mask`` says so.
     """
     n_heads, T, d = q.shape
     n_kv = k.shape[0]
@@ -102,14 +124,28 @@ def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 
         rows = group * (e - s)
         scores = qg[:, :, s:e].reshape(n_kv, rows, d) @ k[:, :e].transpose(0, 2, 1)
         scores = scores.reshape(n_kv, group, e - s, e)
+        if exact is not None:
+            hook, k_x, v_x = exact
+            keep = _exact_mask(hook, np.arange(s, e), e)
+            sx = (qg[:, :, s:e].reshape(n_kv, rows, d) @ k_x[:, :e].transpose(0, 2, 1)).reshape(scores.shape)
+            scores = np.where(keep, sx, scores)
         scores += mask[s:e, :e]
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         denom = scores.sum(axis=-1, keepdims=True)
         # Normalise the (rows, d) output rather than the (rows, e) probabilities: fewer flops.
-        ctx = (scores.reshape(n_kv, rows, e) @ v[:, :e]).reshape(n_kv, group, e - s, d)
+        if exact is None:
+            ctx = (scores.reshape(n_kv, rows, e) @ v[:, :e]).reshape(n_kv, group, e - s, d)
+        else:
+            p_x = np.where(keep, scores, 0).reshape(n_kv, rows, e)
+            p_c = np.where(keep, 0, scores).reshape(n_kv, rows, e)
+            ctx = (p_x @ v_x[:, :e] + p_c @ v[:, :e]).reshape(n_kv, group, e - s, d)
         out[:, :, s:e] = ctx / denom
     return out.reshape(n_heads, T, d).transpose(1, 0, 2).reshape(T, n_heads * d)
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -144,8 +180,11 @@ def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None)
         q = _rotate_pairs(heads(h @ w.wq.T, c.n_heads), cos, sin)
         k = _checked(hook.keys_pre_rope(i, heads(h @ w.wk.T, c.n_kv_heads)), kv_shape, i)
         k = _rotate_pairs(k, cos, sin)
-        k, v = hook(i, k, heads(h @ w.wv.T, c.n_kv_heads))
-        attn = _causal_attention(q, _checked(k, kv_shape, i), _checked(v, kv_shape, i))
+        v = heads(h @ w.wv.T, c.n_kv_heads)
+        # The exact tokens are kept as binary16 (what such a cache stores), before the hook.
+        exact = (hook, _f16(k), _f16(v)) if hook.exact_sink or hook.exact_recent else None
+        k, v = hook(i, k, v)
+        attn = _causal_attention(q, _checked(k, kv_shape, i), _checked(v, kv_shape, i), exact=exact)
         x = x + attn @ w.wo.T
         h = rms_norm(x, w.ffn_norm, c.rms_eps)
         x = x + (_silu(h @ w.w_gate.T) * (h @ w.w_up.T)) @ w.w_down.T

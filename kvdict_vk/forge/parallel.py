@@ -8,6 +8,7 @@ four threads on two cores.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -38,6 +39,44 @@ def limit_blas_threads(n: int) -> bool:
                 done = True
                 break
     return done
+
+
+_GETTERS = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
+            "openblas_get_num_threads64_", "openblas_get_num_threads")
+
+
+def _blas_libs():
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", f.read())))
+    except OSError:
+        return []
+
+
+def blas_thread_count() -> int | None:
+    """The thread count of the first OpenBLAS loaded in this process (None: none found)."""
+    for path in _blas_libs():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _GETTERS:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                return int(fn())
+    return None
+
+
+@contextlib.contextmanager
+def blas_threads(n: int):
+    """OpenBLAS at n threads inside the block, restored afterwards."""
+    before = blas_thread_count()
+    limit_blas_threads(n)
+    try:
+        yield
+    finally:
+        if before is not None:
+            limit_blas_threads(before)
 
 
 def workers() -> int:
