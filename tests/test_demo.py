@@ -14,7 +14,8 @@ def _report(reproduces: bool = True) -> dict:
         device="llvmpipe (LLVM 15.0.6, 256 bits)", device_chosen_by="the embedded default",
         devices=["0: llvmpipe (LLVM 15.0.6, 256 bits)", "1: NVIDIA H200"], artifact="out/forge/smollm2.q42art",
         certified=dict(delta_ppl=0.0064, ci95=[0.0019, 0.0109], baseline_ppl=19.82, coded_ppl=19.95,
-                       eval_tokens=7161, threshold=0.01),
+                       eval_tokens=7161, threshold=0.01, worst_text="pydoc",
+                       texts={"gpl3": [0.0010, 0.0090], "pydoc": [0.0019, 0.0099]}),
         decode=dict(tokens=256, reproduces_cpu_path=reproduces, step_nmse_tolerance=1e-9, nll_tolerance_nats=1e-3,
                     f32=dict(steps=7680, worst_step_nmse=2e-14, nll_vs_cpu_forward=nll, tokens_per_s=5.1),
                     dict=dict(steps=7680, worst_step_nmse=3e-13, tokens_per_s=4.9)),
@@ -29,6 +30,7 @@ def test_report_says_the_certified_delta_ppl_once_and_what_the_decode_verified()
     assert text.count("ΔPPL") == 1 and "+0.64 %" in text and "+0.19 … +1.09 %" in text
     assert "reproduce the CPU path" in text and "15360 (layer, token) steps" in text
     assert "max |Δ| 3.8e-05 ≤ 0.001 nats" in text
+    assert "worst of its texts (pydoc)" in text and "gpl3 [+0.10, +0.90] %" in text and "on every text" in text
     first = text.splitlines()[0]
     assert "llvmpipe" in first and "the embedded default" in first
     assert "KVDICT_VK_DEVICE=<index|name>" in first and "1: NVIDIA H200" in first

@@ -154,7 +154,9 @@ def _run(a) -> int:
     report = dict(
         device=dev.name, device_chosen_by=how, devices=devices, artifact=path,
         certified=dict(delta_ppl=cert.value, ci95=cert.extra.get("ci95"), baseline_ppl=cert.baseline_ppl,
-                       coded_ppl=cert.coded_ppl, eval_tokens=cert.eval_tokens, threshold=cert.threshold),
+                       coded_ppl=cert.coded_ppl, eval_tokens=cert.eval_tokens, threshold=cert.threshold,
+                       worst_text=cert.extra.get("worst_text"),
+                       texts={t["name"]: t["ci95"] for t in cert.extra.get("texts", [])}),
         decode=dict(tokens=len(tokens), reproduces_cpu_path=reproduced,
                     step_nmse_tolerance=NMSE_ATTEND, nll_tolerance_nats=NLL_TOLERANCE,
                     f32=dict(steps=f32_steps.steps, worst_step_nmse=f32_steps.worst_nmse,
@@ -181,8 +183,11 @@ def format_report(r: dict) -> str:
     return "\n".join([
         f"kvdict_vk demo — SmolLM2-135M on {r['device']} ({r['device_chosen_by']}; "
         f"pick another with --device or KVDICT_VK_DEVICE=<index|name>: {'; '.join(r['devices'])})",
-        f"  certified       ΔPPL {100 * g['delta_ppl']:+.2f} %{ci} on {g['eval_tokens']} GPL-3 tokens, "
-        f"gate ≤ {100 * g['threshold']:+.0f} % ({r['artifact']})",
+        f"  certified       ΔPPL {100 * g['delta_ppl']:+.2f} %{ci} on the worst of its texts"
+        f"{' (' + g['worst_text'] + ')' if g.get('worst_text') else ''}; {g['eval_tokens']} tokens of "
+        + (", ".join(f"{n} [{100 * lo:+.2f}, {100 * hi:+.2f}] %" for n, (lo, hi) in g["texts"].items())
+           if g.get("texts") else "text")
+        + f"; gate: the upper 95 % bound ≤ {100 * g['threshold']:+.0f} % on every text ({r['artifact']})",
         f"  GPU decode      {d['tokens']} tokens twice, KV cache and attention on the GPU, {verdict} the CPU path: "
         f"attention at each of {f['steps'] + c['steps']} (layer, token) steps = NumPy over the same cache "
         f"(worst NMSE f32 {f['worst_step_nmse']:.1e}, dict {c['worst_step_nmse']:.1e}; ≤ {d['step_nmse_tolerance']:g}); "
