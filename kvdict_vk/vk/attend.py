@@ -181,15 +181,15 @@ class Attention:
             raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {path!r}")
         k, v = self.layout.layers[layer].streams
         n_cached = n_used if n_cached is None else n_cached
-        # GPUs: the uncoded cache takes attend_flash (a workgroup per split and KV head);
-        # CPU drivers keep attend_direct, shaped for them (attend_common.glsl says why)
+        # GPUs: the flash kernels (a workgroup per split and KV head) over uncoded rows and
+        # over layers whose streams are both coded; CPU drivers keep attend_direct and the
+        # table path, shaped for them (attend_common.glsl says why); q8_0 rows: attend_flash
         if k.q8 and path in ("direct", "table"):
             raise E.ArenaError(f"layer {layer}: q8_0 rows are read by attend_flash only, not the {path} path")
         if k.q8 and not self.flash_fits(layer):
             raise E.ArenaError(f"layer {layer}: attention over q8_0 rows runs attend_flash only, which needs at most "
                                f"{FLASH_MAX_GROUP} query heads per KV head and head_dim / 4 dividing {FLASH_LOCAL} "
                                f"(head_dim 32, 64, 128, 256 or 512)")
-        # q8_0 rows: attend_flash on every device (the only kernel that reads them)
         if path == "flash" or (path is None and (self.local == GPU_LOCAL or k.q8) and self.flash_fits(layer)):
             if not self.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
