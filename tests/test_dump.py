@@ -115,7 +115,7 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
     arena = make_arena(3, 2, 12, 100, guard_words=0, **({"cache": "f32"} if f32 else {}))
     assert arena.mode == d["mode"] == ("f32" if f32 else "dict")
     assert arena.layout.total_bytes == d["totals"]["bytes"]
-    assert [4 * b.words for b in arena._layers] == [l["total"]["bytes"] for l in d["layers"]]
+    assert [4 * arena.layer_buffer(i).words for i in range(3)] == [l["total"]["bytes"] for l in d["layers"]]
     if f32:
         return
     for l in d["layers"]:

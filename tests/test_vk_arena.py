@@ -149,7 +149,7 @@ def test_chunked_appends_and_reads(make_arena, activate, monkeypatch):
     art = random_artifact(rng, 16, 32, [((4, 5), None)], n_heads=2)
     activate(art)
     arena = make_arena(1, 2, 16, 200)
-    assert arena._caps["out"] < 2 * 2 * 16 * 200  # reads really are split
+    assert arena.read_words < 2 * 2 * 16 * 200  # reads really are split
     d = art.layers[0][0]
     kc = random_slots(rng, d, (2, 200))
     v = _rows(rng, 2, 200, 16)

@@ -192,6 +192,57 @@ class KvArena:
                                           row_words=st.row_words, group_rows=t_new,
                                           group_stride=self.layout.n_ctx * st.row_words, n_words=n)
 
+    # --- what the arena's operations (kvdict_vk.vk.attend, .reader) use: its memory, its
+    # pipelines, its limits — through these methods, not the fields behind them ------------------
+    def layer_buffer(self, layer: int) -> Buffer:
+        """The storage buffer of ``layer`` (laid out by self.layout)."""
+        return self._layers[self._layer_index(layer)]
+
+    @property
+    def upload_buffer(self) -> Buffer:
+        """The host-visible buffer appends and decode steps stage their words in."""
+        self._live()
+        return self._upload
+
+    @property
+    def upload_words(self) -> int:
+        return self._caps["upload"]
+
+    @property
+    def read_words(self) -> int:
+        """Words one read-back buffer holds at most (larger reads are chunked)."""
+        return self._caps["out"]
+
+    def readback_buffer(self, words: int) -> Buffer:
+        """The shared read-back buffer of the smallest size class holding ``words``."""
+        self._live()
+        cls = self._out_class(max(words, 1))
+        if cls not in self._outs:
+            self._outs[cls] = Buffer(self.device, cls, "device", f"read-back buffer ({cls} words)")
+        return self._outs[cls]
+
+    def cached_kernel(self, key, make) -> Kernel:
+        """The arena's pipeline for ``key``, made by ``make()`` on first use and freed with
+        the arena (Kompute binds buffers when a pipeline is made)."""
+        self._live()
+        if key not in self._kernels:
+            self._kernels[key] = make()
+        return self._kernels[key]
+
+    @property
+    def vec4_rows(self) -> bool:
+        """Whether rows are read as vec4 (head_dim % 4 == 0) by the read shaders."""
+        return self._lanes == 4
+
+    @property
+    def row_chunks(self) -> int:
+        """The read shaders' CHUNKS: chunks of a row one invocation handles."""
+        return self._chunks
+
+    def check_live(self) -> None:
+        """ArenaError once the arena was freed."""
+        self._live()
+
     # --- checks -----------------------------------------------------------------------------------
     def _live(self) -> None:
         if self._freed:

@@ -226,7 +226,7 @@ class Attention:
 
     def _eval(self, ops, what: str) -> np.ndarray:
         """The query's upload, ``ops`` and the read-back of the output in one submission."""
-        self.arena._live()
+        self.arena.check_live()
         self._clear_bins()
         self._bins_clear = False
         self.device.submit(self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out), what=what)

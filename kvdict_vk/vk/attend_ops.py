@@ -92,7 +92,7 @@ class PassBuilder:
         """One attend_direct dispatch over tokens [t_first, n_used) of `cache` (k, v: its
         streams' StreamLayouts, or None for f32 rows at source's k_word / v_word)."""
         att, lay = self.att, self.layout
-        upload = att.arena._upload
+        upload = att.arena.upload_buffer
         if k.half != v.half or k.q8 or v.q8:
             raise E.ArenaError("attend_direct reads K and V rows in one format, f16 or f32 (q8_0: attend_flash)")
         spec = dict(K_SPARSITY=k.sparsity if k.coded else 0, K_BITS=k.residual_bits,
@@ -127,7 +127,7 @@ class PassBuilder:
         n_cached on fresh (in the upload buffer at fresh_words)."""
         lay = self.layout
         k, v = lay.layers[layer].streams
-        buf = self.att.arena._layers[layer]
+        buf = self.att.arena.layer_buffer(layer)
         source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx)
         key = ("layer", layer)
         if plan.path == "flash":  # reads the layer only: a step's scatter and barrier come first
@@ -147,7 +147,7 @@ class PassBuilder:
         one) over tokens [0, n_used), then attend_merge."""
         att, lay = self.att, self.layout
         k, v = lay.layers[layer].streams
-        buf = att.arena._layers[layer]
+        buf = att.arena.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
         kernel = self._kernel(("flash", layer), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
@@ -160,7 +160,7 @@ class PassBuilder:
     def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
         att, lay = self.att, self.layout
         k, v = lay.layers[layer].streams
-        n_kv, buf = lay.n_kv_heads, att.arena._layers[layer]
+        n_kv, buf = lay.n_kv_heads, att.arena.layer_buffer(layer)
         # the q·atom table of every (KV head, query head): one invocation per atom and head block
         table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table], att.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
@@ -191,7 +191,7 @@ class PassBuilder:
     def _table_ops(self, layer: int, plan, n_cached: int, scale: float) -> list:
         """attend_table (K dict-coded), then attend_split_coded over the cached tokens."""
         att, lay = self.att, self.layout
-        n_kv, buf = lay.n_kv_heads, att.arena._layers[layer]
+        n_kv, buf = lay.n_kv_heads, att.arena.layer_buffer(layer)
         k, v = lay.layers[layer].streams
         ops = []
         if k.coded:
@@ -218,7 +218,7 @@ class PassBuilder:
     def _table_tail(self, layer: int, plan) -> list:
         """attend_combine → attend_atoms (V dict-coded) → attend_reduce over plan.records splits."""
         att, lay, sz = self.att, self.layout, self.att.sizes
-        n_kv, buf, records = lay.n_kv_heads, att.arena._layers[layer], plan.records
+        n_kv, buf, records = lay.n_kv_heads, att.arena.layer_buffer(layer), plan.records
         v = lay.layers[layer].v
         ops = [self.sync(att.stats, att.accs, *([att.bins] if v.coded else []))]
         combine = self._kernel(("combine",), "attend_combine", [att.stats], n_kv * att.group)

@@ -31,18 +31,15 @@ class ReadPlan:
         lay = arena.layout
         n_kv, hd, n_tok = lay.n_kv_heads, lay.head_dim, t1 - t0
         self.n_words = 2 * n_kv * n_tok * hd
-        if out is None and self.n_words > arena._caps["out"]:
+        if out is None and self.n_words > arena.read_words:
             raise E.ArenaError(f"[{t0}, {t1}) needs {self.n_words} words, a read-back buffer holds "
-                               f"{arena._caps['out']}; use read()")
+                               f"{arena.read_words}; use read()")
         self.shape = (n_kv, n_tok, hd)
         if out is None:
-            cls = arena._out_class(max(self.n_words, 1))
-            if cls not in arena._outs:
-                arena._outs[cls] = Buffer(arena.device, cls, "device", f"read-back buffer ({cls} words)")
-            out = arena._outs[cls]
+            out = arena.readback_buffer(self.n_words)
         self.out, self.arena = out, arena
         self.ops = []
-        layer_buf = arena._layers[layer]
+        layer_buf = arena.layer_buffer(layer)
         for j, st in enumerate(lay.layers[layer].streams):
             common = dict(src_word=st.region_word, n_ctx=lay.n_ctx, t0=t0, n_tok=max(n_tok, 1),
                           n_rows=n_kv * n_tok, out_word=j * n_kv * n_tok * hd)
@@ -64,17 +61,16 @@ class ReadPlan:
     def _kernel(self, key, shader: str, buffers, **spec) -> Kernel:
         a = self.arena
         key = key + (id(buffers[-1]),)  # one pipeline per output buffer (Kompute binds at creation)
-        if key not in a._kernels:
+
+        def make() -> Kernel:
             if shader in ("read_rows_f16", "read_rows_q8"):  # one invocation per 2 / 4 elements
                 per = 2 if shader == "read_rows_f16" else 4
-                a._kernels[key] = Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim},
-                                         max_items=buffers[-1].words // per)
-                return a._kernels[key]
-            variant = f"{shader}_{'vec4' if a._lanes == 4 else 'scalar'}"
-            a._kernels[key] = Kernel(a.device, variant, buffers,
-                                     {"HEAD_DIM": a.layout.head_dim, "CHUNKS": a._chunks, **spec},
-                                     max_items=buffers[-1].words // a.layout.head_dim)
-        return a._kernels[key]
+                return Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim},
+                              max_items=buffers[-1].words // per)
+            variant = f"{shader}_{'vec4' if a.vec4_rows else 'scalar'}"
+            return Kernel(a.device, variant, buffers, {"HEAD_DIM": a.layout.head_dim, "CHUNKS": a.row_chunks, **spec},
+                          max_items=buffers[-1].words // a.layout.head_dim)
+        return a.cached_kernel(key, make)
 
     def recording(self, part: str = "run", timestamps: bool = False) -> Recording:
         """The recorded sequence of ``part``: "dispatch" (the GPU work only), "readback"
@@ -88,7 +84,7 @@ class ReadPlan:
         return self._recordings[key]
 
     def _run(self, part: str) -> None:
-        self.arena._live()
+        self.arena.check_live()
         self.recording(part).run()
 
     def dispatch(self) -> None:
@@ -104,7 +100,7 @@ class ReadPlan:
 
     def run_once(self) -> tuple[np.ndarray, np.ndarray]:
         """run() without keeping a recording (KvArena.read: each read is a new range)."""
-        self.arena._live()
+        self.arena.check_live()
         self.arena.device.submit(*self.ops, kp.OpTensorSyncLocal([self.out.tensor]), what="reading")
         return self._split()
 
