@@ -38,7 +38,8 @@ def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -
 def flash_value_words(head_dim: int, rows: str) -> int:
     """Words of a row holding its elements, which attend_flash's value pass spreads over
     invocations (q8_0: the int8 words, not the scales)."""
-    return {"f16": head_dim // 2, "q8_0": head_dim // 4}.get(rows, head_dim)
+    scales = L.q8_scale_words(head_dim) if rows == "q8_0" else 0
+    return row_words(head_dim, 0, 0, rows) - scales
 
 
 def flash_chunk(head_dim: int, rows: str, local: int) -> int:
