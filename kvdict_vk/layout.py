@@ -556,9 +556,9 @@ ATTEND_FLASH_PUSH = PushBlock("AttendFlashPush", tuple(
     (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv"))
     + (("score_scale", "float"),))
 ATTEND_FLASH_CODED_PUSH = PushBlock("AttendFlashCodedPush", tuple(
-    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_atoms",
-                          "k_sparsity", "v_sparsity", "v_atoms_word", "head_atoms", "k_scale_word",
-                          "v_scale_word", "head_vec")) + (("score_scale", "float"),))
+    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv",
+                          "v_atoms_word", "head_atoms", "k_scale_word", "v_scale_word", "head_vec"))
+    + (("score_scale", "float"),))
 ATTEND_MERGE_PUSH = _block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
 _ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": ATTEND_TABLE_PUSH,
                   "attend_combine.comp": ATTEND_COMBINE_PUSH, "attend_atoms.comp": ATTEND_ATOMS_PUSH,

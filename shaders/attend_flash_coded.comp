@@ -10,10 +10,20 @@
 //           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j
 //           accumulated in shared memory — a compare-and-swap loop on the float's bits
 //           (core Vulkan has no float atomics) — and multiplied by the atoms once at the end.
-// The split is walked in chunks of LOCAL tokens (one token per invocation for the key and
-// the values' code words; the residual of V across invocations by element). The running
-// maximum moves per chunk; when it grows the weights are rescaled (rarely, after the first
-// chunks). An out-of-range atom index contributes exactly zero.
+// The split is walked in chunks of LOCAL tokens, one token per invocation: its K and V slot
+// words are loaded a chunk ahead into registers (all of a slot's words at once: the code
+// word counts are specialization constants), so the next chunk's loads are in flight while
+// this one computes. The invocation scores its key, adds its value's code words to the
+// weights and stages its V levels in shared memory; then invocations across (token lane,
+// element quad) accumulate the V residual from shared memory.
+// The softmax reference m moves only when a score exceeds it by more than GROW_MARGIN
+// (flag, then a workgroup maximum — the first chunk and rarely after), so a chunk needs no
+// reduction: probabilities stay ≤ e^GROW_MARGIN, each invocation sums its own, and the
+// record's (m, l) are exact for any reference (attend_merge rescales by exp(m - M)).
+// Levels become floats without an int→float conversion (a quarter-rate instruction on
+// NVIDIA GPUs): the level's bits in the mantissa of 2^22, whose ulp is 0.5, so
+// float(0x4A800000 | level << 1) - (2^22 + half) = level - half exactly.
+// An out-of-range atom index contributes exactly zero.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -22,17 +32,30 @@
 layout(constant_id = 4) const uint K_BITS = 0u;   // residual bits of K (0: atoms only)
 layout(constant_id = 5) const uint V_BITS = 0u;
 layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary head (shared memory)
-const uint LOCAL = gl_WorkGroupSize.x;
+layout(constant_id = 7) const uint K_SPARSITY = 4u;  // code words per K slot
+layout(constant_id = 8) const uint V_SPARSITY = 4u;
+const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk
 const uint K_LEVEL_WORDS = (HEAD_DIM * K_BITS + 31u) / 32u;
 const uint V_LEVEL_WORDS = (HEAD_DIM * V_BITS + 31u) / 32u;
-const uint UNROLL = 8u;  // loads issued together in the token and atom loops (latency, not bandwidth)
-const uint TOKEN_LANES = LOCAL / HEAD_DIM;  // token lanes of the V residual and atoms passes (host: >= 1)
+const uint K_ROW = K_SPARSITY + (K_BITS > 0u ? K_LEVEL_WORDS + 1u : 0u);  // words of a slot
+const uint V_ROW = V_SPARSITY + (V_BITS > 0u ? V_LEVEL_WORDS + 1u : 0u);
+const uint V_STAGE = V_BITS > 0u ? V_LEVEL_WORDS : 1u;  // staged level words per token
+// register copies of a slot: room for LEVEL's "next word" and the step also when a stream
+// has no residual stage (those code paths are dead, but their indices stay in bounds)
+const uint K_ARR = K_SPARSITY + K_LEVEL_WORDS + 2u;
+const uint V_ARR = V_SPARSITY + V_STAGE + 1u;
+const uint VQ = HEAD_DIM / 4u;       // element quads of a head vector
+const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms passes (host: >= 1)
+const uint UNROLL = 8u;              // atom rows loaded together at the end (latency)
+const float GROW_MARGIN = 8.0;       // probabilities stay ≤ e^8 between rescales
+const uint MANTISSA_22 = 0x4A800000u;  // 2^22 as float bits
 
-layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, atoms, scales
-layout(std430, binding = 1) readonly buffer Table { float table[]; };  // [(g*GROUP + h)*n_atoms + a]
-layout(std430, binding = 2) readonly buffer Query { float q_floats[]; };
-layout(std430, binding = 3) writeonly buffer Accs { float acc_floats[]; };
-layout(std430, binding = 4) writeonly buffer Stats { float stats[]; };
+layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, scales
+layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };  // V atoms
+layout(std430, binding = 2) readonly buffer Table { float table[]; };  // [(g*GROUP + h)*n_atoms + a]
+layout(std430, binding = 3) readonly buffer Query { float q_floats[]; };
+layout(std430, binding = 4) writeonly buffer Accs { float acc_floats[]; };
+layout(std430, binding = 5) writeonly buffer Stats { float stats[]; };
 
 layout(push_constant) uniform AttendFlashCodedPush {
     uint k_word;        // the layer's K slots, n_ctx per KV head
@@ -42,10 +65,7 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint split_len;
     uint n_splits;
     uint n_kv;
-    uint n_atoms;       // == N_ATOMS
-    uint k_sparsity;
-    uint v_sparsity;
-    uint v_atoms_word;  // V atoms (KV head h's at + h*head_atoms)
+    uint v_atoms_word;  // V atoms (KV head h's at + h*head_atoms), a multiple of 4
     uint head_atoms;
     uint k_scale_word;  // residual scales (read only with a residual stage)
     uint v_scale_word;
@@ -55,10 +75,10 @@ layout(push_constant) uniform AttendFlashCodedPush {
 
 shared float tab_sh[HB * N_ATOMS];
 shared uint bins_sh[HB * N_ATOMS];  // float bits: the per-atom value weights
-shared vec4 qs_sh[HB * HEAD_DIM / 4u];  // scale * q * K's residual scale, as vec4
-shared float p_sh[HB * LOCAL];      // the chunk's scores, then probabilities; at the end the lanes' sums
-shared float red_sh[HB * LOCAL];
-shared float m_sh[HB], l_sh[HB];
+shared vec4 qs_sh[HB * VQ];         // scale * q * K's residual scale
+shared float ps_sh[HB * LOCAL];     // p * step of the chunk's tokens; reductions; the end's sums
+shared uint vlev_sh[LOCAL * V_STAGE];  // the chunk's V level words, token-major
+shared uint grow_sh;
 
 void bin_add(uint idx, float v) {
     uint seen = bins_sh[idx];
@@ -71,24 +91,30 @@ void bin_add(uint idx, float v) {
     }
 }
 
-void reduce(bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh[h*LOCAL]
+void reduce(bool take_max) {  // ps_sh[h*LOCAL + x] over x → ps_sh[h*LOCAL]
     for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
         barrier();
         uint x = gl_LocalInvocationID.x;
         if (x < width)
             for (uint h = 0u; h < HB; ++h) {
-                float a = red_sh[h * LOCAL + x], b = red_sh[h * LOCAL + x + width];
-                red_sh[h * LOCAL + x] = take_max ? max(a, b) : a + b;
+                float a = ps_sh[h * LOCAL + x], b = ps_sh[h * LOCAL + x + width];
+                ps_sh[h * LOCAL + x] = take_max ? max(a, b) : a + b;
             }
     }
     barrier();
 }
 
+// The centred level of element d of a slot whose level words start at word w0 of `row`.
+#define LEVEL(row, w0, d, BITS, offset) \
+    (uintBitsToFloat(MANTISSA_22 | ((((((d) * BITS) & 31u) + BITS > 32u) \
+        ? ((row[(w0) + (((d) * BITS) >> 5u)] >> (((d) * BITS) & 31u)) | (row[(w0) + (((d) * BITS) >> 5u) + 1u] << (32u - (((d) * BITS) & 31u)))) \
+        : (row[(w0) + (((d) * BITS) >> 5u)] >> (((d) * BITS) & 31u))) & ((1u << BITS) - 1u)) << 1u) - (offset))
+
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint e = tid % HEAD_DIM, lane = tid / HEAD_DIM;  // the element and lane of the V passes
-    const uint k_row = pc.k_sparsity + (K_BITS > 0u ? K_LEVEL_WORDS + 1u : 0u);
-    const uint v_row = pc.v_sparsity + (V_BITS > 0u ? V_LEVEL_WORDS + 1u : 0u);
+    const uint q4 = tid % VQ, vlane = tid / VQ;  // the element quad and token lane of the V passes
+    const float k_offset = 4194304.0 + residual_half(K_BITS);  // 2^22 + half
+    const float v_offset = 4194304.0 + residual_half(V_BITS);
     uint items = pc.n_splits * pc.n_kv * N_HB;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint blk = item % N_HB;
@@ -99,10 +125,10 @@ void main() {
         uint t1 = min(t0 + pc.split_len, pc.n_used);
 
         for (uint x = tid; x < HB * N_ATOMS; x += LOCAL) {
-            tab_sh[x] = table[h0 * pc.n_atoms + x] * pc.score_scale;  // rows h0 .. h0+HB-1
+            tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // rows h0 .. h0+HB-1
             bins_sh[x] = 0u;
         }
-        for (uint x = tid; x < HB * HEAD_DIM / 4u; x += LOCAL) {
+        for (uint x = tid; x < HB * VQ; x += LOCAL) {
             vec4 qv, rs = vec4(0.0);
             [[unroll]] for (uint k = 0u; k < 4u; ++k) {
                 uint f = 4u * x + k;
@@ -112,169 +138,192 @@ void main() {
             }
             qs_sh[x] = qv * rs * pc.score_scale;
         }
-        if (tid < HB) {
-            m_sh[tid] = NEG_INF;
-            l_sh[tid] = 0.0;
+        if (tid == 0u)
+            grow_sh = 0u;
+        float m[HB], l[HB];   // the reference (uniform) and this invocation's sum of p
+        vec4 res[HB];         // quad q4 of sum_t p_t step_t (lvl - half) over lane vlane's tokens, V
+        [[unroll]] for (uint h = 0u; h < HB; ++h) {
+            m[h] = NEG_INF;
+            l[h] = 0.0;
+            res[h] = vec4(0.0);
         }
-        float res[HB];  // this invocation's element e of sum_t p_t step_t (lvl - half), V
-        [[unroll]] for (uint h = 0u; h < HB; ++h)
-            res[h] = 0.0;
-        barrier();
 
-        uint k_base = pc.k_word + g * pc.n_ctx * k_row;
-        uint v_base = pc.v_word + g * pc.n_ctx * v_row;
+        uint k_base = pc.k_word + g * pc.n_ctx * K_ROW;
+        uint v_base = pc.v_word + g * pc.n_ctx * V_ROW;
+        uint kw[K_ARR], vw[V_ARR];  // the next token's slots (past the split's end: unused)
+        {
+            uint t = min(t0 + tid, t1 - 1u);
+            [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
+                kw[r] = cache_words[k_base + t * K_ROW + r];
+            [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
+                vw[r] = cache_words[v_base + t * V_ROW + r];
+        }
+        barrier();  // the table, weights and queries are in shared memory
+
         for (uint c0 = t0; c0 < t1; c0 += LOCAL) {
             uint n = min(LOCAL, t1 - c0);
+            bool live = tid < n;
+            uint kc[K_ARR], vc[V_ARR];
+            [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
+                kc[r] = kw[r];
+            [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
+                vc[r] = vw[r];
+            if (c0 + LOCAL < t1) {  // the next chunk's slots, in flight while this one computes
+                uint t = min(c0 + LOCAL + tid, t1 - 1u);
+                [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
+                    kw[r] = cache_words[k_base + t * K_ROW + r];
+                [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
+                    vw[r] = cache_words[v_base + t * V_ROW + r];
+            }
+
             // 1. this invocation's key: its scores
             float s[HB];
             [[unroll]] for (uint h = 0u; h < HB; ++h)
-                s[h] = NEG_INF;
-            if (tid < n) {
+                s[h] = 0.0;
+            [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
+                uint a = code_atom(kc[j]);
+                if (a < N_ATOMS) {
+                    float c = code_coef(kc[j]);
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        s[h] += c * tab_sh[h * N_ATOMS + a];
+                }
+            }
+            if (K_BITS > 0u) {
+                float r[HB];
                 [[unroll]] for (uint h = 0u; h < HB; ++h)
-                    s[h] = 0.0;
-                uint slot = k_base + (c0 + tid) * k_row;
-                for (uint j = 0u; j < pc.k_sparsity; ++j) {
-                    uint w = cache_words[slot + j];
-                    uint a = code_atom(w);
-                    if (a < pc.n_atoms) {
-                        float c = code_coef(w);
+                    r[h] = 0.0;
+                [[unroll]] for (uint d4 = 0u; d4 < VQ; ++d4) {
+                    vec4 lv;
+                    [[unroll]] for (uint k = 0u; k < 4u; ++k)
+                        lv[k] = LEVEL(kc, K_SPARSITY, 4u * d4 + k, K_BITS, k_offset);
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        r[h] += dot(qs_sh[h * VQ + d4], lv);
+                }
+                float step_ = uintBitsToFloat(kc[K_SPARSITY + K_LEVEL_WORDS]);
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    s[h] += step_ * r[h];
+            }
+            bool grow = false;
+            [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                s[h] = live ? s[h] : NEG_INF;
+                grow = grow || s[h] > m[h] + GROW_MARGIN;
+            }
+            if (grow)
+                grow_sh = 1u;
+            barrier();
+            // 2. a score far above the reference: the chunk's maximum becomes it (uniform branch)
+            if (grow_sh != 0u) {
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    ps_sh[h * LOCAL + tid] = s[h];
+                reduce(true);
+                float corr[HB];
+                [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                    float m_new = max(m[h], ps_sh[h * LOCAL]);
+                    corr[h] = exp(m[h] - m_new);  // 0 on the first chunk (m = -inf)
+                    m[h] = m_new;
+                    l[h] *= corr[h];
+                    res[h] *= corr[h];
+                    for (uint a = tid; a < N_ATOMS; a += LOCAL)
+                        bins_sh[h * N_ATOMS + a] = floatBitsToUint(uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * corr[h]);
+                }
+                barrier();  // all have read the maximum and rescaled their weights
+                if (tid == 0u)
+                    grow_sh = 0u;
+            }
+            // 3. probabilities; the value's code words → the per-atom weights; its levels staged
+            float p[HB];
+            [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                p[h] = exp(s[h] - m[h]);  // 0 past the split's end
+                l[h] += p[h];
+            }
+            if (live) {
+                [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j) {
+                    uint a = code_atom(vc[j]);
+                    if (a < N_ATOMS) {
+                        float c = code_coef(vc[j]);
                         [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            s[h] += c * tab_sh[h * N_ATOMS + a];
+                            bin_add(h * N_ATOMS + a, p[h] * c);
                     }
                 }
-                if (K_BITS > 0u) {
-                    // the level words once into registers; element d's word and shift are
-                    // constants of the unrolled loop
-                    uint lw0 = slot + pc.k_sparsity;
-                    uint lw[K_LEVEL_WORDS + 1u];
-                    [[unroll]] for (uint w = 0u; w < K_LEVEL_WORDS; ++w)
-                        lw[w] = cache_words[lw0 + w];
-                    lw[K_LEVEL_WORDS] = 0u;  // the "next word" of the last level
-                    float step_ = uintBitsToFloat(cache_words[lw0 + K_LEVEL_WORDS]);
-                    float half_ = residual_half(K_BITS);
-                    float r[HB];
+                if (V_BITS > 0u) {
+                    float step_ = uintBitsToFloat(vc[V_SPARSITY + V_LEVEL_WORDS]);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        r[h] = 0.0;
-                    [[unroll]] for (uint d4 = 0u; d4 < HEAD_DIM / 4u; ++d4) {
-                        vec4 lv;
-                        [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-                            uint bit = (4u * d4 + k) * K_BITS;
-                            lv[k] = float(residual_level(lw[bit >> 5u], lw[(bit >> 5u) + 1u], bit & 31u, K_BITS)) - half_;
-                        }
-                        [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            r[h] += dot(qs_sh[h * (HEAD_DIM / 4u) + d4], lv);
-                    }
-                    [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        s[h] += step_ * r[h];
+                        ps_sh[h * LOCAL + tid] = p[h] * step_;
+                    [[unroll]] for (uint w = 0u; w < V_STAGE; ++w)
+                        vlev_sh[tid * V_STAGE + w] = vc[V_SPARSITY + w];
                 }
-            }
-            [[unroll]] for (uint h = 0u; h < HB; ++h) {
-                p_sh[h * LOCAL + tid] = s[h];
-                red_sh[h * LOCAL + tid] = s[h];
-            }
-            // 2. the chunk's maximum → the running one; probabilities and their sum
-            reduce(true);
-            float m_new[HB], m_old[HB];
-            [[unroll]] for (uint h = 0u; h < HB; ++h) {
-                m_old[h] = m_sh[h];
-                m_new[h] = max(m_old[h], red_sh[h * LOCAL]);
             }
             barrier();
-            [[unroll]] for (uint h = 0u; h < HB; ++h) {
-                float p = exp(p_sh[h * LOCAL + tid] - m_new[h]);  // 0 past the split's end
-                p_sh[h * LOCAL + tid] = p;
-                red_sh[h * LOCAL + tid] = p;
-            }
-            reduce(false);
-            // 3. a grown maximum rescales what was accumulated (uniform per head)
-            [[unroll]] for (uint h = 0u; h < HB; ++h) {
-                float corr = exp(m_old[h] - m_new[h]);  // 0 on the first chunk, 1 when unchanged
-                if (m_new[h] != m_old[h]) {
-                    for (uint a = tid; a < N_ATOMS; a += LOCAL)
-                        bins_sh[h * N_ATOMS + a] = floatBitsToUint(uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * corr);
-                    res[h] *= corr;
+            // 4. the values' residual: quad q4 of lane vlane's tokens, levels from shared memory
+            if (V_BITS > 0u) {
+                uint bit0 = 4u * q4 * V_BITS, w0 = bit0 >> 5u, off = bit0 & 31u;
+                bool straddles = off + 4u * V_BITS > 32u;
+                for (uint x = vlane; x < n; x += VLANES) {
+                    uint lo = vlev_sh[x * V_STAGE + w0];
+                    uint hi = straddles ? vlev_sh[x * V_STAGE + w0 + 1u] : 0u;
+                    uint bits = off == 0u ? lo : (lo >> off) | (hi << (32u - off));
+                    vec4 lv;
+                    [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+                        uint level = (bits >> (k * V_BITS)) & ((1u << V_BITS) - 1u);
+                        lv[k] = uintBitsToFloat(MANTISSA_22 | (level << 1u)) - v_offset;
+                    }
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        res[h] += ps_sh[h * LOCAL + x] * lv;
                 }
             }
-            barrier();  // everyone has read m_sh; the weights are rescaled before the adds
-            if (tid < HB) {
-                float corr = exp(m_old[tid] - m_new[tid]);
-                l_sh[tid] = l_sh[tid] * corr + red_sh[tid * LOCAL];
-                m_sh[tid] = m_new[tid];
-            }
-            // 4. this invocation's value code words → the per-atom weights
-            if (tid < n) {
-                uint slot = v_base + (c0 + tid) * v_row;
-                for (uint j = 0u; j < pc.v_sparsity; ++j) {
-                    uint w = cache_words[slot + j];
-                    uint a = code_atom(w);
-                    if (a < pc.n_atoms) {
-                        float c = code_coef(w);
-                        [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            bin_add(h * N_ATOMS + a, p_sh[h * LOCAL + tid] * c);
-                    }
-                }
-            }
-            // 5. the values' residual, element e, token lanes
-            if (V_BITS > 0u && lane < TOKEN_LANES) {
-                // UNROLL tokens' words loaded before any is used (loads in flight together)
-                float half_ = residual_half(V_BITS);
-                uint bit = e * V_BITS, w = bit >> 5u;
-                bool straddles = (bit & 31u) + V_BITS > 32u;
-                for (uint x0 = lane; x0 < n; x0 += TOKEN_LANES * UNROLL) {
-                    uint w0[UNROLL], w1[UNROLL], st[UNROLL];
-                    [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
-                        uint x = min(x0 + u * TOKEN_LANES, n - 1u);  // past the end: re-read the last (unused)
-                        uint lw0 = v_base + (c0 + x) * v_row + pc.v_sparsity;
-                        w0[u] = cache_words[lw0 + w];
-                        w1[u] = straddles ? cache_words[lw0 + w + 1u] : 0u;
-                        st[u] = cache_words[lw0 + V_LEVEL_WORDS];
-                    }
-                    [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
-                        uint x = x0 + u * TOKEN_LANES;
-                        if (x < n) {
-                            float d = uintBitsToFloat(st[u]) * (float(residual_level(w0[u], w1[u], bit & 31u, V_BITS)) - half_);
-                            [[unroll]] for (uint h = 0u; h < HB; ++h)
-                                res[h] += p_sh[h * LOCAL + x] * d;
-                        }
-                    }
-                }
-            }
-            barrier();  // the chunk's probabilities are read before the next chunk's scores
+            barrier();  // the chunk's staged values are read before the next chunk's
         }
 
-        // the weights times the atoms, element e, atoms split over the lanes; then the lanes' sums
-        float o[HB];
+        // the weights times the atoms (quad q4, lane vlane's atoms) plus the residual part,
+        // then the lanes' sums through shared memory, one quad element at a time
+        vec4 part[HB];
         [[unroll]] for (uint h = 0u; h < HB; ++h)
-            o[h] = 0.0;
-        if (lane < TOKEN_LANES) {
-            uint atoms = pc.v_atoms_word + g * pc.head_atoms + e;
-            for (uint a0 = lane; a0 < pc.n_atoms; a0 += TOKEN_LANES * UNROLL) {
-                float av[UNROLL];  // UNROLL atoms' element e loaded together
+            part[h] = vec4(0.0);
+        {
+            uint atoms = (pc.v_atoms_word + g * pc.head_atoms) / 4u + q4;
+            for (uint a0 = vlane; a0 < N_ATOMS; a0 += VLANES * UNROLL) {
+                vec4 av[UNROLL];  // UNROLL atoms' quad q4 loaded together
                 [[unroll]] for (uint u = 0u; u < UNROLL; ++u)
-                    av[u] = uintBitsToFloat(cache_words[atoms + min(a0 + u * TOKEN_LANES, pc.n_atoms - 1u) * HEAD_DIM]);
+                    av[u] = uintBitsToFloat(cache_quads[atoms + min(a0 + u * VLANES, N_ATOMS - 1u) * VQ]);
                 [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
-                    uint a = a0 + u * TOKEN_LANES;
-                    if (a < pc.n_atoms)
+                    uint a = a0 + u * VLANES;
+                    if (a < N_ATOMS)
                         [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            o[h] += uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * av[u];
+                            part[h] += uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * av[u];
                 }
             }
-            float rs = V_BITS > 0u ? uintBitsToFloat(cache_words[pc.v_scale_word + g * pc.head_vec + e]) : 0.0;
-            [[unroll]] for (uint h = 0u; h < HB; ++h)
-                p_sh[(lane * HB + h) * HEAD_DIM + e] = o[h] + res[h] * rs;  // TOKEN_LANES*HB*HEAD_DIM <= HB*LOCAL
+            if (V_BITS > 0u) {
+                uint sw = pc.v_scale_word + g * pc.head_vec + 4u * q4;
+                vec4 rs = uintBitsToFloat(uvec4(cache_words[sw], cache_words[sw + 1u], cache_words[sw + 2u],
+                                                cache_words[sw + 3u]));
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    part[h] += res[h] * rs;
+            }
         }
-        barrier();
         uint rec0 = record(i, g, pc.n_kv) + blk * HB;
-        for (uint x = tid; x < HB * HEAD_DIM; x += LOCAL) {
-            float a = 0.0;
-            for (uint ln = 0u; ln < TOKEN_LANES; ++ln)
-                a += p_sh[ln * HB * HEAD_DIM + x];
-            acc_floats[rec0 * HEAD_DIM + x] = a;  // (h, e) with x = h*HEAD_DIM + e: records are h-major
+        [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+            barrier();
+            [[unroll]] for (uint h = 0u; h < HB; ++h)
+                ps_sh[h * LOCAL + tid] = part[h][k];
+            barrier();
+            for (uint x = tid; x < HB * VQ; x += LOCAL) {
+                uint h = x / VQ, q = x - h * VQ;
+                float a = 0.0;
+                for (uint ln = 0u; ln < VLANES; ++ln)
+                    a += ps_sh[h * LOCAL + ln * VQ + q];
+                acc_floats[(rec0 + h) * HEAD_DIM + 4u * q + k] = a;  // records are h-major
+            }
         }
-        if (tid < HB) {
-            stats[(rec0 + tid) * 2u] = m_sh[tid];
-            stats[(rec0 + tid) * 2u + 1u] = l_sh[tid];
-        }
+        // the invocations' sums of p
+        barrier();
+        [[unroll]] for (uint h = 0u; h < HB; ++h)
+            ps_sh[h * LOCAL + tid] = l[h];
+        reduce(false);
+        [[unroll]] for (uint h = 0u; h < HB; ++h)
+            if (tid == h) {
+                stats[(rec0 + h) * 2u] = m[h];
+                stats[(rec0 + h) * 2u + 1u] = ps_sh[h * LOCAL];
+            }
         barrier();  // shared memory is reused by the next item
     }
 }

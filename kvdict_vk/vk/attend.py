@@ -52,6 +52,7 @@ FLASH_MIN_SPLIT_TOKENS = 128  # attend_flash: a split's fixed costs (queries, re
 # and few — about two workgroups per multiprocessor of a large GPU.
 FLASH_CODED_MIN_SPLIT_TOKENS = 512
 FLASH_CODED_WORKGROUPS = 256
+FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded's workgroup sizes, preferred first
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -79,6 +80,9 @@ class Attention:
         n_kv, hd, g = lay.n_kv_heads, lay.head_dim, self.group
         self.units = n_kv * (g // self.hb)  # (KV head, head block) pairs
         self.path = None  # None: the cost model chooses; "direct" / "table" forces a path
+        # attend_flash_coded's workgroups per attention (splits × KV heads × head blocks), the
+        # aim of its split count; benchmarks sweep it
+        self.coded_workgroups = FLASH_CODED_WORKGROUPS
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
         # The arena's shader mapping says which machine to plan for: "row" (CPU drivers:
@@ -159,18 +163,30 @@ class Attention:
         chunk = flash_chunk(hd, k.rows, FLASH_LOCAL)
         return flash_shared_bytes(hd, self.group, FLASH_LOCAL, chunk) <= self.device.limit("max_compute_shared_memory_size")
 
-    def flash_coded_heads(self, layer: int) -> int:
-        """Query heads per workgroup of attend_flash_coded over ``layer`` (0: it cannot):
-        the largest divisor of the group, at most FLASH_MAX_GROUP, whose q·atom table and
-        atom weights fit the device's shared memory."""
+    def flash_coded_config(self, layer: int) -> tuple[int, int]:
+        """(query heads, invocations) per workgroup of attend_flash_coded over ``layer``
+        ((0, 0): it cannot): the largest divisor of the group, at most FLASH_MAX_GROUP, whose
+        q·atom table, atom weights and staged chunk fit the device's shared memory, with the
+        largest workgroup of FLASH_CODED_LOCALS (a chunk is one token per invocation) that
+        fits with it and the device allows."""
         k, v = self.layout.layers[layer].streams
         hd, na = self.layout.head_dim, self.layout.n_atoms
-        if not (k.coded and v.coded) or hd > FLASH_LOCAL or FLASH_LOCAL % hd:
-            return 0
+        if not (k.coded and v.coded) or hd % 4:
+            return 0, 0
         limit = self.device.limit("max_compute_shared_memory_size")
-        fits = [d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1)
-                if self.group % d == 0 and flash_coded_shared_bytes(hd, d, FLASH_LOCAL, na) <= limit]
-        return max(fits, default=0)
+        most = min(self.device.limit("max_compute_work_group_invocations"),
+                   self.device.limit("max_compute_work_group_size")[0])
+        for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
+                         reverse=True):
+            for local in FLASH_CODED_LOCALS:
+                if local <= most and local % (hd // 4) == 0 \
+                        and flash_coded_shared_bytes(hd, hb, local, na, v.residual_bits) <= limit:
+                    return hb, local
+        return 0, 0
+
+    def flash_coded_heads(self, layer: int) -> int:
+        """Query heads per workgroup of attend_flash_coded over ``layer`` (0: it cannot)."""
+        return self.flash_coded_config(layer)[0]
 
     def plan(self, layer: int, n_used: int, n_cached: int | None = None, path: str | None = None) -> P.Plan:
         """How an attention over tokens [0, n_used) of ``layer`` runs, n_cached of them
@@ -194,11 +210,11 @@ class Attention:
             if not self.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
                                    f"{FLASH_MAX_GROUP} query heads per KV head, rows of ≤ {FLASH_LOCAL} words; "
-                                   f"attend_flash_coded: both streams dict-coded, head_dim dividing {FLASH_LOCAL}, "
+                                   f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
                                    f"the q·atom table in shared memory)")
             if k.coded:
                 blocks = self.layout.n_kv_heads * (self.group // self.flash_coded_heads(layer))
-                want = min(self.max_splits, max(1, -(-FLASH_CODED_WORKGROUPS // blocks)))
+                want = min(self.max_splits, max(1, -(-self.coded_workgroups // blocks)))
                 n, split_len = P.split_count(n_used, want, FLASH_CODED_MIN_SPLIT_TOKENS, n_used)
             else:
                 n, split_len = P.split_count(n_used, self.max_splits, FLASH_MIN_SPLIT_TOKENS, n_used)

@@ -165,13 +165,14 @@ class PassBuilder:
         table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table], att.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
                                n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(att.table)]
-        hb = att.flash_coded_heads(layer)
-        kernel = self._kernel(("flash_coded", layer), "attend_flash_coded", [buf, att.table, att.q, att.accs, att.stats],
-                              n_kv * (att.group // hb) * att.max_splits * FLASH_LOCAL, LOCAL=FLASH_LOCAL, HB=hb,
-                              K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms)
+        hb, local = att.flash_coded_config(layer)
+        kernel = self._kernel(("flash_coded", layer), "attend_flash_coded",
+                              [buf, buf, att.table, att.q, att.accs, att.stats],
+                              n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
+                              K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
+                              K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity)
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
-                             split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, n_atoms=lay.n_atoms,
-                             k_sparsity=k.sparsity, v_sparsity=v.sparsity, v_atoms_word=v.atoms_word,
+                             split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word,
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                              score_scale=scale))

@@ -26,13 +26,15 @@ def flash_shared_bytes(head_dim: int, group: int, local: int, chunk: int) -> int
     return 4 * (group * head_dim + group * chunk + group * local + 3 * group)
 
 
-FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS")
+FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY")
 
 
-def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -> int:
+def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v_bits: int) -> int:
     """attend_flash_coded.comp's shared memory: the q·atom table and the atom weights of its
-    HB heads, the scaled queries, the chunk's probabilities and the reductions."""
-    return 4 * (2 * hb * n_atoms + hb * head_dim + 2 * hb * local + 2 * hb)
+    HB heads, the scaled queries, the chunk's p·step (and reductions), the chunk's staged V
+    level words, the grow flag."""
+    v_stage = L.residual_words(head_dim, v_bits) - 1 if v_bits else 1
+    return 4 * (2 * hb * n_atoms + hb * head_dim + hb * local + local * v_stage + 1)
 
 
 def flash_value_words(head_dim: int, rows: str) -> int:
@@ -231,23 +233,23 @@ def _flash_extents(p, s):
 
 
 def _flash_coded_extents(p, s):
-    """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), V's atoms, both
-    residual scales, the q·atom table, the queries, records 0 .. n_splits."""
+    """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
+    V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
     hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
-           and p["n_splits"] * p["split_len"] >= used and p["k_sparsity"] >= 1 and p["v_sparsity"] >= 1
-           and p["n_atoms"] == s["N_ATOMS"], "attend_flash_coded", p)
-    _check(g % hb == 0 and hd <= local and local % hd == 0, "attend_flash_coded (specialization)", s)
+           and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
+           and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
+    _check(g % hb == 0 and hd % 4 == 0 and local % (hd // 4) == 0, "attend_flash_coded (specialization)", s)
     words = []
-    for word, sp, bits in ((p["k_word"], p["k_sparsity"], s["K_BITS"]), (p["v_word"], p["v_sparsity"], s["V_BITS"])):
+    for word, sp, bits in ((p["k_word"], s["K_SPARSITY"], s["K_BITS"]), (p["v_word"], s["V_SPARSITY"], s["V_BITS"])):
         words.append(_span(word, ((n_kv - 1) * p["n_ctx"] + used) * row_words(hd, sp, bits)))
-    words.append(_atoms_span(dict(p, atoms_word=p["v_atoms_word"]), hd))
     for word, bits in ((p["k_scale_word"], s["K_BITS"]), (p["v_scale_word"], s["V_BITS"])):
         if bits:
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
+    atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
     records = n_kv * p["n_splits"] * g
-    return [words, [_span(0, n_kv * g * p["n_atoms"])], [_span(0, n_kv * g * hd)], [_span(0, records * hd)],
-            [_span(0, 2 * records)]]
+    return [words, [atoms], [_span(0, n_kv * g * s["N_ATOMS"])], [_span(0, n_kv * g * hd)],
+            [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _merge_extents(p, s):
@@ -284,9 +286,9 @@ def shader_specs(shader_spec) -> dict:
         # cache words, cache quads, query, accs, stats
         shader_spec("attend_flash", L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
                     FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0))),
-        # layer words, q·atom table, query, accs, stats
-        shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 1, 1, 1, 1),
-                    (False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
+        # layer words, layer quads, q·atom table, query, accs, stats
+        shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
+                    (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
                     optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
     ]
     return {s.variant: s for s in specs}

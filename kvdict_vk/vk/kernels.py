@@ -226,9 +226,9 @@ class Kernel:
         self._check_spec()
         # Shaders with a specialized workgroup size (local_size_x_id) name it LOCAL.
         self.local = self.spec.get("LOCAL", WG_SIZE)
-        if not 1 <= self.local <= min(128, device.limit("max_compute_work_group_invocations"),
+        if not 1 <= self.local <= min(device.limit("max_compute_work_group_invocations"),
                                       device.limit("max_compute_work_group_size")[0]):
-            raise E.DispatchError(f"{sh.variant}: workgroup size {self.local} exceeds the device's limits (or 128)")
+            raise E.DispatchError(f"{sh.variant}: workgroup size {self.local} exceeds the device's limits")
         self.groups = sh.groups(self.spec) if sh.spec_names else 1
         self.workgroups = workgroups_for(device, max_items * self.groups, self.groups, self.local)
         spec_arr = np.array([self.spec[n] for n in sh.spec_names], np.uint32)
