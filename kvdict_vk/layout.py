@@ -563,7 +563,8 @@ ATTEND_MERGE_PUSH = _block("AttendMergePush", "n_kv", "n_splits", "use_mean", "m
 _ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": ATTEND_TABLE_PUSH,
                   "attend_combine.comp": ATTEND_COMBINE_PUSH, "attend_atoms.comp": ATTEND_ATOMS_PUSH,
                   "attend_reduce.comp": ATTEND_REDUCE_PUSH, "attend_direct.comp": ATTEND_DIRECT_PUSH,
-                  "attend_merge.comp": ATTEND_MERGE_PUSH, "attend_flash.comp": ATTEND_FLASH_PUSH,
+                  "attend_merge.comp": ATTEND_MERGE_PUSH, "attend_merge_head.comp": ATTEND_MERGE_PUSH,
+                  "attend_flash.comp": ATTEND_FLASH_PUSH,
                   "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH}
 
 PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, SCATTER_PUSH, COPY_PUSH,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .. import errors as E
 from .attend_plan import LOOP_BUDGET
-from .attend_specs import FLASH_LOCAL, flash_chunk, n_blocks
+from .attend_specs import FLASH_LOCAL, flash_chunk, merge_head_local, n_blocks
 from .device import kp
 from .kernels import Kernel, barrier
 
@@ -111,13 +111,23 @@ class PassBuilder:
                          write_out=write_out, use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
                          score_scale=scale)
 
-    def _merge(self, key, buf, v, records: int) -> list:
+    def _merge(self, key, buf, v, records: int, per_head: bool = False) -> list:
+        """attend_merge (one invocation per output quad: the direct path's, shaped for CPU
+        drivers) or, ``per_head`` (the flash paths), attend_merge_head (a workgroup per query
+        head) where its workgroup fits the device."""
         att, lay = self.att, self.layout
         use_mean = int(v is not None and v.coded and v.has_mean)
-        kernel = self._kernel(("merge",) + key, "attend_merge", [buf, att.stats, att.accs, att.out],
-                              lay.n_kv_heads * att.group * lay.head_dim // 4)
+        n_heads = lay.n_kv_heads * att.group
+        local = merge_head_local(lay.head_dim, att.device.limit("max_compute_work_group_invocations")) \
+            if per_head else 0
+        if local:
+            kernel = self._kernel(("merge_head",) + key, "attend_merge_head", [buf, att.stats, att.accs, att.out],
+                                  n_heads * local, LOCAL=local)
+        else:
+            kernel = self._kernel(("merge",) + key, "attend_merge", [buf, att.stats, att.accs, att.out],
+                                  n_heads * lay.head_dim // 4)
         return [self.sync(att.stats, att.accs),
-                self._cached_op(("merge",) + key, kernel, n_kv=lay.n_kv_heads, n_splits=records, use_mean=use_mean,
+                self._cached_op(("merge", local) + key, kernel, n_kv=lay.n_kv_heads, n_splits=records, use_mean=use_mean,
                                 mean_word=v.mean_word if use_mean else 0,
                                 head_vec=v.head_vec_stride if use_mean else 0)]
 
@@ -155,7 +165,7 @@ class PassBuilder:
                               ROW_HALF=int(k.half), ROW_Q8=int(k.q8), CHUNK=flash_chunk(lay.head_dim, k.rows, FLASH_LOCAL))
         op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                        split_len=plan.split_len, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, score_scale=scale)
-        return [op] + self._merge(("layer", layer), buf, v, plan.records)
+        return [op] + self._merge(("layer", layer), buf, v, plan.records, per_head=True)
 
     def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
         att, lay = self.att, self.layout
@@ -176,7 +186,7 @@ class PassBuilder:
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                              score_scale=scale))
-        return ops + self._merge(("layer", layer), buf, v, plan.records)
+        return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """The direct path over f32 rows in ``rows``: K at word 0, V after it, n_used tokens

@@ -260,6 +260,18 @@ def _merge_extents(p, s):
     return [mean, [_span(0, 2 * records)], [_span(0, records * hd)], [_span(0, n_kv * g * hd)]]
 
 
+def _merge_head_extents(p, s):
+    _check(s["LOCAL"] % (s["HEAD_DIM"] // 4) == 0, "attend_merge_head (specialization)", s)
+    return _merge_extents(p, s)
+
+
+def merge_head_local(head_dim: int, most: int) -> int:
+    """attend_merge_head's workgroup: up to 256 invocations (the device's ``most`` allowing), a
+    multiple of head_dim / 4 — its split lanes × quads (0: none fits)."""
+    q4 = head_dim // 4
+    return max((n * q4 for n in (8, 4, 2, 1) if n * q4 <= min(256, most)), default=0)
+
+
 def shader_specs(shader_spec) -> dict:
     """The attention entries of kernels.SHADERS (``shader_spec`` is kernels.ShaderSpec).
     Lanes: 4 for the vec4 views (layer quads, query, accumulators, blocks, output)."""
@@ -283,6 +295,8 @@ def shader_specs(shader_spec) -> dict:
                     optional_spec=tuple((n, 0) for n in DIRECT_SPEC[4:])),
         shader_spec("attend_merge", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
                     _merge_extents),
+        shader_spec("attend_merge_head", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
+                    _merge_head_extents),
         # cache words, cache quads, query, accs, stats
         shader_spec("attend_flash", L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
                     FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0))),

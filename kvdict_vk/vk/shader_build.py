@@ -50,7 +50,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "attend_split_f32": ("attend_split.comp", {"CODED": 0}),
     "attend_split_coded": ("attend_split.comp", {"CODED": 1}),
     **{name: (f"{name}.comp", {}) for name in ("attend_table", "attend_combine", "attend_atoms", "attend_reduce",
-                                               "attend_direct", "attend_merge", "attend_flash",
+                                               "attend_direct", "attend_merge", "attend_merge_head", "attend_flash",
                                                "attend_flash_coded")},
     # GPU OMP encoder (kvdict_vk/vk/encoder.py, kvdict_vk/vk/encode_specs.py)
     **{f"omp_encode_{k}_{v}": (f"omp_encode_{k}.comp", {"VEC4": n}) for k in ("corr", "metric")
