@@ -197,6 +197,35 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
 
 
+@pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
+def test_flash_reference_moves_with_rising_scores(cache, make_arena):
+    """attend_flash keeps a softmax reference that moves only when a score passes it by a
+    margin: keys whose scores rise along the context (by ~0.05 a token, so the reference
+    moves dozens of times, within and across chunks and splits) and one spike far above the
+    rest, against the float64 reference."""
+    from kvdict_vk.forge import quant
+    rng = np.random.default_rng(11)
+    hd, g, n_kv, n_ctx = 64, 4, 2, 3000
+    arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64, cache=cache)
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    direction = q.reshape(n_kv, g, hd).mean(axis=1)
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    rise = np.arange(n_ctx, dtype=np.float32)[None, :, None] * 0.4 / np.sqrt(hd) * direction[:, None, :]
+    k = (rng.standard_normal((n_kv, n_ctx, hd)) * 0.3 + rise).astype(np.float32)
+    k[:, n_ctx // 3] += 30.0 * direction  # a spike: the reference jumps, then falls behind the rise
+    v = rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
+    arena.append(0, k, v)
+    if cache == "f16":
+        k, v = (x.astype(np.float16).astype(np.float32) for x in (k, v))
+    elif cache == "q8_0":
+        k, v = quant.q8_0(k), quant.q8_0(v)
+    att = arena.attention(n_kv * g)
+    att.path = "flash"
+    for n_used in (1, 300, n_ctx // 3 + 1, n_ctx):
+        assert att.plan(0, n_used).path == "flash"
+        _check(arena, [(k, v, None, None)], 0, q, n_used)
+
+
 @pytest.mark.parametrize("hd,g,n_kv,n_ctx", [(64, 3, 3, 32768), (32, 8, 2, 4096), (128, 1, 4, 300)])
 def test_q8_0_cache_attention_equals_reference(hd, g, n_kv, n_ctx, make_arena):
     """The q8_0 cache (attend_flash on every device) against the float64 reference of its

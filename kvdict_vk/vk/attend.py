@@ -33,8 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_LOCAL, FLASH_MAX_GROUP, Sizes, flash_chunk, flash_coded_shared_bytes,
-                           flash_shared_bytes, flash_value_words)
+from .attend_specs import (FLASH_MAX_GROUP, FLASH_LOCALS, Sizes, flash_coded_shared_bytes, flash_shared_bytes,
+                           flash_units)
 from .device import kp
 from .kernels import Buffer
 from .submit import Recording
@@ -148,20 +148,29 @@ class Attention:
     # --- planning ---------------------------------------------------------------------------------
     def flash_fits(self, layer: int) -> bool:
         """Whether a flash kernel can attend over ``layer``: attend_flash_coded (both streams
-        dict-coded; flash_coded_heads) or attend_flash (both uncoded, at most
-        FLASH_MAX_GROUP query heads per KV head, rows of at most FLASH_LOCAL words dividing
-        it, its shared memory within the device's limit)."""
+        dict-coded; flash_coded_config) or attend_flash (both uncoded: flash_local)."""
         k, v = self.layout.layers[layer].streams
         if k.coded and v.coded:
             return self.flash_coded_heads(layer) > 0
-        if k.coded or v.coded or k.rows != v.rows or self.group > FLASH_MAX_GROUP:
+        if k.coded or v.coded or k.rows != v.rows:
             return False
+        return self.flash_local(layer) > 0
+
+    def flash_local(self, layer: int) -> int:
+        """attend_flash's workgroup over an uncoded ``layer`` (0: it cannot): at most
+        FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8 (f16: a uvec4 is 8
+        halves), 4 (f32) or 32 (q8_0 blocks), the largest of FLASH_LOCALS the device allows
+        that the row's units divide and whose shared memory fits."""
+        k = self.layout.layers[layer].k
         hd = self.layout.head_dim
-        values = flash_value_words(hd, k.rows)
-        if (not k.q8 and k.row_words % 4) or values > FLASH_LOCAL or FLASH_LOCAL % values:
-            return False
-        chunk = flash_chunk(hd, k.rows, FLASH_LOCAL)
-        return flash_shared_bytes(hd, self.group, FLASH_LOCAL, chunk) <= self.device.limit("max_compute_shared_memory_size")
+        if k.coded or self.group > FLASH_MAX_GROUP or hd % (8 if k.half else 32 if k.q8 else 4):
+            return 0
+        most = min(self.device.limit("max_compute_work_group_invocations"),
+                   self.device.limit("max_compute_work_group_size")[0])
+        limit = self.device.limit("max_compute_shared_memory_size")
+        units = flash_units(hd, k.rows)
+        return max((n for n in FLASH_LOCALS if n <= most and n % units == 0
+                    and flash_shared_bytes(hd, self.group, n) <= limit), default=0)
 
     def flash_coded_config(self, layer: int) -> tuple[int, int]:
         """(query heads, invocations) per workgroup of attend_flash_coded over ``layer``
@@ -204,12 +213,11 @@ class Attention:
             raise E.ArenaError(f"layer {layer}: q8_0 rows are read by attend_flash only, not the {path} path")
         if k.q8 and not self.flash_fits(layer):
             raise E.ArenaError(f"layer {layer}: attention over q8_0 rows runs attend_flash only, which needs at most "
-                               f"{FLASH_MAX_GROUP} query heads per KV head and head_dim / 4 dividing {FLASH_LOCAL} "
-                               f"(head_dim 32, 64, 128, 256 or 512)")
+                               f"{FLASH_MAX_GROUP} query heads per KV head and head_dim a multiple of 32")
         if path == "flash" or (path is None and (self.local == GPU_LOCAL or k.q8) and self.flash_fits(layer)):
             if not self.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
-                                   f"{FLASH_MAX_GROUP} query heads per KV head, rows of ≤ {FLASH_LOCAL} words; "
+                                   f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16), 4 (f32), 32 (q8_0); "
                                    f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
                                    f"the q·atom table in shared memory)")
             if k.coded:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .. import errors as E
 from .attend_plan import LOOP_BUDGET
-from .attend_specs import FLASH_LOCAL, flash_chunk, merge_head_local, n_blocks
+from .attend_specs import merge_head_local, n_blocks
 from .device import kp
 from .kernels import Kernel, barrier
 
@@ -160,9 +160,10 @@ class PassBuilder:
         buf = att.arena.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
+        local = att.flash_local(layer)
         kernel = self._kernel(("flash", layer), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
-                              lay.n_kv_heads * att.max_splits * FLASH_LOCAL, LOCAL=FLASH_LOCAL, HB=1,
-                              ROW_HALF=int(k.half), ROW_Q8=int(k.q8), CHUNK=flash_chunk(lay.head_dim, k.rows, FLASH_LOCAL))
+                              lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1,
+                              ROW_HALF=int(k.half), ROW_Q8=int(k.q8))
         op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                        split_len=plan.split_len, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, score_scale=scale)
         return [op] + self._merge(("layer", layer), buf, v, plan.records, per_head=True)

@@ -15,15 +15,21 @@ ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
 CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
 DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
-FLASH_SPEC = SPEC + ("ROW_HALF", "CHUNK", "ROW_Q8")
-FLASH_LOCAL = 128  # attend_flash.comp's workgroup: rows of up to 128 words, four warps / two wave64s
+FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8")
+FLASH_LOCALS = (256, 128)  # attend_flash*.comp's workgroup sizes (tokens per chunk), preferred first
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
 
 
-def flash_shared_bytes(head_dim: int, group: int, local: int, chunk: int) -> int:
-    """attend_flash.comp's shared memory: the queries, the chunk's scores, the reductions
-    (and the m, l, correction triples)."""
-    return 4 * (group * head_dim + group * chunk + group * local + 3 * group)
+def flash_shared_bytes(head_dim: int, group: int, local: int) -> int:
+    """attend_flash.comp's shared memory: the queries, the chunk's probabilities (and
+    reductions), the grow flag."""
+    return 4 * (group * head_dim + group * local + 1)
+
+
+def flash_units(head_dim: int, rows: str) -> int:
+    """Units of a row that attend_flash's value pass spreads over invocations: uvec4s of an
+    f16 (8 elements) or f32 row (4), int8 words of a q8_0 row (4)."""
+    return head_dim // (8 if rows == "f16" else 4)
 
 
 FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY")
@@ -35,20 +41,6 @@ def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v
     level words, the grow flag."""
     v_stage = L.residual_words(head_dim, v_bits) - 1 if v_bits else 1
     return 4 * (2 * hb * n_atoms + hb * head_dim + hb * local + local * v_stage + 1)
-
-
-def flash_value_words(head_dim: int, rows: str) -> int:
-    """Words of a row holding its elements, which attend_flash's value pass spreads over
-    invocations (q8_0: the int8 words, not the scales)."""
-    scales = L.q8_scale_words(head_dim) if rows == "q8_0" else 0
-    return row_words(head_dim, 0, 0, rows) - scales
-
-
-def flash_chunk(head_dim: int, rows: str, local: int) -> int:
-    """Tokens per chunk of attend_flash.comp: the smallest multiple of ``local`` whose
-    scores buffer also holds the token lanes' accumulators at the end (lanes × head_dim)."""
-    lanes = local // flash_value_words(head_dim, rows)
-    return max(local, -(-lanes * head_dim // local) * local)
 
 
 def n_blocks(n_atoms: int) -> int:
@@ -217,13 +209,13 @@ def _direct_extents(p, s):
 def _flash_extents(p, s):
     """attend_flash.comp: K and V rows of tokens [0, n_used) of every KV head, the queries,
     records 0 .. n_splits of every (KV head, query head)."""
-    hd, g, n_kv, used, local, chunk = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"], s["CHUNK"]
+    hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
     rows = "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32")
-    row, values = row_words(hd, 0, 0, rows), flash_value_words(hd, rows)
+    row, units = row_words(hd, 0, 0, rows), flash_units(hd, rows)
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
-    _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and values <= local and local % values == 0
-           and chunk % local == 0 and chunk >= (local // values) * hd and not (s["ROW_Q8"] and s["ROW_HALF"])
+    _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % (8 if rows == "f16" else 4) == 0
+           and units <= local and local % units == 0 and not (s["ROW_Q8"] and s["ROW_HALF"])
            and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0,
            "attend_flash (specialization)", dict(p, **s))
     rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + used) * row) for w in (p["k_word"], p["v_word"])]
