@@ -369,3 +369,27 @@ def test_typed_errors(make_arena, activate, vk_device):
         odd.append(0, np.ones((1, 2, 18), np.float32), np.ones((1, 2, 18), np.float32))
         with pytest.raises(E.ArenaError, match="head_dim"):
             odd.attend(0, np.ones((2, 18), np.float32), 2)
+
+
+def test_attention_recording_reruns_and_times_its_passes(make_arena):
+    """Attention.recording (the benchmarks' re-runnable attention): every run() gives the
+    output attend() gives; its core (the passes, without the query's and output's copies)
+    is timed inside the whole recording where the device has timestamps; a core outside
+    the ops is a typed error."""
+    from kvdict_vk.vk.submit import Recording
+    rng = np.random.default_rng(12)
+    arena, stored = _filled_arena(make_arena, None, rng, 64, 2, 500, None, "f16")
+    att = arena.attention(4)
+    q = rng.standard_normal((4, 64), dtype=np.float32)
+    want = arena.attend(0, q, 500)
+    with att.recording(0, q, 500, timestamps=True) as rec:
+        assert rec.core[0] == 1 and rec.core[1] >= 2  # after the query copy; the output copy after it
+        for _ in range(2):
+            rec.run()
+            assert np.array_equal(att.output(), want)
+        whole, core = rec.gpu_seconds(), rec.core_seconds()
+        assert (whole is None) == (core is None) == (not rec.timestamps)
+        if whole is not None:
+            assert 0 <= core <= whole
+    with pytest.raises(E.DispatchError, match="core ops"):
+        Recording(arena.device, [object()], core=(0, 2))

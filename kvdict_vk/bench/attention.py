@@ -166,7 +166,8 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
             for m in (f"dict_{f}_direct", f"dict_{f}_table", f"recon_{f}"):
                 if m in outputs:
                     checks[f"{m}_vs_dict_{f}_nmse"] = _nmse(outputs[m], outputs[f"dict_{f}"])
-        times = timing.measure(candidates, args.repeats, budget_s=args.case_budget_s)
+        times = timing.measure(candidates, args.repeats, budget_s=args.case_budget_s,
+                               warm_s=timing.warm_for(f32_att.device))
     finally:
         for rec in made:
             rec.free()

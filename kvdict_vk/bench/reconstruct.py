@@ -112,7 +112,7 @@ def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_t
         if numpy_too:
             cands["numpy_reconstruct_f32"] = (lambda: [codec.decode_heads(c, d, np.float32)
                                                        for c, d in zip(codes, dicts)], cands["reconstruct"][1], "dict")
-        times = timing.measure({n: c[0] for n, c in cands.items()}, args.repeats)
+        times = timing.measure({n: c[0] for n, c in cands.items()}, args.repeats, warm_s=timing.warm_for(arena.device))
         rec.free()
     finally:
         arena.free()

@@ -65,7 +65,7 @@ def _time_variants(dev, n_words: int, repeats: int) -> dict:
             recs[variant] = Recording(dev, [kernels[-1].op(src_word=0, dst_word=0, n_words=n_words)],
                                       timestamps=True, what=f"roofline {variant}")
             recs[variant].run()  # warm-up: pipeline, first touch of the pages
-        return timing.measure(recs, repeats)
+        return timing.measure(recs, repeats, warm_s=timing.warm_for(dev))
     finally:
         for rec in recs.values():
             rec.free()

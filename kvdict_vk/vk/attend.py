@@ -274,7 +274,7 @@ class Attention:
         ops = self.passes.ops(layer, self.plan(layer, n_used, path=path), n_used, n_used, scale)
         self._upload_q(q)
         return Recording(self.device, [self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
-                         timestamps=timestamps, what=f"attention over layer {layer}")
+                         timestamps=timestamps, what=f"attention over layer {layer}", core=(1, 1 + len(ops)))
 
     def _warm(self, layer: int, n_used: int, scale: float) -> None:
         """On a layer's first attention, make every pipeline its plans may use (the direct

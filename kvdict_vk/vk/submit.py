@@ -48,9 +48,15 @@ class Recording:
     The ops (and what they bind) must outlive the recording; it keeps references to them.
     """
 
-    def __init__(self, device, ops, *, timestamps: bool = False, what: str = "dispatch"):
+    def __init__(self, device, ops, *, timestamps: bool = False, what: str = "dispatch", core=None):
+        """``core`` = (first, stop): ops[first:stop] are the work itself (an attention's
+        passes, without the copies of its query up and its output back), timed by
+        :meth:`core_seconds`; default all of them."""
         self.device, self.what = device, what
         self._ops = list(ops)
+        self.core = (0, len(self._ops)) if core is None else tuple(core)
+        if not 0 <= self.core[0] < self.core[1] <= len(self._ops):
+            raise E.DispatchError(f"{what}: core ops {self.core} outside the {len(self._ops)} ops")
         if not self._ops:
             raise E.DispatchError(f"{what}: a recording needs at least one operation")
         self.timestamps = bool(timestamps) and timestamps_usable(device)
@@ -75,6 +81,14 @@ class Recording:
         with self.device.guard(f"reading the timestamps of {self.what}"):
             ts = self._seq.get_timestamps()
         return ticks_to_seconds(self.device, ts[0], ts[-1])
+
+    def core_seconds(self) -> float | None:
+        """GPU time of the last :meth:`run`'s core ops (see ``core``)."""
+        if not (self.timestamps and self._ran and self._seq is not None):
+            return None
+        with self.device.guard(f"reading the timestamps of {self.what}"):
+            ts = self._seq.get_timestamps()
+        return ticks_to_seconds(self.device, ts[self.core[0]], ts[self.core[1]])
 
     def op_seconds(self) -> list[float] | None:
         """GPU time of each op of the last run (timestamp after it minus the one before)."""
