@@ -393,3 +393,52 @@ def test_attention_recording_reruns_and_times_its_passes(make_arena):
             assert 0 <= core <= whole
     with pytest.raises(E.DispatchError, match="core ops"):
         Recording(arena.device, [object()], core=(0, 2))
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activate, monkeypatch):
+    """On GPUs the flash kernels' launch shape (workgroup size, workgroups) is the fastest
+    of the candidates timed on the device, once per (device, layer signature, context
+    bucket): the plan follows the measurement, a second attention in the bucket measures
+    nothing, another bucket measures again, and the tuned attention is still exact."""
+    from kvdict_vk.vk import attend_tune as T
+    monkeypatch.setattr(T, "_CHOICES", {})
+    rng = np.random.default_rng(13)
+    hd, n_kv, g, n_ctx = 64, 2, 2, 3000
+    art = random_artifact(rng, hd, 256, [((4, 4), (4, 3))], n_heads=n_kv) if coded else None
+    arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
+    att = arena.attention(n_kv * g)
+    att.path, att.tune = "flash", True
+    locals_ = att.flash_coded_locals(0)[1] if coded else att.flash_locals(0)
+    shapes = T.candidates(locals_, coded)
+    assert len(shapes) >= 2
+    favourite = shapes[-1]
+    timed = []
+
+    def fake_time(layer, n_used, plan):  # the device's "measurement": the favourite is fastest
+        timed.append((plan.local, plan.n_splits))
+        return 1e-3 if plan.local == favourite.local and len(timed) % len(T.WORKGROUPS) == 0 else 2e-3
+    monkeypatch.setattr(att, "time_plan", fake_time)
+    import kvdict_vk.vk.attend as A
+    monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
+    p = att.plan(0, 1500)
+    assert len(timed) == len(shapes) and p.local == favourite.local
+    assert att.plan(0, 2000).local == favourite.local and len(timed) == len(shapes)  # same bucket (2048)
+    att.plan(0, 3000)
+    assert len(timed) == 2 * len(shapes)  # bucket 4096: measured again
+    assert len(T.measured()) == 2
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    _check(arena, stored, 0, q, 1500)
+
+
+def test_flash_launch_shape_timing_runs_on_the_device(make_arena):
+    """The tuner's timing function runs the attention's passes in a recording: a time (or
+    None without timestamps), and the output of a later attention unchanged."""
+    rng = np.random.default_rng(14)
+    arena, stored = _filled_arena(make_arena, None, rng, 64, 2, 700, None, "f16")
+    att = arena.attention(4)
+    att.path = "flash"
+    plan = att.plan(0, 700)
+    s = att.time_plan(0, 700, plan)
+    assert s is None or s > 0
+    _check(arena, stored, 0, rng.standard_normal((4, 64), dtype=np.float32), 700)

@@ -37,7 +37,8 @@ from .attend_specs import (FLASH_MAX_GROUP, FLASH_LOCALS, Sizes, flash_coded_sha
                            flash_units)
 from .device import kp
 from .kernels import Buffer
-from .submit import Recording
+from . import attend_tune as T
+from .submit import Recording, timestamps_usable
 
 MAX_SPLITS = 128  # per KV head
 CPU_SIMD_LANES = 8  # 32-bit lanes of llvmpipe's 256-bit vectors: the workgroup size on CPU drivers
@@ -47,6 +48,9 @@ HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps fo
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
 PATHS = (None, "direct", "table", "flash")
 FLASH_MIN_SPLIT_TOKENS = 128  # attend_flash: a split's fixed costs (queries, record, merge) stay small
+# attend_flash's workgroups per attention (splits × KV heads): several per multiprocessor of
+# a large GPU, so the last wave of workgroups is a small part of the time
+FLASH_WORKGROUPS = 1024
 # attend_flash_coded: each workgroup loads its heads' q·atom table and multiplies its atom
 # weights by every atom at the end (n_atoms × head_dim words from the L2): splits stay long
 # and few — about two workgroups per multiprocessor of a large GPU.
@@ -81,13 +85,16 @@ class Attention:
         self.units = n_kv * (g // self.hb)  # (KV head, head block) pairs
         self.path = None  # None: the cost model chooses; "direct" / "table" forces a path
         # attend_flash_coded's workgroups per attention (splits × KV heads × head blocks), the
-        # aim of its split count; benchmarks sweep it
-        self.coded_workgroups = FLASH_CODED_WORKGROUPS
+        # aim of its split count (None: measured on a GPU, attend_tune; FLASH_CODED_WORKGROUPS
+        # on a CPU driver); attend_flash's likewise. Benchmarks fix them to sweep them.
+        self.coded_workgroups: int | None = None
+        self.flash_workgroups: int | None = None
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
         # The arena's shader mapping says which machine to plan for: "row" (CPU drivers:
         # a workgroup per SIMD row, a few splits per thread) or "chunk" (GPUs).
         cpu = arena.shader_mapping == "row"
+        self.tune = not cpu  # measure the flash kernels' launch shape (attend_tune)
         self.local = CPU_SIMD_LANES if cpu else GPU_LOCAL
         # Preferred splits per KV head: enough to give every hardware thread a full SIMD row
         # (CPU drivers) or to fill a GPU. Capacity (records per KV head): what any plan of
@@ -95,6 +102,8 @@ class Attention:
         want = SPLIT_LANES_PER_CPU * (os.cpu_count() or 2) if cpu else 1024
         self.preferred_splits = max(1, min(MAX_SPLITS, -(-want // self.units)))
         needed = max(P.max_records(ll.k, ll.v, lay.n_ctx, self.preferred_splits) for ll in lay.layers)
+        if not cpu:  # attend_flash's splits: FLASH_WORKGROUPS over the KV heads
+            needed = max(needed, min(MAX_SPLITS, -(-FLASH_WORKGROUPS // n_kv)))
         if needed > MAX_SPLITS + 1:
             raise E.ArenaTooLargeError(f"attention over {lay.n_ctx} tokens needs {needed} splits per KV head "
                                        f"(at most {MAX_SPLITS}); use a shorter context or a lower sparsity")
@@ -156,42 +165,51 @@ class Attention:
             return False
         return self.flash_local(layer) > 0
 
-    def flash_local(self, layer: int) -> int:
-        """attend_flash's workgroup over an uncoded ``layer`` (0: it cannot): at most
-        FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8 (f16: a uvec4 is 8
-        halves), 4 (f32) or 32 (q8_0 blocks), the largest of FLASH_LOCALS the device allows
-        that the row's units divide and whose shared memory fits."""
+    def flash_locals(self, layer: int) -> list[int]:
+        """attend_flash's workgroup sizes over an uncoded ``layer``, preferred first (empty: it
+        cannot): at most FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8
+        (f16: a uvec4 is 8 halves), 4 (f32) or 32 (q8_0 blocks); those of FLASH_LOCALS the
+        device allows that the row's units divide and whose shared memory fits."""
         k = self.layout.layers[layer].k
         hd = self.layout.head_dim
         if k.coded or self.group > FLASH_MAX_GROUP or hd % (8 if k.half else 32 if k.q8 else 4):
-            return 0
+            return []
         most = min(self.device.limit("max_compute_work_group_invocations"),
                    self.device.limit("max_compute_work_group_size")[0])
         limit = self.device.limit("max_compute_shared_memory_size")
         units = flash_units(hd, k.rows)
-        return max((n for n in FLASH_LOCALS if n <= most and n % units == 0
-                    and flash_shared_bytes(hd, self.group, n) <= limit), default=0)
+        return [n for n in FLASH_LOCALS if n <= most and n % units == 0
+                and flash_shared_bytes(hd, self.group, n) <= limit]
 
-    def flash_coded_config(self, layer: int) -> tuple[int, int]:
-        """(query heads, invocations) per workgroup of attend_flash_coded over ``layer``
-        ((0, 0): it cannot): the largest divisor of the group, at most FLASH_MAX_GROUP, whose
-        q·atom table, atom weights and staged chunk fit the device's shared memory, with the
-        largest workgroup of FLASH_CODED_LOCALS (a chunk is one token per invocation) that
-        fits with it and the device allows."""
+    def flash_local(self, layer: int) -> int:
+        """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""
+        return (self.flash_locals(layer) or [0])[0]
+
+    def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
+        """(query heads per workgroup, workgroup sizes preferred first) of attend_flash_coded
+        over ``layer`` ((0, []): it cannot): the largest divisor of the group, at most
+        FLASH_MAX_GROUP, whose q·atom table, atom weights and staged chunk fit the device's
+        shared memory with some size of FLASH_CODED_LOCALS (a chunk is one token per
+        invocation) the device allows; with it, every such size."""
         k, v = self.layout.layers[layer].streams
         hd, na = self.layout.head_dim, self.layout.n_atoms
         if not (k.coded and v.coded) or hd % 4:
-            return 0, 0
+            return 0, []
         limit = self.device.limit("max_compute_shared_memory_size")
         most = min(self.device.limit("max_compute_work_group_invocations"),
                    self.device.limit("max_compute_work_group_size")[0])
         for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
                          reverse=True):
-            for local in FLASH_CODED_LOCALS:
-                if local <= most and local % (hd // 4) == 0 \
-                        and flash_coded_shared_bytes(hd, hb, local, na, v.residual_bits) <= limit:
-                    return hb, local
-        return 0, 0
+            fits = [n for n in FLASH_CODED_LOCALS if n <= most and n % (hd // 4) == 0
+                    and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit]
+            if fits:
+                return hb, fits
+        return 0, []
+
+    def flash_coded_config(self, layer: int) -> tuple[int, int]:
+        """(query heads, default invocations) per workgroup of attend_flash_coded ((0, 0): it cannot)."""
+        hb, fits = self.flash_coded_locals(layer)
+        return hb, (fits or [0])[0]
 
     def flash_coded_heads(self, layer: int) -> int:
         """Query heads per workgroup of attend_flash_coded over ``layer`` (0: it cannot)."""
@@ -220,19 +238,52 @@ class Attention:
                                    f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16), 4 (f32), 32 (q8_0); "
                                    f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
                                    f"the q·atom table in shared memory)")
-            if k.coded:
-                blocks = self.layout.n_kv_heads * (self.group // self.flash_coded_heads(layer))
-                want = min(self.max_splits, max(1, -(-self.coded_workgroups // blocks)))
-                n, split_len = P.split_count(n_used, want, FLASH_CODED_MIN_SPLIT_TOKENS, n_used)
-            else:
-                n, split_len = P.split_count(n_used, self.max_splits, FLASH_MIN_SPLIT_TOKENS, n_used)
-            return P.Plan("flash", n, split_len)
+            return self._flash_plan(layer, n_used)
         p = P.plan(k, v, self.layout.head_dim, self.hb, self.layout.n_atoms, n_used, n_cached,
                    self.preferred_splits, path)
         if p.records > self.max_splits:
             raise E.ArenaError(f"attention over {n_used} tokens needs {p.records} splits, this engine holds "
                                f"{self.max_splits}")
         return p
+
+    def _flash_plan(self, layer: int, n_used: int) -> P.Plan:
+        """The flash kernel's plan: a launch shape (workgroup size, workgroups) measured on
+        the device (attend_tune) unless fixed by ``flash_workgroups`` / ``coded_workgroups``
+        or on a CPU driver, and the splits that make that many workgroups."""
+        k = self.layout.layers[layer].k
+        if k.coded:
+            hb, locals_ = self.flash_coded_locals(layer)
+            blocks, min_tokens = self.layout.n_kv_heads * (self.group // hb), FLASH_CODED_MIN_SPLIT_TOKENS
+            fixed, default = self.coded_workgroups, FLASH_CODED_WORKGROUPS
+        else:
+            locals_ = self.flash_locals(layer)
+            blocks, min_tokens = self.layout.n_kv_heads, FLASH_MIN_SPLIT_TOKENS
+            fixed, default = self.flash_workgroups, FLASH_WORKGROUPS
+
+        def shaped(shape: T.Shape) -> P.Plan:
+            want = min(self.max_splits, max(1, -(-shape.workgroups // blocks)))
+            n, split_len = P.split_count(n_used, want, min_tokens, n_used)
+            return P.Plan("flash", n, split_len, local=shape.local)
+        if fixed is None and self.tune and timestamps_usable(self.device):
+            shape = T.choose(self, layer, n_used, locals_, k.coded,
+                             lambda sh: self.time_plan(layer, n_used, shaped(sh)))
+        else:
+            shape = T.Shape(locals_[0], fixed or default)
+        return shaped(shape)
+
+    def time_plan(self, layer: int, n_used: int, plan: P.Plan) -> float | None:
+        """GPU seconds of one attention over ``layer`` in ``plan`` (the best of a few runs;
+        whatever query the buffer holds: the time does not depend on its values)."""
+        ops = self.passes.ops(layer, plan, n_used, n_used, 1.0 / float(np.sqrt(self.layout.head_dim)))
+        rec = Recording(self.device, ops, timestamps=True, what=f"timing a plan of layer {layer}")
+        try:
+            times = []
+            for _ in range(T.REPEATS):
+                rec.run()
+                times.append(rec.core_seconds())
+            return None if None in times else min(times)
+        finally:
+            rec.free()
 
     def splits(self, n_used: int, layer: int | None) -> tuple[int, int]:
         """(splits per KV head, tokens per split) of an attention over n_used cached tokens."""

@@ -160,8 +160,8 @@ class PassBuilder:
         buf = att.arena.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
-        local = att.flash_local(layer)
-        kernel = self._kernel(("flash", layer), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
+        local = plan.local or att.flash_local(layer)
+        kernel = self._kernel(("flash", layer, local), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
                               lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1,
                               ROW_HALF=int(k.half), ROW_Q8=int(k.q8))
         op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
@@ -176,8 +176,9 @@ class PassBuilder:
         table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table], att.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
                                n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(att.table)]
-        hb, local = att.flash_coded_config(layer)
-        kernel = self._kernel(("flash_coded", layer), "attend_flash_coded",
+        hb, default = att.flash_coded_config(layer)
+        local = plan.local or default
+        kernel = self._kernel(("flash_coded", layer, local), "attend_flash_coded",
                               [buf, buf, att.table, att.q, att.accs, att.stats],
                               n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,

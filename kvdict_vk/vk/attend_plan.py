@@ -117,6 +117,7 @@ class Plan:
     split_len: int
     fresh_splits: int = 0  # table path in a step: attend_direct over [n_cached, n_used)
     fresh_len: int = 0
+    local: int = 0  # flash: invocations per workgroup (0: the kernel's default for the layer)
 
     @property
     def records(self) -> int:

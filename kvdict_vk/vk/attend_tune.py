@@ -1,0 +1,76 @@
+"""The flash kernels' launch shape chosen by measurement on the device (GPUs).
+
+attend_flash and attend_flash_coded take two free parameters: the workgroup size (tokens
+per chunk) and how many workgroups an attention launches (splits × KV heads × head blocks).
+Which pair is fastest depends on the GPU (multiprocessors, registers, shared memory per
+multiprocessor — Vulkan core reports none of the first two), on the layer's format and on
+the context: on an H200, 256-invocation workgroups won over 3 × 3 heads at 131 072 tokens
+while 128-invocation ones won over 8 × 4 heads, and the best workgroup count moved with
+n_used (one probe run, the session's closing note). So the first attention over a layer in
+each context bucket (n_used rounded up to a power of two) times every candidate pair on
+the device's timestamps and keeps the fastest — per process, for every arena of the same
+device and layer signature, so an engine pays it once per bucket (a few milliseconds).
+
+CPU drivers (llvmpipe) do not tune: they do not plan the flash kernels by default, and
+their fixed choice is what the tests pin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_BUCKET = 1024
+REPEATS = 3  # timed runs per candidate (the minimum is kept: noise only adds time)
+WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
+CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per workgroup is larger)
+
+# (device name, layer signature, n_kv, group, head_dim, n_atoms, bucket) → (local, workgroups)
+_CHOICES: dict[tuple, tuple[int, int]] = {}
+
+
+def bucket(n_used: int) -> int:
+    """The context bucket of n_used: the next power of two, at least MIN_BUCKET."""
+    b = MIN_BUCKET
+    while b < n_used:
+        b *= 2
+    return b
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One flash launch shape: invocations per workgroup, workgroups per attention."""
+    local: int
+    workgroups: int
+
+
+def signature(att, layer: int, n_used: int) -> tuple:
+    lay = att.layout
+    k, v = lay.layers[layer].streams
+    fmt = tuple((st.coded, st.sparsity, st.residual_bits, st.rows, st.n_dict_heads) for st in (k, v))
+    return (att.device.name, fmt, lay.n_kv_heads, att.group, lay.head_dim, lay.n_atoms, bucket(n_used))
+
+
+def candidates(locals_: list[int], coded: bool) -> list[Shape]:
+    return [Shape(n, w) for n in locals_ for w in (CODED_WORKGROUPS if coded else WORKGROUPS)]
+
+
+def choose(att, layer: int, n_used: int, locals_: list[int], coded: bool, time_shape) -> Shape:
+    """The fastest shape for this (device, layer signature, bucket), measured on first use:
+    ``time_shape(shape) -> seconds`` runs the attention over ``layer`` at n_used in that
+    shape (None when the device cannot time it: then the first candidate, untimed)."""
+    key = signature(att, layer, n_used)
+    if key in _CHOICES:
+        return Shape(*_CHOICES[key])
+    best, best_s = None, None
+    for shape in candidates(locals_, coded):
+        s = time_shape(shape)
+        if s is None:
+            return candidates(locals_, coded)[0]
+        if best_s is None or s < best_s:
+            best, best_s = shape, s
+    _CHOICES[key] = (best.local, best.workgroups)
+    return best
+
+
+def measured() -> dict:
+    """What the tuner chose in this process (for reports): {signature: (local, workgroups)}."""
+    return dict(_CHOICES)
