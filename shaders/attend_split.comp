@@ -2,9 +2,7 @@
 // Decode attention, pass 1: one invocation per (KV head g, head block, split i) writes the
 // split's stats and accumulators (attend_common.glsl) for its HB query heads.
 //
-// CODED = 0 — the f32 cache (the baseline): K and V rows of HEAD_DIM floats; one pass with
-//   the online softmax (running maximum, rescaling the accumulator when it grows).
-// CODED = 1 — the dict-coded cache, never materialising K or V. Each stream is dict-coded
+// The dict-coded cache (the table path), never materialising K or V. Each stream is dict-coded
 //   (K_CODED / V_CODED, slots of docs/FORMAT.md, sparsity in the push constants) or
 //   passthrough (f32 rows).
 //   Keys: score = scale * q.k = scale * (q.mean + sum_j c_j * (q.atom[idx_j]) + q.r): q.atom
@@ -34,14 +32,10 @@
 #include "common.glsl"
 #include "attend_common.glsl"
 
-#if CODED
 layout(constant_id = 4) const uint K_CODED = 0u;  // 0: K is passthrough (f32 rows)
 layout(constant_id = 5) const uint K_BITS = 0u;   // residual bits of K (0: none)
 layout(constant_id = 6) const uint V_CODED = 0u;
 layout(constant_id = 7) const uint V_BITS = 0u;
-#else
-const uint K_CODED = 0u, K_BITS = 0u, V_CODED = 0u, V_BITS = 0u;
-#endif
 const uint K_LEVEL_WORDS = (HEAD_DIM * K_BITS + 31u) / 32u;
 const uint V_LEVEL_WORDS = (HEAD_DIM * V_BITS + 31u) / 32u;
 const uint MAX_LEVEL_WORDS = K_LEVEL_WORDS > V_LEVEL_WORDS ? K_LEVEL_WORDS : V_LEVEL_WORDS;
@@ -50,14 +44,10 @@ layout(std430, binding = 0) readonly buffer LayerWords { uint layer_words[]; };
 layout(std430, binding = 1) readonly buffer LayerQuads { uvec4 layer_quads[]; };
 layout(std430, binding = 2) readonly buffer Query { vec4 q_quads[]; };
 layout(std430, binding = 3) writeonly buffer Accs { vec4 accs[]; };
-#if CODED
 layout(std430, binding = 4) buffer Stats { float stats[]; };
 layout(std430, binding = 5) readonly buffer Table { float table[]; };
 layout(std430, binding = 6) buffer Bins { float bins[]; };
 layout(std430, binding = 7) buffer Scores { float scores[]; };
-#else
-layout(std430, binding = 4) writeonly buffer Stats { float stats[]; };
-#endif
 
 layout(push_constant) uniform AttendSplitPush {
     uint k_word;        // start of the layer's K region (slots or f32 rows)
@@ -81,7 +71,6 @@ void load_row(uint word, out vec4 row[Q4]) {  // word: a multiple of 4
         row[c] = uintBitsToFloat(layer_quads[(word >> 2u) + c]);
 }
 
-#if CODED
 uint slot_words(uint sparsity, uint level_words, uint bits) {
     return sparsity + level_words + (bits + 7u) / 8u;
 }
@@ -101,7 +90,6 @@ void residual_levels(uint word, uint bits, uint level_words, out vec4 d[Q4]) {
             d[c][k] = float(residual_level(lw[bit >> 5u], lw[(bit >> 5u) + 1u], bit & 31u, bits)) - half_;
         }
 }
-#endif
 
 void main() {
     uint items = pc.n_kv * N_HB * pc.n_splits;
@@ -122,32 +110,6 @@ void main() {
         [[unroll]] for (uint x = 0u; x < BQ; ++x)
             acc[x] = vec4(0.0);
 
-#if CODED == 0
-        // --- f32 cache: one pass, online softmax ---------------------------------------------
-        [[unroll]] for (uint x = 0u; x < BQ; ++x)
-            q[x] = q_quads[(g * GROUP + hj0) * Q4 + x];
-        uint k_base = pc.k_word + g * pc.n_ctx * HEAD_DIM;
-        uint v_base = pc.v_word + g * pc.n_ctx * HEAD_DIM;
-        for (uint t = t0; t < t1; ++t) {
-            load_row(k_base + t * HEAD_DIM, row);
-            float p[HB], corr[HB];
-            [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
-                float s = 0.0;
-                [[unroll]] for (uint c = 0u; c < Q4; ++c)
-                    s += dot(q[hj * Q4 + c], row[c]);
-                s *= pc.score_scale;
-                float m_new = max(m[hj], s);
-                corr[hj] = exp(m[hj] - m_new);  // 0 for the first token (m = -inf)
-                p[hj] = exp(s - m_new);
-                l[hj] = l[hj] * corr[hj] + p[hj];
-                m[hj] = m_new;
-            }
-            load_row(v_base + t * HEAD_DIM, row);
-            [[unroll]] for (uint hj = 0u; hj < HB; ++hj)
-                [[unroll]] for (uint c = 0u; c < Q4; ++c)
-                    acc[hj * Q4 + c] = acc[hj * Q4 + c] * corr[hj] + p[hj] * row[c];
-        }
-#else
         uint k_row = K_CODED > 0u ? slot_words(pc.k_sparsity, K_LEVEL_WORDS, K_BITS) : HEAD_DIM;
         uint v_row = V_CODED > 0u ? slot_words(pc.v_sparsity, V_LEVEL_WORDS, V_BITS) : HEAD_DIM;
         uint k_base = pc.k_word + g * pc.n_ctx * k_row;
@@ -250,7 +212,6 @@ void main() {
             [[unroll]] for (uint x = 0u; x < BQ; ++x)
                 acc[x] *= row[x % Q4];
         }
-#endif
         uint rec = record(i, g, pc.n_kv) + hj0;
         [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
             stats[(rec + hj) * 2u] = m[hj];

@@ -403,6 +403,7 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     nothing, another bucket measures again, and the tuned attention is still exact."""
     from kvdict_vk.vk import attend_tune as T
     monkeypatch.setattr(T, "_CHOICES", {})
+    monkeypatch.setattr(T, "WARM_S", 0.0)
     rng = np.random.default_rng(13)
     hd, n_kv, g, n_ctx = 64, 2, 2, 3000
     art = random_artifact(rng, hd, 256, [((4, 4), (4, 3))], n_heads=n_kv) if coded else None

@@ -112,12 +112,11 @@ def _check(cond: bool, what: str, p) -> None:
         raise E.DispatchError(f"{what}: push constants {p} are inconsistent")
 
 
-def _split_extents(p, s, coded: bool):
+def _split_extents(p, s):
     hd, g, n_kv, used, n_splits = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], p["n_splits"]
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and n_splits >= 1 and p["split_len"] >= 1
            and n_splits * p["split_len"] >= used and g % s["HB"] == 0, "attend_split", p)
-    kc, kb = (s["K_CODED"], s["K_BITS"]) if coded else (0, 0)
-    vc, vb = (s["V_CODED"], s["V_BITS"]) if coded else (0, 0)
+    kc, kb, vc, vb = s["K_CODED"], s["K_BITS"], s["V_CODED"], s["V_BITS"]
     _check((not kc or p["k_sparsity"] >= 1) and (not vc or p["v_sparsity"] >= 1)
            and (not (kc or vc) or p["n_atoms"] >= 1), "attend_split", p)
     words, quads = [], []
@@ -129,8 +128,6 @@ def _split_extents(p, s, coded: bool):
             quads.append(_vec_span(word, n_kv, p["head_vec"], hd))
     sizes = Sizes(n_kv, g, hd, p["n_atoms"], p["n_ctx"], n_splits)
     common = [words, quads, [_span(0, sizes.out)], [_span(0, sizes.accs)], [_span(0, 2 * sizes.records)]]
-    if not coded:
-        return common
     table = [_span(0, sizes.table)] if kc else []
     bins = [_span(0, sizes.bins)] if vc else []
     return common + [table, bins, [_span(0, sizes.scores)]]
@@ -270,11 +267,9 @@ def shader_specs(shader_spec) -> dict:
     optional = tuple((n, 0) for n in CODED_SPEC[4:])  # 0 = passthrough stream / no residual
     specs = [
         # layer words, layer quads, query, accs, stats [, table, bins, scores]
-        shader_spec("attend_split_f32", L.ATTEND_SPLIT_PUSH, (1, 4, 4, 4, 1), (False, False, False, True, True),
-                    SPEC, lambda p, s: _split_extents(p, s, False)),
         shader_spec("attend_split_coded", L.ATTEND_SPLIT_PUSH, (1, 4, 4, 4, 1, 1, 1, 1),
                     (False, False, False, True, True, False, True, True), CODED_SPEC,
-                    lambda p, s: _split_extents(p, s, True), optional_spec=optional),
+                    _split_extents, optional_spec=optional),
         shader_spec("attend_table", L.ATTEND_TABLE_PUSH, (4, 4, 1), (False, False, True), SPEC, _table_extents),
         shader_spec("attend_combine", L.ATTEND_COMBINE_PUSH, (1,), (True,), SPEC, _combine_extents),
         shader_spec("attend_atoms", L.ATTEND_ATOMS_PUSH, (4, 1, 1, 4), (False, False, True, True), SPEC,

@@ -47,8 +47,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "read_rows_f16": ("read_rows_f16.comp", {}),
     "read_rows_q8": ("read_rows_q8.comp", {}),
     # decode attention (kvdict_vk/vk/attend.py): f32 cache / dict-coded cache
-    "attend_split_f32": ("attend_split.comp", {"CODED": 0}),
-    "attend_split_coded": ("attend_split.comp", {"CODED": 1}),
+    "attend_split_coded": ("attend_split.comp", {}),
     **{name: (f"{name}.comp", {}) for name in ("attend_table", "attend_combine", "attend_atoms", "attend_reduce",
                                                "attend_direct", "attend_merge", "attend_merge_head", "attend_flash",
                                                "attend_flash_coded")},
