@@ -46,7 +46,9 @@ const uint K_ARR = K_SPARSITY + K_LEVEL_WORDS + 2u;
 const uint V_ARR = V_SPARSITY + V_STAGE + 1u;
 const uint VQ = HEAD_DIM / 4u;       // element quads of a head vector
 const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms passes (host: >= 1)
-const uint UNROLL = 8u;              // atom rows loaded together at the end (latency)
+const uint UNROLL = 16u;             // atom rows loaded together at the end (latency)
+const uint TABLE_ROUNDS = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // table words per invocation
+const uint V_ADDS = V_SPARSITY * HB;  // weight additions per token
 const float GROW_MARGIN = 8.0;       // probabilities stay ≤ e^8 between rescales
 const uint MANTISSA_22 = 0x4A800000u;  // 2^22 as float bits
 
@@ -124,9 +126,12 @@ void main() {
         uint t0 = i * pc.split_len;
         uint t1 = min(t0 + pc.split_len, pc.n_used);
 
-        for (uint x = tid; x < HB * N_ATOMS; x += LOCAL) {
-            tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // rows h0 .. h0+HB-1
-            bins_sh[x] = 0u;
+        [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
+            uint x = tid + r * LOCAL;
+            if (x < HB * N_ATOMS) {
+                tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // rows h0 .. h0+HB-1
+                bins_sh[x] = 0u;
+            }
         }
         for (uint x = tid; x < HB * VQ; x += LOCAL) {
             vec4 qv, rs = vec4(0.0);
@@ -237,14 +242,28 @@ void main() {
                 l[h] += p[h];
             }
             if (live) {
+                // every addition tried once, all together (independent shared-memory round
+                // trips, not one compare-and-swap loop after another); the few that lost a race
+                // (another invocation, or this one's own code word for the same atom) retry
+                uint idx[V_ADDS], seen[V_ADDS];
+                float add[V_ADDS];
                 [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j) {
                     uint a = code_atom(vc[j]);
-                    if (a < N_ATOMS) {
-                        float c = code_coef(vc[j]);
-                        [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            bin_add(h * N_ATOMS + a, p[h] * c);
+                    float c = a < N_ATOMS ? code_coef(vc[j]) : 0.0;
+                    [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                        idx[j * HB + h] = h * N_ATOMS + (a < N_ATOMS ? a : 0u);
+                        add[j * HB + h] = p[h] * c;  // out of range: adds 0, changes nothing
                     }
                 }
+                [[unroll]] for (uint x = 0u; x < V_ADDS; ++x)
+                    seen[x] = bins_sh[idx[x]];
+                uint was[V_ADDS];
+                [[unroll]] for (uint x = 0u; x < V_ADDS; ++x)  // no attempt waits for another's result
+                    was[x] = atomicCompSwap(bins_sh[idx[x]], seen[x],
+                                            floatBitsToUint(uintBitsToFloat(seen[x]) + add[x]));
+                [[unroll]] for (uint x = 0u; x < V_ADDS; ++x)
+                    if (was[x] != seen[x])
+                        bin_add(idx[x], add[x]);
                 if (V_BITS > 0u) {
                     float step_ = uintBitsToFloat(vc[V_SPARSITY + V_LEVEL_WORDS]);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
