@@ -34,7 +34,7 @@ const uint ROW_QUADS = ROW_WORDS / 4u;  // f16 / f32 rows: HEAD_DIM % 8 == 0 / %
 const uint UNIT_DIMS = ROW_Q8 > 0u ? 4u : (ROW_HALF > 0u ? 8u : 4u);
 const uint UNITS = HEAD_DIM / UNIT_DIMS;  // units of a row; LOCAL % UNITS == 0 (host)
 const uint VLANES = LOCAL / UNITS;        // token lanes of the value pass
-const uint VBATCH = UNITS < 8u ? UNITS : 8u;  // value units per invocation loaded together
+const uint VBATCH = UNITS < 16u ? UNITS : 16u;  // value units per invocation loaded together
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
 const float GROW_MARGIN = 8.0;
 
@@ -134,7 +134,7 @@ void main() {
                 s[h] = 0.0;
             uint base = k_base + (c0 + min(tid, n - 1u)) * ROW_WORDS;
             if (ROW_Q8 > 0u) {
-                for (uint blk = 0u; blk < HEAD_DIM / 32u; ++blk) {
+                [[unroll]] for (uint blk = 0u; blk < HEAD_DIM / 32u; ++blk) {
                     float d = unpackHalf2x16(cache_words[base + blk / 2u])[blk % 2u];
                     [[unroll]] for (uint u = 0u; u < 8u; ++u) {
                         uint c = blk * 8u + u;  // value word c: elements 4c .. 4c+3

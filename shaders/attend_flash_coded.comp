@@ -48,7 +48,11 @@ const uint VQ = HEAD_DIM / 4u;       // element quads of a head vector
 const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms passes (host: >= 1)
 const uint UNROLL = 16u;             // atom rows loaded together at the end (latency)
 const uint TABLE_ROUNDS = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // table words per invocation
-const uint V_ADDS = V_SPARSITY * HB;  // weight additions per token
+// 1: each invocation loads its next chunk's slots while this chunk computes (latency hidden
+// within the workgroup, at ~K_ROW + V_ROW more registers: fewer workgroups per multiprocessor)
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
 const float GROW_MARGIN = 8.0;       // probabilities stay ≤ e^8 between rescales
 const uint MANTISSA_22 = 0x4A800000u;  // 2^22 as float bits
 
@@ -156,6 +160,7 @@ void main() {
         uint k_base = pc.k_word + g * pc.n_ctx * K_ROW;
         uint v_base = pc.v_word + g * pc.n_ctx * V_ROW;
         uint kw[K_ARR], vw[V_ARR];  // the next token's slots (past the split's end: unused)
+#if PREFETCH
         {
             uint t = min(t0 + tid, t1 - 1u);
             [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
@@ -163,12 +168,14 @@ void main() {
             [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
                 vw[r] = cache_words[v_base + t * V_ROW + r];
         }
+#endif
         barrier();  // the table, weights and queries are in shared memory
 
         for (uint c0 = t0; c0 < t1; c0 += LOCAL) {
             uint n = min(LOCAL, t1 - c0);
             bool live = tid < n;
             uint kc[K_ARR], vc[V_ARR];
+#if PREFETCH
             [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
                 kc[r] = kw[r];
             [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
@@ -180,6 +187,15 @@ void main() {
                 [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
                     vw[r] = cache_words[v_base + t * V_ROW + r];
             }
+#else
+            {
+                uint t = min(c0 + tid, t1 - 1u);
+                [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
+                    kc[r] = cache_words[k_base + t * K_ROW + r];
+                [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
+                    vc[r] = cache_words[v_base + t * V_ROW + r];
+            }
+#endif
 
             // 1. this invocation's key: its scores
             float s[HB];
@@ -242,28 +258,24 @@ void main() {
                 l[h] += p[h];
             }
             if (live) {
-                // every addition tried once, all together (independent shared-memory round
-                // trips, not one compare-and-swap loop after another); the few that lost a race
-                // (another invocation, or this one's own code word for the same atom) retry
-                uint idx[V_ADDS], seen[V_ADDS];
-                float add[V_ADDS];
+                // a code word's HB additions tried together (independent shared-memory round
+                // trips, not one compare-and-swap loop after another); one that lost a race
+                // (another invocation's addition to the same weight) retries
                 [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j) {
                     uint a = code_atom(vc[j]);
-                    float c = a < N_ATOMS ? code_coef(vc[j]) : 0.0;
-                    [[unroll]] for (uint h = 0u; h < HB; ++h) {
-                        idx[j * HB + h] = h * N_ATOMS + (a < N_ATOMS ? a : 0u);
-                        add[j * HB + h] = p[h] * c;  // out of range: adds 0, changes nothing
+                    if (a < N_ATOMS) {
+                        float c = code_coef(vc[j]);
+                        uint seen[HB], was[HB];
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            seen[h] = bins_sh[h * N_ATOMS + a];
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            was[h] = atomicCompSwap(bins_sh[h * N_ATOMS + a], seen[h],
+                                                    floatBitsToUint(uintBitsToFloat(seen[h]) + p[h] * c));
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            if (was[h] != seen[h])
+                                bin_add(h * N_ATOMS + a, p[h] * c);
                     }
                 }
-                [[unroll]] for (uint x = 0u; x < V_ADDS; ++x)
-                    seen[x] = bins_sh[idx[x]];
-                uint was[V_ADDS];
-                [[unroll]] for (uint x = 0u; x < V_ADDS; ++x)  // no attempt waits for another's result
-                    was[x] = atomicCompSwap(bins_sh[idx[x]], seen[x],
-                                            floatBitsToUint(uintBitsToFloat(seen[x]) + add[x]));
-                [[unroll]] for (uint x = 0u; x < V_ADDS; ++x)
-                    if (was[x] != seen[x])
-                        bin_add(idx[x], add[x]);
                 if (V_BITS > 0u) {
                     float step_ = uintBitsToFloat(vc[V_SPARSITY + V_LEVEL_WORDS]);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)

@@ -418,15 +418,16 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
 
     def fake_time(layer, n_used, plan):  # the device's "measurement": the favourite is fastest
         timed.append((plan.local, plan.n_splits))
-        return 1e-3 if plan.local == favourite.local and len(timed) % len(T.WORKGROUPS) == 0 else 2e-3
+        return 1e-3 - 1e-7 * plan.n_splits if plan.local == favourite.local else 2e-3
     monkeypatch.setattr(att, "time_plan", fake_time)
     import kvdict_vk.vk.attend as A
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     p = att.plan(0, 1500)
-    assert len(timed) == len(shapes) and p.local == favourite.local
-    assert att.plan(0, 2000).local == favourite.local and len(timed) == len(shapes)  # same bucket (2048)
+    assert len(timed) == T.ROUNDS * len(shapes) and p.local == favourite.local
+    assert p.n_splits == max(n for local, n in timed if local == favourite.local)
+    assert att.plan(0, 2000).local == favourite.local and len(timed) == T.ROUNDS * len(shapes)  # same bucket
     att.plan(0, 3000)
-    assert len(timed) == 2 * len(shapes)  # bucket 4096: measured again
+    assert len(timed) == 2 * T.ROUNDS * len(shapes)  # bucket 4096: measured again
     assert len(T.measured()) == 2
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     _check(arena, stored, 0, q, 1500)
