@@ -184,9 +184,42 @@ def test_encoder_choice(make_arena, activate, monkeypatch):
     monkeypatch.setenv(A.ENCODER_ENV, "GPU")
     assert make_arena(1, 1, 8, 4).encoder == "gpu"
     monkeypatch.delenv(A.ENCODER_ENV)
-    assert make_arena(1, 1, 8, 4).encoder == "cpu"
+    assert make_arena(1, 1, 8, 4).encoder == "auto"
     with pytest.raises(E.ArenaError, match="encoder"):
         make_arena(1, 1, 8, 4, encoder="tpu")
+
+
+def test_auto_encoder_is_measured_once_per_format_and_batch(make_arena, activate, monkeypatch):
+    """encoder="auto": the CPU codec on a CPU driver without a measurement; on a GPU (here
+    lavapipe posing as one) both encoders timed on the first append of each (format, batch
+    bucket), the faster kept — the choice follows the measurement, is not measured again,
+    and the slots either way reconstruct like the codec's."""
+    from kvdict_vk.vk import encode_choice as C
+    from kvdict_vk.vk.device import Device
+    monkeypatch.setattr(C, "_CHOICES", {})
+    hd, n_kv, n_ctx = 32, 2, 400
+    rng = np.random.default_rng(52)
+    activate(random_artifact(rng, hd, 64, [((4, 4), (4, 0))], n_heads=n_kv))
+    arena = make_arena(1, n_kv, hd, n_ctx, encoder="auto")
+    k, v = _rows(rng, n_kv, 100, hd), _rows(rng, n_kv, 100, hd)
+    arena.append(0, k, v)
+    assert C.measured() == {}  # lavapipe: the codec, no measurement
+    monkeypatch.setattr(Device, "is_cpu", property(lambda self: False))
+    calls = []
+    monkeypatch.setattr(C, "_measure", lambda *a: calls.append(a) or "gpu")
+    arena.append(0, k, v)
+    arena.append(0, k[:, :90], v[:, :90])  # the same bucket (≤ 128 tokens): no measurement
+    arena.append(0, k[:, :1], v[:, :1])    # a decode-sized append: measured for its bucket
+    assert len(calls) == 2 and set(C.measured().values()) == {"gpu"}
+    monkeypatch.undo()
+    monkeypatch.setattr(C, "_CHOICES", {})
+    monkeypatch.setattr(Device, "is_cpu", property(lambda self: False))
+    choice = C.choose(arena, 0, (k, v))  # the real measurement: both encoders run
+    assert choice in ("cpu", "gpu") and len(C.measured()) == 1
+    monkeypatch.undo()
+    want = np.concatenate([k, k, k[:, :90], k[:, :1]], 1)
+    got, _ = arena.read(0)
+    assert nmse(want, got) <= 2 * nmse(want[:, :100], got[:, :100]) + 1e-6
 
 
 @pytest.mark.parametrize("mapping", ["row", "chunk"])

@@ -23,6 +23,7 @@ from .. import layout as L
 from .device import Device, get_device, kp
 from .kernels import Buffer, Kernel, barrier, run
 from .attend import Attention, check_query
+from . import encode_choice
 from .reader import ReadPlan
 
 SMALL_SCATTER_TOKENS = 4  # appends up to this many tokens use the small scatter pipeline
@@ -30,8 +31,8 @@ UPLOAD_CAP_WORDS = 1 << 20  # host-visible upload buffer, at most (4 MiB); large
 OUT_MIN_WORDS = 1 << 14  # smallest read-back buffer class (64 KiB) …
 OUT_CLASS_STEP = 8  # … then ×8 per class, so a read copies back at most ~8× what it returns
 OUT_CAP_WORDS = 1 << 24  # … up to 64 MiB (and the device limits); larger reads are chunked
-ENCODERS = ("cpu", "gpu")
-ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu" or "gpu"
+ENCODERS = ("cpu", "gpu", "auto")
+ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu", "gpu" or "auto"
 GPU_ENCODE_BATCH = 1024  # vectors per GPU-encoder submission (bounds its work buffers to ~1–2 MiB)
 
 
@@ -61,15 +62,16 @@ class KvArena:
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
-        where appends run OMP — "cpu" (codec, the reference) or "gpu" (kvdict_vk.vk.encoder,
-        slots written straight into the layer); None reads $KVDICT_VK_ENCODER, default "cpu"
-        (on llvmpipe the CPU codec is the faster of the two: `kvdict-bench encode`).
+        where appends run OMP — "cpu" (codec, the reference), "gpu" (kvdict_vk.vk.encoder,
+        slots written straight into the layer) or "auto" (the faster of the two, measured on
+        a GPU per format and batch size; the codec on CPU drivers: kvdict_vk.vk.encode_choice);
+        None reads $KVDICT_VK_ENCODER, default "auto".
         ``cache``: None — the runtime switch decides: the dict-coded cache when a dictionary
         is active, else the uncoded cache in $KVDICT_VK_CACHE's row format ("f16" default,
         or "f32"); "dict" requires an active dictionary; "f16" / "f32" give that uncoded
         cache whatever the switch says."""
         if encoder is None:
-            encoder = os.environ.get(ENCODER_ENV, "").strip().lower() or "cpu"
+            encoder = os.environ.get(ENCODER_ENV, "").strip().lower() or "auto"
         if encoder not in ENCODERS:
             raise E.ArenaError(f"encoder must be one of {ENCODERS} (or ${ENCODER_ENV}), got {encoder!r}")
         self.encoder = encoder
@@ -287,18 +289,25 @@ class KvArena:
         dictionary); only the new slots go to the device. Returns the layer's new token count."""
         i = self._layer_index(layer)
         rows = self._new_rows(i, k_rows, v_rows)
-        if self._gpu_encodes(i):
+        if self._gpu_encodes(i, rows):
             return self._append_gpu(i, rows)
         return self._append_words(i, *self._encode(i, rows))
 
-    def _gpu_encodes(self, layer: int) -> bool:
-        return self.encoder == "gpu" and any(st.coded for st in self.layout.layers[layer].streams)
+    def _gpu_encodes(self, layer: int, rows) -> bool:
+        if not any(st.coded for st in self.layout.layers[layer].streams) or self.encoder == "cpu":
+            return False
+        return self.encoder == "gpu" or encode_choice.choose(self, layer, rows) == "gpu"
 
-    def _gpu_encoder(self, layer: int, st: L.StreamLayout):
+    def stream_dict(self, layer: int, stream: str):
+        """The dictionary (codec.StreamDict) a coded stream ("k" / "v") of ``layer`` encodes with."""
+        return self._art.stream(layer, stream == "k")
+
+    def gpu_encoder(self, layer: int, st: L.StreamLayout):
+        """The GPU OMP encoder of a coded stream (made on first use, freed with the arena)."""
         key = (layer, st.stream)
         if key not in self._encoders:
             from .encoder import GpuEncoder
-            self._encoders[key] = GpuEncoder(self.device, self._art.stream(layer, st.stream == "k"),
+            self._encoders[key] = GpuEncoder(self.device, self.stream_dict(layer, st.stream),
                                              max_batch=GPU_ENCODE_BATCH)
         return self._encoders[key]
 
@@ -310,7 +319,7 @@ class KvArena:
         n_ctx, buf = self.layout.n_ctx, self._layers[layer]
         for r, st in zip(rows, self.layout.layers[layer].streams):
             if st.coded and t_new:
-                self._gpu_encoder(layer, st).encode_into(buf, r, st.region_word, n_ctx, t0)
+                self.gpu_encoder(layer, st).encode_into(buf, r, st.region_word, n_ctx, t0)
         passthrough = [(L.row_words_of(r, st), st) for r, st in zip(rows, self.layout.layers[layer].streams)
                        if not st.coded]
         if passthrough and t_new:
@@ -331,7 +340,7 @@ class KvArena:
         words = []
         for r, st in zip(rows, self.layout.layers[layer].streams):
             if st.coded:
-                words.append(codec.encode_heads(r, self._art.stream(layer, st.stream == "k")))
+                words.append(codec.encode_heads(r, self.stream_dict(layer, st.stream)))
             else:
                 words.append(L.row_words_of(r, st))
         return words
@@ -437,7 +446,7 @@ class KvArena:
         t0, t_new = self._n_tokens[i], rows[0].shape[1]
         q, n_used, scale = check_query(self.layout, q, max(t0 + t_new, 1), t0 + t_new, scale)
         att = self.attention(q.shape[0])
-        if self._gpu_encodes(i):
+        if self._gpu_encodes(i, rows):
             self._append_gpu(i, rows)  # the slots are made on the device: two submissions
             return att.attend(i, q, n_used, scale)
         k_words, v_words = self._encode(i, rows)  # after every check: OMP is the expensive part

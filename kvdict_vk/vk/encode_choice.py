@@ -1,0 +1,62 @@
+"""Which encoder writes an arena's coded streams: the CPU codec or the GPU OMP encoder,
+chosen by measurement where it can go either way.
+
+KvArena(encoder="auto") — the default unless $KVDICT_VK_ENCODER says "cpu" or "gpu" — asks
+here on a coded layer's append. On a CPU driver the answer is the CPU codec without a
+measurement: there the "GPU" is the same cores behind a per-lane loop, and the committed
+figures have the codec an order of magnitude ahead (docs/results/lavapipe: `kvdict-bench
+encode`). On a GPU it depends on the format and the batch — the committed H200 figures have
+the GPU encoder ahead with a residual stage and behind without one — so the first append
+of each (device, stream format, batch-size bucket) times both on a sample of the rows being
+appended (the GPU once untimed first: pipelines, clocks) and keeps the faster, per process.
+"""
+from __future__ import annotations
+
+import time
+
+SAMPLE_TOKENS = 256  # tokens per KV head timed (at most: an append of fewer times all it has)
+
+# (device name, format of the layer's coded streams, batch bucket) → "cpu" | "gpu"
+_CHOICES: dict[tuple, str] = {}
+
+
+def _bucket(n_tokens: int) -> int:
+    b = 1
+    while b < min(n_tokens, SAMPLE_TOKENS):
+        b *= 2
+    return b
+
+
+def choose(arena, layer: int, rows) -> str:
+    """"cpu" or "gpu" for appending ``rows`` ((K, V), each (n_kv, T, head_dim) float32) to
+    ``layer`` of ``arena`` (which has coded streams)."""
+    if arena.device.is_cpu:
+        return "cpu"
+    lay = arena.layout.layers[layer]
+    coded = [(st, r) for st, r in zip(lay.streams, rows) if st.coded]
+    fmt = tuple((st.stream, st.sparsity, st.residual_bits, st.n_dict_heads) for st, _ in coded)
+    key = (arena.device.name, fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
+    if key not in _CHOICES:
+        _CHOICES[key] = _measure(arena, layer, coded)
+    return _CHOICES[key]
+
+
+def _measure(arena, layer: int, coded) -> str:
+    from .. import codec
+    cpu = gpu = 0.0
+    for st, r in coded:
+        sample = r[:, :SAMPLE_TOKENS]
+        d, enc = arena.stream_dict(layer, st.stream), arena.gpu_encoder(layer, st)
+        t = time.perf_counter()
+        codec.encode_heads(sample, d)
+        cpu += time.perf_counter() - t
+        enc.encode(sample)  # untimed: pipelines made, clocks up
+        t = time.perf_counter()
+        enc.encode(sample)
+        gpu += time.perf_counter() - t
+    return "gpu" if gpu < cpu else "cpu"
+
+
+def measured() -> dict:
+    """What was chosen in this process (for reports)."""
+    return dict(_CHOICES)
