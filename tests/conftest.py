@@ -218,11 +218,16 @@ def activate():
 @pytest.fixture
 def make_arena(vk_device):
     """make_arena(n_layers, n_kv, head_dim, n_ctx, guard_words=64): a guarded arena whose
-    guards are verified, and which is freed, after the test."""
+    guards are verified, and which is freed, after the test. Its appends encode with the CPU
+    codec — what the tests compare against — unless the test (or $KVDICT_VK_ENCODER) names
+    an encoder: "auto" would pick the GPU encoder on some GPUs, whose ties may differ."""
     from kvdict_vk.vk import KvArena
+    from kvdict_vk.vk.arena import ENCODER_ENV
     made = []
 
     def _make(*dims, guard_words: int = 64, **kw):
+        if "encoder" not in kw and not os.environ.get(ENCODER_ENV):
+            kw["encoder"] = "cpu"
         a = KvArena(*dims, device=vk_device, guard_words=guard_words, **kw)
         made.append(a)
         return a

@@ -184,7 +184,7 @@ def test_encoder_choice(make_arena, activate, monkeypatch):
     monkeypatch.setenv(A.ENCODER_ENV, "GPU")
     assert make_arena(1, 1, 8, 4).encoder == "gpu"
     monkeypatch.delenv(A.ENCODER_ENV)
-    assert make_arena(1, 1, 8, 4).encoder == "auto"
+    assert make_arena(1, 1, 8, 4, encoder=None).encoder == "auto"
     with pytest.raises(E.ArenaError, match="encoder"):
         make_arena(1, 1, 8, 4, encoder="tpu")
 
