@@ -39,3 +39,43 @@ def test_blas_pin_is_restored():
     with parallel.blas_threads(1):
         assert parallel.blas_thread_count() == 1
     assert parallel.blas_thread_count() == before
+
+
+_LEARN_SCRIPT = """
+import hashlib, os, sys
+import numpy as np
+from kvdict_vk.forge import pipeline as P
+def stream(seed):
+    rng = np.random.default_rng(seed)
+    basis = rng.standard_normal((40, 64))
+    return (rng.standard_normal((3, 3000, 40)) @ basis + 0.1 * rng.standard_normal((3, 3000, 64))).astype(np.float32)
+cfg = P.ForgeConfig(n_atoms=512, train_vectors=2500, iters=3, k_bits=4, v_bits=3)
+art = P.learn_artifact([(stream(1), stream(2))], cfg)
+print(hashlib.sha256(b"".join(a.tobytes() for pair in art.layers for d in pair
+                              for a in (d.atoms, d.mean, d.residual_scale))).hexdigest())
+"""
+
+
+def _bytes_hash_on(core: str, pin: str | None) -> str:
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", parallel.BLAS_CORE_ENV)}
+    env["OPENBLAS_CORETYPE"] = core  # this process's own OpenBLAS, as on a machine of that CPU
+    env["KVDICT_FORGE_WORKERS"] = "2"
+    if pin is not None:
+        env[parallel.BLAS_CORE_ENV] = pin
+    out = subprocess.run([sys.executable, "-c", _LEARN_SCRIPT], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_same_bytes_whatever_the_machines_blas_kernels():
+    """Two machines in one: the learning process's OpenBLAS on the Haswell and on the
+    Sandybridge kernels (OpenBLAS picks them by CPU). Learning runs on one pinned kernel set
+    (forge.parallel.learning_core), so the bytes agree; on each machine's own kernels
+    ("native") they differ for these vectors — what made learned atoms differ between
+    machines before."""
+    if parallel.learning_core() is None or "avx" not in parallel.cpu_flags():
+        pytest.fail("this CPU cannot run the pinned kernels (AVX2 + FMA): nothing to compare")
+    assert _bytes_hash_on("Haswell", None) == _bytes_hash_on("Sandybridge", None)
+    assert _bytes_hash_on("Haswell", "native") != _bytes_hash_on("Sandybridge", "native")

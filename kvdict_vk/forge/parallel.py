@@ -4,7 +4,9 @@ OMP is half BLAS (one GEMM per step, already multi-threaded) and half single-thr
 NumPy; two single-threaded workers keep both cores busy all the time instead. Each
 worker limits its OpenBLAS to one thread (via the library's own setter, found in the
 process's memory map — the same thing threadpoolctl does), so two workers don't run
-four threads on two cores.
+four threads on two cores, and every reduction runs in one order whatever the core count.
+The workers are fresh interpreters (forge.blas_worker) whose OpenBLAS loads one fixed
+kernel set (learning_core), so the bytes learned do not depend on the machine's CPU either.
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import ctypes
 import multiprocessing as mp
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import pickle
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
             "openblas_set_num_threads64_", "openblas_set_num_threads")
@@ -79,13 +84,50 @@ def blas_threads(n: int):
             limit_blas_threads(before)
 
 
+# OpenBLAS built with DYNAMIC_ARCH (numpy's wheels) picks its kernels by CPU at load time,
+# and kernel sets round differently: the same calibration vectors learned different atoms
+# under the Haswell and Sandybridge kernels on one machine (measured; OMP's discrete choices
+# amplify the last bits). So learning runs in processes started with OPENBLAS_CORETYPE set
+# to one kernel set — Haswell (AVX2 + FMA: every x86-64 of the last decade) by default —
+# and the bytes no longer depend on the machine. KVDICT_FORGE_BLAS_CORE names another set,
+# or "native" for the machine's own (faster on some CPUs, not reproducible across them).
+BLAS_CORE_ENV = "KVDICT_FORGE_BLAS_CORE"
+DEFAULT_BLAS_CORE = "Haswell"
+_CORE_NEEDS = {"Haswell": ("avx2", "fma"), "Sandybridge": ("avx",)}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def learning_core() -> str | None:
+    """The OpenBLAS kernel set learning runs on (None: the machine's own — asked for, or
+    the CPU cannot run the default's instructions)."""
+    want = os.environ.get(BLAS_CORE_ENV, "").strip() or DEFAULT_BLAS_CORE
+    if want.lower() == "native":
+        return None
+    needs = _CORE_NEEDS.get(want, ())
+    return want if set(needs) <= cpu_flags() else None
+
+
 def workers() -> int:
     return max(1, min(len(os.sched_getaffinity(0)), int(os.environ.get("KVDICT_FORGE_WORKERS", "2"))))
 
 
 def map_tasks(fn, tasks: list, progress=None) -> list:
-    """[fn(*t) for t in tasks], in worker processes when more than one core is allowed."""
-    n = workers()
+    """[fn(*t) for t in tasks], in worker processes started with OpenBLAS on learning_core()'s
+    kernels (spawned: the kernels are chosen when OpenBLAS loads) — or, on the machine's own
+    kernels, in this process when one core is allowed, else in forked workers."""
+    n, core = workers(), learning_core()
+    if core is not None:
+        return _run_workers(fn, tasks, progress, n, core)
     if n == 1 or len(tasks) < 2:
         out = []
         for i, t in enumerate(tasks):
@@ -101,4 +143,34 @@ def map_tasks(fn, tasks: list, progress=None) -> list:
             results[futures[fut]] = fut.result()
             if progress:
                 progress(done)
+    return results
+
+
+def _run_workers(fn, tasks: list, progress, n: int, core: str) -> list:
+    """The tasks in n fresh interpreters (forge.blas_worker) whose OpenBLAS loads ``core``'s
+    kernels, every n-th task to each; results in task order."""
+    if not tasks:
+        return []
+    groups = [list(enumerate(tasks))[w::n] for w in range(min(n, len(tasks)))]
+    env = {**os.environ, "OPENBLAS_CORETYPE": core}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+
+    def run(group):
+        proc = subprocess.run([sys.executable, "-m", "kvdict_vk.forge.blas_worker"], env=env,
+                              input=pickle.dumps((fn.__module__, fn.__name__, group)), capture_output=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"forge worker exited {proc.returncode}: {proc.stderr.decode()[-2000:]}")
+        out = pickle.loads(proc.stdout)
+        if isinstance(out, tuple) and out and out[0] == "error":
+            raise out[1]
+        return out
+    results, done = [None] * len(tasks), 0
+    with ThreadPoolExecutor(len(groups)) as pool:
+        for fut in as_completed([pool.submit(run, g) for g in groups]):
+            for i, r in fut.result():
+                results[i] = r
+                if progress:
+                    progress(done)
+                done += 1
     return results
