@@ -73,7 +73,8 @@ def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None 
     text; cached in cache_dir (keyed by the model, the texts and the sizes) when given."""
     cache = None
     if cache_dir:
-        key = hashlib.sha256(repr((load_model().sha256, calibration_files(), n_tokens, window)).encode())
+        key = hashlib.sha256(repr((load_model().sha256, calibration_files(), n_tokens, window,
+                                   parallel.learning_core())).encode())
         cache = os.path.join(cache_dir, f"calib-{key.hexdigest()[:16]}.npz")
         if os.path.exists(cache):
             with np.load(cache) as z:
@@ -83,14 +84,14 @@ def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None 
     for f in calibration_files():
         toks += tokenizer.encode(tokenizer.read_text(f))
     wins = llama.eval_windows(toks, window)[: max(1, -(-n_tokens // window))]
-    per_layer = None
-    for i, w in enumerate(wins):
-        t0 = time.perf_counter()
-        cap = llama.capture_kv(w)
-        pairs = [(k, v) for k, v, _ in cap]
-        per_layer = pairs if per_layer is None else [
-            (np.concatenate([a, k], 1), np.concatenate([b, v], 1)) for (a, b), (k, v) in zip(per_layer, pairs)]
-        log(f"calibration window {i + 1}/{len(wins)} captured ({time.perf_counter() - t0:.1f} s)")
+    # in the learning workers: the forward's float32 matmuls on the same pinned BLAS kernels
+    # as learning (forge.parallel), so the calibration vectors do not depend on the CPU
+    t0 = time.perf_counter()
+    caps = parallel.map_tasks(_capture_task, [(w,) for w in wins],
+                              lambda i: log(f"calibration window {i + 1}/{len(wins)} captured "
+                                            f"({time.perf_counter() - t0:.1f} s)"))
+    per_layer = [(np.concatenate([c[li][0] for c in caps], 1), np.concatenate([c[li][1] for c in caps], 1))
+                 for li in range(len(caps[0]))]
     if cache:
         os.makedirs(cache_dir, exist_ok=True)
         tmp = cache + ".tmp.npz"
@@ -119,6 +120,10 @@ def learn_head_stream(x: np.ndarray, cfg: ForgeConfig, k_not_v: bool, seed: int)
             scales.append(np.maximum(rms, 1e-3 * rms.max() + 1e-12))
     return StreamDict(np.stack(atoms), np.stack(means), None, s, bits,
                       np.stack(scales) if bits else None)
+
+
+def _capture_task(window):
+    return [(k, v) for k, v, _ in llama.capture_kv(window)]  # plain arrays travel
 
 
 def _learn_task(x, cfg, k_not_v, seed):
@@ -211,7 +216,8 @@ def make_cert(results: dict, cfg: ForgeConfig, sets: list, art: KvDictArtifact) 
         model=dict(name="SmolLM2-135M-Instruct", gguf_sha256=m.sha256, n_layers=c.n_layers,
                    n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim),
         producer=dict(PRODUCER, config=_jsonable(dataclasses.asdict(cfg)), config_key=config_key(cfg),
-                      bytes_per_vector=bytes_per_vector(art, c.head_dim)),
+                      bytes_per_vector=bytes_per_vector(art, c.head_dim),
+                      blas_core=parallel.learning_core() or "native"),  # the kernels it was learned on
         extra=dict(ci95=list(worst.ci95), worst_text=worst_name, windows=sum(len(es.windows) for es in sets),
                    window=cfg.window, gate_rule="upper end of the 95 % CI <= threshold on every text",
                    texts=per_text),
@@ -228,5 +234,6 @@ def _jsonable(d: dict) -> dict:
 
 def config_key(cfg: ForgeConfig) -> str:
     """Identity of what a config learns (for reuse of an artifact by the demo)."""
-    blob = repr(sorted(_jsonable(dataclasses.asdict(cfg)).items())) + load_model().sha256
+    blob = repr(sorted(_jsonable(dataclasses.asdict(cfg)).items())) + load_model().sha256 \
+        + (parallel.learning_core() or "native")  # other BLAS kernels learn other bytes
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
