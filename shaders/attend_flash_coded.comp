@@ -1,7 +1,7 @@
 #version 450
 // Decode attention straight over dict-coded slots (docs/FORMAT.md), shaped for GPUs: one
 // workgroup per (split i, KV head g, block of HB query heads) attends over the split's
-// tokens without decoding a key or a value; attend_merge.comp combines the splits' records
+// tokens without decoding a key or a value; attend_merge_head.comp combines the splits' records
 // (and adds the V mean). Both streams dict-coded, each with or without a residual stage.
 //   keys:   score = scale * (sum_j c_j T[h, idx_j] + step * sum_e (q*rscale_k)[h, e] * (lvl_e - half))
 //           with T = q . atom from attend_table.comp (run once per step), kept in shared
@@ -19,7 +19,7 @@
 // The softmax reference m moves only when a score exceeds it by more than GROW_MARGIN
 // (flag, then a workgroup maximum — the first chunk and rarely after), so a chunk needs no
 // reduction: probabilities stay ≤ e^GROW_MARGIN, each invocation sums its own, and the
-// record's (m, l) are exact for any reference (attend_merge rescales by exp(m - M)).
+// record's (m, l) are exact for any reference (the merge rescales by exp(m - M)).
 // Levels become floats without an int→float conversion (a quarter-rate instruction on
 // NVIDIA GPUs): the level's bits in the mantissa of 2^22, whose ulp is 0.5, so
 // float(0x4A800000 | level << 1) - (2^22 + half) = level - half exactly.
@@ -49,7 +49,8 @@ const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms 
 const uint UNROLL = 16u;             // atom rows loaded together at the end (latency)
 const uint TABLE_ROUNDS = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // table words per invocation
 // 1: each invocation loads its next chunk's slots while this chunk computes (latency hidden
-// within the workgroup, at ~K_ROW + V_ROW more registers: fewer workgroups per multiprocessor)
+// within the workgroup, at ~K_ROW + V_ROW more registers). Measured on an H200: no
+// difference either way (other workgroups hide the latency); -DPREFETCH=0 builds without.
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
