@@ -79,3 +79,17 @@ def test_same_bytes_whatever_the_machines_blas_kernels():
         pytest.fail("this CPU cannot run the pinned kernels (AVX2 + FMA): nothing to compare")
     assert _bytes_hash_on("Haswell", None) == _bytes_hash_on("Sandybridge", None)
     assert _bytes_hash_on("Haswell", "native") != _bytes_hash_on("Sandybridge", "native")
+
+
+def test_evaluation_does_not_depend_on_the_blas_thread_count():
+    """The gate's forward runs BLAS at one thread (certify.evaluate): the same windows and
+    cache give the same per-token NLL whatever the process's BLAS thread count (the
+    forward's last bits do depend on it otherwise — measured on K at 1 vs 2 threads)."""
+    from kvdict_vk.forge import certify, tokenizer, texts as T
+    toks = tokenizer.encode(tokenizer.read_text(sorted(T.eval_paths())[0]))[:192]
+    windows = [toks[:96], toks[96:]]
+    with parallel.blas_threads(1):
+        one = certify.baseline_nll(windows)
+    with parallel.blas_threads(2):
+        two = certify.baseline_nll(windows)
+    assert np.array_equal(one, two)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import llama
+from . import llama, parallel
 
 BLOCK = 64
 
@@ -36,8 +36,10 @@ def text_sha256(text: str) -> str:
 
 
 def baseline_nll(windows) -> np.ndarray:
-    """Per-token NLL of the f32 cache, concatenated over windows (reuse it across configs)."""
-    return np.concatenate([llama.token_nll(w) for w in windows])
+    """Per-token NLL of the f32 cache, concatenated over windows (reuse it across configs).
+    BLAS at one thread, as in evaluate: the forward's last bits depend on the thread count."""
+    with parallel.blas_threads(1):
+        return np.concatenate([llama.token_nll(w) for w in windows])
 
 
 def paired(base_nll: np.ndarray, coded_nll: np.ndarray, windows: int) -> PairedResult:
@@ -59,5 +61,9 @@ def evaluate(windows, hook: llama.KVHook, base_nll: np.ndarray | None = None) ->
     """Paired ΔPPL of `hook`'s cache against the f32 cache on the same windows."""
     if base_nll is None:
         base_nll = baseline_nll(windows)
-    coded = np.concatenate([llama.token_nll(w, hook) for w in windows])
+    # BLAS at one thread: the forward's float32 matmuls round differently at another thread
+    # count (measured: 1 vs 2 threads change K's last bits), and OMP's choices then move
+    # the coded PPL — the gate's figure would depend on the machine's core count
+    with parallel.blas_threads(1):
+        coded = np.concatenate([llama.token_nll(w, hook) for w in windows])
     return paired(base_nll, coded, len(windows))
