@@ -1,4 +1,6 @@
 // Shared by the GPU OMP encoder's shaders (omp_encode_*.comp; host side kvdict_vk/vk/encoder.py).
+// Two forms: omp_encode_tiled.comp (GPUs: a batch in one dispatch) and the stepwise kernels
+// below (llvmpipe).
 //
 // One OMP step is two dispatches: omp_encode_corr (correlations of every vector with every
 // atom; per vector and block of ATOM_BLOCK atoms the best one) and omp_encode_pick (per
@@ -38,6 +40,8 @@ layout(push_constant) uniform EncodePush {
     uint dst_word;        // destination region; slot of token t0+i of head h at
     uint n_ctx;           //   dst_word + (h*n_ctx + t0 + i)*SLOT_WORDS
     uint t0;
+    uint atoms_t_word;    // tiled: the unit atoms transposed, [heads][DIM][atoms_pad]
+    uint atoms_pad;       // tiled: atoms per head in both unit-atom blocks (n_atoms padded)
 } pc;
 
 // Component c of a LANES-wide element.

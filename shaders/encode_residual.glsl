@@ -22,10 +22,15 @@ float residual_level(vec2 u, vec2 inv_step) {
     return clamp(df_rint(t), 0.0, MAX_LEVEL);
 }
 
-void residual_stage(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPARSITY], uint out_word) {
-    // 1. What the decoder rebuilds, minus the mean: products of a binary16 coefficient and a
-    //    float32 atom element are exact in df64, like in float64.
-    vec2 u[DIM];
+// The stage in three parts, so a kernel can spread the candidates over invocations
+// (omp_encode_tiled.comp) or run them in one (omp_encode_pick.comp, residual_stage):
+// residual_input (u, its RMS and largest magnitude), residual_candidate (one candidate's step
+// and error) and residual_write (the winner's levels and step).
+
+// 1. + 2. u = (x - (mean + sum_j coef16_j * atom_j)) * (1/scale) of batch vector v, in df64:
+//    products of a binary16 coefficient and a float32 atom element are exact, like in float64.
+void residual_input(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPARSITY],
+                    out vec2 u[DIM], out vec2 rms, out vec2 amax) {
     [[unroll]] for (uint e = 0u; e < DIM; ++e)
         u[e] = vec2(0.0);
     uint raw_elem = pc.raw_atoms_word / LANES + dict_head * pc.n_atoms * DIM_ELEMS;
@@ -38,11 +43,10 @@ void residual_stage(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPA
                 u[e * LANES + c] = df_add(u[e * LANES + c], df_two_prod(cj, elem_at(w, c)));
         }
     }
-
-    // 2. u = (x - (approx + mean)) * (1/scale); its sum of squares and largest magnitude.
     uint mean_elem = pc.mean_word / LANES + dict_head * DIM_ELEMS;
     uint scale_float = pc.scale_word + dict_head * 2u * DIM;
-    vec2 sum_sq = vec2(0.0), amax = vec2(0.0);
+    vec2 sum_sq = vec2(0.0);
+    amax = vec2(0.0);
     [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e) {
         FELEM xv = x_elems[v * DIM_ELEMS + e];
         FELEM mv = dict_elems[mean_elem + e];
@@ -58,28 +62,26 @@ void residual_stage(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPA
                 amax = mag;
         }
     }
-    vec2 rms = df_sqrt(df_mul(sum_sq, df_recip(float(DIM))));
+    rms = df_sqrt(df_mul(sum_sq, df_recip(float(DIM))));
+}
 
-    // 3. The candidate steps, in residual.py's order; strictly smaller error wins.
-    float best_step = 0.0;
-    vec2 best_err = vec2(0.0);
-    [[dont_unroll]] for (uint s = 0u; s < N_STEPS; ++s) {
-        vec2 mult = vec2(dict_floats[pc.steps_word + 2u * s], dict_floats[pc.steps_word + 2u * s + 1u]);
-        float step = df_mul(s + 1u < N_STEPS ? rms : amax, mult).x;  // = float32(exact product)
-        vec2 inv_step = df_recip(step > 0.0 ? step : 1.0);
-        vec2 err = vec2(0.0);
-        [[unroll]] for (uint e = 0u; e < DIM; ++e) {
-            float q = residual_level(u[e], inv_step);
-            vec2 d = df_sub(u[e], df_two_prod(q - HALF_LEVEL, step));
-            err = df_add(err, df_mul(d, d));
-        }
-        if (s == 0u || df_less(err, best_err)) {
-            best_err = err;
-            best_step = step;
-        }
+// 3. Candidate s (residual.py's order): its float32 step and the df64 squared error.
+float residual_candidate(uint s, vec2 u[DIM], vec2 rms, vec2 amax, out vec2 err) {
+    vec2 mult = vec2(dict_floats[pc.steps_word + 2u * s], dict_floats[pc.steps_word + 2u * s + 1u]);
+    float step = df_mul(s + 1u < N_STEPS ? rms : amax, mult).x;  // = float32(exact product)
+    vec2 inv_step = df_recip(step > 0.0 ? step : 1.0);
+    err = vec2(0.0);
+    [[unroll]] for (uint e = 0u; e < DIM; ++e) {
+        float q = residual_level(u[e], inv_step);
+        vec2 d = df_sub(u[e], df_two_prod(q - HALF_LEVEL, step));
+        err = df_add(err, df_mul(d, d));
     }
+    return step;
+}
 
-    // 4. The winning levels as a bitstream: element e at bit e*b, straddling words as needed.
+// 4. The winning levels as a bitstream (element e at bit e*b, straddling words as needed),
+//    then the step.
+void residual_write(vec2 u[DIM], float best_step, uint out_word) {
     uint level_words[LEVEL_WORDS];
     [[unroll]] for (uint w = 0u; w < LEVEL_WORDS; ++w)
         level_words[w] = 0u;
@@ -95,4 +97,22 @@ void residual_stage(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPA
     for (uint w = 0u; w < LEVEL_WORDS; ++w)
         dest_words[out_word + w] = level_words[w];
     dest_words[out_word + LEVEL_WORDS] = floatBitsToUint(best_step);
+}
+
+// The whole stage in one invocation: strictly smaller error wins (the first on a tie).
+void residual_stage(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPARSITY], uint out_word) {
+    vec2 u[DIM];
+    vec2 rms, amax;
+    residual_input(dict_head, v, idx, coef16, u, rms, amax);
+    float best_step = 0.0;
+    vec2 best_err = vec2(0.0);
+    [[dont_unroll]] for (uint s = 0u; s < N_STEPS; ++s) {
+        vec2 err;
+        float step = residual_candidate(s, u, rms, amax, err);
+        if (s == 0u || df_less(err, best_err)) {
+            best_err = err;
+            best_step = step;
+        }
+    }
+    residual_write(u, best_step, out_word);
 }

@@ -8,6 +8,8 @@ as the CPU reference computes the same things, so the GPU starts from identical 
                       of ``atom_block`` (the correlation kernel reads whole blocks);
 * ``inv_norm_word``   1/‖metric·atom‖ (0 for an atom the metric maps to zero, which is then
                       never useful: correlation 0, coefficient 0 — as in codec.omp);
+* ``atoms_t_word``    (tiled encoder only) the same unit atoms transposed, [head][head_dim][padded
+                      atoms], so a workgroup stages an atom tile with coalesced loads;
 * ``mean_word``       the mean per head (zeros when absent), ``metric_word`` the metric;
 * residual stage only: ``raw_atoms_word`` the atoms as given (the decoder's), ``scale_word``
   1/residual_scale and ``steps_word`` the step multipliers, both as df64 pairs (hi, lo).
@@ -77,9 +79,10 @@ class DictImage:
     words: np.ndarray  # uint32, a multiple of 4 words
     offsets: dict  # push-constant name → first word of the block
     n_steps: int  # residual step candidates (0 without a residual stage)
+    atoms_pad: int  # atoms per head in the unit-atom blocks (n_atoms padded to whole blocks)
 
 
-def dictionary_image(d: StreamDict, block: int) -> DictImage:
+def dictionary_image(d: StreamDict, block: int, transposed: bool = False) -> DictImage:
     g, k, hd = d.atoms.shape
     mapped = d.atoms.astype(np.float64)
     if d.metric is not None:
@@ -90,7 +93,8 @@ def dictionary_image(d: StreamDict, block: int) -> DictImage:
     unit = np.zeros((g, n_blocks(k, block) * block, hd), np.float32)
     unit[:, :k] = mapped * inv[..., None]
     empty = np.zeros(0, np.float32)
-    blocks = {"atoms_word": unit, "inv_norm_word": inv,
+    blocks = {"atoms_word": unit, "atoms_t_word": unit.transpose(0, 2, 1) if transposed else empty,
+              "inv_norm_word": inv,
               "mean_word": np.zeros((g, hd)) if d.mean is None else d.mean,
               "metric_word": empty if d.metric is None else d.metric,
               "raw_atoms_word": empty, "scale_word": empty, "steps_word": empty}
@@ -106,7 +110,7 @@ def dictionary_image(d: StreamDict, block: int) -> DictImage:
         offsets[name] = cursor
         parts += [flat, np.zeros(-flat.size % 4, np.uint32)]
         cursor += flat.size + (-flat.size % 4)
-    return DictImage(np.concatenate(parts), offsets, n_steps)
+    return DictImage(np.concatenate(parts), offsets, n_steps, unit.shape[1])
 
 
 def state_sizes(d: StreamDict, block: int, capacity: int) -> dict:

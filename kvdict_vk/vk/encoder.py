@@ -7,11 +7,17 @@ computed on the device with the semantics of :func:`kvdict_vk.codec.encode`.
         # word(h, t0 + i, j) = region_word + (h·n_ctx + t0 + i)·slot_words + j
     enc.free()
 
-Per batch (at most ``capacity`` vectors, one submission): pick phase 0 (r = x − mean),
-the metric kernel (metric streams), then per OMP step the correlation kernel (one
-workgroup per 64 tokens of a head × ATOM_BLOCK atoms; every lane reads the same atoms)
-and the pick kernel (one invocation per vector); the last pick writes the slots. Why two
-kernels per step and not one loop per vector: shaders/encode_common.glsl (llvmpipe loads).
+Two forms of the same computation, ``kernel=``:
+
+* ``"tiled"`` (the default on GPUs): a batch is one dispatch of omp_encode_tiled — a
+  workgroup runs every OMP step and the residual stage of a tile of vectors, the
+  correlations as a matrix product against atom tiles in shared memory
+  (kvdict_vk/vk/encode_tiled.py chooses tile sizes and launch shapes).
+* ``"stepwise"`` (the default on CPU drivers): per batch pick phase 0 (r = x − mean), the
+  metric kernel (metric streams), then per OMP step the correlation kernel (one workgroup
+  per 64 tokens of a head × ATOM_BLOCK atoms; every lane reads the same atoms) and the pick
+  kernel (one invocation per vector); the last pick writes the slots. Why two kernels per
+  step and not one loop per vector on llvmpipe: shaders/encode_common.glsl.
 
 Inputs are checked here (ShapeError), every dispatch by kernels.Kernel (DispatchError).
 Not thread-safe: one encoder belongs to one thread at a time.
@@ -25,6 +31,8 @@ from ..dictionary import StreamDict
 from . import encode_image as I
 from .device import Device, get_device, kp
 from .encode_specs import n_blocks
+from .encode_tiled import TiledKernels, tile_for
+from .encode_tiled import max_batch as max_tiled_batch
 from .kernels import Buffer, Kernel, barrier, run
 
 TILE = 64  # tokens per workgroup (the shaders' WG_SIZE)
@@ -35,6 +43,18 @@ DISPATCH_WIDTHS = (16, 4, 1)
 WORK_BUFFER_WORDS = 1 << 23  # each work buffer ≤ 32 MiB (sets the batch capacity)
 MAX_INPUT = 1e16  # |x| beyond this could overflow float32 sums of squares
 _MAX_DEST_KERNELS = 8  # destination buffers with a cached pick pipeline
+TILED_MAX_BATCH = 1 << 16  # vectors per tiled submission (input and output buffers only)
+KERNELS = ("auto", "tiled", "stepwise")
+
+
+def kernel_for(kernel: str, device: Device) -> str:
+    """"tiled" or "stepwise": ``auto`` is the stepwise form on CPU drivers (llvmpipe runs
+    only straight-line loads well, and caps loop iterations), the tiled one elsewhere."""
+    if kernel not in KERNELS:
+        raise E.ShapeError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "auto":
+        return "stepwise" if device.is_cpu else "tiled"
+    return kernel
 
 
 class GpuEncoder:
@@ -44,46 +64,57 @@ class GpuEncoder:
     llvmpipe a configuration whose pick kernel would exceed the driver's loop-iteration cap
     (sparsity ≳ 240) is refused with DispatchError."""
 
-    def __init__(self, device: "int | str | Device | None", stream: StreamDict, *, max_batch: int | None = None):
+    def __init__(self, device: "int | str | Device | None", stream: StreamDict, *, max_batch: int | None = None,
+                 kernel: str = "auto"):
         """``max_batch``: at most this many vectors per submission (rounded up to a tile),
         which bounds the work buffers — an arena keeps one encoder per coded stream and
-        decodes a few vectors per step, so it asks for small batches."""
+        decodes a few vectors per step, so it asks for small batches. ``kernel``: "tiled",
+        "stepwise" or "auto" (:func:`kernel_for`)."""
         if not isinstance(stream, StreamDict):
             raise E.ShapeError(f"GpuEncoder needs a StreamDict, got {type(stream).__name__}")
         self.device, self.stream = get_device(device), stream
+        self.kernel = kernel_for(kernel, self.device)
+        tiled = self.kernel == "tiled"
         d = stream
         self.head_dim, self.n_atoms, self.slot_words = d.head_dim, d.n_atoms, d.slot_words
         self.atom_block = I.atom_block(d.head_dim, d.n_atoms)
         loops = I.pick_loop_iterations(d.head_dim, d.sparsity, d.n_atoms, self.atom_block, d.residual_bits)
-        if loops > I.LOOP_BUDGET and "llvmpipe" in self.device.name.lower():
+        if not tiled and loops > I.LOOP_BUDGET and "llvmpipe" in self.device.name.lower():
             raise E.DispatchError(f"{self.device.name}: sparsity {d.sparsity} needs ~{loops} loop iterations "
                                   f"per vector and step; llvmpipe stops loops at {I.LOOP_ITERATION_CAP}")
         lim = self.device.info.limits
         max_words = min(lim["max_storage_buffer_range"], lim["max_memory_allocation_size"] or 1 << 62) // 4
-        image = I.dictionary_image(d, self.atom_block)
+        image = I.dictionary_image(d, self.atom_block, transposed=tiled)
         if image.words.size > max_words:
             raise E.ArenaTooLargeError(f"{self.device.name}: the dictionary image needs {4 * image.words.size} "
                                        f"bytes, one binding holds at most {4 * max_words}")
-        self.capacity = I.batch_capacity(d, self.atom_block, min(WORK_BUFFER_WORDS, max_words), TILE)
+        cap_words = min(WORK_BUFFER_WORDS, max_words)
+        if tiled:
+            wanted = min(TILED_MAX_BATCH, cap_words // max(d.head_dim, d.slot_words))
+            self.capacity = max(TILE, max_tiled_batch(self.device, d, wanted) // TILE * TILE)
+        else:
+            self.capacity = I.batch_capacity(d, self.atom_block, cap_words, TILE)
         if max_batch is not None:
             if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
                 raise E.ShapeError(f"max_batch must be a positive integer, got {max_batch!r}")
             self.capacity = min(self.capacity, -(-max_batch // TILE) * TILE)
-        sizes = I.state_sizes(d, self.atom_block, self.capacity)
+        sizes = {"out": self.capacity * d.slot_words} if tiled else I.state_sizes(d, self.atom_block, self.capacity)
         if max(sizes.values()) > max_words:
             raise E.ArenaTooLargeError(f"{self.device.name}: one batch of {TILE} vectors needs "
                                        f"{4 * max(sizes.values())} bytes in one binding")
         lanes = "vec4" if self.head_dim % 4 == 0 else "scalar"
         self.metric_rows = I.metric_rows(d.head_dim, 4 if lanes == "vec4" else 1)
+        residual = "_residual" if d.residual_bits else ""
         self._variants = {"corr": f"omp_encode_corr_{lanes}", "metric": f"omp_encode_metric_{lanes}",
-                          "pick": f"omp_encode_pick{'_residual' if d.residual_bits else ''}_{lanes}"}
+                          "pick": f"omp_encode_pick{residual}_{lanes}", "tiled": f"omp_encode_tiled{residual}_{lanes}"}
         self._spec = {"DIM": d.head_dim, "SPARSITY": d.sparsity, "ATOM_BLOCK": self.atom_block}
         if d.residual_bits:
             self._spec.update(RESIDUAL_BITS=d.residual_bits, N_STEPS=image.n_steps)
-        self._push = dict(image.offsets, n_atoms=d.n_atoms, per_head=int(d.n_heads > 1),
+        self._push = dict(image.offsets, n_atoms=d.n_atoms, per_head=int(d.n_heads > 1), atoms_pad=image.atoms_pad,
                           res_word=0, basis_word=self.capacity * d.head_dim)
         self._buffers: dict[str, Buffer] = {}
         self._kernels: dict = {}
+        self._tiled: TiledKernels | None = None
         self._freed = False
         try:
             self._buffers["dict"] = self._upload(image.words)
@@ -92,7 +123,10 @@ class GpuEncoder:
                 kind = "device" if name == "out" else "storage"
                 self._buffers[name] = Buffer(self.device, words, kind, f"encoder {name}")
             b = self._buffers
-            for w in DISPATCH_WIDTHS:
+            if tiled:
+                self._tiled = TiledKernels(self.device, d, self._variants["tiled"], b["dict"], b["x"],
+                                           self.capacity, image.n_steps)
+            for w in DISPATCH_WIDTHS if not tiled else ():
                 self._kernels[("corr", w)] = Kernel(self.device, self._variants["corr"],
                                                     [b["dict"], b["state_elems"], b["keys"]],
                                                     {"DIM": d.head_dim, "ATOM_BLOCK": self.atom_block},
@@ -188,9 +222,12 @@ class GpuEncoder:
         n_kv, n_tok, _ = x_part.shape
         n = n_kv * n_tok
         self._buffers["x"].host_words()[:x_part.size] = x_part.reshape(-1).view(np.uint32)
-        pick = self._pick_kernel(dest)
         push = dict(self._push, phase=0, step=0, group0=0, block=0, dict_head=0, n_tok=n_tok,
                     n_vectors=n, dst_word=region_word, n_ctx=n_ctx, t0=t0)
+        if self._tiled is not None:  # one dispatch: every step of every tile
+            per_group = n_tok if self.stream.n_heads > 1 else n
+            return [self._tiled.kernel(tile_for(per_group), dest, _MAX_DEST_KERNELS).op(**push)]
+        pick = self._pick_kernel(dest)
         b = self._buffers
         state = barrier(b["state_elems"], b["state_words"])  # pick → metric / corr / pick
         if self.stream.metric is None:
@@ -258,6 +295,8 @@ class GpuEncoder:
         if self._freed:
             return
         self._freed = True
+        if self._tiled is not None:
+            self._tiled.destroy()
         for k in self._kernels.values():
             k.destroy()
         for b in self._buffers.values():
@@ -275,6 +314,6 @@ class GpuEncoder:
     def __repr__(self) -> str:
         s = self.stream
         state = "freed" if self._freed else f"batch {self.capacity}"
-        return (f"GpuEncoder(heads={s.n_heads}, n_atoms={s.n_atoms}, head_dim={s.head_dim}, s={s.sparsity}, "
+        return (f"GpuEncoder({self.kernel}, heads={s.n_heads}, n_atoms={s.n_atoms}, head_dim={s.head_dim}, s={s.sparsity}, "
                 f"residual_bits={s.residual_bits}, metric={s.metric is not None}, atom_block={self.atom_block}, "
                 f"{state}, {self.device.name})")

@@ -56,6 +56,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
        for v, n in (("vec4", 1), ("scalar", 0))},
     **{f"omp_encode_pick{r}_{v}": ("omp_encode_pick.comp", {"VEC4": n, "RESIDUAL": int(bool(r))})
        for r in ("", "_residual") for v, n in (("vec4", 1), ("scalar", 0))},
+    **{f"omp_encode_tiled{r}_{v}": ("omp_encode_tiled.comp", {"VEC4": n, "RESIDUAL": int(bool(r))})
+       for r in ("", "_residual") for v, n in (("vec4", 1), ("scalar", 0))},
 }
 
 def in_checkout() -> bool:

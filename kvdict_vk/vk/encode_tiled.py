@@ -1,0 +1,198 @@
+"""The tiled form of the GPU OMP encoder (shaders/omp_encode_tiled.comp): its launch shapes
+and pipelines, owned by :class:`kvdict_vk.vk.encoder.GpuEncoder`.
+
+A batch is one dispatch: a workgroup runs every OMP step (and the residual stage) of a tile
+of ``TILE_VECTORS`` vectors of one dictionary head, the correlations as a matrix product
+against atom tiles staged in shared memory. The tile size follows the batch: a tile costs
+about the same whatever number of its lanes are live (the product runs all of them), so
+a decode step's few vectors per dictionary head take the smallest tile and a prompt the
+largest. Per tile size, the workgroup size and the staged dimensions per atom tile are
+chosen from the device's limits (shared memory, workgroup size), so no optional feature
+is needed; the work state is a region per workgroup (not per vector), so a batch can hold
+as many vectors as the input and output buffers do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import errors as E
+from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP
+from .encode_specs import tiled_state_words
+from .kernels import Buffer, Kernel
+
+TILE_SIZES = (64, 16, 4)  # vectors per workgroup, largest first (each a multiple of 4)
+LOCALS = (256, 128, 64)  # workgroup sizes tried, largest first
+MAX_CHUNK_DIMS = 64
+SHARED_BUDGET = 48 * 1024  # bytes: at most this much of the device's shared memory per workgroup
+MAX_WORKGROUPS = 1024
+STATE_WORDS_CAP = 1 << 23  # each work-state buffer ≤ 32 MiB (bounds the workgroups)
+
+
+@dataclass(frozen=True)
+class TileShape:
+    tile_vectors: int
+    local: int
+    chunk_dims: int
+
+    @property
+    def atom_tile(self) -> int:
+        return 4 * self.local // (self.tile_vectors // 4)
+
+
+def shared_bytes(head_dim: int, shape: TileShape, n_steps: int) -> int:
+    """Shared memory of one workgroup (the shader's shared arrays)."""
+    tv, vgroups = shape.tile_vectors, shape.tile_vectors // 4
+    agroups = shape.local // vgroups
+    return 16 * (head_dim * vgroups + shape.chunk_dims * agroups) + 8 * tv * agroups + 12 * tv * n_steps
+
+
+def tile_shape(device, head_dim: int, tile_vectors: int, n_steps: int) -> TileShape:
+    """The largest workgroup and atom tile depth for ``tile_vectors`` that fit the device."""
+    max_local = min(device.limit("max_compute_work_group_invocations"),
+                    device.limit("max_compute_work_group_size")[0])
+    budget = min(SHARED_BUDGET, device.limit("max_compute_shared_memory_size"))
+    divisors = [c for c in range(min(head_dim, MAX_CHUNK_DIMS), 0, -1) if head_dim % c == 0]
+    for local in LOCALS:
+        if local > max_local or local % (tile_vectors // 4):
+            continue
+        for chunk in divisors:
+            shape = TileShape(tile_vectors, local, chunk)
+            if shared_bytes(head_dim, shape, n_steps) <= budget:
+                return shape
+    raise E.DispatchError(f"{device.name}: no tiled encoder shape for head_dim {head_dim}, "
+                          f"{tile_vectors} vectors per tile fits {budget} bytes of shared memory")
+
+
+def tile_for(per_group: int) -> int:
+    """Tile size for a batch with ``per_group`` vectors per dictionary head."""
+    for tv in reversed(TILE_SIZES):
+        if per_group <= tv:
+            return tv
+    return TILE_SIZES[0]
+
+
+def loop_iterations(head_dim: int, s: int, n_atoms: int, shape: TileShape, residual_bits: int,
+                    n_steps: int, metric: bool, items_per_workgroup: int) -> int:
+    """An upper bound of one invocation's loop iterations (llvmpipe's cap), counting every
+    loop as if none were unrolled."""
+    d, tv, at = head_dim, shape.tile_vectors, shape.atom_tile
+    tiles, chunks = -(-n_atoms // at), d // shape.chunk_dims
+    init = -(-d * tv // shape.local) + (2 * d + d * d if metric else 0)
+    step = tiles * chunks * (-(-shape.chunk_dims * at // shape.local) + shape.chunk_dims) + tiles * 16 \
+        + shape.local + 2 * s + s * s + 2 * s * 2 * d + 4 * d
+    finish = s * s + 2 * s
+    res = 0
+    if residual_bits:
+        pairs = -(-tv * n_steps // shape.local)
+        res = pairs * (s + s * d + 3 * d + n_steps) + n_steps + s + s * d + 4 * d
+    return items_per_workgroup * (init + s * step + finish + res)
+
+
+def max_batch(device, stream, wanted: int) -> int:
+    """Vectors per batch, at most ``wanted``: on llvmpipe no more than the largest tile's
+    workgroups cover in one pass (each workgroup one tile, so its loops stay under the cap)."""
+    if "llvmpipe" not in device.name.lower():
+        return wanted
+    per_wg = max(stream.sparsity * stream.head_dim, tiled_state_words(stream.sparsity)) * TILE_SIZES[0]
+    workgroups = max(1, min(MAX_WORKGROUPS, STATE_WORDS_CAP // per_wg, device.limit("max_compute_work_group_count")[0]))
+    return max(TILE_SIZES[0], min(wanted, (workgroups - stream.n_heads) * TILE_SIZES[0]))
+
+
+class TiledKernels:
+    """The tiled pipelines of one encoder: one per (tile size, destination buffer), each
+    with its work state sized for its workgroup count."""
+
+    def __init__(self, device, stream, variant: str, dict_buffer: Buffer, x_buffer: Buffer, capacity: int,
+                 n_steps: int):
+        self.device, self.stream, self.variant = device, stream, variant
+        self.dict_buffer, self.x_buffer, self.capacity, self.n_steps = dict_buffer, x_buffer, capacity, n_steps
+        self._state: dict[int, tuple] = {}  # tile size → (shape, basis buffer, words buffer, workgroups)
+        self._kernels: dict[tuple, Kernel] = {}
+        if "llvmpipe" in device.name.lower():  # refused up front, before anything is allocated
+            for tv in TILE_SIZES:
+                shape, workgroups = self._launch(tv)
+                loops = loop_iterations(stream.head_dim, stream.sparsity, stream.n_atoms, shape,
+                                        stream.residual_bits, n_steps, stream.metric is not None,
+                                        -(-self._tiles(tv) // workgroups))
+                if loops > LOOP_BUDGET:
+                    raise E.DispatchError(f"{device.name}: the tiled encoder needs ~{loops} loop iterations per "
+                                          f"invocation; llvmpipe stops loops at {LOOP_ITERATION_CAP}")
+
+    def spec(self, shape: TileShape) -> dict:
+        d = self.stream
+        spec = {"DIM": d.head_dim, "SPARSITY": d.sparsity, "TILE_VECTORS": shape.tile_vectors,
+                "LOCAL": shape.local, "CHUNK_DIMS": shape.chunk_dims, "METRIC": int(d.metric is not None)}
+        if d.residual_bits:
+            spec.update(RESIDUAL_BITS=d.residual_bits, N_STEPS=self.n_steps)
+        return spec
+
+    def _per_workgroup(self, tile_vectors: int) -> tuple:
+        d = self.stream
+        return d.sparsity * d.head_dim * tile_vectors, tiled_state_words(d.sparsity) * tile_vectors
+
+    def _tiles(self, tile_vectors: int) -> int:
+        """The most tiles a batch dispatches at this size: a full batch at the largest (a
+        partial tile per dictionary head besides); a smaller one is taken (tile_for) only
+        when every dictionary head has at most that many vectors — one tile per head."""
+        if tile_vectors == TILE_SIZES[0]:
+            return -(-self.capacity // tile_vectors) + self.stream.n_heads
+        return self.stream.n_heads
+
+    def _launch(self, tile_vectors: int) -> tuple:
+        """(TileShape, workgroups) for this tile size: every tile of a full batch at once,
+        within the state buffers' cap and the device's limit."""
+        d = self.stream
+        shape = tile_shape(self.device, d.head_dim, tile_vectors, self.n_steps if d.residual_bits else 0)
+        workgroups = max(1, min(MAX_WORKGROUPS, self._tiles(tile_vectors),
+                                STATE_WORDS_CAP // max(self._per_workgroup(tile_vectors)),
+                                self.device.limit("max_compute_work_group_count")[0]))
+        return shape, workgroups
+
+    def _state_for(self, tile_vectors: int):
+        if tile_vectors in self._state:
+            return self._state[tile_vectors]
+        shape, workgroups = self._launch(tile_vectors)
+        basis_per, words_per = self._per_workgroup(tile_vectors)
+        basis = Buffer(self.device, workgroups * basis_per, "storage", f"tiled encoder bases ({tile_vectors})")
+        try:
+            words = Buffer(self.device, workgroups * words_per, "storage", f"tiled encoder state ({tile_vectors})")
+        except BaseException:
+            basis.destroy()
+            raise
+        self._state[tile_vectors] = (shape, basis, words, workgroups)
+        return self._state[tile_vectors]
+
+    def kernel(self, tile_vectors: int, dest: Buffer, max_dests: int) -> Kernel:
+        """The pipeline for this tile size writing into ``dest`` (made on first use; at most
+        ``max_dests`` destinations are kept per tile size)."""
+        shape, basis, words, workgroups = self._state_for(tile_vectors)
+        key = (tile_vectors, id(dest))
+        kern = self._kernels.get(key)
+        if kern is not None and kern.buffers[-1] is dest:
+            return kern
+        if kern is not None:  # a freed buffer's id was reused
+            self._kernels.pop(key).destroy()
+        same = [k for k in self._kernels if k[0] == tile_vectors]
+        if len(same) >= max_dests:
+            self._kernels.pop(same[0]).destroy()
+        b = self.dict_buffer
+        kern = Kernel(self.device, self.variant, [self.x_buffer, b, b, basis, words, dest], self.spec(shape),
+                      max_items=workgroups * shape.local)
+        if kern.workgroups > workgroups:  # the state holds a region per workgroup
+            kern.destroy()
+            raise E.DispatchError(f"{self.variant}: {kern.workgroups} workgroups, state for {workgroups}")
+        self._kernels[key] = kern
+        return kern
+
+    def shapes(self) -> dict:
+        """Tile size → (TileShape, workgroups), for reports."""
+        return {tv: (st[0], st[3]) for tv, st in self._state.items()}
+
+    def destroy(self) -> None:
+        for k in self._kernels.values():
+            k.destroy()
+        for _, basis, words, _ in self._state.values():
+            basis.destroy()
+            words.destroy()
+        self._kernels.clear()
+        self._state.clear()
