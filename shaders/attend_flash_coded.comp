@@ -48,12 +48,6 @@ const uint VQ = HEAD_DIM / 4u;       // element quads of a head vector
 const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms passes (host: >= 1)
 const uint UNROLL = 16u;             // atom rows loaded together at the end (latency)
 const uint TABLE_ROUNDS = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // table words per invocation
-// 1: each invocation loads its next chunk's slots while this chunk computes (latency hidden
-// within the workgroup, at ~K_ROW + V_ROW more registers). Measured on an H200: no
-// difference either way (other workgroups hide the latency); -DPREFETCH=0 builds without.
-#ifndef PREFETCH
-#define PREFETCH 1
-#endif
 const float GROW_MARGIN = 8.0;       // probabilities stay ≤ e^8 between rescales
 const uint MANTISSA_22 = 0x4A800000u;  // 2^22 as float bits
 
@@ -160,8 +154,11 @@ void main() {
 
         uint k_base = pc.k_word + g * pc.n_ctx * K_ROW;
         uint v_base = pc.v_word + g * pc.n_ctx * V_ROW;
-        uint kw[K_ARR], vw[V_ARR];  // the next token's slots (past the split's end: unused)
-#if PREFETCH
+        // The slots of this invocation's token in the next chunk, loaded a chunk ahead (past the
+        // split's end: the split's last token, unused). ~K_ROW + V_ROW more registers; on an
+        // H200 it measured the same as loading each chunk's slots at its start (other
+        // workgroups hide the latency there).
+        uint kw[K_ARR], vw[V_ARR];
         {
             uint t = min(t0 + tid, t1 - 1u);
             [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
@@ -169,14 +166,12 @@ void main() {
             [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
                 vw[r] = cache_words[v_base + t * V_ROW + r];
         }
-#endif
         barrier();  // the table, weights and queries are in shared memory
 
         for (uint c0 = t0; c0 < t1; c0 += LOCAL) {
             uint n = min(LOCAL, t1 - c0);
             bool live = tid < n;
-            uint kc[K_ARR], vc[V_ARR];
-#if PREFETCH
+            uint kc[K_ARR], vc[V_ARR];  // this chunk's slots (prefetched)
             [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
                 kc[r] = kw[r];
             [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
@@ -188,15 +183,6 @@ void main() {
                 [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
                     vw[r] = cache_words[v_base + t * V_ROW + r];
             }
-#else
-            {
-                uint t = min(c0 + tid, t1 - 1u);
-                [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
-                    kc[r] = cache_words[k_base + t * K_ROW + r];
-                [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
-                    vc[r] = cache_words[v_base + t * V_ROW + r];
-            }
-#endif
 
             // 1. this invocation's key: its scores
             float s[HB];

@@ -282,6 +282,14 @@ def test_rows_name_each_case_once_and_carry_the_schema():
         results.check([{k: v for k, v in r.items() if k != "gpu_s"}])
     with pytest.raises(ValueError):
         results.row("attention", "x", t, cache="bf16")
+    # a recording whose core ops are timed: the fraction over them, as the SDPA ratio
+    cored = results.row("attention", "f16 3x3 d64 n16", dict(t, kernel_s=5e-4), cache="f16", moved={"total": 1e6},
+                        roofline=roof, torch_sdpa_f16_s=5e-4)
+    assert cored["roofline_fraction"] == pytest.approx(2.0) and cored["vs_torch_sdpa"] == pytest.approx(1.0)
+    assert cored["bytes_per_s"] == pytest.approx(1e9)  # still over gpu_s (timing.best_seconds)
+    wall_roof = results.row("attention", "x", dict(t, kernel_s=5e-4), moved={"total": 1e6},
+                            roofline={"bytes_per_s": 1e9, "timing": "wall"})
+    assert wall_roof["roofline_fraction"] == pytest.approx(0.5)  # a wall-timed roofline: over wall_s
     wall_only = results.row("encode", "x", {"wall_s": 2e-3, "gpu_s": None, "note": "why"}, moved={"total": 1e6},
                             roofline=roof)
     assert wall_only["roofline_fraction"] is None and wall_only["notes"] == ["why"]  # no GPU time to divide

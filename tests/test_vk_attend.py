@@ -444,3 +444,51 @@ def test_flash_launch_shape_timing_runs_on_the_device(make_arena):
     s = att.time_plan(0, 700, plan)
     assert s is None or s > 0
     _check(arena, stored, 0, rng.standard_normal((4, 64), dtype=np.float32), 700)
+
+
+def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
+    """What planning reads of a layer on every step — the flash kernels' workgroup sizes,
+    whether one fits, the tuner's layer signature — depends on the layout, the group and the
+    device's limits only: derived on the first plan, not again on later ones."""
+    from kvdict_vk.vk import attend as A
+    from kvdict_vk.vk import attend_tune as T
+    monkeypatch.setattr(T, "_CHOICES", {})
+    monkeypatch.setattr(T, "WARM_S", 0.0)
+    arena, _ = _filled_arena(make_arena, None, np.random.default_rng(15), 64, 2, 700, None, "f16")
+    att = arena.attention(4)
+    att.path, att.tune = "flash", True
+    calls = {"units": 0, "signature": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(A, "flash_units", counting("units", A.flash_units))
+    monkeypatch.setattr(T, "layer_signature", counting("signature", T.layer_signature))
+    monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
+    monkeypatch.setattr(att, "time_plan", lambda layer, n_used, plan: 1e-3)
+    first = [att.plan(0, n) for n in (100, 300, 700)]
+    assert calls == {"units": 1, "signature": 1}
+    assert [att.plan(0, n) for n in (100, 300, 700)] == first and calls == {"units": 1, "signature": 1}
+    assert att.layer_signature(0) + (T.bucket(700),) in T.measured()
+    locals_ = att.flash_locals(0)
+    locals_.clear()  # the caller's copy: the cached sizes stay
+    assert att.flash_locals(0) and att.flash_local(0) == first[0].local
+
+
+def test_workgroup_sizes_keep_within_both_device_limits():
+    """Attention.max_local — the bound of every workgroup size the attention chooses
+    (flash kernels, attend_merge_head) — is the lesser of maxComputeWorkGroupInvocations
+    and maxComputeWorkGroupSize[0]."""
+    import types
+    from kvdict_vk.vk.attend import Attention
+    from kvdict_vk.vk.attend_specs import merge_head_local
+
+    def fake(invocations, size_x):
+        limits = {"max_compute_work_group_invocations": invocations,
+                  "max_compute_work_group_size": (size_x, 1024, 64)}
+        return types.SimpleNamespace(device=types.SimpleNamespace(limit=limits.__getitem__))
+    assert Attention.max_local(fake(1024, 128)) == 128 and Attention.max_local(fake(64, 1024)) == 64
+    assert merge_head_local(128, Attention.max_local(fake(1024, 1024))) == 256
+    assert merge_head_local(128, Attention.max_local(fake(1024, 128))) == 128  # not 256: size[0] is 128

@@ -6,8 +6,10 @@ it), cache ("f16" | "f32" | "dict" | None for what has no cache: the copy, encod
 n_used, n_kv, gqa, head_dim, batch, gpu_s (median, timestamps; None with a note where
 the driver has none or the work spans submissions), wall_s (median), bytes (from
 :func:`kvdict_vk.bench.traffic.bytes_moved`, None where nothing is counted), bytes_per_s,
-roofline_fraction, torch_sdpa_f16_s (None where there is no anchor) — then whatever the
-benchmark adds (path, format, vectors_per_s, device_kind, …).
+roofline_fraction (bytes over kernel_s — the GPU time of the recording's core ops, as
+vs_torch_sdpa uses — where the row has it, else over gpu_s; :func:`kvdict_vk.bench.roofline.fraction`),
+torch_sdpa_f16_s (None where there is no anchor) — then whatever the benchmark adds
+(kernel_s, vs_torch_sdpa, path, format, vectors_per_s, device_kind, …).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def row(benchmark: str, case: str, t: dict, *, cache=None, n_used=None, n_kv=Non
     r = {"benchmark": benchmark, "case": case, "cache": cache, "n_used": n_used, "n_kv": n_kv, "gqa": gqa,
          "head_dim": head_dim, "batch": batch, "gpu_s": t["gpu_s"], "wall_s": t["wall_s"], "bytes": n_bytes,
          "bytes_per_s": None if n_bytes is None else n_bytes / seconds,
+         # kernel_s where the timing has it, else gpu_s (roofline.fraction): the time vs_torch_sdpa uses
          "roofline_fraction": R.fraction(n_bytes, t, roofline), "torch_sdpa_f16_s": torch_sdpa_f16_s,
          "kernel_s": t.get("kernel_s"),
          # against SDPA: the passes' GPU time where the recording marks them (SDPA's timing has

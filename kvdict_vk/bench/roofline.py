@@ -76,11 +76,17 @@ def _time_variants(dev, n_words: int, repeats: int) -> dict:
 
 
 def fraction(bytes_moved: int | None, t: dict, roofline: dict | None) -> float | None:
-    """bytes_moved / time ÷ the roofline's bytes/s, timed the way the roofline was (GPU
-    time, or wall time where the device has no timestamps); None when a side is missing."""
+    """bytes_moved / time ÷ the roofline's bytes/s, timed the way the roofline was: GPU time
+    — the core ops' (``kernel_s``: an attention's passes, without the query's and output's
+    copies; the time the SDPA ratio uses) where the timing has it, else the whole
+    recording's (``gpu_s``) — or wall time where the device has no timestamps; None when a
+    side is missing."""
     if not roofline or bytes_moved is None:
         return None
-    seconds = t.get(f"{roofline['timing']}_s")
+    if roofline["timing"] == "gpu":
+        seconds = t.get("kernel_s") or t.get("gpu_s")
+    else:
+        seconds = t.get(f"{roofline['timing']}_s")
     if not seconds:
         return None
     return bytes_moved / seconds / roofline["bytes_per_s"]

@@ -203,7 +203,7 @@ class KvArena:
     @property
     def upload_buffer(self) -> Buffer:
         """The host-visible buffer appends and decode steps stage their words in."""
-        self._live()
+        self.check_live()
         return self._upload
 
     @property
@@ -217,7 +217,7 @@ class KvArena:
 
     def readback_buffer(self, words: int) -> Buffer:
         """The shared read-back buffer of the smallest size class holding ``words``."""
-        self._live()
+        self.check_live()
         cls = self._out_class(max(words, 1))
         if cls not in self._outs:
             self._outs[cls] = Buffer(self.device, cls, "device", f"read-back buffer ({cls} words)")
@@ -226,7 +226,7 @@ class KvArena:
     def cached_kernel(self, key, make) -> Kernel:
         """The arena's pipeline for ``key``, made by ``make()`` on first use and freed with
         the arena (Kompute binds buffers when a pipeline is made)."""
-        self._live()
+        self.check_live()
         if key not in self._kernels:
             self._kernels[key] = make()
         return self._kernels[key]
@@ -241,17 +241,14 @@ class KvArena:
         """The read shaders' CHUNKS: chunks of a row one invocation handles."""
         return self._chunks
 
-    def check_live(self) -> None:
-        """ArenaError once the arena was freed."""
-        self._live()
-
     # --- checks -----------------------------------------------------------------------------------
-    def _live(self) -> None:
+    def check_live(self) -> None:
+        """ArenaError once the arena was freed (the arena's own methods and its operations check it)."""
         if self._freed:
             raise E.ArenaError("the arena was freed")
 
     def _layer_index(self, layer) -> int:
-        self._live()
+        self.check_live()
         if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
             raise E.LayerIndexError(f"layer must be an integer, got {layer!r}")
         if not 0 <= layer < self.layout.n_layers:
@@ -472,7 +469,7 @@ class KvArena:
 
     def attention(self, n_heads: int) -> Attention:
         """The attention engine for ``n_heads`` query heads (benchmarks use it directly)."""
-        self._live()
+        self.check_live()
         if n_heads not in self._attention:
             self._attention[n_heads] = Attention(self, n_heads)
         return self._attention[n_heads]
@@ -514,7 +511,7 @@ class KvArena:
         self._upload = None
 
     def __enter__(self) -> "KvArena":
-        self._live()
+        self.check_live()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -33,8 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_MAX_GROUP, FLASH_LOCALS, Sizes, flash_coded_shared_bytes, flash_shared_bytes,
-                           flash_units)
+from .attend_specs import FLASH_MAX_GROUP, Sizes, flash_coded_shared_bytes, flash_shared_bytes, flash_units
+from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
 from . import attend_tune as T
@@ -56,7 +56,6 @@ FLASH_WORKGROUPS = 1024
 # and few — about two workgroups per multiprocessor of a large GPU.
 FLASH_CODED_MIN_SPLIT_TOKENS = 512
 FLASH_CODED_WORKGROUPS = 256
-FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded's workgroup sizes, preferred first
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -118,6 +117,11 @@ class Attention:
         self._buffers: list[Buffer] = []
         self._recon = None
         self._warm_layers: set[int] = set()
+        # (what, layer) → a fact of the layer that planning reads on every step (the flash
+        # kernels' workgroup sizes, whether one fits, the tuner's layer signature): they depend
+        # on the layout, the group and the device's limits only, all fixed for the engine's
+        # life, so they are derived once and never invalidated (_per_layer)
+        self._layer_facts: dict[tuple, object] = {}
         self.passes = None
         try:
             new = self._new_buffer
@@ -155,31 +159,51 @@ class Attention:
         return b
 
     # --- planning ---------------------------------------------------------------------------------
+    def max_local(self) -> int:
+        """The largest one-dimensional workgroup the device allows: the lesser of
+        maxComputeWorkGroupInvocations and maxComputeWorkGroupSize[0] (every workgroup size
+        chosen here and in attend_ops keeps within it)."""
+        return min(self.device.limit("max_compute_work_group_invocations"),
+                   self.device.limit("max_compute_work_group_size")[0])
+
+    def _per_layer(self, what: str, layer: int, derive):
+        """``derive()``, once per (what, layer) (see _layer_facts)."""
+        key = (what, layer)
+        if key not in self._layer_facts:
+            self._layer_facts[key] = derive()
+        return self._layer_facts[key]
+
     def flash_fits(self, layer: int) -> bool:
         """Whether a flash kernel can attend over ``layer``: attend_flash_coded (both streams
         dict-coded; flash_coded_config) or attend_flash (both uncoded: flash_local)."""
-        k, v = self.layout.layers[layer].streams
-        if k.coded and v.coded:
-            return self.flash_coded_heads(layer) > 0
-        if k.coded or v.coded or k.rows != v.rows:
-            return False
-        return self.flash_local(layer) > 0
+        def derive() -> bool:
+            k, v = self.layout.layers[layer].streams
+            if k.coded and v.coded:
+                return self.flash_coded_heads(layer) > 0
+            if k.coded or v.coded or k.rows != v.rows:
+                return False
+            return self.flash_local(layer) > 0
+        return self._per_layer("flash_fits", layer, derive)
+
+    def layer_signature(self, layer: int) -> tuple:
+        """attend_tune's signature of ``layer`` (what its launch shape depends on besides the context)."""
+        return self._per_layer("signature", layer, lambda: T.layer_signature(self, layer))
 
     def flash_locals(self, layer: int) -> list[int]:
         """attend_flash's workgroup sizes over an uncoded ``layer``, preferred first (empty: it
         cannot): at most FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8
-        (f16: a uvec4 is 8 halves), 4 (f32) or 32 (q8_0 blocks); those of FLASH_LOCALS the
-        device allows that the row's units divide and whose shared memory fits."""
-        k = self.layout.layers[layer].k
-        hd = self.layout.head_dim
-        if k.coded or self.group > FLASH_MAX_GROUP or hd % (8 if k.half else 32 if k.q8 else 4):
-            return []
-        most = min(self.device.limit("max_compute_work_group_invocations"),
-                   self.device.limit("max_compute_work_group_size")[0])
-        limit = self.device.limit("max_compute_shared_memory_size")
-        units = flash_units(hd, k.rows)
-        return [n for n in FLASH_LOCALS if n <= most and n % units == 0
-                and flash_shared_bytes(hd, self.group, n) <= limit]
+        (f16: a uvec4 is 8 halves), 4 (f32) or 32 (q8_0 blocks); those of FLASH_LOCALS
+        (attend_tune) the device allows that the row's units divide and whose shared memory fits."""
+        def derive() -> tuple[int, ...]:
+            k = self.layout.layers[layer].k
+            hd = self.layout.head_dim
+            if k.coded or self.group > FLASH_MAX_GROUP or hd % (8 if k.half else 32 if k.q8 else 4):
+                return ()
+            most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
+            units = flash_units(hd, k.rows)
+            return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
+                         and flash_shared_bytes(hd, self.group, n) <= limit)
+        return list(self._per_layer("flash_locals", layer, derive))
 
     def flash_local(self, layer: int) -> int:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""
@@ -189,22 +213,23 @@ class Attention:
         """(query heads per workgroup, workgroup sizes preferred first) of attend_flash_coded
         over ``layer`` ((0, []): it cannot): the largest divisor of the group, at most
         FLASH_MAX_GROUP, whose q·atom table, atom weights and staged chunk fit the device's
-        shared memory with some size of FLASH_CODED_LOCALS (a chunk is one token per
-        invocation) the device allows; with it, every such size."""
-        k, v = self.layout.layers[layer].streams
-        hd, na = self.layout.head_dim, self.layout.n_atoms
-        if not (k.coded and v.coded) or hd % 4:
-            return 0, []
-        limit = self.device.limit("max_compute_shared_memory_size")
-        most = min(self.device.limit("max_compute_work_group_invocations"),
-                   self.device.limit("max_compute_work_group_size")[0])
-        for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
-                         reverse=True):
-            fits = [n for n in FLASH_CODED_LOCALS if n <= most and n % (hd // 4) == 0
-                    and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit]
-            if fits:
-                return hb, fits
-        return 0, []
+        shared memory with some size of FLASH_CODED_LOCALS (attend_tune; a chunk is one token
+        per invocation) the device allows; with it, every such size."""
+        def derive() -> tuple[int, tuple[int, ...]]:
+            k, v = self.layout.layers[layer].streams
+            hd, na = self.layout.head_dim, self.layout.n_atoms
+            if not (k.coded and v.coded) or hd % 4:
+                return 0, ()
+            most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
+            for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
+                             reverse=True):
+                fits = tuple(n for n in FLASH_CODED_LOCALS if n <= most and n % (hd // 4) == 0
+                             and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit)
+                if fits:
+                    return hb, fits
+            return 0, ()
+        hb, fits = self._per_layer("flash_coded_locals", layer, derive)
+        return hb, list(fits)
 
     def flash_coded_config(self, layer: int) -> tuple[int, int]:
         """(query heads, default invocations) per workgroup of attend_flash_coded ((0, 0): it cannot)."""
@@ -265,7 +290,7 @@ class Attention:
             n, split_len = P.split_count(n_used, want, min_tokens, n_used)
             return P.Plan("flash", n, split_len, local=shape.local)
         if fixed is None and self.tune and timestamps_usable(self.device):
-            shape = T.choose(self, layer, n_used, locals_, k.coded,
+            shape = T.choose(self.layer_signature(layer), n_used, locals_, k.coded,
                              lambda sh: self.time_plan(layer, n_used, shaped(sh)))
         else:
             shape = T.Shape(locals_[0], fixed or default)

@@ -118,8 +118,7 @@ class PassBuilder:
         att, lay = self.att, self.layout
         use_mean = int(v is not None and v.coded and v.has_mean)
         n_heads = lay.n_kv_heads * att.group
-        local = merge_head_local(lay.head_dim, att.device.limit("max_compute_work_group_invocations")) \
-            if per_head else 0
+        local = merge_head_local(lay.head_dim, att.max_local()) if per_head else 0
         if local:
             kernel = self._kernel(("merge_head",) + key, "attend_merge_head", [buf, att.stats, att.accs, att.out],
                                   n_heads * local, LOCAL=local)

@@ -16,7 +16,6 @@ SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
 CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
 DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
 FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8")
-FLASH_LOCALS = (256, 128)  # attend_flash*.comp's workgroup sizes (tokens per chunk), preferred first
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
 
 
@@ -255,7 +254,8 @@ def _merge_head_extents(p, s):
 
 
 def merge_head_local(head_dim: int, most: int) -> int:
-    """attend_merge_head's workgroup: up to 256 invocations (the device's ``most`` allowing), a
+    """attend_merge_head's workgroup: up to 256 invocations (the device's ``most`` allowing:
+    Attention.max_local, maxComputeWorkGroupInvocations and maxComputeWorkGroupSize[0]), a
     multiple of head_dim / 4 — its split lanes × quads (0: none fits)."""
     q4 = head_dim // 4
     return max((n * q4 for n in (8, 4, 2, 1) if n * q4 <= min(256, most)), default=0)

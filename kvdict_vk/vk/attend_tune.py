@@ -12,8 +12,10 @@ the device's timestamps and keeps the fastest — per process, for every arena o
 device and layer signature, so an engine pays it once per bucket (~0.2 s, most of it
 raising the GPU's clocks before timing).
 
+The candidate workgroup sizes (FLASH_LOCALS, FLASH_CODED_LOCALS) live here with the
+candidate workgroup counts; kvdict_vk.vk.attend keeps those a layer and the device allow.
 CPU drivers (llvmpipe) do not tune: they do not plan the flash kernels by default, and
-their fixed choice is what the tests pin.
+their fixed choice (the first size allowed) is what the tests pin.
 """
 from __future__ import annotations
 
@@ -24,6 +26,10 @@ MIN_BUCKET = 1024
 REPEATS = 2  # timed runs per candidate and round (the minimum is kept: noise only adds time)
 ROUNDS = 3
 WARM_S = 0.2  # untimed load before the candidates are timed: a GPU idling lowers its clocks
+# workgroup sizes (tokens per chunk), preferred first: the untuned choice is the first a
+# layer and the device allow
+FLASH_LOCALS = (256, 128)  # attend_flash
+FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
 WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
 CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per workgroup is larger)
 
@@ -46,22 +52,30 @@ class Shape:
     workgroups: int
 
 
-def signature(att, layer: int, n_used: int) -> tuple:
+def layer_signature(att, layer: int) -> tuple:
+    """What the launch shape of ``layer`` depends on besides the context: (device name, the
+    streams' format, n_kv, group, head_dim, n_atoms) — fixed for an engine's life
+    (Attention caches it per layer)."""
     lay = att.layout
     k, v = lay.layers[layer].streams
     fmt = tuple((st.coded, st.sparsity, st.residual_bits, st.rows, st.n_dict_heads) for st in (k, v))
-    return (att.device.name, fmt, lay.n_kv_heads, att.group, lay.head_dim, lay.n_atoms, bucket(n_used))
+    return (att.device.name, fmt, lay.n_kv_heads, att.group, lay.head_dim, lay.n_atoms)
+
+
+def signature(layer_sig: tuple, n_used: int) -> tuple:
+    """The key of a choice: the layer signature and the context bucket."""
+    return layer_sig + (bucket(n_used),)
 
 
 def candidates(locals_: list[int], coded: bool) -> list[Shape]:
     return [Shape(n, w) for n in locals_ for w in (CODED_WORKGROUPS if coded else WORKGROUPS)]
 
 
-def choose(att, layer: int, n_used: int, locals_: list[int], coded: bool, time_shape) -> Shape:
-    """The fastest shape for this (device, layer signature, bucket), measured on first use:
-    ``time_shape(shape) -> seconds`` runs the attention over ``layer`` at n_used in that
-    shape (None when the device cannot time it: then the first candidate, untimed)."""
-    key = signature(att, layer, n_used)
+def choose(layer_sig: tuple, n_used: int, locals_: list[int], coded: bool, time_shape) -> Shape:
+    """The fastest shape for this (layer signature — device included —, bucket), measured on
+    first use: ``time_shape(shape) -> seconds`` runs the attention over the layer at n_used
+    in that shape (None when the device cannot time it: then the first candidate, untimed)."""
+    key = signature(layer_sig, n_used)
     if key in _CHOICES:
         return Shape(*_CHOICES[key])
     first = candidates(locals_, coded)[0]

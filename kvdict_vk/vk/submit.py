@@ -7,7 +7,8 @@ Two ways work reaches the queue:
   time, so per-call values must live in buffers). With ``timestamps=True`` it latches a
   timestamp before the first op and after every op; :meth:`Recording.gpu_seconds` gives
   the last run's GPU time (first to last, in the device's timestampPeriod, masked by the
-  queue's timestampValidBits).
+  queue's timestampValidBits), :meth:`Recording.core_seconds` that of its ``core`` ops —
+  one computation (a span of the timestamps), two spans.
 * :meth:`Submitter.submit` — record these ops and evaluate them once, on a sequence the
   device keeps and records again (``Device.submit``; kernels.run). Kompute 0.9.0 made a new
   sequence — a command pool, a command buffer, a fence — for every call: 284–356 µs a call
@@ -74,28 +75,33 @@ class Recording:
             self._seq.eval()
         self._ran = True
 
-    def gpu_seconds(self) -> float | None:
-        """GPU time of the last :meth:`run` (None: no timestamps on this device, or never run)."""
+    def _timestamps(self):
+        """The last :meth:`run`'s timestamps — one before the first op, one after each op —
+        or None (no timestamps on this device, never run, or freed)."""
         if not (self.timestamps and self._ran and self._seq is not None):
             return None
         with self.device.guard(f"reading the timestamps of {self.what}"):
-            ts = self._seq.get_timestamps()
-        return ticks_to_seconds(self.device, ts[0], ts[-1])
+            return self._seq.get_timestamps()
+
+    def _span_seconds(self, first: int, stop: int) -> float | None:
+        """GPU time of the last :meth:`run`'s ops[first:stop] (None: see _timestamps)."""
+        ts = self._timestamps()
+        return None if ts is None else ticks_to_seconds(self.device, ts[first], ts[stop])
+
+    def gpu_seconds(self) -> float | None:
+        """GPU time of the last :meth:`run`, every op (None: no timestamps on this device, or never run)."""
+        return self._span_seconds(0, len(self._ops))
 
     def core_seconds(self) -> float | None:
         """GPU time of the last :meth:`run`'s core ops (see ``core``)."""
-        if not (self.timestamps and self._ran and self._seq is not None):
-            return None
-        with self.device.guard(f"reading the timestamps of {self.what}"):
-            ts = self._seq.get_timestamps()
-        return ticks_to_seconds(self.device, ts[self.core[0]], ts[self.core[1]])
+        return self._span_seconds(*self.core)
 
     def op_seconds(self) -> list[float] | None:
         """GPU time of each op of the last run (timestamp after it minus the one before)."""
-        if not (self.timestamps and self._ran and self._seq is not None):
+        ts = self._timestamps()
+        if ts is None:
             return None
-        with self.device.guard(f"reading the timestamps of {self.what}"):
-            ts = np.asarray(self._seq.get_timestamps(), np.uint64)
+        ts = np.asarray(ts, np.uint64)
         return [ticks_to_seconds(self.device, a, b) for a, b in zip(ts[:-1], ts[1:])]
 
     def free(self) -> None:
