@@ -22,47 +22,45 @@ float residual_level(vec2 u, vec2 inv_step) {
     return clamp(df_rint(t), 0.0, MAX_LEVEL);
 }
 
-// The stage in three parts, so a kernel can spread the candidates over invocations
-// (omp_encode_tiled.comp) or run them in one (omp_encode_pick.comp, residual_stage):
-// residual_input (u, its RMS and largest magnitude), residual_candidate (one candidate's step
-// and error) and residual_write (the winner's levels and step).
+// The stage in parts, so a kernel can spread elements and candidates over invocations
+// (omp_encode_tiled.comp) or run them all in one (omp_encode_pick.comp, residual_stage):
+// residual_element (one element of u), residual_spread (u's RMS and largest magnitude),
+// residual_candidate (one candidate's step and error), residual_write (the winner's levels
+// and step). Requires (before inclusion) x_elems, dict_floats, dest_words, the encoder's
+// push block, SPARSITY, DIM, RESIDUAL_BITS, N_STEPS and LEVEL_WORDS.
 
-// 1. + 2. u = (x - (mean + sum_j coef16_j * atom_j)) * (1/scale) of batch vector v, in df64:
-//    products of a binary16 coefficient and a float32 atom element are exact, like in float64.
+// 1. u_e = (x_e - (mean_e + sum_j coef16_j * atom_j[e])) * (1/scale_e) of batch vector v, in
+//    df64: products of a binary16 coefficient and a float32 atom element are exact, like in
+//    float64; the sum runs over j in code-word order.
+vec2 residual_element(uint dict_head, uint v, uint e, uint idx[SPARSITY], float coef16[SPARSITY]) {
+    uint raw = pc.raw_atoms_word + dict_head * pc.n_atoms * DIM + e;
+    vec2 acc = vec2(0.0);
+    [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j)
+        acc = df_add(acc, df_two_prod(coef16[j], dict_floats[raw + idx[j] * DIM]));
+    vec2 approx = df_add(acc, vec2(dict_floats[pc.mean_word + dict_head * DIM + e], 0.0));
+    vec2 r = df_sub(vec2(elem_at(x_elems[(v * DIM + e) / LANES], e % LANES), 0.0), approx);
+    uint scale_float = pc.scale_word + dict_head * 2u * DIM + 2u * e;
+    return df_mul(r, vec2(dict_floats[scale_float], dict_floats[scale_float + 1u]));
+}
+
+// 2. u's RMS and largest magnitude.
+void residual_spread(vec2 u[DIM], out vec2 rms, out vec2 amax) {
+    vec2 sum_sq = vec2(0.0);
+    amax = vec2(0.0);
+    [[unroll]] for (uint e = 0u; e < DIM; ++e) {
+        sum_sq = df_add(sum_sq, df_mul(u[e], u[e]));
+        vec2 mag = df_abs(u[e]);
+        if (df_less(amax, mag))
+            amax = mag;
+    }
+    rms = df_sqrt(df_mul(sum_sq, df_recip(float(DIM))));
+}
+
 void residual_input(uint dict_head, uint v, uint idx[SPARSITY], float coef16[SPARSITY],
                     out vec2 u[DIM], out vec2 rms, out vec2 amax) {
     [[unroll]] for (uint e = 0u; e < DIM; ++e)
-        u[e] = vec2(0.0);
-    uint raw_elem = pc.raw_atoms_word / LANES + dict_head * pc.n_atoms * DIM_ELEMS;
-    [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j) {
-        uint a = raw_elem + idx[j] * DIM_ELEMS;
-        float cj = coef16[j];
-        [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e) {
-            FELEM w = dict_elems[a + e];
-            [[unroll]] for (uint c = 0u; c < LANES; ++c)
-                u[e * LANES + c] = df_add(u[e * LANES + c], df_two_prod(cj, elem_at(w, c)));
-        }
-    }
-    uint mean_elem = pc.mean_word / LANES + dict_head * DIM_ELEMS;
-    uint scale_float = pc.scale_word + dict_head * 2u * DIM;
-    vec2 sum_sq = vec2(0.0);
-    amax = vec2(0.0);
-    [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e) {
-        FELEM xv = x_elems[v * DIM_ELEMS + e];
-        FELEM mv = dict_elems[mean_elem + e];
-        [[unroll]] for (uint c = 0u; c < LANES; ++c) {
-            uint i = e * LANES + c;
-            vec2 approx = df_add(u[i], vec2(elem_at(mv, c), 0.0));
-            vec2 r = df_sub(vec2(elem_at(xv, c), 0.0), approx);
-            vec2 inv_scale = vec2(dict_floats[scale_float + 2u * i], dict_floats[scale_float + 2u * i + 1u]);
-            u[i] = df_mul(r, inv_scale);
-            sum_sq = df_add(sum_sq, df_mul(u[i], u[i]));
-            vec2 mag = df_abs(u[i]);
-            if (df_less(amax, mag))
-                amax = mag;
-        }
-    }
-    rms = df_sqrt(df_mul(sum_sq, df_recip(float(DIM))));
+        u[e] = residual_element(dict_head, v, e, idx, coef16);
+    residual_spread(u, rms, amax);
 }
 
 // 3. Candidate s (residual.py's order): its float32 step and the df64 squared error.

@@ -8,13 +8,14 @@
 //     product — atom tiles of ATOM_TILE atoms x CHUNK_DIMS dimensions staged in shared memory
 //     from the transposed unit-atom image (coalesced), each invocation a 4 vectors x 4 atoms
 //     block of accumulators — the best atom per vector by codec.omp's order (|c|, c >= 0,
-//     lowest index), reduced over the atom groups through shared memory; then one invocation
+//     lowest index), reduced over the atom groups by a tree in shared memory; then one invocation
 //     per vector: distinct indices, Gram-Schmidt against its basis (kept in the state buffer,
 //     interleaved by vector so the loads coalesce), r -= <q, r> q in shared memory;
 //   after the last step: one invocation per vector solves R c = z and writes the code words;
-//     the residual stage (RESIDUAL=1) spreads its N_STEPS candidate steps over invocations
-//     (each rebuilds u in df64 and scores one candidate), the best per vector then writes
-//     the levels and step (encode_residual.glsl: bit-for-bit residual.quantise).
+//     the residual stage (RESIDUAL=1, encode_residual.glsl: bit-for-bit residual.quantise)
+//     spread over invocations: u in df64 by (vector, element) into shared memory, its RMS
+//     and largest magnitude by vector, the N_STEPS candidate steps by (vector, candidate),
+//     then per vector the best candidate's levels and step.
 // Float32 throughout (the correlations sum in another order than codec.omp's float32 GEMM,
 // the coefficients are float32 where codec's are float64), except the residual stage (df64).
 #extension GL_GOOGLE_include_directive : require
@@ -71,6 +72,8 @@ shared vec4 a_sh[CHUNK_DIMS * AGROUPS];     // atom tile, [d][atom / 4][atom % 4
 shared float best_c_sh[TILE_VECTORS * AGROUPS];
 shared uint best_i_sh[TILE_VECTORS * AGROUPS];
 #if RESIDUAL
+shared vec2 u_sh[DIM * TILE_VECTORS];          // the residual stage's u, [d][lv], df64
+shared vec2 spread_sh[2u * TILE_VECTORS];      // its RMS and largest magnitude per vector
 shared vec2 cand_err_sh[TILE_VECTORS * N_STEPS];
 shared float cand_step_sh[TILE_VECTORS * N_STEPS];
 #endif
@@ -173,21 +176,24 @@ void main() {
                 best_c_sh[(4u * vg + i) * AGROUPS + ag] = bc[i];
                 best_i_sh[(4u * vg + i) * AGROUPS + ag] = bi[i];
             }
+            for (uint width = AGROUPS / 2u; width > 0u; width >>= 1u) {  // the groups' best, a tree
+                barrier();
+                for (uint x = tid; x < TILE_VECTORS * width; x += LOCAL) {
+                    uint at = (x / width) * AGROUPS + x % width;
+                    uint gi = best_i_sh[at + width];
+                    if (gi != 0xFFFFFFFFu && (best_i_sh[at] == 0xFFFFFFFFu
+                                              || key_beats(best_c_sh[at + width], gi, best_c_sh[at], best_i_sh[at]))) {
+                        best_c_sh[at] = best_c_sh[at + width];
+                        best_i_sh[at] = gi;
+                    }
+                }
+            }
             barrier();
 
             // 2. one invocation per vector: its pick, Gram-Schmidt, the residual update
             if (tid < n_live) {
                 uint lv = tid;
-                float c = 0.0;
-                uint pick = 0xFFFFFFFFu;
-                for (uint g = 0u; g < AGROUPS; ++g) {
-                    uint gi = best_i_sh[lv * AGROUPS + g];
-                    float gc = best_c_sh[lv * AGROUPS + g];
-                    if (gi != 0xFFFFFFFFu && (pick == 0xFFFFFFFFu || key_beats(gc, gi, c, pick))) {
-                        c = gc;
-                        pick = gi;
-                    }
-                }
+                uint pick = best_i_sh[lv * AGROUPS];  // group 0 holds atom 0: never empty
                 bool dup = false;
                 for (uint i = 0u; i < k; ++i)
                     dup = dup || state_words[sw_at(wg_state, IDX_AT + i, lv)] == pick;
@@ -276,19 +282,33 @@ void main() {
 #if RESIDUAL
         memoryBarrierBuffer();
         barrier();  // the code words' coefficients are in the state buffer
-        // 4. the residual stage: (vector, candidate) pairs over the invocations, then the winners
-        for (uint x = tid; x < n_live * N_STEPS; x += LOCAL) {
-            uint lv = x / N_STEPS, s = x % N_STEPS;
+        // 4. the residual stage: u by (vector, element), its spread by vector, the candidate
+        //    steps by (vector, candidate), then the winners' levels by vector
+        for (uint x = tid; x < n_live * DIM; x += LOCAL) {
+            uint e = x / n_live, lv = x % n_live;
             uint idx[SPARSITY];
             float coef16[SPARSITY];
             for (uint k = 0u; k < SPARSITY; ++k) {
                 idx[k] = state_words[sw_at(wg_state, IDX_AT + k, lv)];
                 coef16[k] = uintBitsToFloat(state_words[sw_at(wg_state, COEF_AT + k, lv)]);
             }
+            u_sh[e * TILE_VECTORS + lv] = residual_element(dict_head, first + lv, e, idx, coef16);
+        }
+        barrier();
+        if (tid < n_live) {
             vec2 u[DIM];
-            vec2 rms, amax, err;
-            residual_input(dict_head, first + lv, idx, coef16, u, rms, amax);
-            cand_step_sh[lv * N_STEPS + s] = residual_candidate(s, u, rms, amax, err);
+            [[unroll]] for (uint e = 0u; e < DIM; ++e)
+                u[e] = u_sh[e * TILE_VECTORS + tid];
+            residual_spread(u, spread_sh[2u * tid], spread_sh[2u * tid + 1u]);
+        }
+        barrier();
+        for (uint x = tid; x < n_live * N_STEPS; x += LOCAL) {
+            uint lv = x / N_STEPS, s = x % N_STEPS;
+            vec2 u[DIM];
+            [[unroll]] for (uint e = 0u; e < DIM; ++e)
+                u[e] = u_sh[e * TILE_VECTORS + lv];
+            vec2 err;
+            cand_step_sh[lv * N_STEPS + s] = residual_candidate(s, u, spread_sh[2u * lv], spread_sh[2u * lv + 1u], err);
             cand_err_sh[lv * N_STEPS + s] = err;
         }
         barrier();
@@ -300,15 +320,9 @@ void main() {
             for (uint s = 1u; s < N_STEPS; ++s)  // strictly smaller wins: the first on a tie
                 if (df_less(cand_err_sh[lv * N_STEPS + s], cand_err_sh[lv * N_STEPS + best]))
                     best = s;
-            uint idx[SPARSITY];
-            float coef16[SPARSITY];
-            for (uint k = 0u; k < SPARSITY; ++k) {
-                idx[k] = state_words[sw_at(wg_state, IDX_AT + k, lv)];
-                coef16[k] = uintBitsToFloat(state_words[sw_at(wg_state, COEF_AT + k, lv)]);
-            }
             vec2 u[DIM];
-            vec2 rms, amax;
-            residual_input(dict_head, v, idx, coef16, u, rms, amax);
+            [[unroll]] for (uint e = 0u; e < DIM; ++e)
+                u[e] = u_sh[e * TILE_VECTORS + lv];
             residual_write(u, cand_step_sh[lv * N_STEPS + best], slot + SPARSITY);
         }
 #endif

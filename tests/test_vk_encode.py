@@ -1,5 +1,10 @@
 """GPU OMP encoder (kvdict_vk.vk.encoder) against the NumPy reference (codec.encode).
 
+Every test that takes the ``encoder`` fixture runs for both forms of the encoder: the tiled
+kernel (one dispatch per batch; the default on GPUs) and the stepwise kernels (the default
+on CPU drivers). Dictionaries too large for the tiled kernel under llvmpipe's loop cap run
+with kernel="auto" (test_large_dictionaries): stepwise on lavapipe, tiled on a GPU.
+
 * Well-conditioned inputs (random unit atoms, Gaussian vectors): the GPU picks the same atom
   set as codec.omp for every vector in these cases (float32 vs float64 arithmetic could flip
   a near-tie; MAX_SET_FLIPS documents the tolerance, measured 0 here) and the per-batch
@@ -83,13 +88,30 @@ def compare(enc, x, d, what: str) -> tuple[float, float]:
     return agree, abs(eg - ec) / ec
 
 
+@pytest.fixture(params=["tiled", "stepwise"])
+def encoder(vk_device, request):
+    from kvdict_vk.vk.encoder import GpuEncoder
+    made = []
+
+    def make(d, **kw):
+        made.append(GpuEncoder(vk_device, d, kernel=request.param, **kw))
+        assert made[-1].kernel == request.param
+        return made[-1]
+    make.kernel = request.param
+    yield make
+    for e in made:
+        e.free()
+
+
 @pytest.fixture
-def encoder(vk_device):
+def auto_encoder(vk_device):
+    """kernel="auto": the stepwise form on a CPU driver, the tiled one on a GPU."""
     from kvdict_vk.vk.encoder import GpuEncoder
     made = []
 
     def make(d):
         made.append(GpuEncoder(vk_device, d))
+        assert made[-1].kernel == ("stepwise" if vk_device.is_cpu else "tiled")
         return made[-1]
     yield make
     for e in made:
@@ -98,27 +120,41 @@ def encoder(vk_device):
 
 # (head_dim, n_atoms, s, n_kv, T): every value of head_dim {32, 36, 64, 128}, n_atoms {64,
 # 1024, 4096, 65536 (few vectors)} and s {1, 4, 8, 16} appears; 36 has an odd vec4 count.
+# T spans the tiled kernel's tile sizes (4, 16, 64 vectors per workgroup) and partial tiles.
 WELL_CONDITIONED = [
     (32, 64, 1, 2, 300),
     (36, 1024, 4, 1, 500),
     (64, 1024, 8, 3, 700),
-    (128, 4096, 16, 1, 200),
-    (64, 4096, 4, 2, 150),
+    (64, 1024, 4, 1, 3),
+    (64, 512, 4, 1, 13),
     (32, 1024, 16, 1, 256),
     (36, 64, 16, 2, 100),
+]
+LARGE = [
+    (128, 4096, 16, 1, 200),
+    (64, 4096, 4, 2, 150),
     (64, 65536, 8, 1, 24),
     (128, 65536, 1, 1, 16),
 ]
 
 
-@pytest.mark.parametrize("head_dim,n_atoms,s,n_kv,n_tok", WELL_CONDITIONED)
-def test_same_atoms_and_error_as_codec(encoder, head_dim, n_atoms, s, n_kv, n_tok):
+def _same_atoms_case(enc, head_dim, n_atoms, s, n_kv, n_tok):
     rng = np.random.default_rng(head_dim * 7 + n_atoms + s)
     d = StreamDict(unit_atoms(rng, 1, n_atoms, head_dim)[0], sparsity=s)
     x = rng.standard_normal((n_kv, n_tok, head_dim)).astype(np.float32)
-    agree, diff = compare(encoder(d), x, d, f"d={head_dim} K={n_atoms} s={s}")
+    agree, diff = compare(enc(d), x, d, f"d={head_dim} K={n_atoms} s={s}")
     assert agree >= 1 - MAX_SET_FLIPS
     assert diff <= REL_ERR_TOL
+
+
+@pytest.mark.parametrize("head_dim,n_atoms,s,n_kv,n_tok", WELL_CONDITIONED)
+def test_same_atoms_and_error_as_codec(encoder, head_dim, n_atoms, s, n_kv, n_tok):
+    _same_atoms_case(encoder, head_dim, n_atoms, s, n_kv, n_tok)
+
+
+@pytest.mark.parametrize("head_dim,n_atoms,s,n_kv,n_tok", LARGE)
+def test_large_dictionaries(auto_encoder, head_dim, n_atoms, s, n_kv, n_tok):
+    _same_atoms_case(auto_encoder, head_dim, n_atoms, s, n_kv, n_tok)
 
 
 def test_real_looking_kv_with_learned_dictionary(encoder):
@@ -135,12 +171,13 @@ def test_real_looking_kv_with_learned_dictionary(encoder):
     assert diff <= REL_ERR_TOL
 
 
-def test_real_looking_kv_random_dictionary_with_mean(encoder):
+def test_real_looking_kv_random_dictionary_with_mean(auto_encoder):
+    """head_dim 128, s 16: beyond the tiled kernel's loop budget on llvmpipe, so "auto"."""
     rng = np.random.default_rng(8)
     x = kv_like(rng, 2, 400, 128)
     d = StreamDict(rng.standard_normal((1024, 128)).astype(np.float32),
                    mean=x.reshape(-1, 128).mean(0), sparsity=16)
-    agree, diff = compare(encoder(d), x, d, "random atoms, kv-like")
+    agree, diff = compare(auto_encoder(d), x, d, "random atoms, kv-like")
     assert agree >= 1 - MAX_SET_FLIPS
     assert diff <= REL_ERR_TOL
 
@@ -177,7 +214,7 @@ def test_metric_dictionary(encoder, head_dim):
 
 # --- ill-conditioned inputs -------------------------------------------------------------
 
-def test_degenerate_inputs_give_valid_codes(encoder):
+def test_degenerate_inputs_give_valid_codes(encoder, auto_encoder):
     rng = np.random.default_rng(5)
     head_dim = 32
     base = unit_atoms(rng, 1, 40, head_dim)[0]
@@ -188,7 +225,9 @@ def test_degenerate_inputs_give_valid_codes(encoder):
     x[0, 40:60] = atoms[3] + atoms[40 + 3] * 1e-3  # almost-dependent combinations
     for s in (4, head_dim):  # s = head_dim: the span is exhausted, later picks are dependent
         d = StreamDict(atoms, sparsity=s)
-        gpu = encoder(d).encode(x)
+        # s = head_dim is beyond the tiled kernel's loop budget on llvmpipe: there "auto"
+        # (stepwise on a CPU driver, tiled on a GPU)
+        gpu = (encoder(d) if s < head_dim else auto_encoder(d)).encode(x)
         check_valid(gpu, d)
         idx, coef = codec.unpack_codes(gpu[..., :s])
         assert (coef[0, :20] == 0).all() and (np.sort(idx[0, :20], -1) == np.arange(s)).all()
@@ -264,12 +303,10 @@ def test_encode_into_writes_only_its_slots(encoder, vk_device):
     assert (got[:region] == GUARD).all() and (got[region + n_kv * n_ctx * sw:] == GUARD).all()
 
 
-def test_batches_larger_than_capacity(encoder, monkeypatch):
-    from kvdict_vk.vk import encoder as enc_mod
-    monkeypatch.setattr(enc_mod, "WORK_BUFFER_WORDS", 64 * 9 * 16)  # a batch of 64 vectors
+def test_batches_larger_than_capacity(encoder):
     rng = np.random.default_rng(10)
     d = StreamDict(unit_atoms(rng, 1, 100, 16)[0], sparsity=8)
-    enc = encoder(d)
+    enc = encoder(d, max_batch=64)
     assert enc.capacity == 64
     x = rng.standard_normal((2, 150, 16)).astype(np.float32)
     gpu = enc.encode(x)
@@ -326,6 +363,11 @@ def test_llvmpipe_loop_cap_is_refused(vk_device):
     d = StreamDict(unit_atoms(rng, 1, 256, 256)[0], sparsity=250)
     with pytest.raises(E.DispatchError, match="65535"):
         GpuEncoder(vk_device, d)
+    big = StreamDict(unit_atoms(rng, 1, 65536, 64)[0], sparsity=8)
+    with pytest.raises(E.DispatchError, match="65535"):
+        GpuEncoder(vk_device, big, kernel="tiled")
+    with pytest.raises(E.ShapeError, match="kernel"):
+        GpuEncoder(vk_device, big, kernel="fast")
 
 
 def test_dispatch_contracts_are_checked():
@@ -341,3 +383,11 @@ def test_dispatch_contracts_are_checked():
                         (dict(block=4), "corr"), (dict(dict_head=1), "corr"), (dict(per_head=2), "corr")]:
         with pytest.raises(E.DispatchError):
             SHADERS[f"omp_encode_{shader}_vec4"].extents({**push, **bad}, spec)
+    tiled = {"DIM": 32, "SPARSITY": 4, "TILE_VECTORS": 16, "LOCAL": 64, "CHUNK_DIMS": 32, "METRIC": 0}
+    push.update(atoms_pad=64, dst_word=7, atoms_t_word=100)
+    spans = SHADERS["omp_encode_tiled_vec4"].extents(push, tiled)
+    assert spans[0] == [(0, 20 * 32)] and spans[5] == [(7, 7 + 20 * 4)]  # input; 2 heads × 10 slots
+    assert (100, 100 + 64 * 32) in spans[2]  # the transposed atoms
+    for bad in (dict(atoms_pad=63), dict(t0=1), dict(n_vectors=15), dict(per_head=2)):
+        with pytest.raises(E.DispatchError):
+            SHADERS["omp_encode_tiled_vec4"].extents({**push, **bad}, tiled)

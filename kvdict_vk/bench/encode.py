@@ -1,16 +1,23 @@
 """GPU OMP encoder (kvdict_vk.vk.encoder) vs the CPU reference codec.encode, vectors per second.
 
 One device, one run, interleaved repeats (machine noise hits every candidate alike);
-median, quartiles and min/max per candidate, for a dictionary without and with a residual
-stage. Candidates: ``gpu_encode`` (GpuEncoder.encode: upload, dispatches, read-back),
-``gpu_encode_into`` (GpuEncoder.encode_into a device buffer: no read-back, the arena's
-write path) and ``cpu_codec_encode`` (codec.encode_heads, NumPy). Wall time with
-time.perf_counter: an encode is one submission per batch plus host work between them, so
-there is no single recording to read GPU time from (the rows say so). Pipelines are
-created (and compiled) before the first timed repeat. Also reported: how often both pick
-the same atom set and how often the whole slot is identical. Rows (summary.json) carry
-vectors_per_s and device_kind: "gpu" or "cpu" for the Vulkan device's kind (a software
-driver is a CPU), "cpu" for the NumPy codec.
+median, quartiles and min/max per candidate, per residual-bit configuration. Candidates:
+
+* ``gpu_encode`` (GpuEncoder.encode: upload, dispatches, read-back) and ``gpu_encode_into``
+  (GpuEncoder.encode_into a device buffer: no read-back, the arena's write path) — wall
+  time with time.perf_counter (a call is host work plus a submission per batch);
+* ``gpu_prefill`` (the dispatches of one encode_into batch of every token, recorded once and
+  timed by GPU timestamps) and ``gpu_decode_token`` (one token of every KV head, the same
+  way) — GPU time, after the clocks are raised (timing.measure's warm_s);
+* ``cpu_codec_encode`` (codec.encode_heads, NumPy).
+
+The encoder is the device's default form (GpuEncoder kernel "auto": tiled on GPUs,
+stepwise on CPU drivers), the dictionary per KV head with ``--per-head`` (the certified
+format's: 1024 atoms per KV head). Pipelines are created before the first timed repeat.
+Also reported: how often both pick the same atom set and how often the whole slot is
+identical. Rows (summary.json) carry vectors_per_s (from GPU time where the candidate has
+it) and device_kind: "gpu" or "cpu" for the Vulkan device's kind (a software driver is a
+CPU), "cpu" for the NumPy codec.
 
     .venv/bin/python -m kvdict_vk.bench.encode [--out out/bench_encode.json]
 
@@ -25,8 +32,12 @@ import numpy as np
 from . import common, results, timing
 
 NAME, TOOL = "encode", "kvdict_vk.bench.encode"
-CANDIDATES = ("gpu_encode", "gpu_encode_into", "cpu_codec_encode")
-PRESETS = {"quick": ["--n-tok", "128", "--repeats", "3"], "cpu": [], "gpu": ["--n-tok", "4096", "--repeats", "5"]}
+CANDIDATES = ("gpu_encode", "gpu_encode_into", "gpu_prefill", "gpu_decode_token", "cpu_codec_encode")
+RECORDED = ("gpu_prefill", "gpu_decode_token")
+PRESETS = {"quick": ["--n-tok", "128", "--repeats", "3"], "cpu": [],
+           "gpu": ["--n-tok", "4096", "--n-kv", "8", "--sparsity", "4", "--residual-bits", "0,3,4", "--per-head",
+                   "--repeats", "5"]}
+WARM_S = 0.3  # untimed GPU work before the recorded candidates' rounds (clocks; timing.measure)
 USES_DEVICE, REQUIRES = True, {}
 
 
@@ -34,6 +45,7 @@ def parse_args(argv=None):
     ap = common.parser(__doc__, NAME, repeats=5)
     ap.add_argument("--n-tok", type=int, default=1024, help="tokens per KV head per encode call")
     ap.add_argument("--residual-bits", default="0,4", help="one configuration per value")
+    ap.add_argument("--per-head", action="store_true", help="a dictionary per KV head (else one shared)")
     return common.parse(ap, argv)
 
 
@@ -42,12 +54,17 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     from kvdict_vk.dictionary import StreamDict
     from kvdict_vk.vk.encoder import GpuEncoder
     from kvdict_vk.vk.kernels import Buffer
+    from kvdict_vk.vk.submit import Recording
     hd, na, s = args.head_dim, args.n_atoms, args.sparsity
-    atoms = rng.standard_normal((na, hd))
-    atoms = (atoms / np.linalg.norm(atoms, axis=1, keepdims=True)).astype(np.float32)
-    d = StreamDict(atoms, mean=rng.standard_normal(hd).astype(np.float32), sparsity=s, residual_bits=bits,
-                   residual_scale=(rng.random(hd) + 0.5).astype(np.float32) if bits else None)
-    x = (d.mean + rng.standard_normal((args.n_kv, args.n_tok, hd))).astype(np.float32)
+    heads = args.n_kv if args.per_head else 1
+    atoms = rng.standard_normal((heads, na, hd))
+    atoms = (atoms / np.linalg.norm(atoms, axis=2, keepdims=True)).astype(np.float32)
+    mean = rng.standard_normal((heads, hd)).astype(np.float32)
+    d = StreamDict(atoms if args.per_head else atoms[0], mean=mean if args.per_head else mean[0], sparsity=s,
+                   residual_bits=bits,
+                   residual_scale=(rng.random((heads, hd) if args.per_head else hd) + 0.5).astype(np.float32)
+                   if bits else None)
+    x = (mean[:, None, :] + rng.standard_normal((args.n_kv, args.n_tok, hd))).astype(np.float32)
     n = x.shape[0] * x.shape[1]
     t = time.perf_counter()
     enc = GpuEncoder(dev, d)
@@ -55,6 +72,18 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     enc.encode(x[:, :1])
     enc.encode_into(dest, x[:, :1], 0, args.n_tok, 0)  # both pick pipelines exist before timing
     setup = time.perf_counter() - t
+    # the recorded candidates read the encoder's input buffer as staged last: one prefill
+    # batch of every token (when it fits one batch), and one token of every KV head
+    recorded = {}
+    if n <= enc.capacity:
+        recorded["gpu_prefill"] = (Recording(dev, enc.ops_into(dest, x, 0, args.n_tok, 0), timestamps=True,
+                                             what="bench encode prefill"), n)
+    recorded["gpu_decode_token"] = (Recording(dev, enc.ops_into(dest, x[:, :1], 0, args.n_tok, 0),
+                                              timestamps=True, what="bench encode token"), args.n_kv)
+    times = {}
+    for name, (rec, _) in recorded.items():  # restage: ops_into's batches share the input buffer
+        enc.ops_into(dest, x if name == "gpu_prefill" else x[:, :1], 0, args.n_tok, 0)
+        times.update(timing.measure({name: rec}, args.repeats, warm_s=WARM_S if not dev.is_cpu else 0.0))
     cands = {"gpu_encode": lambda: enc.encode(x),
              "gpu_encode_into": lambda: enc.encode_into(dest, x, 0, args.n_tok, 0),
              "cpu_codec_encode": lambda: codec.encode_heads(x, d)}
@@ -64,13 +93,21 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     gpu, cpu = outs["gpu_encode"], outs["cpu_codec_encode"]
     gi, ci = (np.sort(codec.unpack_codes(a[..., :s])[0], -1) for a in (gpu, cpu))
     rel = lambda slots: float(np.sum((codec.decode_heads(slots, d) - x) ** 2) / np.sum(x.astype(np.float64) ** 2))
-    result = {"residual_bits": bits, "slot_words": d.slot_words, "n_vectors": n, "atom_block": enc.atom_block,
-              "batch_capacity": enc.capacity, "setup_seconds": setup,
+    result = {"residual_bits": bits, "slot_words": d.slot_words, "n_vectors": n, "encoder_kernel": enc.kernel,
+              "atom_block": enc.atom_block, "batch_capacity": enc.capacity, "setup_seconds": setup,
+              "per_head": bool(args.per_head),
               "same_atom_sets": float((gi == ci).all(-1).mean()),
               "identical_slots": float((gpu == cpu).all(-1).mean()),
               "rel_error": {"gpu": rel(gpu), "cpu": rel(cpu)}}
     for name, v in secs.items():
-        result[name] = {"seconds": common.stats(v), "vectors_per_s": common.stats([n / t for t in v])}
+        result[name] = {"seconds": common.stats(v), "vectors_per_s": common.stats([n / t for t in v]),
+                        "timing": timing.timing(v, recorded=False), "n_vectors": n}
+    for name, (rec, count) in recorded.items():
+        tm = times[name]
+        per_call = tm["gpu"]["samples"] if tm["gpu"] else tm["wall"]["samples"]
+        result[name] = {"seconds": common.stats(per_call), "vectors_per_s": common.stats([count / t for t in per_call]),
+                        "timing": tm, "n_vectors": count}
+        rec.free()
     ratios = [c / g for g, c in zip(secs["gpu_encode"], secs["cpu_codec_encode"])]
     result["gpu_over_cpu_speed"] = common.stats(ratios)  # paired per repeat
     dest.destroy()
@@ -96,14 +133,18 @@ def make_rows(result) -> list[dict]:
     rows = []
     for cfg in result["configs"]:
         for name in CANDIDATES:
-            t = timing.timing(cfg[name]["seconds"]["samples"], recorded=False)
+            if name not in cfg:  # gpu_prefill: only where every token fits one batch
+                continue
+            t = dict(cfg[name]["timing"])
             if name == "cpu_codec_encode":
                 t["note"] = "NumPy on the host"
             rows.append(results.row(NAME, f"{name} r{cfg['residual_bits']} d{c['head_dim']} s{c['sparsity']}", t,
                                     cache="dict", n_kv=c["n_kv"], head_dim=c["head_dim"],
-                                    vectors_per_s=cfg[name]["vectors_per_s"]["median"], n_vectors=cfg["n_vectors"],
+                                    vectors_per_s=cfg[name]["vectors_per_s"]["median"],
+                                    n_vectors=cfg[name]["n_vectors"],
                                     device_kind="cpu" if name == "cpu_codec_encode" else kind,
-                                    residual_bits=cfg["residual_bits"]))
+                                    residual_bits=cfg["residual_bits"], per_head=cfg.get("per_head", False),
+                                    encoder_kernel=None if name == "cpu_codec_encode" else cfg.get("encoder_kernel")))
     return rows
 
 
@@ -119,6 +160,11 @@ def headline(result) -> list[dict]:
         figures.append({"figure": "GPU / CPU encode speed", "case": f"residual {c['residual_bits']} bits",
                         "numerator": gpu, "denominator": cpu, "unit": "vectors/s", "ratio": gpu / cpu,
                         "paired_ratio_median": c["gpu_over_cpu_speed"]["median"]})
+        for name in (n for n in RECORDED if n in c):
+            t = c[name]["timing"]
+            figures.append({"figure": f"{name} ({'GPU' if t['gpu_s'] is not None else 'wall'} time)",
+                            "case": f"residual {c['residual_bits']} bits, {c[name]['n_vectors']} vectors",
+                            "seconds": c[name]["seconds"]["median"], "vectors_per_s": c[name]["vectors_per_s"]["median"]})
     return figures
 
 
@@ -129,9 +175,11 @@ def report(result) -> list[str]:
     for c in result["configs"]:
         lines.append(f"  residual bits {c['residual_bits']}: same atom sets {c['same_atom_sets']:.4f}, "
                      f"identical slots {c['identical_slots']:.4f}, setup {c['setup_seconds']:.1f} s")
-        for name in CANDIDATES:
+        for name in (n for n in CANDIDATES if n in c):
             v = c[name]["vectors_per_s"]
-            lines.append(f"    {name:18s} {v['median']:10,.0f} vec/s  [{v['p25']:,.0f}, {v['p75']:,.0f}]")
+            how = "GPU time" if name in RECORDED and c[name]["timing"]["gpu_s"] is not None else "wall"
+            lines.append(f"    {name:18s} {v['median']:12,.0f} vec/s  [{v['p25']:,.0f}, {v['p75']:,.0f}]  "
+                         f"{1e6 * c[name]['seconds']['median']:,.1f} µs per call ({how})")
         r = c["gpu_over_cpu_speed"]
         lines.append(f"    GPU / CPU speed (paired): {r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}]")
     return lines
@@ -142,12 +190,12 @@ def plot(plt, result):
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(CANDIDATES)
     for i, name in enumerate(CANDIDATES):
-        med = [c[name]["vectors_per_s"]["median"] for c in configs]
-        lo = [c[name]["vectors_per_s"]["p25"] for c in configs]
-        hi = [c[name]["vectors_per_s"]["p75"] for c in configs]
-        pos = np.arange(len(configs)) + (i - 1) * width
+        pick = lambda k: [c[name]["vectors_per_s"][k] if name in c else 0.0 for c in configs]
+        med, lo, hi = pick("median"), pick("p25"), pick("p75")
+        pos = np.arange(len(configs)) + (i - (len(CANDIDATES) - 1) / 2) * width
         ax.bar(pos, med, width, yerr=[np.subtract(med, lo), np.subtract(hi, med)], capsize=3,
-               label=name, color=["#37c", "#6a9", "#c73"][i])
+               label=name, color=["#37c", "#6a9", "#139", "#9b5", "#c73"][i])
+    ax.set_yscale("log")
     ax.set_xticks(np.arange(len(configs)),
                   [f"residual {c['residual_bits']} bits" if c["residual_bits"] else "no residual" for c in configs])
     ax.set_ylabel("vectors / s (median, IQR)")

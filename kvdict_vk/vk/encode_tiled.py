@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import errors as E
-from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP
+from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP, step_multipliers
 from .encode_specs import tiled_state_words
 from .kernels import Buffer, Kernel
 
@@ -40,27 +40,30 @@ class TileShape:
 
 
 def shared_bytes(head_dim: int, shape: TileShape, n_steps: int) -> int:
-    """Shared memory of one workgroup (the shader's shared arrays)."""
+    """Shared memory of one workgroup (the shader's shared arrays; n_steps 0: no residual stage)."""
     tv, vgroups = shape.tile_vectors, shape.tile_vectors // 4
     agroups = shape.local // vgroups
-    return 16 * (head_dim * vgroups + shape.chunk_dims * agroups) + 8 * tv * agroups + 12 * tv * n_steps
+    residual = 8 * head_dim * tv + 16 * tv + 12 * tv * n_steps if n_steps else 0  # u, spread, candidates
+    return 16 * (head_dim * vgroups + shape.chunk_dims * agroups) + 8 * tv * agroups + residual
 
 
 def tile_shape(device, head_dim: int, tile_vectors: int, n_steps: int) -> TileShape:
-    """The largest workgroup and atom tile depth for ``tile_vectors`` that fit the device."""
+    """The launch shape for tiles of ``tile_vectors`` (or fewer, where they do not fit): the
+    largest workgroup, then the deepest atom tile, that fit the device's limits."""
     max_local = min(device.limit("max_compute_work_group_invocations"),
                     device.limit("max_compute_work_group_size")[0])
     budget = min(SHARED_BUDGET, device.limit("max_compute_shared_memory_size"))
     divisors = [c for c in range(min(head_dim, MAX_CHUNK_DIMS), 0, -1) if head_dim % c == 0]
-    for local in LOCALS:
-        if local > max_local or local % (tile_vectors // 4):
-            continue
-        for chunk in divisors:
-            shape = TileShape(tile_vectors, local, chunk)
-            if shared_bytes(head_dim, shape, n_steps) <= budget:
-                return shape
-    raise E.DispatchError(f"{device.name}: no tiled encoder shape for head_dim {head_dim}, "
-                          f"{tile_vectors} vectors per tile fits {budget} bytes of shared memory")
+    for tv in (t for t in TILE_SIZES if t <= tile_vectors):
+        for local in LOCALS:
+            if local > max_local or local % (tv // 4):
+                continue
+            for chunk in divisors:
+                shape = TileShape(tv, local, chunk)
+                if shared_bytes(head_dim, shape, n_steps) <= budget:
+                    return shape
+    raise E.DispatchError(f"{device.name}: no tiled encoder shape for head_dim {head_dim} fits "
+                          f"{budget} bytes of shared memory")
 
 
 def tile_for(per_group: int) -> int:
@@ -83,8 +86,8 @@ def loop_iterations(head_dim: int, s: int, n_atoms: int, shape: TileShape, resid
     finish = s * s + 2 * s
     res = 0
     if residual_bits:
-        pairs = -(-tv * n_steps // shape.local)
-        res = pairs * (s + s * d + 3 * d + n_steps) + n_steps + s + s * d + 4 * d
+        elements, pairs = -(-tv * d // shape.local), -(-tv * n_steps // shape.local)
+        res = elements * 2 * s + 2 * d + pairs * (2 * d) + n_steps + 2 * d + -(-d * residual_bits // 32)
     return items_per_workgroup * (init + s * step + finish + res)
 
 
@@ -93,9 +96,11 @@ def max_batch(device, stream, wanted: int) -> int:
     workgroups cover in one pass (each workgroup one tile, so its loops stay under the cap)."""
     if "llvmpipe" not in device.name.lower():
         return wanted
-    per_wg = max(stream.sparsity * stream.head_dim, tiled_state_words(stream.sparsity)) * TILE_SIZES[0]
+    n_steps = len(step_multipliers(stream.residual_bits)) if stream.residual_bits else 0
+    tv = tile_shape(device, stream.head_dim, TILE_SIZES[0], n_steps).tile_vectors
+    per_wg = max(stream.sparsity * stream.head_dim, tiled_state_words(stream.sparsity)) * tv
     workgroups = max(1, min(MAX_WORKGROUPS, STATE_WORDS_CAP // per_wg, device.limit("max_compute_work_group_count")[0]))
-    return max(TILE_SIZES[0], min(wanted, (workgroups - stream.n_heads) * TILE_SIZES[0]))
+    return max(tv, min(wanted, (workgroups - stream.n_heads) * tv))
 
 
 class TiledKernels:
@@ -113,7 +118,7 @@ class TiledKernels:
                 shape, workgroups = self._launch(tv)
                 loops = loop_iterations(stream.head_dim, stream.sparsity, stream.n_atoms, shape,
                                         stream.residual_bits, n_steps, stream.metric is not None,
-                                        -(-self._tiles(tv) // workgroups))
+                                        -(-self._tiles(tv, shape.tile_vectors) // workgroups))
                 if loops > LOOP_BUDGET:
                     raise E.DispatchError(f"{device.name}: the tiled encoder needs ~{loops} loop iterations per "
                                           f"invocation; llvmpipe stops loops at {LOOP_ITERATION_CAP}")
@@ -130,21 +135,21 @@ class TiledKernels:
         d = self.stream
         return d.sparsity * d.head_dim * tile_vectors, tiled_state_words(d.sparsity) * tile_vectors
 
-    def _tiles(self, tile_vectors: int) -> int:
-        """The most tiles a batch dispatches at this size: a full batch at the largest (a
-        partial tile per dictionary head besides); a smaller one is taken (tile_for) only
-        when every dictionary head has at most that many vectors — one tile per head."""
+    def _tiles(self, tile_vectors: int, actual: int) -> int:
+        """The most tiles (of ``actual`` vectors) a batch dispatches for this tile size: a
+        full batch at the largest (a partial tile per dictionary head besides); a smaller
+        one is asked for (tile_for) only when every dictionary head has at most that many."""
         if tile_vectors == TILE_SIZES[0]:
-            return -(-self.capacity // tile_vectors) + self.stream.n_heads
-        return self.stream.n_heads
+            return -(-self.capacity // actual) + self.stream.n_heads
+        return self.stream.n_heads * -(-tile_vectors // actual)
 
     def _launch(self, tile_vectors: int) -> tuple:
         """(TileShape, workgroups) for this tile size: every tile of a full batch at once,
         within the state buffers' cap and the device's limit."""
         d = self.stream
         shape = tile_shape(self.device, d.head_dim, tile_vectors, self.n_steps if d.residual_bits else 0)
-        workgroups = max(1, min(MAX_WORKGROUPS, self._tiles(tile_vectors),
-                                STATE_WORDS_CAP // max(self._per_workgroup(tile_vectors)),
+        workgroups = max(1, min(MAX_WORKGROUPS, self._tiles(tile_vectors, shape.tile_vectors),
+                                STATE_WORDS_CAP // max(self._per_workgroup(shape.tile_vectors)),
                                 self.device.limit("max_compute_work_group_count")[0]))
         return shape, workgroups
 
@@ -152,7 +157,7 @@ class TiledKernels:
         if tile_vectors in self._state:
             return self._state[tile_vectors]
         shape, workgroups = self._launch(tile_vectors)
-        basis_per, words_per = self._per_workgroup(tile_vectors)
+        basis_per, words_per = self._per_workgroup(shape.tile_vectors)
         basis = Buffer(self.device, workgroups * basis_per, "storage", f"tiled encoder bases ({tile_vectors})")
         try:
             words = Buffer(self.device, workgroups * words_per, "storage", f"tiled encoder state ({tile_vectors})")

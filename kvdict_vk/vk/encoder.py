@@ -263,24 +263,42 @@ class GpuEncoder:
             out[:, c0:c1] = dest.host_words()[:n_kv * tc * self.slot_words].reshape(n_kv, tc, -1)
         return out
 
-    def encode_into(self, dest: Buffer, x: np.ndarray, region_word: int, n_ctx: int, t0: int) -> None:
-        """Encode x (n_kv, T, head_dim) float32 into ``dest``: slot word j of token i of head h
-        at region_word + (h·n_ctx + t0 + i)·slot_words + j; no other word of ``dest`` is
-        written. DispatchError when t0 + T > n_ctx or the slots would leave the buffer."""
+    def ops_into(self, dest: Buffer, x: np.ndarray, region_word: int, n_ctx: int, t0: int) -> list:
+        """The checked dispatches of encode_into for one batch (x at most ``capacity``
+        vectors), to record and time (bench.encode): they read x from the encoder's input
+        buffer as staged now. The tiled form is one op; the stepwise form ~3 per OMP step."""
         self._live()
+        x = self._check_x(x)
+        n_kv, n_tok, _ = x.shape
+        if n_kv * n_tok > self.capacity or not n_tok:
+            raise E.ShapeError(f"ops_into: {n_kv}×{n_tok} vectors, one batch holds 1..{self.capacity}")
+        self._check_dest(dest, n_kv, n_tok, region_word, n_ctx, t0)
+        return self._batch_ops(dest, x, region_word, n_ctx, t0)
+
+    def _check_dest(self, dest, n_kv: int, n_tok: int, region_word, n_ctx, t0) -> tuple:
         if not isinstance(dest, Buffer) or not dest.alive:
             raise E.DispatchError(f"encode_into: dest must be a live Buffer, got {dest!r}")
         if any(dest is b for b in self._buffers.values()):
             raise E.DispatchError("encode_into: dest is one of the encoder's own buffers")
         region_word, n_ctx, t0 = (self._index(n, v) for n, v in
                                   (("region_word", region_word), ("n_ctx", n_ctx), ("t0", t0)))
-        x = self._check_x(x)
-        n_kv, n_tok, _ = x.shape
         if t0 + n_tok > n_ctx:
             raise E.DispatchError(f"encode_into: tokens [{t0}, {t0 + n_tok}) exceed n_ctx {n_ctx}")
         end = region_word + ((n_kv - 1) * n_ctx + t0 + n_tok) * self.slot_words
         if n_tok and end > dest.words:
             raise E.DispatchError(f"encode_into: the slots end at word {end}, {dest.name} has {dest.words}")
+        return region_word, n_ctx, t0
+
+    def encode_into(self, dest: Buffer, x: np.ndarray, region_word: int, n_ctx: int, t0: int) -> None:
+        """Encode x (n_kv, T, head_dim) float32 into ``dest``: slot word j of token i of head h
+        at region_word + (h·n_ctx + t0 + i)·slot_words + j; no other word of ``dest`` is
+        written. DispatchError when t0 + T > n_ctx or the slots would leave the buffer."""
+        self._live()
+        if not isinstance(dest, Buffer) or not dest.alive:  # before x: the tests' order of errors
+            raise E.DispatchError(f"encode_into: dest must be a live Buffer, got {dest!r}")
+        x = self._check_x(x)
+        n_kv, n_tok, _ = x.shape
+        region_word, n_ctx, t0 = self._check_dest(dest, n_kv, n_tok, region_word, n_ctx, t0)
         for c0, c1 in self._batches(n_kv, n_tok):
             ops = self._batch_ops(dest, x[:, c0:c1], region_word, n_ctx, t0 + c0)
             run(self.device, *ops, what="GPU OMP encode")
