@@ -57,8 +57,10 @@ def soak(n_tokens: int = N_TOKENS) -> dict:
         ref_v = codec.decode_heads(codec.encode_heads(rows_v, v), v)
         q = rng.standard_normal((2, hd)).astype(np.float32)
         out = arena.attend(0, q, n_tokens)
+        from kvdict_vk.vk import encode_choice
         return {"n_tokens": arena.n_tokens(0), "rss": samples, "nmse_k": nmse(ref_k, kk), "nmse_v": nmse(ref_v, vv),
-                "nmse_attend": nmse(attention_ref.attend(q, ref_k, ref_v, n_tokens), out)}
+                "nmse_attend": nmse(attention_ref.attend(q, ref_k, ref_v, n_tokens), out),
+                "encoders": sorted(set(encode_choice.measured().values()))}
 
 
 def test_hundred_thousand_appends_memory_flat(vk_device, tmp_path):
@@ -79,7 +81,11 @@ def test_hundred_thousand_appends_memory_flat(vk_device, tmp_path):
     samples = r["rss"]
     growth = samples[-1] - samples[1]
     assert growth < 16 << 20, f"RSS grew {growth / 2**20:.1f} MiB: {[s >> 20 for s in samples]} MiB"
-    assert r["nmse_k"] <= 1e-12 and r["nmse_v"] <= 1e-12 and r["nmse_attend"] <= 1e-9, r
+    # The reference is the CPU codec's: an arena that chose the GPU encoder (KvArena's
+    # "auto", measured per device) holds codes that differ from it by binary16 ulps and rare
+    # float32 near-ties (tests/test_vk_encode.py) — measured 9e-11 on an H200.
+    tol = 1e-12 if r["encoders"] in ([], ["cpu"]) else 1e-8
+    assert r["nmse_k"] <= tol and r["nmse_v"] <= tol and r["nmse_attend"] <= 1e-9 + tol, r
     if conftest.VALIDATION:
         assert log.exists(), "the child's instance should have opened the validation log"
         text = log.read_text(errors="replace").replace("\0", "")
