@@ -26,7 +26,9 @@ layout(constant_id = 0) const uint DIM = 64u;
 layout(constant_id = 1) const uint SPARSITY = 8u;
 layout(constant_id = 2) const uint TILE_VECTORS = 64u;  // vectors per workgroup, a multiple of 4
 layout(local_size_x = 64, local_size_x_id = 3) in;
-layout(constant_id = 4) const uint CHUNK_DIMS = 64u;    // dimensions per staged atom tile (divides DIM)
+// dimensions per staged atom tile (divides DIM); 0: no staging, each invocation reads its
+// atoms straight from the image (one-vector tiles: staging would buy no reuse)
+layout(constant_id = 4) const uint CHUNK_DIMS = 64u;
 layout(constant_id = 5) const uint METRIC = 0u;         // 1: r = W (x - mean), W at metric_word
 #ifndef RESIDUAL
 #define RESIDUAL 0
@@ -44,21 +46,22 @@ const uint DIM_ELEMS = DIM / LANES;
 const uint VGROUPS = TILE_VECTORS / 4u;    // vector groups (host: LOCAL % VGROUPS == 0)
 const uint AGROUPS = LOCAL / VGROUPS;      // atom groups
 const uint ATOM_TILE = 4u * AGROUPS;       // atoms per staged tile
-// Per-vector state words (interleaved: word w of tile vector lv at w*TILE_VECTORS + lv):
-// R (s x s, upper triangle), z (s), atom indices (s), binary16 coefficients (s).
+// Per-vector state words (interleaved: word w of tile vector lv at w*TILE_VECTORS + lv),
+// each read and written by its vector's invocation only: R (s x s, upper triangle), z (s),
+// atom indices (s).
 const uint Z_AT = SPARSITY * SPARSITY;
 const uint IDX_AT = Z_AT + SPARSITY;
-const uint COEF_AT = IDX_AT + SPARSITY;
-const uint STATE_WORDS = COEF_AT + SPARSITY;
+const uint STATE_WORDS = IDX_AT + SPARSITY;
+const uint A_SH = CHUNK_DIMS > 0u ? CHUNK_DIMS * AGROUPS : 1u;
 const float DEPENDENT_NU2 = 1e-10;  // codec._DEPENDENT_NU2
 
 layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at v*DIM
 layout(std430, binding = 1) readonly buffer DictElems { FELEM dict_elems[]; };
 layout(std430, binding = 2) readonly buffer DictFloats { float dict_floats[]; };
-// Work state, a region per workgroup (from word 0): the bases (each read by its own
-// invocation only) and the bookkeeping words (read across the workgroup: coherent).
+// Work state, a region per workgroup (from word 0): the bases and the bookkeeping words,
+// each vector's read and written by its own invocation only (no coherence needed).
 layout(std430, binding = 3) buffer StateFloats { float basis_floats[]; };
-layout(std430, binding = 4) coherent buffer StateWords { uint state_words[]; };
+layout(std430, binding = 4) buffer StateWords { uint state_words[]; };
 layout(std430, binding = 5) writeonly buffer Dest { uint dest_words[]; };
 
 #include "encode_common.glsl"
@@ -68,10 +71,11 @@ layout(std430, binding = 5) writeonly buffer Dest { uint dest_words[]; };
 #endif
 
 shared vec4 r_sh[DIM * VGROUPS];            // r[d][lv] as [d][lv / 4][lv % 4]
-shared vec4 a_sh[CHUNK_DIMS * AGROUPS];     // atom tile, [d][atom / 4][atom % 4]
+shared vec4 a_sh[A_SH];                     // atom tile, [d][atom / 4][atom % 4]
 shared float best_c_sh[TILE_VECTORS * AGROUPS];
 shared uint best_i_sh[TILE_VECTORS * AGROUPS];
 #if RESIDUAL
+shared uint code_sh[TILE_VECTORS * SPARSITY];  // the code words, for the residual stage
 shared vec2 u_sh[DIM * TILE_VECTORS];          // the residual stage's u, [d][lv], df64
 shared vec2 spread_sh[2u * TILE_VECTORS];      // its RMS and largest magnitude per vector
 shared vec2 cand_err_sh[TILE_VECTORS * N_STEPS];
@@ -146,7 +150,22 @@ void main() {
                 vec4 acc[4];
                 [[unroll]] for (uint i = 0u; i < 4u; ++i)
                     acc[i] = vec4(0.0);
-                for (uint d0 = 0u; d0 < DIM; d0 += CHUNK_DIMS) {
+                if (CHUNK_DIMS == 0u) {  // straight from the image: coalesced across the atom groups
+                    barrier();  // the pick's r updates are done (a uniform branch: a constant)
+                    uint a = a0 + 4u * ag;
+                    [[unroll]] for (uint d = 0u; d < DIM; ++d) {  // the loads in flight together
+                        uint w = atoms_t + d * pc.atoms_pad + a;
+                        vec4 av;
+                        [[unroll]] for (uint j = 0u; j < 4u; ++j)
+                            av[j] = a + j < pc.n_atoms ? dict_floats[w + j] : 0.0;
+                        vec4 rv = r_sh[d * VGROUPS + vg];
+                        acc[0] += rv.x * av;
+                        acc[1] += rv.y * av;
+                        acc[2] += rv.z * av;
+                        acc[3] += rv.w * av;
+                    }
+                }
+                for (uint d0 = 0u; d0 < DIM && CHUNK_DIMS > 0u; d0 += max(CHUNK_DIMS, 1u)) {
                     barrier();  // the previous chunk's (or the pick's) readers are done
                     for (uint x = tid; x < CHUNK_DIMS * ATOM_TILE; x += LOCAL) {
                         uint d = x / ATOM_TILE, a = x % ATOM_TILE;
@@ -276,21 +295,22 @@ void main() {
                 uint idx = state_words[sw_at(wg_state, IDX_AT + k, lv)];
                 uint word = code_word(idx, coef[k] * dict_floats[norm_f + idx]);  // the caller's atoms
                 dest_words[slot + k] = word;
-                state_words[sw_at(wg_state, COEF_AT + k, lv)] = floatBitsToUint(code_coef(word));
+#if RESIDUAL
+                code_sh[lv * SPARSITY + k] = word;
+#endif
             }
         }
 #if RESIDUAL
-        memoryBarrierBuffer();
-        barrier();  // the code words' coefficients are in the state buffer
+        barrier();  // the code words are in shared memory
         // 4. the residual stage: u by (vector, element), its spread by vector, the candidate
         //    steps by (vector, candidate), then the winners' levels by vector
         for (uint x = tid; x < n_live * DIM; x += LOCAL) {
             uint e = x / n_live, lv = x % n_live;
             uint idx[SPARSITY];
             float coef16[SPARSITY];
-            for (uint k = 0u; k < SPARSITY; ++k) {
-                idx[k] = state_words[sw_at(wg_state, IDX_AT + k, lv)];
-                coef16[k] = uintBitsToFloat(state_words[sw_at(wg_state, COEF_AT + k, lv)]);
+            for (uint k = 0u; k < SPARSITY; ++k) {  // what the decoder will use
+                idx[k] = code_atom(code_sh[lv * SPARSITY + k]);
+                coef16[k] = code_coef(code_sh[lv * SPARSITY + k]);
             }
             u_sh[e * TILE_VECTORS + lv] = residual_element(dict_head, first + lv, e, idx, coef16);
         }
@@ -326,7 +346,6 @@ void main() {
             residual_write(u, cand_step_sh[lv * N_STEPS + best], slot + SPARSITY);
         }
 #endif
-        memoryBarrierBuffer();
-        barrier();  // this item's state is read before the next item reuses it
+        barrier();  // this item's shared memory is read before the next item reuses it
     }
 }

@@ -81,12 +81,6 @@ def _pick_extents(p, s):
             [_span(0, n * state_words(sp))], [_span(0, 2 * n * nb)], [dest])
 
 
-def tiled_state_words(sparsity: int) -> int:
-    """Per-vector bookkeeping words of the tiled kernel: those of the pick kernel, then the
-    binary16 coefficients (the residual stage reads them across the workgroup)."""
-    return state_words(sparsity) + sparsity
-
-
 def _tiled_extents(p, s):
     n, n_kv, heads = _batch(p)
     d, sp, pad = s["DIM"], s["SPARSITY"], p["atoms_pad"]
@@ -130,5 +124,5 @@ def shader_specs(shader_spec, push, wg_size: int) -> dict:
             out[f"omp_encode_tiled{r}_{v}"] = shader_spec(
                 f"omp_encode_tiled{r}_{v}", push, (n, n, 1, 1, 1, 1), (False, False, False, True, True, True),
                 ("DIM", "SPARSITY", "TILE_VECTORS", "LOCAL", "CHUNK_DIMS", "METRIC") + extra, _tiled_extents,
-                optional_spec=(("METRIC", 0),))
+                optional_spec=(("METRIC", 0), ("CHUNK_DIMS", 0)))
     return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .. import errors as E
 from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP, step_multipliers
-from .encode_specs import tiled_state_words
+from .encode_specs import state_words
 from .kernels import Buffer, Kernel
 
 TILE_SIZES = (64, 16, 4)  # vectors per workgroup, largest first (each a multiple of 4)
@@ -39,17 +39,20 @@ class TileShape:
         return 4 * self.local // (self.tile_vectors // 4)
 
 
-def shared_bytes(head_dim: int, shape: TileShape, n_steps: int) -> int:
+def shared_bytes(head_dim: int, sparsity: int, shape: TileShape, n_steps: int) -> int:
     """Shared memory of one workgroup (the shader's shared arrays; n_steps 0: no residual stage)."""
     tv, vgroups = shape.tile_vectors, shape.tile_vectors // 4
     agroups = shape.local // vgroups
-    residual = 8 * head_dim * tv + 16 * tv + 12 * tv * n_steps if n_steps else 0  # u, spread, candidates
-    return 16 * (head_dim * vgroups + shape.chunk_dims * agroups) + 8 * tv * agroups + residual
+    # the residual stage's code words, u, spread and candidates
+    residual = 4 * tv * sparsity + 8 * head_dim * tv + 16 * tv + 12 * tv * n_steps if n_steps else 0
+    return 16 * (head_dim * vgroups + max(1, shape.chunk_dims * agroups)) + 8 * tv * agroups + residual
 
 
-def tile_shape(device, head_dim: int, tile_vectors: int, n_steps: int) -> TileShape:
+def tile_shape(device, head_dim: int, sparsity: int, tile_vectors: int, n_steps: int) -> TileShape:
     """The launch shape for tiles of ``tile_vectors`` (or fewer, where they do not fit): the
-    largest workgroup, then the deepest atom tile, that fit the device's limits."""
+    largest workgroup, then the deepest atom tile, that fit the device's limits. Tiles of
+    4 vectors (one vector group: the decode step's) stage no atoms (chunk_dims 0): each
+    atom element is used by one invocation only, so they read the image directly."""
     max_local = min(device.limit("max_compute_work_group_invocations"),
                     device.limit("max_compute_work_group_size")[0])
     budget = min(SHARED_BUDGET, device.limit("max_compute_shared_memory_size"))
@@ -58,9 +61,9 @@ def tile_shape(device, head_dim: int, tile_vectors: int, n_steps: int) -> TileSh
         for local in LOCALS:
             if local > max_local or local % (tv // 4):
                 continue
-            for chunk in divisors:
+            for chunk in divisors if tv > 4 else [0]:
                 shape = TileShape(tv, local, chunk)
-                if shared_bytes(head_dim, shape, n_steps) <= budget:
+                if shared_bytes(head_dim, sparsity, shape, n_steps) <= budget:
                     return shape
     raise E.DispatchError(f"{device.name}: no tiled encoder shape for head_dim {head_dim} fits "
                           f"{budget} bytes of shared memory")
@@ -79,10 +82,15 @@ def loop_iterations(head_dim: int, s: int, n_atoms: int, shape: TileShape, resid
     """An upper bound of one invocation's loop iterations (llvmpipe's cap), counting every
     loop as if none were unrolled."""
     d, tv, at = head_dim, shape.tile_vectors, shape.atom_tile
-    tiles, chunks = -(-n_atoms // at), d // shape.chunk_dims
+    tiles = -(-n_atoms // at)
     init = -(-d * tv // shape.local) + (2 * d + d * d if metric else 0)
-    step = tiles * chunks * (-(-shape.chunk_dims * at // shape.local) + shape.chunk_dims) + tiles * 16 \
-        + shape.local + 2 * s + s * s + 2 * s * 2 * d + 4 * d
+    if shape.chunk_dims:
+        chunks = d // shape.chunk_dims
+        product = tiles * chunks * (-(-shape.chunk_dims * at // shape.local) + shape.chunk_dims)
+    else:
+        product = tiles * d * 4
+    step = product + tiles * 16 \
+        + 24 + 2 * s + s * s + 2 * s * 2 * d + 4 * d  # the tree over the atom groups: ≤ log2 + 4 per level sum
     finish = s * s + 2 * s
     res = 0
     if residual_bits:
@@ -97,8 +105,8 @@ def max_batch(device, stream, wanted: int) -> int:
     if "llvmpipe" not in device.name.lower():
         return wanted
     n_steps = len(step_multipliers(stream.residual_bits)) if stream.residual_bits else 0
-    tv = tile_shape(device, stream.head_dim, TILE_SIZES[0], n_steps).tile_vectors
-    per_wg = max(stream.sparsity * stream.head_dim, tiled_state_words(stream.sparsity)) * tv
+    tv = tile_shape(device, stream.head_dim, stream.sparsity, TILE_SIZES[0], n_steps).tile_vectors
+    per_wg = max(stream.sparsity * stream.head_dim, state_words(stream.sparsity)) * tv
     workgroups = max(1, min(MAX_WORKGROUPS, STATE_WORDS_CAP // per_wg, device.limit("max_compute_work_group_count")[0]))
     return max(tv, min(wanted, (workgroups - stream.n_heads) * tv))
 
@@ -133,7 +141,7 @@ class TiledKernels:
 
     def _per_workgroup(self, tile_vectors: int) -> tuple:
         d = self.stream
-        return d.sparsity * d.head_dim * tile_vectors, tiled_state_words(d.sparsity) * tile_vectors
+        return d.sparsity * d.head_dim * tile_vectors, state_words(d.sparsity) * tile_vectors
 
     def _tiles(self, tile_vectors: int, actual: int) -> int:
         """The most tiles (of ``actual`` vectors) a batch dispatches for this tile size: a
@@ -147,7 +155,7 @@ class TiledKernels:
         """(TileShape, workgroups) for this tile size: every tile of a full batch at once,
         within the state buffers' cap and the device's limit."""
         d = self.stream
-        shape = tile_shape(self.device, d.head_dim, tile_vectors, self.n_steps if d.residual_bits else 0)
+        shape = tile_shape(self.device, d.head_dim, d.sparsity, tile_vectors, self.n_steps if d.residual_bits else 0)
         workgroups = max(1, min(MAX_WORKGROUPS, self._tiles(tile_vectors, shape.tile_vectors),
                                 STATE_WORDS_CAP // max(self._per_workgroup(shape.tile_vectors)),
                                 self.device.limit("max_compute_work_group_count")[0]))
