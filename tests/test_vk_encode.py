@@ -391,3 +391,60 @@ def test_dispatch_contracts_are_checked():
     for bad in (dict(atoms_pad=63), dict(t0=1), dict(n_vectors=15), dict(per_head=2)):
         with pytest.raises(E.DispatchError):
             SHADERS["omp_encode_tiled_vec4"].extents({**push, **bad}, tiled)
+
+
+# --- the tiled form's launch shapes (pure Python: a device's limits, no dispatch) ------------
+
+class _Limits:
+    """A stand-in for a Device: its name and the limits encode_tiled reads."""
+
+    def __init__(self, shared: int, invocations: int, name: str = "some GPU"):
+        self.name = name
+        self._lim = {"max_compute_shared_memory_size": shared, "max_compute_work_group_invocations": invocations,
+                     "max_compute_work_group_size": (invocations, invocations, 64),
+                     "max_compute_work_group_count": (65535, 65535, 65535)}
+
+    def limit(self, key):
+        return self._lim[key]
+
+
+@pytest.mark.parametrize("shared,invocations", [(48 << 10, 1024), (32 << 10, 256), (16 << 10, 128)])
+@pytest.mark.parametrize("head_dim,s,n_steps", [(64, 4, 15), (128, 16, 15), (36, 4, 0), (256, 8, 15)])
+def test_tiled_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps):
+    """Every requested tile size gets a shape within the device's shared memory and
+    workgroup limits (16 KiB and 128 invocations are Vulkan's minimum), falling back to
+    smaller tiles where needed; 4-vector tiles stage no atoms."""
+    from kvdict_vk.vk import encode_tiled as T
+    dev = _Limits(shared, invocations)
+    for tv in T.TILE_SIZES:
+        try:
+            shape = T.tile_shape(dev, head_dim, s, tv, n_steps)
+        except E.DispatchError:
+            # only where even a 4-vector tile cannot hold u (8 B × head_dim × 4) and the rest
+            assert T.shared_bytes(head_dim, s, T.TileShape(4, 64, 0), n_steps) > min(shared, T.SHARED_BUDGET)
+            continue
+        assert shape.tile_vectors <= tv and shape.tile_vectors % 4 == 0
+        assert shape.local <= invocations and shape.local % (shape.tile_vectors // 4) == 0
+        assert T.shared_bytes(head_dim, s, shape, n_steps) <= min(shared, T.SHARED_BUDGET)
+        assert (shape.chunk_dims == 0) == (shape.tile_vectors == 4)
+        assert shape.chunk_dims == 0 or head_dim % shape.chunk_dims == 0
+
+
+def test_tiled_tile_sizes_follow_the_batch():
+    from kvdict_vk.vk.encode_tiled import TILE_SIZES, tile_for
+    assert [tile_for(n) for n in (1, 4, 5, 16, 17, 64, 65, 100_000)] == [4, 4, 16, 16, 64, 64, 64, 64]
+    assert TILE_SIZES == tuple(sorted(TILE_SIZES, reverse=True))
+
+
+def test_tiled_llvmpipe_batches_take_one_pass():
+    """On llvmpipe a batch is at most what the largest tile's workgroups cover in one pass
+    (each workgroup one tile: its loops stay under the cap); elsewhere what was asked."""
+    from kvdict_vk.vk import encode_tiled as T
+    rng = np.random.default_rng(14)
+    d = StreamDict(unit_atoms(rng, 1, 256, 64)[0], sparsity=8)
+    assert T.max_batch(_Limits(48 << 10, 1024), d, 65536) == 65536
+    cpu = _Limits(32 << 10, 1024, name="llvmpipe (LLVM 15)")
+    n = T.max_batch(cpu, d, 65536)
+    tv = T.tile_shape(cpu, 64, 8, T.TILE_SIZES[0], 0).tile_vectors
+    per_wg = max(8 * 64, 8 * 8 + 16) * tv
+    assert n % tv == 0 and n // tv + d.n_heads <= min(T.MAX_WORKGROUPS, T.STATE_WORDS_CAP // per_wg)
