@@ -72,18 +72,18 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     enc.encode(x[:, :1])
     enc.encode_into(dest, x[:, :1], 0, args.n_tok, 0)  # both pick pipelines exist before timing
     setup = time.perf_counter() - t
-    # the recorded candidates read the encoder's input buffer as staged last: one prefill
-    # batch of every token (when it fits one batch), and one token of every KV head
-    recorded = {}
-    if n <= enc.capacity:
-        recorded["gpu_prefill"] = (Recording(dev, enc.ops_into(dest, x, 0, args.n_tok, 0), timestamps=True,
-                                             what="bench encode prefill"), n)
-    recorded["gpu_decode_token"] = (Recording(dev, enc.ops_into(dest, x[:, :1], 0, args.n_tok, 0),
-                                              timestamps=True, what="bench encode token"), args.n_kv)
+    # the recorded candidates: one prefill batch of every token (when it fits one batch) and
+    # one token of every KV head, each recorded (ops_into stages its input) and timed at once
+    # — the input buffer is shared, so a recording reads what was staged last
+    recorded = {"gpu_prefill": (x, n)} if n <= enc.capacity else {}
+    recorded["gpu_decode_token"] = (x[:, :1], args.n_kv)
     times = {}
-    for name, (rec, _) in recorded.items():  # restage: ops_into's batches share the input buffer
-        enc.ops_into(dest, x if name == "gpu_prefill" else x[:, :1], 0, args.n_tok, 0)
-        times.update(timing.measure({name: rec}, args.repeats, warm_s=WARM_S if not dev.is_cpu else 0.0))
+    for name, (xs, _) in recorded.items():
+        rec = Recording(dev, enc.ops_into(dest, xs, 0, args.n_tok, 0), timestamps=True, what=f"bench {name}")
+        try:
+            times.update(timing.measure({name: rec}, args.repeats, warm_s=WARM_S if not dev.is_cpu else 0.0))
+        finally:
+            rec.free()
     cands = {"gpu_encode": lambda: enc.encode(x),
              "gpu_encode_into": lambda: enc.encode_into(dest, x, 0, args.n_tok, 0),
              "cpu_codec_encode": lambda: codec.encode_heads(x, d)}
@@ -102,12 +102,11 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     for name, v in secs.items():
         result[name] = {"seconds": common.stats(v), "vectors_per_s": common.stats([n / t for t in v]),
                         "timing": timing.timing(v, recorded=False), "n_vectors": n}
-    for name, (rec, count) in recorded.items():
+    for name, (_, count) in recorded.items():
         tm = times[name]
         per_call = tm["gpu"]["samples"] if tm["gpu"] else tm["wall"]["samples"]
         result[name] = {"seconds": common.stats(per_call), "vectors_per_s": common.stats([count / t for t in per_call]),
                         "timing": tm, "n_vectors": count}
-        rec.free()
     ratios = [c / g for g, c in zip(secs["gpu_encode"], secs["cpu_codec_encode"])]
     result["gpu_over_cpu_speed"] = common.stats(ratios)  # paired per repeat
     dest.destroy()

@@ -38,6 +38,11 @@ LOOP_ITERATION_CAP = 65535
 LOOP_BUDGET = 60000
 
 
+def caps_loops(device) -> bool:
+    """Whether ``device``'s driver ends loops at LOOP_ITERATION_CAP (llvmpipe's gallivm)."""
+    return "llvmpipe" in device.name.lower()
+
+
 def atom_block(head_dim: int, n_atoms: int) -> int:
     return max(1, min(MAX_ATOM_BLOCK, BLOCK_FLOATS // head_dim, n_atoms))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import errors as E
-from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP, step_multipliers
+from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP, caps_loops, step_multipliers
 from .encode_specs import state_words
 from .kernels import Buffer, Kernel
 
@@ -102,13 +102,23 @@ def loop_iterations(head_dim: int, s: int, n_atoms: int, shape: TileShape, resid
 def max_batch(device, stream, wanted: int) -> int:
     """Vectors per batch, at most ``wanted``: on llvmpipe no more than the largest tile's
     workgroups cover in one pass (each workgroup one tile, so its loops stay under the cap)."""
-    if "llvmpipe" not in device.name.lower():
+    if not caps_loops(device):
         return wanted
     n_steps = len(step_multipliers(stream.residual_bits)) if stream.residual_bits else 0
     tv = tile_shape(device, stream.head_dim, stream.sparsity, TILE_SIZES[0], n_steps).tile_vectors
-    per_wg = max(stream.sparsity * stream.head_dim, state_words(stream.sparsity)) * tv
-    workgroups = max(1, min(MAX_WORKGROUPS, STATE_WORDS_CAP // per_wg, device.limit("max_compute_work_group_count")[0]))
-    return max(tv, min(wanted, (workgroups - stream.n_heads) * tv))
+    return max(tv, min(wanted, (workgroup_cap(device, stream, tv) - stream.n_heads) * tv))
+
+
+def state_per_workgroup(stream, tile_vectors: int) -> tuple:
+    """Words of one workgroup's work state: (bases, bookkeeping words)."""
+    return stream.sparsity * stream.head_dim * tile_vectors, state_words(stream.sparsity) * tile_vectors
+
+
+def workgroup_cap(device, stream, tile_vectors: int) -> int:
+    """The most workgroups a tiled pipeline takes: MAX_WORKGROUPS, within the state buffers'
+    cap and the device's limit."""
+    return max(1, min(MAX_WORKGROUPS, STATE_WORDS_CAP // max(state_per_workgroup(stream, tile_vectors)),
+                      device.limit("max_compute_work_group_count")[0]))
 
 
 class TiledKernels:
@@ -121,7 +131,7 @@ class TiledKernels:
         self.dict_buffer, self.x_buffer, self.capacity, self.n_steps = dict_buffer, x_buffer, capacity, n_steps
         self._state: dict[int, tuple] = {}  # tile size → (shape, basis buffer, words buffer, workgroups)
         self._kernels: dict[tuple, Kernel] = {}
-        if "llvmpipe" in device.name.lower():  # refused up front, before anything is allocated
+        if caps_loops(device):  # refused up front, before anything is allocated
             for tv in TILE_SIZES:
                 shape, workgroups = self._launch(tv)
                 loops = loop_iterations(stream.head_dim, stream.sparsity, stream.n_atoms, shape,
@@ -139,10 +149,6 @@ class TiledKernels:
             spec.update(RESIDUAL_BITS=d.residual_bits, N_STEPS=self.n_steps)
         return spec
 
-    def _per_workgroup(self, tile_vectors: int) -> tuple:
-        d = self.stream
-        return d.sparsity * d.head_dim * tile_vectors, state_words(d.sparsity) * tile_vectors
-
     def _tiles(self, tile_vectors: int, actual: int) -> int:
         """The most tiles (of ``actual`` vectors) a batch dispatches for this tile size: a
         full batch at the largest (a partial tile per dictionary head besides); a smaller
@@ -156,16 +162,15 @@ class TiledKernels:
         within the state buffers' cap and the device's limit."""
         d = self.stream
         shape = tile_shape(self.device, d.head_dim, d.sparsity, tile_vectors, self.n_steps if d.residual_bits else 0)
-        workgroups = max(1, min(MAX_WORKGROUPS, self._tiles(tile_vectors, shape.tile_vectors),
-                                STATE_WORDS_CAP // max(self._per_workgroup(shape.tile_vectors)),
-                                self.device.limit("max_compute_work_group_count")[0]))
-        return shape, workgroups
+        workgroups = min(self._tiles(tile_vectors, shape.tile_vectors),
+                         workgroup_cap(self.device, d, shape.tile_vectors))
+        return shape, max(1, workgroups)
 
     def _state_for(self, tile_vectors: int):
         if tile_vectors in self._state:
             return self._state[tile_vectors]
         shape, workgroups = self._launch(tile_vectors)
-        basis_per, words_per = self._per_workgroup(shape.tile_vectors)
+        basis_per, words_per = state_per_workgroup(self.stream, shape.tile_vectors)
         basis = Buffer(self.device, workgroups * basis_per, "storage", f"tiled encoder bases ({tile_vectors})")
         try:
             words = Buffer(self.device, workgroups * words_per, "storage", f"tiled encoder state ({tile_vectors})")

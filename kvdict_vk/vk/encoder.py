@@ -79,7 +79,7 @@ class GpuEncoder:
         self.head_dim, self.n_atoms, self.slot_words = d.head_dim, d.n_atoms, d.slot_words
         self.atom_block = I.atom_block(d.head_dim, d.n_atoms)
         loops = I.pick_loop_iterations(d.head_dim, d.sparsity, d.n_atoms, self.atom_block, d.residual_bits)
-        if not tiled and loops > I.LOOP_BUDGET and "llvmpipe" in self.device.name.lower():
+        if not tiled and loops > I.LOOP_BUDGET and I.caps_loops(self.device):
             raise E.DispatchError(f"{self.device.name}: sparsity {d.sparsity} needs ~{loops} loop iterations "
                                   f"per vector and step; llvmpipe stops loops at {I.LOOP_ITERATION_CAP}")
         lim = self.device.info.limits
