@@ -1,9 +1,12 @@
 """GPU OMP encoder (kvdict_vk.vk.encoder) against the NumPy reference (codec.encode).
 
-Every test that takes the ``encoder`` fixture runs for both forms of the encoder: the tiled
-kernel (one dispatch per batch; the default on GPUs) and the stepwise kernels (the default
-on CPU drivers). Dictionaries too large for the tiled kernel under llvmpipe's loop cap run
-with kernel="auto" (test_large_dictionaries): stepwise on lavapipe, tiled on a GPU.
+Every test that takes the ``encoder`` fixture runs for each form of the encoder: the
+one-dispatch kernels (kernel="tiled", the default on GPUs: omp_encode_tiled, and
+omp_encode_vector for batches of few vectors per dictionary head), the vector kernel for
+every batch ("vector": kernel="tiled" with vector_per_head raised, so each test's inputs
+reach it), and the stepwise kernels (the default on CPU drivers). Dictionaries too
+large for the tiled kernel under llvmpipe's loop cap run with kernel="auto"
+(test_large_dictionaries): stepwise on lavapipe, tiled on a GPU.
 
 * Well-conditioned inputs (random unit atoms, Gaussian vectors): the GPU picks the same atom
   set as codec.omp for every vector in these cases (float32 vs float64 arithmetic could flip
@@ -88,16 +91,18 @@ def compare(enc, x, d, what: str) -> tuple[float, float]:
     return agree, abs(eg - ec) / ec
 
 
-@pytest.fixture(params=["tiled", "stepwise"])
+@pytest.fixture(params=["tiled", "vector", "stepwise"])
 def encoder(vk_device, request):
     from kvdict_vk.vk.encoder import GpuEncoder
+    kernel = "stepwise" if request.param == "stepwise" else "tiled"
+    form = {"vector_per_head": 1 << 16} if request.param == "vector" else {}
     made = []
 
     def make(d, **kw):
-        made.append(GpuEncoder(vk_device, d, kernel=request.param, **kw))
-        assert made[-1].kernel == request.param
+        made.append(GpuEncoder(vk_device, d, kernel=kernel, **form, **kw))
+        assert made[-1].kernel == kernel
         return made[-1]
-    make.kernel = request.param
+    make.kernel = kernel
     yield make
     for e in made:
         e.free()
@@ -431,9 +436,65 @@ def test_tiled_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps):
 
 
 def test_tiled_tile_sizes_follow_the_batch():
-    from kvdict_vk.vk.encode_tiled import TILE_SIZES, tile_for
-    assert [tile_for(n) for n in (1, 4, 5, 16, 17, 64, 65, 100_000)] == [4, 4, 16, 16, 64, 64, 64, 64]
-    assert TILE_SIZES == tuple(sorted(TILE_SIZES, reverse=True))
+    """A decode step's few vectors per dictionary head take the vector form, larger batches
+    the largest tile (the smaller ones: where it does not fit, and the vector form's stand-in)."""
+    from kvdict_vk.vk.encode_tiled import TILE_SIZES, VECTOR_FORM, tile_for
+    from kvdict_vk.vk.encode_vector import MAX_PER_HEAD
+    assert [tile_for(n) for n in (1, 4, MAX_PER_HEAD, MAX_PER_HEAD + 1, 100_000)] == [VECTOR_FORM] * 3 + [64, 64]
+    assert TILE_SIZES == tuple(sorted(TILE_SIZES, reverse=True)) and TILE_SIZES[0] == 64
+
+
+@pytest.mark.parametrize("shared,invocations", [(48 << 10, 1024), (32 << 10, 256), (16 << 10, 128)])
+@pytest.mark.parametrize("head_dim,s,n_steps", [(64, 4, 15), (128, 16, 15), (36, 4, 0), (256, 8, 15), (20, 1, 3)])
+def test_vector_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps):
+    """The vector form's shape fits the device's shared memory and workgroup limits (down
+    to Vulkan's minimum) or there is none, only where even the smallest workgroup's arrays
+    do not fit; its trees need powers of two, each reduction at most one partial per
+    invocation, and no more partials than elements."""
+    from kvdict_vk.vk import encode_vector as V
+    dev = _Limits(shared, invocations)
+    shape = V.vector_shape(dev, head_dim, s, n_steps)
+    budget = min(shared, V.SHARED_BUDGET)
+    if shape is None:
+        assert all(V.shared_bytes(head_dim, s, c, n_steps) > budget
+                   for c in V.candidate_shapes(dev, head_dim, s, n_steps))
+        return
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0
+    assert shape.local <= invocations and pow2(shape.local)
+    assert V.shared_bytes(head_dim, s, shape, n_steps) <= budget
+    assert pow2(shape.sum_f) and shape.sum_f <= head_dim and shape.sum_f * max(2, s - 1) <= shape.local
+    if n_steps:
+        assert pow2(shape.sum_d) and shape.sum_d <= head_dim and shape.sum_d * n_steps <= shape.local
+    else:
+        assert shape.sum_d == 0
+
+
+def test_vector_form_and_its_stand_in(vk_device, monkeypatch):
+    """kernel="tiled": a batch of few vectors per dictionary head runs the vector form, a
+    larger one the tiled kernel; where the vector form does not fit, the small tile takes
+    its batches — each giving the codec's slots (residual stage included)."""
+    from kvdict_vk.vk import encode_vector as V
+    from kvdict_vk.vk.encoder import GpuEncoder
+    rng = np.random.default_rng(15)
+    n_kv, head_dim = 3, 32
+    d = StreamDict(unit_atoms(rng, n_kv, 256, head_dim), mean=rng.standard_normal((n_kv, head_dim)), sparsity=4,
+                   residual_bits=3, residual_scale=rng.uniform(0.5, 2.0, (n_kv, head_dim)).astype(np.float32))
+    x = kv_like(rng, n_kv, V.MAX_PER_HEAD + 3, head_dim)
+    forms = {}
+    for fits in (True, False):
+        if not fits:
+            monkeypatch.setattr(V, "vector_shape", lambda *a, **k: None)
+        with GpuEncoder(vk_device, d, kernel="tiled") as enc:
+            for n_tok in (1, V.MAX_PER_HEAD, V.MAX_PER_HEAD + 3):
+                slots = enc.encode(x[:, :n_tok])
+                ref = codec.encode_heads(x[:, :n_tok], d)
+                assert (slots == ref).all(-1).mean() >= 1 - MAX_SET_FLIPS
+            forms[fits] = {tv: s["form"] for tv, s in enc.launch_shapes().items()}
+    assert forms[True] == {"1": "vector", "64": "tiled"}
+    assert forms[False] == {"4": "tiled", "64": "tiled"}
+    for bad in (-1, 2.0, True):
+        with pytest.raises(E.ShapeError):
+            GpuEncoder(vk_device, d, kernel="tiled", vector_per_head=bad)
 
 
 def test_tiled_llvmpipe_batches_take_one_pass():

@@ -3,12 +3,13 @@ aside, counting a different set of equal per-vector error as the same), identica
 and relative error, per stream, over every layer of a certified artifact.
 
     .venv/bin/python tools/encode_agreement.py out/forge/smollm2.q42art \
-        out/forge/cache/calib-<hash>.npz [--tokens 256] [--kernel tiled] \
+        out/forge/cache/calib-<hash>.npz [--tokens 256] [--kernel tiled|vector|stepwise] \
         [--out docs/results/lavapipe/encode_agreement.json]
 
 The K/V file is what the forge captured for calibration (`kvdict-forge` caches it under
 its cache directory: arrays k<layer>, v<layer> of shape (n_kv, T, head_dim)); the last
-``--tokens`` tokens of each layer are encoded by both. Runs on any Vulkan device
+``--tokens`` tokens of each layer are encoded by both; ``--kernel vector`` runs the tiled
+form's vector kernel (a decode step's) for every batch. Runs on any Vulkan device
 (``KVDICT_VK_DEVICE``); on lavapipe the tiled kernel is slow but exact in what it decides.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("artifact")
     ap.add_argument("kv", help="npz with k<layer>, v<layer> arrays (n_kv, T, head_dim)")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--kernel", default="tiled", choices=("tiled", "stepwise", "auto"))
+    ap.add_argument("--kernel", default="tiled", choices=("tiled", "vector", "stepwise", "auto"))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     from kvdict_vk import codec
@@ -46,7 +47,8 @@ def main(argv=None) -> int:
         row = {"layer": layer}
         for name, d in zip("kv", pair):
             x = np.ascontiguousarray(kv[f"{name}{layer}"][:, -a.tokens:], np.float32)
-            with GpuEncoder(dev, d, kernel=a.kernel) as enc:
+            form = dict(kernel="tiled", vector_per_head=x.shape[1]) if a.kernel == "vector" else dict(kernel=a.kernel)
+            with GpuEncoder(dev, d, **form) as enc:
                 gpu = enc.encode(x)
             cpu = codec.encode_heads(x, d)
             s = d.sparsity

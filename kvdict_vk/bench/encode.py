@@ -8,7 +8,10 @@ median, quartiles and min/max per candidate, per residual-bit configuration. Can
   time with time.perf_counter (a call is host work plus a submission per batch);
 * ``gpu_prefill`` (the dispatches of one encode_into batch of every token, recorded once and
   timed by GPU timestamps) and ``gpu_decode_token`` (one token of every KV head, the same
-  way) — GPU time, after the clocks are raised (timing.measure's warm_s);
+  way, through an encoder of its own) — GPU time, after the clocks are raised
+  (timing.measure's warm_s), the two interleaved: a token alone is too little work to hold
+  a GPU's clocks up (measured on the H200: the same dispatch 1.5–4× slower when timed
+  alone), and in an engine it runs between a layer's other kernels;
 * ``cpu_codec_encode`` (codec.encode_heads, NumPy).
 
 The encoder is the device's default form (GpuEncoder kernel "auto": tiled on GPUs,
@@ -73,17 +76,21 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     enc.encode_into(dest, x[:, :1], 0, args.n_tok, 0)  # both pick pipelines exist before timing
     setup = time.perf_counter() - t
     # the recorded candidates: one prefill batch of every token (when it fits one batch) and
-    # one token of every KV head, each recorded (ops_into stages its input) and timed at once
-    # — the input buffer is shared, so a recording reads what was staged last
-    recorded = {"gpu_prefill": (x, n)} if n <= enc.capacity else {}
-    recorded["gpu_decode_token"] = (x[:, :1], args.n_kv)
-    times = {}
-    for name, (xs, _) in recorded.items():
-        rec = Recording(dev, enc.ops_into(dest, xs, 0, args.n_tok, 0), timestamps=True, what=f"bench {name}")
-        try:
-            times.update(timing.measure({name: rec}, args.repeats, warm_s=WARM_S if not dev.is_cpu else 0.0))
-        finally:
+    # one token of every KV head, each through its own encoder (ops_into stages its input in
+    # the encoder's input buffer, which a recording reads when it runs), timed interleaved
+    token_enc = GpuEncoder(dev, d)
+    recorded = {"gpu_prefill": (enc, x, n)} if n <= enc.capacity else {}
+    recorded["gpu_decode_token"] = (token_enc, x[:, :1], args.n_kv)
+    recs = {}
+    try:
+        for name, (e, xs, _) in recorded.items():
+            recs[name] = Recording(dev, e.ops_into(dest, xs, 0, args.n_tok, 0), timestamps=True, what=f"bench {name}")
+        times = timing.measure(recs, args.repeats, warm_s=WARM_S if not dev.is_cpu else 0.0)
+        shapes = {"gpu_prefill": enc.launch_shapes(), "gpu_decode_token": token_enc.launch_shapes()}
+    finally:
+        for rec in recs.values():
             rec.free()
+        token_enc.free()
     cands = {"gpu_encode": lambda: enc.encode(x),
              "gpu_encode_into": lambda: enc.encode_into(dest, x, 0, args.n_tok, 0),
              "cpu_codec_encode": lambda: codec.encode_heads(x, d)}
@@ -95,6 +102,7 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     rel = lambda slots: float(np.sum((codec.decode_heads(slots, d) - x) ** 2) / np.sum(x.astype(np.float64) ** 2))
     result = {"residual_bits": bits, "slot_words": d.slot_words, "n_vectors": n, "encoder_kernel": enc.kernel,
               "atom_block": enc.atom_block, "batch_capacity": enc.capacity, "setup_seconds": setup,
+              "launch_shapes": shapes,
               "per_head": bool(args.per_head),
               "same_atom_sets": float((gi == ci).all(-1).mean()),
               "identical_slots": float((gpu == cpu).all(-1).mean()),
@@ -102,7 +110,7 @@ def bench_config(bits: int, args, dev, rng, progress) -> dict:
     for name, v in secs.items():
         result[name] = {"seconds": common.stats(v), "vectors_per_s": common.stats([n / t for t in v]),
                         "timing": timing.timing(v, recorded=False), "n_vectors": n}
-    for name, (_, count) in recorded.items():
+    for name, (_, _, count) in recorded.items():
         tm = times[name]
         per_call = tm["gpu"]["samples"] if tm["gpu"] else tm["wall"]["samples"]
         result[name] = {"seconds": common.stats(per_call), "vectors_per_s": common.stats([count / t for t in per_call]),

@@ -9,7 +9,8 @@ as the CPU reference computes the same things, so the GPU starts from identical 
 * ``inv_norm_word``   1/‖metric·atom‖ (0 for an atom the metric maps to zero, which is then
                       never useful: correlation 0, coefficient 0 — as in codec.omp);
 * ``atoms_t_word``    (tiled encoder only) the same unit atoms transposed, [head][head_dim][padded
-                      atoms], so a workgroup stages an atom tile with coalesced loads;
+                      atoms], so a workgroup stages an atom tile with coalesced loads (padded
+                      to whole blocks and vec4s: the vector kernel reads its rows as vec4s);
 * ``mean_word``       the mean per head (zeros when absent), ``metric_word`` the metric;
 * residual stage only: ``raw_atoms_word`` the atoms as given (the decoder's), ``scale_word``
   1/residual_scale and ``steps_word`` the step multipliers, both as df64 pairs (hi, lo).
@@ -95,7 +96,10 @@ def dictionary_image(d: StreamDict, block: int, transposed: bool = False) -> Dic
     norms = np.linalg.norm(mapped, axis=2)
     live = norms > 0
     inv = np.where(live, 1.0 / np.where(live, norms, 1.0), 0.0)
-    unit = np.zeros((g, n_blocks(k, block) * block, hd), np.float32)
+    pad = n_blocks(k, block) * block
+    if transposed:  # the vector kernel reads the transposed rows as vec4s
+        pad = -(-pad // 4) * 4
+    unit = np.zeros((g, pad, hd), np.float32)
     unit[:, :k] = mapped * inv[..., None]
     empty = np.zeros(0, np.float32)
     blocks = {"atoms_word": unit, "atoms_t_word": unit.transpose(0, 2, 1) if transposed else empty,

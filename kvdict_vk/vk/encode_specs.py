@@ -1,8 +1,9 @@
 """Dispatch contracts of the GPU OMP encoder's shaders, for ``kernels.SHADERS``.
 
-The encoder (kvdict_vk/vk/encoder.py) runs, per batch, either omp_encode_tiled (one
-dispatch: every step of a tile of vectors per workgroup; kvdict_vk/vk/encode_tiled.py) or
-the stepwise kernels: omp_encode_pick phase 0 (r = x −
+The encoder (kvdict_vk/vk/encoder.py) runs, per batch, either one dispatch of
+omp_encode_tiled (every step of a tile of vectors per workgroup; kvdict_vk/vk/encode_tiled.py)
+or of omp_encode_vector (a vector per workgroup, for few vectors per dictionary head;
+kvdict_vk/vk/encode_vector.py), or the stepwise kernels: omp_encode_pick phase 0 (r = x −
 mean), omp_encode_metric (metric streams: r = W(x − mean), by blocks of rows of W), then per OMP step omp_encode_corr (correlation
 blocks) and omp_encode_pick phase 1 (the pick, Gram–Schmidt; after the last step the
 slots). The extents below say which words of each binding a dispatch may touch for given
@@ -81,30 +82,44 @@ def _pick_extents(p, s):
             [_span(0, n * state_words(sp))], [_span(0, 2 * n * nb)], [dest])
 
 
-def _tiled_extents(p, s):
+def _one_dispatch_extents(p, s, name: str) -> tuple:
+    """(input, unit-atom rows, image floats, destination) spans of a one-dispatch encoder
+    (omp_encode_tiled, omp_encode_vector): both read the dictionary image's float blocks and
+    write the slots of tokens t0 .. t0+n_tok of every head."""
     n, n_kv, heads = _batch(p)
-    d, sp, pad = s["DIM"], s["SPARSITY"], p["atoms_pad"]
+    d, pad = s["DIM"], p["atoms_pad"]
     bits = s.get("RESIDUAL_BITS", 0)
     if pad < p["n_atoms"] or p["t0"] + p["n_tok"] > p["n_ctx"]:
-        raise E.DispatchError(f"omp_encode_tiled: atoms_pad {pad} < n_atoms {p['n_atoms']}, or tokens "
+        raise E.DispatchError(f"{name}: atoms_pad {pad} < n_atoms {p['n_atoms']}, or tokens "
                               f"[{p['t0']}, {p['t0'] + p['n_tok']}) beyond n_ctx {p['n_ctx']}")
-    slot = slot_words(d, sp, bits)
-    elems = [_span(p["atoms_word"], heads * pad * d), _span(p["mean_word"], heads * d)]
+    slot = slot_words(d, s["SPARSITY"], bits)
+    rows = [_span(p["atoms_word"], heads * pad * d), _span(p["mean_word"], heads * d)]
     floats = [_span(p["atoms_t_word"], heads * pad * d), _span(p["inv_norm_word"], heads * p["n_atoms"]),
               _span(p["mean_word"], heads * d)]
     if s["METRIC"]:
         floats.append(_span(p["metric_word"], d * d))
     if bits:
-        elems.append(_span(p["raw_atoms_word"], heads * p["n_atoms"] * d))
-        floats += [_span(p["scale_word"], heads * 2 * d), _span(p["steps_word"], 2 * s["N_STEPS"])]
+        floats += [_span(p["raw_atoms_word"], heads * p["n_atoms"] * d), _span(p["scale_word"], heads * 2 * d),
+                   _span(p["steps_word"], 2 * s["N_STEPS"])]
     dest = (p["dst_word"] + p["t0"] * slot, p["dst_word"] + ((n_kv - 1) * p["n_ctx"] + p["t0"] + p["n_tok"]) * slot)
+    return [_span(0, n * d)], rows, floats, [dest]
+
+
+def _tiled_extents(p, s):
+    x, rows, floats, dest = _one_dispatch_extents(p, s, "omp_encode_tiled")
     # bindings 3 and 4 (work state) hold a region per workgroup from word 0: sized by the
     # encoder from the pipeline's workgroup count (encode_tiled.TiledKernels), not by push
-    return [_span(0, n * d)], elems, floats, [], [], [dest]
+    return x, rows, floats, [], [], dest
+
+
+def _vector_extents(p, s):
+    x, _, floats, dest = _one_dispatch_extents(p, s, "omp_encode_vector")
+    n, n_kv, heads = _batch(p)
+    return x, floats, [_span(p["atoms_t_word"], heads * p["atoms_pad"] * s["DIM"])], dest
 
 
 def shader_specs(shader_spec, push, wg_size: int) -> dict:
-    """The twelve encoder variants as ``shader_spec`` (kernels.ShaderSpec) entries. The
+    """The sixteen encoder variants as ``shader_spec`` (kernels.ShaderSpec) entries. The
     stepwise kernels take one workgroup per item (a tile of wg_size tokens × an atom block);
     the tiled one a grid-stride loop over tiles of TILE_VECTORS vectors."""
     per_workgroup = lambda spec: wg_size
@@ -121,6 +136,10 @@ def shader_specs(shader_spec, push, wg_size: int) -> dict:
                 f"omp_encode_pick{r}_{v}", push, (n, n, 1, n, 1, 2, 1),
                 (False, False, False, True, True, False, True),
                 ("DIM", "SPARSITY", "ATOM_BLOCK") + extra, _pick_extents, per_workgroup)
+            out[f"omp_encode_vector{r}_{v}"] = shader_spec(
+                f"omp_encode_vector{r}_{v}", push, (n, 1, 4, 1), (False, False, False, True),
+                ("DIM", "SPARSITY", "LOCAL", "SUM_F", "METRIC") + extra + (("SUM_D",) if r else ()),
+                _vector_extents, optional_spec=(("METRIC", 0),))
             out[f"omp_encode_tiled{r}_{v}"] = shader_spec(
                 f"omp_encode_tiled{r}_{v}", push, (n, n, 1, 1, 1, 1), (False, False, False, True, True, True),
                 ("DIM", "SPARSITY", "TILE_VECTORS", "LOCAL", "CHUNK_DIMS", "METRIC") + extra, _tiled_extents,

@@ -16,11 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import errors as E
+from . import encode_vector as V
 from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP, caps_loops, step_multipliers
 from .encode_specs import state_words
 from .kernels import Buffer, Kernel
 
-TILE_SIZES = (64, 16, 4)  # vectors per workgroup, largest first (each a multiple of 4)
+# Vectors per workgroup, largest first (each a multiple of 4): a batch asks for the largest
+# and tile_shape falls back to the next where it does not fit the device's shared memory (a
+# residual stage's 64-vector tile needs more than 48 KiB: it runs 16-vector tiles); the
+# smallest also takes the vector form's batches where that form does not fit.
+TILE_SIZES = (64, 16, 4)
 LOCALS = (256, 128, 64)  # workgroup sizes tried, largest first
 MAX_CHUNK_DIMS = 64
 SHARED_BUDGET = 48 * 1024  # bytes: at most this much of the device's shared memory per workgroup
@@ -69,12 +74,13 @@ def tile_shape(device, head_dim: int, sparsity: int, tile_vectors: int, n_steps:
                           f"{budget} bytes of shared memory")
 
 
-def tile_for(per_group: int) -> int:
-    """Tile size for a batch with ``per_group`` vectors per dictionary head."""
-    for tv in reversed(TILE_SIZES):
-        if per_group <= tv:
-            return tv
-    return TILE_SIZES[0]
+VECTOR_FORM = 1  # the "tile size" that asks for the vector form (omp_encode_vector: a vector per workgroup)
+
+
+def tile_for(per_group: int, vector_per_head: int = V.MAX_PER_HEAD) -> int:
+    """Tile size for a batch with ``per_group`` vectors per dictionary head: VECTOR_FORM for
+    at most ``vector_per_head`` (a decode step's few), else the largest tile."""
+    return VECTOR_FORM if per_group <= vector_per_head else TILE_SIZES[0]
 
 
 def loop_iterations(head_dim: int, s: int, n_atoms: int, shape: TileShape, residual_bits: int,
@@ -122,17 +128,30 @@ def workgroup_cap(device, stream, tile_vectors: int) -> int:
 
 
 class TiledKernels:
-    """The tiled pipelines of one encoder: one per (tile size, destination buffer), each
-    with its work state sized for its workgroup count."""
+    """The one-dispatch pipelines of one encoder: per (tile size, destination buffer) the
+    tiled kernel with its work state sized for its workgroup count, or for VECTOR_FORM the
+    vector kernel (no work state: it lives in shared memory). Without a vector shape that
+    fits the device (or llvmpipe's loop cap), VECTOR_FORM batches take the smallest tile."""
 
-    def __init__(self, device, stream, variant: str, dict_buffer: Buffer, x_buffer: Buffer, capacity: int,
-                 n_steps: int):
-        self.device, self.stream, self.variant = device, stream, variant
+    def __init__(self, device, stream, variants: tuple, dict_buffer: Buffer, x_buffer: Buffer, capacity: int,
+                 n_steps: int, vector_per_head: int = V.MAX_PER_HEAD):
+        """``variants``: the SPIR-V names of the (tiled, vector) kernels; batches of at most
+        ``vector_per_head`` vectors per dictionary head take the vector form (tile_for)."""
+        self.device, self.stream, (self.variant, self.vector_variant) = device, stream, variants
+        self.vector_per_head = vector_per_head
         self.dict_buffer, self.x_buffer, self.capacity, self.n_steps = dict_buffer, x_buffer, capacity, n_steps
         self._state: dict[int, tuple] = {}  # tile size → (shape, basis buffer, words buffer, workgroups)
         self._kernels: dict[tuple, Kernel] = {}
+        res_steps = n_steps if stream.residual_bits else 0
+        self.vector = V.vector_shape(device, stream.head_dim, stream.sparsity, res_steps)
+        vector_items = -(-self._vector_batch() // self._vector_workgroups())  # vectors per workgroup
+        if self.vector is not None and caps_loops(device) and V.loop_iterations(
+                stream.head_dim, stream.sparsity, stream.n_atoms, self.vector, stream.residual_bits, res_steps,
+                stream.metric is not None, vector_items) > LOOP_BUDGET:
+            self.vector = None
         if caps_loops(device):  # refused up front, before anything is allocated
-            for tv in TILE_SIZES:
+            # (the small tile only where it stands in for the vector form)
+            for tv in TILE_SIZES if self.vector is None else TILE_SIZES[:1]:
                 shape, workgroups = self._launch(tv)
                 loops = loop_iterations(stream.head_dim, stream.sparsity, stream.n_atoms, shape,
                                         stream.residual_bits, n_steps, stream.metric is not None,
@@ -151,11 +170,11 @@ class TiledKernels:
 
     def _tiles(self, tile_vectors: int, actual: int) -> int:
         """The most tiles (of ``actual`` vectors) a batch dispatches for this tile size: a
-        full batch at the largest (a partial tile per dictionary head besides); a smaller
-        one is asked for (tile_for) only when every dictionary head has at most that many."""
+        full batch at the largest (a partial tile per dictionary head besides); the small
+        tile takes only VECTOR_FORM batches (at most vector_per_head per dictionary head)."""
         if tile_vectors == TILE_SIZES[0]:
             return -(-self.capacity // actual) + self.stream.n_heads
-        return self.stream.n_heads * -(-tile_vectors // actual)
+        return self.stream.n_heads * -(-max(1, self.vector_per_head) // actual)
 
     def _launch(self, tile_vectors: int) -> tuple:
         """(TileShape, workgroups) for this tile size: every tile of a full batch at once,
@@ -166,8 +185,20 @@ class TiledKernels:
                          workgroup_cap(self.device, d, shape.tile_vectors))
         return shape, max(1, workgroups)
 
+    def _vector_batch(self) -> int:
+        """The most vectors of a batch the vector form takes."""
+        return max(1, min(self.vector_per_head * self.stream.n_heads, self.capacity))
+
+    def _vector_workgroups(self) -> int:
+        """A workgroup per vector of the largest batch the vector form takes, within the
+        device's limit."""
+        return min(self._vector_batch(), self.device.limit("max_compute_work_group_count")[0])
+
     def _state_for(self, tile_vectors: int):
         if tile_vectors in self._state:
+            return self._state[tile_vectors]
+        if tile_vectors == VECTOR_FORM:
+            self._state[tile_vectors] = (self.vector, None, None, self._vector_workgroups())
             return self._state[tile_vectors]
         shape, workgroups = self._launch(tile_vectors)
         basis_per, words_per = state_per_workgroup(self.stream, shape.tile_vectors)
@@ -183,6 +214,8 @@ class TiledKernels:
     def kernel(self, tile_vectors: int, dest: Buffer, max_dests: int) -> Kernel:
         """The pipeline for this tile size writing into ``dest`` (made on first use; at most
         ``max_dests`` destinations are kept per tile size)."""
+        if tile_vectors == VECTOR_FORM and self.vector is None:  # the smallest tile stands in
+            tile_vectors = TILE_SIZES[-1]
         shape, basis, words, workgroups = self._state_for(tile_vectors)
         key = (tile_vectors, id(dest))
         kern = self._kernels.get(key)
@@ -194,8 +227,12 @@ class TiledKernels:
         if len(same) >= max_dests:
             self._kernels.pop(same[0]).destroy()
         b = self.dict_buffer
-        kern = Kernel(self.device, self.variant, [self.x_buffer, b, b, basis, words, dest], self.spec(shape),
-                      max_items=workgroups * shape.local)
+        if tile_vectors == VECTOR_FORM:
+            kern = Kernel(self.device, self.vector_variant, [self.x_buffer, b, b, dest],
+                          V.spec(self.stream, shape, self.n_steps), max_items=workgroups * shape.local)
+        else:
+            kern = Kernel(self.device, self.variant, [self.x_buffer, b, b, basis, words, dest], self.spec(shape),
+                          max_items=workgroups * shape.local)
         if kern.workgroups > workgroups:  # the state holds a region per workgroup
             kern.destroy()
             raise E.DispatchError(f"{self.variant}: {kern.workgroups} workgroups, state for {workgroups}")
@@ -203,14 +240,15 @@ class TiledKernels:
         return kern
 
     def shapes(self) -> dict:
-        """Tile size → (TileShape, workgroups), for reports."""
+        """Tile size → (TileShape or VectorShape, workgroups), for reports."""
         return {tv: (st[0], st[3]) for tv, st in self._state.items()}
 
     def destroy(self) -> None:
         for k in self._kernels.values():
             k.destroy()
         for _, basis, words, _ in self._state.values():
-            basis.destroy()
-            words.destroy()
+            for buf in (basis, words):
+                if buf is not None:
+                    buf.destroy()
         self._kernels.clear()
         self._state.clear()

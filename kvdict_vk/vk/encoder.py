@@ -9,10 +9,13 @@ computed on the device with the semantics of :func:`kvdict_vk.codec.encode`.
 
 Two forms of the same computation, ``kernel=``:
 
-* ``"tiled"`` (the default on GPUs): a batch is one dispatch of omp_encode_tiled — a
+* ``"tiled"`` (the default on GPUs): a batch is one dispatch. Of omp_encode_tiled, where a
   workgroup runs every OMP step and the residual stage of a tile of vectors, the
   correlations as a matrix product against atom tiles in shared memory
-  (kvdict_vk/vk/encode_tiled.py chooses tile sizes and launch shapes).
+  (kvdict_vk/vk/encode_tiled.py chooses tile sizes and launch shapes); or, for batches of
+  at most ``vector_per_head`` vectors per dictionary head (a decode step's), of
+  omp_encode_vector: a workgroup per vector, all of its work spread over the workgroup
+  (kvdict_vk/vk/encode_vector.py says why).
 * ``"stepwise"`` (the default on CPU drivers): per batch pick phase 0 (r = x − mean), the
   metric kernel (metric streams), then per OMP step the correlation kernel (one workgroup
   per 64 tokens of a head × ATOM_BLOCK atoms; every lane reads the same atoms) and the pick
@@ -24,6 +27,8 @@ Not thread-safe: one encoder belongs to one thread at a time.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import errors as E
@@ -31,7 +36,8 @@ from ..dictionary import StreamDict
 from . import encode_image as I
 from .device import Device, get_device, kp
 from .encode_specs import n_blocks
-from .encode_tiled import TiledKernels, tile_for
+from .encode_tiled import VECTOR_FORM, TiledKernels, tile_for
+from .encode_vector import MAX_PER_HEAD
 from .encode_tiled import max_batch as max_tiled_batch
 from .kernels import Buffer, Kernel, barrier, run
 
@@ -65,15 +71,22 @@ class GpuEncoder:
     (sparsity ≳ 240) is refused with DispatchError."""
 
     def __init__(self, device: "int | str | Device | None", stream: StreamDict, *, max_batch: int | None = None,
-                 kernel: str = "auto"):
+                 kernel: str = "auto", vector_per_head: int | None = None):
         """``max_batch``: at most this many vectors per submission (rounded up to a tile),
         which bounds the work buffers — an arena keeps one encoder per coded stream and
         decodes a few vectors per step, so it asks for small batches. ``kernel``: "tiled",
-        "stepwise" or "auto" (:func:`kernel_for`)."""
+        "stepwise" or "auto" (:func:`kernel_for`). ``vector_per_head`` (the tiled form): batches of
+        at most this many vectors per dictionary head run the vector kernel (default
+        encode_vector.MAX_PER_HEAD, measured; 0: never)."""
         if not isinstance(stream, StreamDict):
             raise E.ShapeError(f"GpuEncoder needs a StreamDict, got {type(stream).__name__}")
         self.device, self.stream = get_device(device), stream
         self.kernel = kernel_for(kernel, self.device)
+        if vector_per_head is None:
+            vector_per_head = MAX_PER_HEAD
+        if isinstance(vector_per_head, bool) or not isinstance(vector_per_head, int) or vector_per_head < 0:
+            raise E.ShapeError(f"vector_per_head must be a non-negative integer, got {vector_per_head!r}")
+        self.vector_per_head = vector_per_head
         tiled = self.kernel == "tiled"
         d = stream
         self.head_dim, self.n_atoms, self.slot_words = d.head_dim, d.n_atoms, d.slot_words
@@ -106,7 +119,8 @@ class GpuEncoder:
         self.metric_rows = I.metric_rows(d.head_dim, 4 if lanes == "vec4" else 1)
         residual = "_residual" if d.residual_bits else ""
         self._variants = {"corr": f"omp_encode_corr_{lanes}", "metric": f"omp_encode_metric_{lanes}",
-                          "pick": f"omp_encode_pick{residual}_{lanes}", "tiled": f"omp_encode_tiled{residual}_{lanes}"}
+                          "pick": f"omp_encode_pick{residual}_{lanes}", "tiled": f"omp_encode_tiled{residual}_{lanes}",
+                          "vector": f"omp_encode_vector{residual}_{lanes}"}
         self._spec = {"DIM": d.head_dim, "SPARSITY": d.sparsity, "ATOM_BLOCK": self.atom_block}
         if d.residual_bits:
             self._spec.update(RESIDUAL_BITS=d.residual_bits, N_STEPS=image.n_steps)
@@ -124,8 +138,8 @@ class GpuEncoder:
                 self._buffers[name] = Buffer(self.device, words, kind, f"encoder {name}")
             b = self._buffers
             if tiled:
-                self._tiled = TiledKernels(self.device, d, self._variants["tiled"], b["dict"], b["x"],
-                                           self.capacity, image.n_steps)
+                self._tiled = TiledKernels(self.device, d, (self._variants["tiled"], self._variants["vector"]),
+                                           b["dict"], b["x"], self.capacity, image.n_steps, vector_per_head)
             for w in DISPATCH_WIDTHS if not tiled else ():
                 self._kernels[("corr", w)] = Kernel(self.device, self._variants["corr"],
                                                     [b["dict"], b["state_elems"], b["keys"]],
@@ -226,7 +240,8 @@ class GpuEncoder:
                     n_vectors=n, dst_word=region_word, n_ctx=n_ctx, t0=t0)
         if self._tiled is not None:  # one dispatch: every step of every tile
             per_group = n_tok if self.stream.n_heads > 1 else n
-            return [self._tiled.kernel(tile_for(per_group), dest, _MAX_DEST_KERNELS).op(**push)]
+            tile = tile_for(per_group, self.vector_per_head)
+            return [self._tiled.kernel(tile, dest, _MAX_DEST_KERNELS).op(**push)]
         pick = self._pick_kernel(dest)
         b = self._buffers
         state = barrier(b["state_elems"], b["state_words"])  # pick → metric / corr / pick
@@ -302,6 +317,14 @@ class GpuEncoder:
         for c0, c1 in self._batches(n_kv, n_tok):
             ops = self._batch_ops(dest, x[:, c0:c1], region_word, n_ctx, t0 + c0)
             run(self.device, *ops, what="GPU OMP encode")
+
+    def launch_shapes(self) -> dict:
+        """The one-dispatch pipelines made so far, for reports: {tile size: {"form", the
+        shape's fields, "workgroups"}} (tile size 1: the vector form); {} for the stepwise form."""
+        if self._tiled is None:
+            return {}
+        return {str(tv): {"form": "vector" if tv == VECTOR_FORM else "tiled", **dataclasses.asdict(shape),
+                          "workgroups": wg} for tv, (shape, wg) in self._tiled.shapes().items()}
 
     # --- lifetime -----------------------------------------------------------------------------------
     @property

@@ -56,8 +56,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
        for v, n in (("vec4", 1), ("scalar", 0))},
     **{f"omp_encode_pick{r}_{v}": ("omp_encode_pick.comp", {"VEC4": n, "RESIDUAL": int(bool(r))})
        for r in ("", "_residual") for v, n in (("vec4", 1), ("scalar", 0))},
-    **{f"omp_encode_tiled{r}_{v}": ("omp_encode_tiled.comp", {"VEC4": n, "RESIDUAL": int(bool(r))})
-       for r in ("", "_residual") for v, n in (("vec4", 1), ("scalar", 0))},
+    **{f"omp_encode_{k}{r}_{v}": (f"omp_encode_{k}.comp", {"VEC4": n, "RESIDUAL": int(bool(r))})
+       for k in ("tiled", "vector") for r in ("", "_residual") for v, n in (("vec4", 1), ("scalar", 0))},
 }
 
 def in_checkout() -> bool:
