@@ -90,3 +90,44 @@ def test_evaluation_texts_exist_differ_and_are_not_calibration():
     assert all(len(P.tokenizer.encode(b)) > 1024 * t.windows for b, t in zip(bodies.values(), texts.EVAL_TEXTS.values()))
     assert len({certify.text_sha256(b) for b in bodies.values()}) == 3
     assert not texts.eval_paths() & set(P.calibration_files())
+
+
+def test_calibration_files_given_stay_disjoint_from_evaluation(tmp_path):
+    """--calib-files: the files in the order given, duplicates dropped; an evaluation text or
+    a missing file is refused with a typed error."""
+    from kvdict_vk import errors as E
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("alpha " * 10)
+    b.write_text("beta " * 10)
+    assert P.calibration_files([str(b), str(a), str(b)]) == [str(b.resolve()), str(a.resolve())]
+    assert P.calibration_files(None) == P.calibration_files(()) == P.calibration_files()
+    for bad in (texts.GPL3, texts.EVAL_TEXTS["sedfaq"].path, str(tmp_path / "missing.txt")):
+        with pytest.raises(E.KvDictError):
+            P.calibration_files([str(a), bad])
+
+
+def test_calibration_windows_interleave_the_files(tmp_path):
+    """Given files: their windows in turn (each file's first, then each one's second, …), a
+    .gz file read as gzip; the default concatenates."""
+    import gzip
+    words = {"a": "the quick brown fox jumps over the lazy dog. ", "b": "lorem ipsum dolor sit amet, consectetur. ",
+             "c": "a stitch in time saves nine; "}
+    paths = []
+    for name, phrase in words.items():
+        text = phrase * 60
+        if name == "b":
+            path = tmp_path / "b.txt.gz"
+            path.write_bytes(gzip.compress(text.encode()))
+        else:
+            path = tmp_path / f"{name}.txt"
+            path.write_text(text)
+        paths.append(str(path))
+    window = 64
+    per_file = [llama.eval_windows(P.tokenizer.encode(P.calibration_text(p)), window) for p in paths]
+    assert all(len(w) >= 2 for w in per_file)
+    depth = min(map(len, per_file))
+    got = P.calibration_windows(paths, window, 3 * depth, interleave=True)
+    expect = [per_file[f][r] for r in range(depth) for f in range(3)]
+    assert all(np.array_equal(g, e) for g, e in zip(got, expect)) and len(got) == 3 * depth
+    concat = P.calibration_windows(paths, window, 2, interleave=False)
+    assert np.array_equal(concat[0], per_file[0][0])

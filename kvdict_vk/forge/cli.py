@@ -54,7 +54,7 @@ def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     cache = os.path.join(out, "cache")
-    kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=_log, cache_dir=cache)
+    kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=_log, cache_dir=cache, files=cfg.calib_files)
     n_streams = sum(cfg.coded(i, kv_) for i in range(len(kv)) for kv_ in (True, False))
     art = P.learn_artifact(kv, cfg, progress=_progress(n_streams, "learning streams"))
     t_learn = time.perf_counter() - t0
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (2 layers, 256-token window)")
     ap.add_argument("--no-baselines", action="store_true")
     for f in dataclasses.fields(P.ForgeConfig):
-        if f.name in ("layers", "passthrough", "texts"):
+        if f.name in ("layers", "passthrough", "texts", "calib_files"):
             continue
         kind = type(f.default) if f.default is not None else int
         ap.add_argument("--" + f.name.replace("_", "-"), type=kind if kind is not bool else _bool, default=None)
@@ -108,6 +108,9 @@ def main(argv=None) -> int:
                     help="comma-separated layers to code (the others pass through)")
     ap.add_argument("--passthrough", type=lambda s: s.split(","), default=None,
                     help="streams left f32, e.g. k:0,v:3")
+    ap.add_argument("--calib-files", type=lambda s: tuple(s.split(",")), default=None,
+                    help="calibration text files (comma-separated; .gz read as gzip), their windows "
+                         "taken in turn (default: the licenses but GPL-3, concatenated)")
     ap.add_argument("--texts", type=lambda s: tuple(s.split(",")), default=None,
                     help="evaluation texts (default gpl3,sedfaq,pydoc; see kvdict_vk/forge/texts.py)")
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731

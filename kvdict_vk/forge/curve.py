@@ -56,7 +56,7 @@ def run_curve(cfg: P.ForgeConfig, out: str, log=print, atoms=ATOMS, sparsities=S
               learn_sparsity: int = 8, residual_configs=RESIDUAL_CONFIGS) -> int:
     os.makedirs(out, exist_ok=True)
     cache = os.path.join(out, "cache")
-    kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=log, cache_dir=cache)
+    kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=log, cache_dir=cache, files=cfg.calib_files)
     sets = P.eval_sets(cfg, cache)
     hd = kv[0][0].shape[-1]
     rows: list = []

@@ -3,7 +3,10 @@ dictionaries with a residual stage, certify them on held-out text through the ru
 own reconstruct-on-write path, and package a framed artifact.
 
 Calibration: every license under /usr/share/common-licenses except the evaluation texts
-(files are deduplicated by their real path, so GPL → GPL-3 is excluded too).
+(files are deduplicated by their real path, so GPL → GPL-3 is excluded too), concatenated
+in path order; or the files ``--calib-files`` names (never an evaluation text), their
+windows taken in turn — the first window of each file, then the second of each, … — so a
+few windows already cover every file.
 Evaluation: the texts of forge.texts (GPL-3, the sed FAQ, Python's reference topics),
 non-overlapping 1024-token windows from each text's start, each window from position 0.
 The gate passes only when the upper end of the 95 % interval is within the threshold on
@@ -12,6 +15,7 @@ every text.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import os
 import time
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import artifact as A
+from .. import errors as E
 from .. import codec, runtime
 from ..dictionary import KvDictArtifact, StreamDict
 from . import certify, llama, parallel, table, texts as T, tokenizer
@@ -50,6 +55,7 @@ class ForgeConfig:
     texts: tuple = T.DEFAULT_TEXTS  # the gate's evaluation texts
     threshold: float = 0.01  # the gate: upper end of the 95 % CI of ΔPPL ≤ +1 % on every text
     layers: list | None = None  # layers to code (None = all); the rest pass through
+    calib_files: tuple | None = None  # calibration text files, windows in turn (None: the licenses)
     passthrough: list = field(default_factory=list)  # ["k:3", "v:0", …] streams left f32
     seed: int = 0
 
@@ -62,28 +68,74 @@ class ForgeConfig:
         return f"{'k' if k_not_v else 'v'}:{layer}" not in self.passthrough
 
 
-def calibration_files() -> list[str]:
+def calibration_files(paths=None) -> list[str]:
+    """Real paths of the calibration texts: ``paths`` as given (order kept, duplicates
+    dropped), or by default the licenses without the evaluation texts. KvDictError when a
+    given file is missing or is an evaluation text (calibration and evaluation stay disjoint)."""
     ev = T.eval_paths()
-    files = {os.path.realpath(os.path.join(LICENSES, f)) for f in os.listdir(LICENSES)}
-    return sorted(f for f in files if f not in ev and os.path.isfile(f))
+    if not paths:
+        files = {os.path.realpath(os.path.join(LICENSES, f)) for f in os.listdir(LICENSES)}
+        return sorted(f for f in files if f not in ev and os.path.isfile(f))
+    out = []
+    for p in paths:
+        real = os.path.realpath(p)
+        if not os.path.isfile(real):
+            raise E.KvDictError(f"calibration file {p}: not a readable file")
+        if real in ev:
+            raise E.KvDictError(f"calibration file {p} is an evaluation text; calibration must not read it")
+        if real not in out:
+            out.append(real)
+    return out
 
 
-def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None = None) -> list:
+def calibration_text(path: str) -> str:
+    """A calibration file's text (gzip-compressed when its name ends in .gz)."""
+    if not path.endswith(".gz"):
+        return tokenizer.read_text(path)
+    with open(path, "rb") as f:
+        return gzip.decompress(f.read()).decode("utf-8")
+
+
+def calibration_windows(files: list, window: int, n_windows: int, interleave: bool) -> list:
+    """The first n_windows calibration windows: of the files' concatenation, or (interleave)
+    each file's windows in turn."""
+    if not interleave:
+        toks: list[int] = []
+        for f in files:
+            toks += tokenizer.encode(calibration_text(f))
+        return llama.eval_windows(toks, window)[:n_windows]
+    per_file = [llama.eval_windows(tokenizer.encode(calibration_text(f)), window) for f in files]
+    deepest = max(map(len, per_file), default=0)
+    wins = [ws[rank] for rank in range(deepest) for ws in per_file if rank < len(ws)]
+    if not wins:
+        raise E.KvDictError(f"the calibration files hold no {window}-token window")
+    return wins[:n_windows]
+
+
+def calibration_sha256(files: list) -> list:
+    """[{path, sha256 of its bytes}], for the certificate."""
+    out = []
+    for f in files:
+        with open(f, "rb") as fh:
+            out.append(dict(path=f, sha256=hashlib.sha256(fh.read()).hexdigest()))
+    return out
+
+
+def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None = None, files=None) -> list:
     """Per layer (K, V), each (n_kv, T, head_dim) float32, from ≈ n_tokens of calibration
-    text; cached in cache_dir (keyed by the model, the texts and the sizes) when given."""
+    text (``files``: calibration_files' argument); cached in cache_dir (keyed by the model,
+    the texts and the sizes) when given."""
+    paths = calibration_files(files)
     cache = None
     if cache_dir:
-        key = hashlib.sha256(repr((load_model().sha256, calibration_files(), n_tokens, window,
-                                   parallel.learning_core())).encode())
+        key = hashlib.sha256(repr((load_model().sha256, paths, n_tokens, window,
+                                   parallel.learning_core()) + (("interleaved",) if files else ())).encode())
         cache = os.path.join(cache_dir, f"calib-{key.hexdigest()[:16]}.npz")
         if os.path.exists(cache):
             with np.load(cache) as z:
                 log(f"calibration K/V reused from {cache}")
                 return [(z[f"k{i}"], z[f"v{i}"]) for i in range(len(z.files) // 2)]
-    toks: list[int] = []
-    for f in calibration_files():
-        toks += tokenizer.encode(tokenizer.read_text(f))
-    wins = llama.eval_windows(toks, window)[: max(1, -(-n_tokens // window))]
+    wins = calibration_windows(paths, window, max(1, -(-n_tokens // window)), interleave=bool(files))
     # in the learning workers: the forward's float32 matmuls on the same pinned BLAS kernels
     # as learning (forge.parallel), so the calibration vectors do not depend on the CPU
     t0 = time.perf_counter()
@@ -220,7 +272,7 @@ def make_cert(results: dict, cfg: ForgeConfig, sets: list, art: KvDictArtifact) 
                       blas_core=parallel.learning_core() or "native"),  # the kernels it was learned on
         extra=dict(ci95=list(worst.ci95), worst_text=worst_name, windows=sum(len(es.windows) for es in sets),
                    window=cfg.window, gate_rule="upper end of the 95 % CI <= threshold on every text",
-                   texts=per_text),
+                   texts=per_text, calibration=calibration_sha256(calibration_files(cfg.calib_files))),
     )
 
 
