@@ -309,14 +309,26 @@ class KvArena:
         return self._encoders[key]
 
     def _append_gpu(self, layer: int, rows) -> int:
-        """Coded streams OMP-encoded on the device straight into their slots; passthrough
-        rows through the upload buffer. The token count moves only when every stream is
-        written, so a failure leaves the layer's visible tokens as they were."""
+        """Coded streams OMP-encoded on the device straight into their slots — in one
+        submission when each stream's rows fit one encoder batch (a decode step's do), so a
+        step pays one round trip for both — passthrough rows through the upload buffer. The
+        token count moves only when every stream is written, so a failure leaves the layer's
+        visible tokens as they were."""
         t0, t_new = self._n_tokens[layer], rows[0].shape[1]
         n_ctx, buf = self.layout.n_ctx, self._layers[layer]
-        for r, st in zip(rows, self.layout.layers[layer].streams):
-            if st.coded and t_new:
-                self.gpu_encoder(layer, st).encode_into(buf, r, st.region_word, n_ctx, t0)
+        coded = [(self.gpu_encoder(layer, st), r, st) for r, st in zip(rows, self.layout.layers[layer].streams)
+                 if st.coded and t_new]
+        if all(r.shape[0] * r.shape[1] <= enc.capacity for enc, r, _ in coded):
+            ops = []
+            for enc, r, st in coded:
+                if ops:  # disjoint slots, but the same buffer: ordered, for the synchronization validation
+                    ops.append(barrier(buf))
+                ops += enc.ops_into(buf, r, st.region_word, n_ctx, t0)
+            if ops:
+                run(self.device, *ops, what="GPU OMP encode")
+        else:
+            for enc, r, st in coded:
+                enc.encode_into(buf, r, st.region_word, n_ctx, t0)
         passthrough = [(L.row_words_of(r, st), st) for r, st in zip(rows, self.layout.layers[layer].streams)
                        if not st.coded]
         if passthrough and t_new:
