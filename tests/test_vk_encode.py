@@ -469,6 +469,27 @@ def test_vector_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps)
         assert shape.sum_d == 0
 
 
+def test_vector_form_under_llvmpipes_loop_cap():
+    """On llvmpipe the vector form is kept only while one invocation's counted loops stay
+    under the cap (else the small tile stands in); elsewhere it is kept whatever the count."""
+    from kvdict_vk.vk import encode_tiled as T
+    from kvdict_vk.vk import encode_vector as V
+    rng = np.random.default_rng(16)
+    cpu, gpu = _Limits(32 << 10, 1024, name="llvmpipe (LLVM 15)"), _Limits(48 << 10, 1024)
+    for n_atoms, head_dim, s, expect_kept in ((256, 16, 2, True), (1 << 16, 128, 16, False)):
+        d = StreamDict(unit_atoms(rng, 1, n_atoms, head_dim)[0], sparsity=s)
+        shape = V.vector_shape(cpu, head_dim, s, 0)
+        loops = V.loop_iterations(head_dim, s, n_atoms, shape, 0, 0, False, 1)
+        assert (loops <= T.LOOP_BUDGET) == expect_kept
+        kept = {}
+        for dev in (cpu, gpu):
+            try:
+                kept[dev.name] = T.TiledKernels(dev, d, ("t", "v"), None, None, 256, 0).vector is not None
+            except E.DispatchError:  # the tiled form itself refused under the cap: no vector form either
+                kept[dev.name] = False
+        assert kept == {cpu.name: expect_kept, gpu.name: True}
+
+
 def test_vector_form_and_its_stand_in(vk_device, monkeypatch):
     """kernel="tiled": a batch of few vectors per dictionary head runs the vector form, a
     larger one the tiled kernel; where the vector form does not fit, the small tile takes
