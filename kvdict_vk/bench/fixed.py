@@ -12,8 +12,8 @@ summary.json: wall time; GPU time beside it where there are timestamps).
 * ``decode_step_layer`` — one KvArena.step of one layer of the f16 cache (append a token,
   attend over the context), wall time; its GPU time is the attention's (Attention.recording
   at the same length, timestamps: the step adds two one-token scatter dispatches to it).
-* ``decode_step_layer_dict`` — the same over a dict-coded cache (the new token's CPU OMP
-  encode included).
+* ``decode_step_layer_dict`` — the same over a dict-coded cache (the new token's OMP encode
+  included, by the encoder KvArena(encoder="auto") chose: ``encoder`` in its entry).
 * ``read_back`` — one token read through KvArena.read (f16 cache: dispatch + copy back).
 
     .venv/bin/python -m kvdict_vk.bench.fixed [--out out/bench_fixed.json]
@@ -116,6 +116,9 @@ def _decode_steps(dev, args, rng, cache: str) -> dict:
                 gpu.append(rec.gpu_seconds())
         out = timing.timing(wall, gpu)
         out.update(cache=cache, n_used=n, n_kv=n_kv, gqa=args.gqa, head_dim=hd)
+        if cache == "dict":  # which encoder KvArena(encoder="auto") wrote the new tokens with
+            from kvdict_vk.vk import encode_choice
+            out["encoder"] = "cpu" if dev.is_cpu else "/".join(sorted(set(encode_choice.measured().values())))
         return out, arena
     except BaseException:
         arena.free()
@@ -152,7 +155,7 @@ def run(args, progress) -> dict:
     coded.free()
     for name in ("decode_step_layer", "decode_step_layer_dict"):
         costs[name]["gpu_what"] = "the attention part (Attention.recording at the final length)"
-    costs["decode_step_layer_dict"]["wall_what"] = "KvArena.step, the new token's CPU OMP encode included"
+    costs["decode_step_layer_dict"]["wall_what"] = "KvArena.step, the new token's OMP encode included (by 'encoder')"
     result = {**common.run_header(TOOL, args, dev, t0),
               "config": {k: getattr(args, k) for k in ("n_kv", "gqa", "head_dim", "prefill", "steps", "repeats",
                                                        "n_atoms", "sparsity")},
