@@ -576,11 +576,11 @@ SHADER_PUSH_BLOCKS = {"reconstruct.comp": RECONSTRUCT_PUSH, "copy_rows.comp": CO
                       **_ATTEND_BLOCKS}
 
 # GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encoder.py): one block for its
-# three kernels; shaders/encode_common.glsl says what each field is.
+# kernels; shaders/encode_common.glsl says what each field is.
 ENCODE_PUSH = _block("EncodePush", "phase", "step", "group0", "block", "dict_head", "n_tok",
                      "n_vectors", "n_atoms", "per_head", "atoms_word", "inv_norm_word", "mean_word",
                      "metric_word", "raw_atoms_word", "scale_word", "steps_word", "res_word",
                      "basis_word", "dst_word", "n_ctx", "t0", "atoms_t_word", "atoms_pad",
                      defaults=dict(atoms_t_word=0, atoms_pad=0))
 PUSH_BLOCKS[ENCODE_PUSH.name] = ENCODE_PUSH
-SHADER_PUSH_BLOCKS.update({f"omp_encode_{k}.comp": ENCODE_PUSH for k in ("corr", "metric", "pick", "tiled")})
+SHADER_PUSH_BLOCKS.update({f"omp_encode_{k}.comp": ENCODE_PUSH for k in ("corr", "metric", "pick", "tiled", "vector")})
