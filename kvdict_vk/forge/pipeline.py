@@ -15,7 +15,6 @@ every text.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
 import os
 import time
@@ -89,11 +88,9 @@ def calibration_files(paths=None) -> list[str]:
 
 
 def calibration_text(path: str) -> str:
-    """A calibration file's text (gzip-compressed when its name ends in .gz)."""
-    if not path.endswith(".gz"):
-        return tokenizer.read_text(path)
+    """A calibration file's text (texts.decode_text: gzip-compressed when named .gz)."""
     with open(path, "rb") as f:
-        return gzip.decompress(f.read()).decode("utf-8")
+        return T.decode_text(path, f.read())
 
 
 def calibration_windows(files: list, window: int, n_windows: int, interleave: bool) -> list:
@@ -125,17 +122,17 @@ def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None 
     """Per layer (K, V), each (n_kv, T, head_dim) float32, from ≈ n_tokens of calibration
     text (``files``: calibration_files' argument); cached in cache_dir (keyed by the model,
     the texts and the sizes) when given."""
-    paths = calibration_files(files)
+    paths, interleave = calibration_files(files), bool(files)  # given files: their windows in turn
     cache = None
     if cache_dir:
         key = hashlib.sha256(repr((load_model().sha256, paths, n_tokens, window,
-                                   parallel.learning_core()) + (("interleaved",) if files else ())).encode())
+                                   parallel.learning_core()) + (("interleaved",) if interleave else ())).encode())
         cache = os.path.join(cache_dir, f"calib-{key.hexdigest()[:16]}.npz")
         if os.path.exists(cache):
             with np.load(cache) as z:
                 log(f"calibration K/V reused from {cache}")
                 return [(z[f"k{i}"], z[f"v{i}"]) for i in range(len(z.files) // 2)]
-    wins = calibration_windows(paths, window, max(1, -(-n_tokens // window)), interleave=bool(files))
+    wins = calibration_windows(paths, window, max(1, -(-n_tokens // window)), interleave)
     # in the learning workers: the forward's float32 matmuls on the same pinned BLAS kernels
     # as learning (forge.parallel), so the calibration vectors do not depend on the CPU
     t0 = time.perf_counter()

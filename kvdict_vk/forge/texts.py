@@ -43,15 +43,17 @@ class EvalText:
                                 f"install its Debian package or pass --texts without it") from e
 
     def text(self) -> str:
-        raw = self.file_bytes()
-        if self.path.endswith(".gz"):
-            raw = gzip.decompress(raw)
-        if self.path.endswith("pydoc_data/topics.py"):
-            return _pydoc_topics(raw.decode("utf-8"))
-        return raw.decode("utf-8")
+        text = decode_text(self.path, self.file_bytes())
+        return _pydoc_topics(text) if self.path.endswith("pydoc_data/topics.py") else text
 
     def file_sha256(self) -> str:
         return hashlib.sha256(self.file_bytes()).hexdigest()
+
+
+def decode_text(path: str, raw: bytes) -> str:
+    """A text file's bytes as text: gunzipped when the name ends in .gz, UTF-8, line ends as
+    they are on disk (the evaluation texts and forge.pipeline's calibration files)."""
+    return (gzip.decompress(raw) if path.endswith(".gz") else raw).decode("utf-8")
 
 
 def _pydoc_topics(source: str) -> str:

@@ -318,7 +318,7 @@ class KvArena:
         n_ctx, buf = self.layout.n_ctx, self._layers[layer]
         coded = [(self.gpu_encoder(layer, st), r, st) for r, st in zip(rows, self.layout.layers[layer].streams)
                  if st.coded and t_new]
-        if all(r.shape[0] * r.shape[1] <= enc.capacity for enc, r, _ in coded):
+        if all(enc.one_batch(*r.shape[:2]) for enc, r, _ in coded):
             ops = []
             for enc, r, st in coded:
                 if ops:  # disjoint slots, but the same buffer: ordered, for the synchronization validation

@@ -31,14 +31,12 @@ def _bucket(n_tokens: int) -> int:
 def choose(arena, layer: int, rows) -> str:
     """"cpu" or "gpu" for appending ``rows`` ((K, V), each (n_kv, T, head_dim) float32) to
     ``layer`` of ``arena`` (which has coded streams)."""
-    if arena.device.is_cpu:
-        return "cpu"
     lay = arena.layout.layers[layer]
     coded = [(st, r) for st, r in zip(lay.streams, rows) if st.coded]
     fmt = tuple((st.stream, st.sparsity, st.residual_bits, st.n_dict_heads) for st, _ in coded)
     key = (arena.device.name, fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
     if key not in _CHOICES:
-        _CHOICES[key] = _measure(arena, layer, coded)
+        _CHOICES[key] = "cpu" if arena.device.is_cpu else _measure(arena, layer, coded)
     return _CHOICES[key]
 
 
@@ -67,5 +65,5 @@ def _measure(arena, layer: int, coded) -> str:
 
 
 def measured() -> dict:
-    """What was chosen in this process (for reports)."""
+    """What was chosen in this process, CPU drivers' unmeasured answers included (for reports)."""
     return dict(_CHOICES)

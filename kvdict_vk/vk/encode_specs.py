@@ -42,6 +42,17 @@ def _batch(p) -> tuple:
     return n, n // t, (n // t if p["per_head"] else 1)
 
 
+def _dest_span(p, slot: int, n_kv: int) -> tuple:
+    """Words of the destination slots of tokens t0 .. t0+n_tok of every head (the encoders'
+    addressing: slot of head h, token t at dst_word + (h·n_ctx + t)·slot)."""
+    return (p["dst_word"] + p["t0"] * slot, p["dst_word"] + ((n_kv - 1) * p["n_ctx"] + p["t0"] + p["n_tok"]) * slot)
+
+
+def _residual_floats(p, s, heads: int) -> list:
+    """The residual stage's image floats: 1/scale and the step multipliers (df64 pairs)."""
+    return [_span(p["scale_word"], heads * 2 * s["DIM"]), _span(p["steps_word"], 2 * s["N_STEPS"])]
+
+
 def _corr_extents(p, s):
     n, _, heads = _batch(p)
     d, blk = s["DIM"], s["ATOM_BLOCK"]
@@ -75,17 +86,16 @@ def _pick_extents(p, s):
     floats = [_span(p["inv_norm_word"], heads * k)]
     if bits:
         elems.append(_span(p["raw_atoms_word"], heads * k * d))
-        floats += [_span(p["scale_word"], heads * 2 * d), _span(p["steps_word"], 2 * s["N_STEPS"])]
-    dest = (p["dst_word"] + p["t0"] * slot, p["dst_word"] + ((n_kv - 1) * p["n_ctx"] + p["t0"] + p["n_tok"]) * slot)
+        floats += _residual_floats(p, s, heads)
     return ([_span(0, n * d)], elems, floats,
             [_span(p["res_word"], n * d), _span(p["basis_word"], n * sp * d)],
-            [_span(0, n * state_words(sp))], [_span(0, 2 * n * nb)], [dest])
+            [_span(0, n * state_words(sp))], [_span(0, 2 * n * nb)], [_dest_span(p, slot, n_kv)])
 
 
 def _one_dispatch_extents(p, s, name: str) -> tuple:
-    """(input, unit-atom rows, image floats, destination) spans of a one-dispatch encoder
-    (omp_encode_tiled, omp_encode_vector): both read the dictionary image's float blocks and
-    write the slots of tokens t0 .. t0+n_tok of every head."""
+    """(input, unit-atom rows, transposed unit atoms, image floats, destination) spans of a
+    one-dispatch encoder (omp_encode_tiled, omp_encode_vector): both read the dictionary
+    image's float blocks and write the slots of tokens t0 .. t0+n_tok of every head."""
     n, n_kv, heads = _batch(p)
     d, pad = s["DIM"], p["atoms_pad"]
     bits = s.get("RESIDUAL_BITS", 0)
@@ -94,28 +104,25 @@ def _one_dispatch_extents(p, s, name: str) -> tuple:
                               f"[{p['t0']}, {p['t0'] + p['n_tok']}) beyond n_ctx {p['n_ctx']}")
     slot = slot_words(d, s["SPARSITY"], bits)
     rows = [_span(p["atoms_word"], heads * pad * d), _span(p["mean_word"], heads * d)]
-    floats = [_span(p["atoms_t_word"], heads * pad * d), _span(p["inv_norm_word"], heads * p["n_atoms"]),
-              _span(p["mean_word"], heads * d)]
+    atoms_t = _span(p["atoms_t_word"], heads * pad * d)
+    floats = [atoms_t, _span(p["inv_norm_word"], heads * p["n_atoms"]), _span(p["mean_word"], heads * d)]
     if s["METRIC"]:
         floats.append(_span(p["metric_word"], d * d))
     if bits:
-        floats += [_span(p["raw_atoms_word"], heads * p["n_atoms"] * d), _span(p["scale_word"], heads * 2 * d),
-                   _span(p["steps_word"], 2 * s["N_STEPS"])]
-    dest = (p["dst_word"] + p["t0"] * slot, p["dst_word"] + ((n_kv - 1) * p["n_ctx"] + p["t0"] + p["n_tok"]) * slot)
-    return [_span(0, n * d)], rows, floats, [dest]
+        floats += [_span(p["raw_atoms_word"], heads * p["n_atoms"] * d)] + _residual_floats(p, s, heads)
+    return [_span(0, n * d)], rows, [atoms_t], floats, [_dest_span(p, slot, n_kv)]
 
 
 def _tiled_extents(p, s):
-    x, rows, floats, dest = _one_dispatch_extents(p, s, "omp_encode_tiled")
+    x, rows, _, floats, dest = _one_dispatch_extents(p, s, "omp_encode_tiled")
     # bindings 3 and 4 (work state) hold a region per workgroup from word 0: sized by the
     # encoder from the pipeline's workgroup count (encode_tiled.TiledKernels), not by push
     return x, rows, floats, [], [], dest
 
 
 def _vector_extents(p, s):
-    x, _, floats, dest = _one_dispatch_extents(p, s, "omp_encode_vector")
-    n, n_kv, heads = _batch(p)
-    return x, floats, [_span(p["atoms_t_word"], heads * p["atoms_pad"] * s["DIM"])], dest
+    x, _, atoms_t, floats, dest = _one_dispatch_extents(p, s, "omp_encode_vector")
+    return x, floats, atoms_t, dest  # binding 2: the transposed atoms as vec4s
 
 
 def shader_specs(shader_spec, push, wg_size: int) -> dict:

@@ -142,11 +142,11 @@ class TiledKernels:
         self.dict_buffer, self.x_buffer, self.capacity, self.n_steps = dict_buffer, x_buffer, capacity, n_steps
         self._state: dict[int, tuple] = {}  # tile size → (shape, basis buffer, words buffer, workgroups)
         self._kernels: dict[tuple, Kernel] = {}
-        res_steps = n_steps if stream.residual_bits else 0
-        self.vector = V.vector_shape(device, stream.head_dim, stream.sparsity, res_steps)
+        # (n_steps is the image's: 0 without a residual stage)
+        self.vector = V.vector_shape(device, stream.head_dim, stream.sparsity, n_steps)
         vector_items = -(-self._vector_batch() // self._vector_workgroups())  # vectors per workgroup
         if self.vector is not None and caps_loops(device) and V.loop_iterations(
-                stream.head_dim, stream.sparsity, stream.n_atoms, self.vector, stream.residual_bits, res_steps,
+                stream.head_dim, stream.sparsity, stream.n_atoms, self.vector, stream.residual_bits, n_steps,
                 stream.metric is not None, vector_items) > LOOP_BUDGET:
             self.vector = None
         if caps_loops(device):  # refused up front, before anything is allocated
@@ -180,7 +180,7 @@ class TiledKernels:
         """(TileShape, workgroups) for this tile size: every tile of a full batch at once,
         within the state buffers' cap and the device's limit."""
         d = self.stream
-        shape = tile_shape(self.device, d.head_dim, d.sparsity, tile_vectors, self.n_steps if d.residual_bits else 0)
+        shape = tile_shape(self.device, d.head_dim, d.sparsity, tile_vectors, self.n_steps)
         workgroups = min(self._tiles(tile_vectors, shape.tile_vectors),
                          workgroup_cap(self.device, d, shape.tile_vectors))
         return shape, max(1, workgroups)

@@ -37,8 +37,8 @@ from . import encode_image as I
 from .device import Device, get_device, kp
 from .encode_specs import n_blocks
 from .encode_tiled import VECTOR_FORM, TiledKernels, tile_for
-from .encode_vector import MAX_PER_HEAD
 from .encode_tiled import max_batch as max_tiled_batch
+from .encode_vector import MAX_PER_HEAD
 from .kernels import Buffer, Kernel, barrier, run
 
 TILE = 64  # tokens per workgroup (the shaders' WG_SIZE)
@@ -285,10 +285,14 @@ class GpuEncoder:
         self._live()
         x = self._check_x(x)
         n_kv, n_tok, _ = x.shape
-        if n_kv * n_tok > self.capacity or not n_tok:
+        if not self.one_batch(n_kv, n_tok):
             raise E.ShapeError(f"ops_into: {n_kv}×{n_tok} vectors, one batch holds 1..{self.capacity}")
         self._check_dest(dest, n_kv, n_tok, region_word, n_ctx, t0)
         return self._batch_ops(dest, x, region_word, n_ctx, t0)
+
+    def one_batch(self, n_kv: int, n_tok: int) -> bool:
+        """Whether n_kv × n_tok vectors (n_tok ≥ 1) are one batch: what ops_into takes."""
+        return n_tok >= 1 and n_kv * n_tok <= self.capacity
 
     def _check_dest(self, dest, n_kv: int, n_tok: int, region_word, n_ctx, t0) -> tuple:
         if not isinstance(dest, Buffer) or not dest.alive:
