@@ -9,7 +9,7 @@ loops in df64 — runs in one invocation while the rest of the workgroup waits (
 the H200: 13–17 µs per OMP step, 45 µs for the residual stage, one token of 8 KV heads in
 106 µs). The vector kernel gives each vector a workgroup and spreads all of that work over
 it; the correlations take 4 adjacent atoms per invocation, one vec4 load per dimension,
-coalesced from the transposed image (one token of 8 KV heads: 42 µs, docs/results/h200).
+coalesced from the transposed image (one token of 8 KV heads in ~40 µs of GPU time: docs/results/h200).
 
 The shape (workgroup size, partial-sum widths) is chosen from the device's limits, so no
 optional feature is needed; where the shared arrays do not fit, there is no vector form and
