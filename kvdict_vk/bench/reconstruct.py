@@ -157,7 +157,7 @@ def run(args, progress) -> dict:
             baselines[f"{cache}_cache_read"] = (rec, traffic.bytes_moved("read", arena.layout, 0, args.n_ctx), cache)
         # the copy of one read-back buffer to the host, over the largest range it holds
         f32 = uncoded["f32"]
-        n_rb = min(args.n_ctx, f32._caps["out"] // f32._caps["token_out"])
+        n_rb = min(args.n_ctx, f32.read_tokens)
         rb_plan = f32.read_plan(0, 0, n_rb)
         rb_plan.dispatch()
         rb = rb_plan.recording("readback", timestamps=True)

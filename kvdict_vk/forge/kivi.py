@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .llama import KVHook
+from .llama import KVHook, f16
 
 GROUP = 32
 
 
-def _f16(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
-
-
 def _asym(x: np.ndarray, axis: int, bits: int) -> np.ndarray:
     """Quantise-dequantise x with one binary16 (scale, min) per slice along `axis`."""
-    lo = _f16(x.min(axis=axis, keepdims=True))
+    lo = f16(x.min(axis=axis, keepdims=True))
     hi = x.max(axis=axis, keepdims=True)
     levels = (1 << bits) - 1
-    scale = _f16((hi - lo) / levels)
+    scale = f16((hi - lo) / levels)
     safe = np.where(scale > 0, scale, 1.0)
     q = np.clip(np.rint((x - lo) / safe), 0, levels)
     return (q * scale + lo).astype(np.float32)

@@ -144,8 +144,10 @@ def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 
     return out.reshape(n_heads, T, d).transpose(1, 0, 2).reshape(T, n_heads * d)
 
 
-def _f16(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float16).astype(np.float32)
+def f16(x: np.ndarray) -> np.ndarray:
+    """Round to binary16 and back as float32: what a stored scale, minimum or mean (or an
+    f16 cache's row) is when read again."""
+    return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -182,7 +184,7 @@ def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None)
         k = _rotate_pairs(k, cos, sin)
         v = heads(h @ w.wv.T, c.n_kv_heads)
         # The exact tokens are kept as binary16 (what such a cache stores), before the hook.
-        exact = (hook, _f16(k), _f16(v)) if hook.exact_sink or hook.exact_recent else None
+        exact = (hook, f16(k), f16(v)) if hook.exact_sink or hook.exact_recent else None
         k, v = hook(i, k, v)
         attn = _causal_attention(q, _checked(k, kv_shape, i), _checked(v, kv_shape, i), exact=exact)
         x = x + attn @ w.wo.T

@@ -14,61 +14,53 @@ from typing import Callable
 
 import numpy as np
 
-from .llama import KVHook, rotate_half_order
+from .llama import KVHook, f16, rotate_half_order
 
 QK = 32  # ggml block size for q8_0 / q4_0 / q4_1
-
-
-def _f16(x: np.ndarray) -> np.ndarray:
-    """Round to fp16 and back: what a stored scale/min/mean is when read again."""
-    return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
 def _roundf(x: np.ndarray) -> np.ndarray:
     return np.copysign(np.floor(np.abs(x) + np.float32(0.5)), x)
 
 
-def _safe_inverse(d: np.ndarray) -> np.ndarray:
+def safe_inverse(d: np.ndarray) -> np.ndarray:
     """ggml's ``id = d ? 1.0f/d : 0.0f`` (an all-zero block quantises to zeros)."""
     out = np.zeros_like(d)
     np.divide(np.float32(1.0), d, out=out, where=d != 0)
     return out
 
 
-def _blocks(x: np.ndarray) -> np.ndarray:
+def blocks(x: np.ndarray) -> np.ndarray:
+    """x (…, d) as (…, d / QK, QK) blocks of ggml's size."""
     x = np.asarray(x, dtype=np.float32)
     if x.shape[-1] % QK:
         raise ValueError(f"head_dim {x.shape[-1]} is not a multiple of the block size {QK}")
     return x.reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
 
 
-def f16(x: np.ndarray) -> np.ndarray:
-    return _f16(x)
-
-
 def q8_0(x: np.ndarray) -> np.ndarray:
-    b = _blocks(x)
+    b = blocks(x)
     d = np.max(np.abs(b), axis=-1, keepdims=True) / np.float32(127)
-    q = _roundf(b * _safe_inverse(d))
-    return (q * _f16(d)).reshape(np.shape(x))
+    q = _roundf(b * safe_inverse(d))
+    return (q * f16(d)).reshape(np.shape(x))
 
 
 def q4_0(x: np.ndarray) -> np.ndarray:
-    b = _blocks(x)
+    b = blocks(x)
     # d = (signed value of largest magnitude, first one on ties) / -8
     first_max = np.argmax(np.abs(b), axis=-1)[..., None]
     d = np.take_along_axis(b, first_max, axis=-1) / np.float32(-8)
     # (int8_t)(x*id + 8.5f) truncates; the argument is >= 0.5 here, so trunc == floor.
-    q = np.minimum(np.float32(15), np.trunc(b * _safe_inverse(d) + np.float32(8.5)))
-    return ((q - np.float32(8)) * _f16(d)).reshape(np.shape(x))
+    q = np.minimum(np.float32(15), np.trunc(b * safe_inverse(d) + np.float32(8.5)))
+    return ((q - np.float32(8)) * f16(d)).reshape(np.shape(x))
 
 
 def q4_1(x: np.ndarray) -> np.ndarray:
-    b = _blocks(x)
+    b = blocks(x)
     lo = b.min(axis=-1, keepdims=True)
     d = (b.max(axis=-1, keepdims=True) - lo) / np.float32(15)
-    q = np.minimum(np.float32(15), np.trunc((b - lo) * _safe_inverse(d) + np.float32(0.5)))
-    return (q * _f16(d) + _f16(lo)).reshape(np.shape(x))
+    q = np.minimum(np.float32(15), np.trunc((b - lo) * safe_inverse(d) + np.float32(0.5)))
+    return (q * f16(d) + f16(lo)).reshape(np.shape(x))
 
 
 def _per_vector_symmetric(x: np.ndarray, qmax: int) -> np.ndarray:
@@ -78,8 +70,8 @@ def _per_vector_symmetric(x: np.ndarray, qmax: int) -> np.ndarray:
     which is what a careful implementation of a new format would do.
     """
     x = np.asarray(x, dtype=np.float32)
-    scale = _f16(np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(qmax))
-    q = np.clip(_roundf(x * _safe_inverse(scale)), -qmax, qmax)
+    scale = f16(np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(qmax))
+    q = np.clip(_roundf(x * safe_inverse(scale)), -qmax, qmax)
     return q * scale
 
 
@@ -103,7 +95,7 @@ def mean_subtracted(quantiser: Callable[[np.ndarray], np.ndarray]) -> Callable[[
     """
     def quantise(x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float32)
-        mean = _f16(x.mean(axis=-2, keepdims=True))
+        mean = f16(x.mean(axis=-2, keepdims=True))
         return quantiser(x - mean) + mean
 
     quantise.__name__ = f"mean_subtracted_{quantiser.__name__}"

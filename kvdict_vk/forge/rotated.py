@@ -31,19 +31,19 @@ def hadamard(n: int, seed: int = SEED) -> np.ndarray:
 
 
 def q5_0(x: np.ndarray) -> np.ndarray:
-    b = quant._blocks(x)
+    b = quant.blocks(x)
     first_max = np.argmax(np.abs(b), axis=-1)[..., None]
     d = np.take_along_axis(b, first_max, axis=-1) / np.float32(-16)
-    q = np.minimum(np.float32(31), np.trunc(b * quant._safe_inverse(d) + np.float32(16.5)))
-    return ((q - np.float32(16)) * quant._f16(d)).reshape(np.shape(x))
+    q = np.minimum(np.float32(31), np.trunc(b * quant.safe_inverse(d) + np.float32(16.5)))
+    return ((q - np.float32(16)) * quant.f16(d)).reshape(np.shape(x))
 
 
 def q5_1(x: np.ndarray) -> np.ndarray:
-    b = quant._blocks(x)
+    b = quant.blocks(x)
     lo = b.min(axis=-1, keepdims=True)
     d = (b.max(axis=-1, keepdims=True) - lo) / np.float32(31)
-    q = np.minimum(np.float32(31), np.trunc((b - lo) * quant._safe_inverse(d) + np.float32(0.5)))
-    return (q * quant._f16(d) + quant._f16(lo)).reshape(np.shape(x))
+    q = np.minimum(np.float32(31), np.trunc((b - lo) * quant.safe_inverse(d) + np.float32(0.5)))
+    return (q * quant.f16(d) + quant.f16(lo)).reshape(np.shape(x))
 
 
 BLOCK_QUANTISERS = {"q4_0": (quant.q4_0, 36.0), "q4_1": (quant.q4_1, 40.0),

@@ -215,6 +215,11 @@ class KvArena:
         """Words one read-back buffer holds at most (larger reads are chunked)."""
         return self._caps["out"]
 
+    @property
+    def read_tokens(self) -> int:
+        """Tokens (all KV heads, K and V) one read-back buffer holds at most."""
+        return self._caps["out"] // self._caps["token_out"]
+
     def readback_buffer(self, words: int) -> Buffer:
         """The shared read-back buffer of the smallest size class holding ``words``."""
         self.check_live()
@@ -405,7 +410,7 @@ class KvArena:
         n_kv, hd = self.layout.n_kv_heads, self.layout.head_dim
         k = np.empty((n_kv, t1 - t0, hd), np.float32)
         v = np.empty_like(k)
-        step = self._caps["out"] // self._caps["token_out"]
+        step = self.read_tokens
         for c0 in range(t0, t1, step):
             c1 = min(t1, c0 + step)
             k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run_once()
