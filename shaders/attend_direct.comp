@@ -44,10 +44,10 @@ layout(constant_id = 7) const uint V_BITS = 0u;
 // low half, unpackHalf2x16 — no 16-bit storage feature needed) or f32. Needs HEAD_DIM % 8 == 0.
 layout(constant_id = 8) const uint ROW_HALF = 0u;
 const uint PASS_ROW = ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM;
-const uint K_LEVEL_WORDS = (HEAD_DIM * K_BITS + 31u) / 32u;
-const uint V_LEVEL_WORDS = (HEAD_DIM * V_BITS + 31u) / 32u;
-const uint K_ROW = K_SPARSITY > 0u ? K_SPARSITY + K_LEVEL_WORDS + (K_BITS + 7u) / 8u : PASS_ROW;
-const uint V_ROW = V_SPARSITY > 0u ? V_SPARSITY + V_LEVEL_WORDS + (V_BITS + 7u) / 8u : PASS_ROW;
+const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
+const uint V_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);
+const uint K_ROW = K_SPARSITY > 0u ? SLOT_WORDS_OF(K_SPARSITY, HEAD_DIM, K_BITS) : PASS_ROW;
+const uint V_ROW = V_SPARSITY > 0u ? SLOT_WORDS_OF(V_SPARSITY, HEAD_DIM, V_BITS) : PASS_ROW;
 const uint MAX_LEVEL_WORDS = K_LEVEL_WORDS > V_LEVEL_WORDS ? K_LEVEL_WORDS : V_LEVEL_WORDS;
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };

@@ -35,10 +35,10 @@ layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary hea
 layout(constant_id = 7) const uint K_SPARSITY = 4u;  // code words per K slot
 layout(constant_id = 8) const uint V_SPARSITY = 4u;
 const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk
-const uint K_LEVEL_WORDS = (HEAD_DIM * K_BITS + 31u) / 32u;
-const uint V_LEVEL_WORDS = (HEAD_DIM * V_BITS + 31u) / 32u;
-const uint K_ROW = K_SPARSITY + (K_BITS > 0u ? K_LEVEL_WORDS + 1u : 0u);  // words of a slot
-const uint V_ROW = V_SPARSITY + (V_BITS > 0u ? V_LEVEL_WORDS + 1u : 0u);
+const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
+const uint V_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);
+const uint K_ROW = SLOT_WORDS_OF(K_SPARSITY, HEAD_DIM, K_BITS);  // words of a slot
+const uint V_ROW = SLOT_WORDS_OF(V_SPARSITY, HEAD_DIM, V_BITS);
 const uint V_STAGE = V_BITS > 0u ? V_LEVEL_WORDS : 1u;  // staged level words per token
 // register copies of a slot: room for LEVEL's "next word" and the step also when a stream
 // has no residual stage (those code paths are dead, but their indices stay in bounds)

@@ -36,8 +36,8 @@ layout(constant_id = 4) const uint K_CODED = 0u;  // 0: K is passthrough (f32 ro
 layout(constant_id = 5) const uint K_BITS = 0u;   // residual bits of K (0: none)
 layout(constant_id = 6) const uint V_CODED = 0u;
 layout(constant_id = 7) const uint V_BITS = 0u;
-const uint K_LEVEL_WORDS = (HEAD_DIM * K_BITS + 31u) / 32u;
-const uint V_LEVEL_WORDS = (HEAD_DIM * V_BITS + 31u) / 32u;
+const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
+const uint V_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);
 const uint MAX_LEVEL_WORDS = K_LEVEL_WORDS > V_LEVEL_WORDS ? K_LEVEL_WORDS : V_LEVEL_WORDS;
 
 layout(std430, binding = 0) readonly buffer LayerWords { uint layer_words[]; };
@@ -69,10 +69,6 @@ layout(push_constant) uniform AttendSplitPush {
 void load_row(uint word, out vec4 row[Q4]) {  // word: a multiple of 4
     [[unroll]] for (uint c = 0u; c < Q4; ++c)
         row[c] = uintBitsToFloat(layer_quads[(word >> 2u) + c]);
-}
-
-uint slot_words(uint sparsity, uint level_words, uint bits) {
-    return sparsity + level_words + (bits + 7u) / 8u;
 }
 
 // A slot's residual levels minus half, as vec4 quads (the loops are unrolled: element e's
@@ -110,8 +106,8 @@ void main() {
         [[unroll]] for (uint x = 0u; x < BQ; ++x)
             acc[x] = vec4(0.0);
 
-        uint k_row = K_CODED > 0u ? slot_words(pc.k_sparsity, K_LEVEL_WORDS, K_BITS) : HEAD_DIM;
-        uint v_row = V_CODED > 0u ? slot_words(pc.v_sparsity, V_LEVEL_WORDS, V_BITS) : HEAD_DIM;
+        uint k_row = K_CODED > 0u ? SLOT_WORDS_OF(pc.k_sparsity, HEAD_DIM, K_BITS) : HEAD_DIM;
+        uint v_row = V_CODED > 0u ? SLOT_WORDS_OF(pc.v_sparsity, HEAD_DIM, V_BITS) : HEAD_DIM;
         uint k_base = pc.k_word + g * pc.n_ctx * k_row;
         uint v_base = pc.v_word + g * pc.n_ctx * v_row;
         // --- pass 1: scores and the split's maximum -------------------------------------------

@@ -27,8 +27,8 @@ layout(constant_id = 2) const uint ATOM_BLOCK = 64u;
 #if RESIDUAL
 layout(constant_id = 3) const uint RESIDUAL_BITS = 4u;
 layout(constant_id = 4) const uint N_STEPS = 15u;  // residual.py's step candidates
-const uint LEVEL_WORDS = (DIM * RESIDUAL_BITS + 31u) / 32u;
-const uint SLOT_WORDS = SPARSITY + LEVEL_WORDS + 1u;
+const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(DIM, RESIDUAL_BITS);
+const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, DIM, RESIDUAL_BITS);
 #else
 const uint SLOT_WORDS = SPARSITY;
 #endif

@@ -36,8 +36,8 @@ layout(constant_id = 5) const uint METRIC = 0u;         // 1: r = W (x - mean), 
 #if RESIDUAL
 layout(constant_id = 6) const uint RESIDUAL_BITS = 4u;
 layout(constant_id = 7) const uint N_STEPS = 15u;
-const uint LEVEL_WORDS = (DIM * RESIDUAL_BITS + 31u) / 32u;
-const uint SLOT_WORDS = SPARSITY + LEVEL_WORDS + 1u;
+const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(DIM, RESIDUAL_BITS);
+const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, DIM, RESIDUAL_BITS);
 #else
 const uint SLOT_WORDS = SPARSITY;
 #endif

@@ -38,8 +38,8 @@ layout(constant_id = 4) const uint METRIC = 0u;     // 1: r = W (x - mean), W at
 layout(constant_id = 5) const uint RESIDUAL_BITS = 4u;
 layout(constant_id = 6) const uint N_STEPS = 15u;
 layout(constant_id = 7) const uint SUM_D = 16u;     // partial sums per candidate error, a power of two
-const uint LEVEL_WORDS = (DIM * RESIDUAL_BITS + 31u) / 32u;
-const uint SLOT_WORDS = SPARSITY + LEVEL_WORDS + 1u;
+const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(DIM, RESIDUAL_BITS);
+const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, DIM, RESIDUAL_BITS);
 #else
 const uint SLOT_WORDS = SPARSITY;
 #endif

@@ -23,8 +23,8 @@ layout(constant_id = 3) const uint RES_BITS = 0u;
 
 const uint ROW_CHUNKS = HEAD_DIM / LANES;
 const uint GROUPS = ROW_CHUNKS / CHUNKS;  // invocations per row
-const uint LEVEL_WORDS = (HEAD_DIM * RES_BITS + 31u) / 32u;
-const uint SLOT_WORDS = SPARSITY + LEVEL_WORDS + (RES_BITS + 7u) / 8u;  // + the step word iff RES_BITS > 0
+const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, RES_BITS);
+const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, HEAD_DIM, RES_BITS);
 // Private copy of a row's level words on CPU drivers (>= 1 element: GLSL has no empty arrays).
 const uint LEVEL_COPY = CHUNKS > 1u ? LEVEL_WORDS + 1u : 1u;
 

@@ -1,0 +1,36 @@
+// The dict-coded slot (docs/FORMAT.md; kvdict_vk.residual.slot_words and .dequantise
+// are its Python twins): the one place the shaders spell its layout and how a word of it
+// decodes — readers (reconstruct, attend_*) and writers (omp_encode_*, encode_residual.glsl)
+// alike. A slot of a stream with S code words and a b-bit residual stage over D elements:
+//   words [0, S)                 code words: bits 0-15 atom index, bits 16-31 binary16 coefficient
+//   words [S, S + L)             with b > 0: the levels, element e at bit e*b of the little-endian
+//                                stream (possibly straddling two words), L = ceil(D*b/32)
+//   word  S + L                  with b > 0: the step, float32
+// Element e decodes as (level - (2^b - 1)/2) * step * residual_scale[e]; b is 1..8.
+// Macros, not functions: GLSL sizes arrays and specialization constants only with constant
+// expressions.
+#define SLOT_LEVEL_WORDS_OF(D, BITS) (((D) * (BITS) + 31u) / 32u)
+#define SLOT_STEP_WORD_OF(S, D, BITS) ((S) + SLOT_LEVEL_WORDS_OF(D, BITS))
+// (b + 7) / 8 is 1 for any b in 1..8, 0 without a residual stage
+#define SLOT_WORDS_OF(S, D, BITS) (SLOT_STEP_WORD_OF(S, D, BITS) + ((BITS) + 7u) / 8u)
+
+// --- code words --------------------------------------------------------------------------
+uint code_atom(uint word) { return word & 0xFFFFu; }
+float code_coef(uint word) { return unpackHalf2x16(word >> 16u).x; }
+
+// An out-of-range code word (atom index >= n_atoms) contributes exactly zero and never reads
+// outside the atoms: it is redirected to atom 0 with coefficient 0 (atoms are finite), the
+// documented behaviour shared with codec.reconstruct.
+uint safe_atom(uint atom, uint n_atoms) { return atom < n_atoms ? atom : 0u; }
+float safe_coef(uint atom, uint n_atoms, float coef) { return atom < n_atoms ? coef : 0.0; }
+
+// --- the residual stage's levels ---------------------------------------------------------
+// The level of the element starting at bit `bit` (0..31) of word w0, w1 being the next word
+// (only read when the level straddles; pass anything otherwise).
+uint residual_level(uint w0, uint w1, uint bit, uint bits) {
+    uint v = w0 >> bit;
+    if (bit + bits > 32u)
+        v |= w1 << (32u - bit);  // bit > 0 here, so the shift is < 32
+    return v & ((1u << bits) - 1u);
+}
+float residual_half(uint bits) { return float((1u << bits) - 1u) * 0.5; }
