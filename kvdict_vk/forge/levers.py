@@ -34,12 +34,12 @@ def dictionary_rows(art, cfg: P.ForgeConfig, coded_bytes: float) -> list:
         table.Row(base + " + group scales", "dictionary", coded_bytes + 2 * hd / R.GROUP,
                   lambda: R.GroupScaleDictHook(art), ident, "lever: per-32-token residual scales (not in the slot format)"),
         table.Row(base + f" + sink + {RECENT} recent", "dictionary", _windowed_bytes(coded_bytes, cfg.window, hd),
-                  lambda: _Installed(art, WindowedRuntimeHook()), ident,
+                  lambda: Installed(art, WindowedRuntimeHook()), ident,
                   "lever: token 0 and the 32 most recent tokens in binary16 (engine has no such window)"),
     ]
 
 
-class _Installed(P.llama.KVHook):
+class Installed(P.llama.KVHook):
     """Runs `inner` (a RuntimeHook) with `art` installed for the duration of each call."""
 
     def __init__(self, art, inner):
