@@ -11,8 +11,9 @@ from kvdict_vk.bench.traffic, over the copy roofline (kvdict_vk.bench.roofline).
 
     .venv/bin/python -m kvdict_vk.bench.reconstruct [--out out/bench_reconstruct.json]
 
-Writes the JSON and a PNG (same stem) next to it. The goal (#10) is reconstruct ≥ 0.7×
-the copy shader's bandwidth for the same output bytes.
+Writes the JSON and a PNG (same stem) next to it. The goal (#13) is the reconstruct
+shader's bandwidth — the bytes it moves (slots, dictionary, output) over its GPU time — at
+≥ 0.7 of the copy roofline, at ≥ 1 GiB of output.
 """
 from __future__ import annotations
 
@@ -205,7 +206,10 @@ def make_rows(result) -> list[dict]:
         if on_host:
             t["note"] = "NumPy on the host"
         tokens = main["readback_tokens"] if transfer else c["n_ctx"]
-        sparse = f" s{res['sparsity']}" if name in ("reconstruct", "numpy_reconstruct_f32") else ""
+        sparse = ""
+        if name in ("reconstruct", "numpy_reconstruct_f32"):  # the coded format
+            sparse = f" s{res['sparsity']}" + (f" b{c['residual_bits']}" if c["residual_bits"] else "") \
+                + (" per-head" if c["per_head"] else "")
         rows.append(results.row(
             NAME, f"{ROW_NAMES[name]}{sparse} {c['n_kv']}kv d{c['head_dim']} n{tokens}", t, cache=t["cache"],
             n_used=tokens, n_kv=c["n_kv"], head_dim=c["head_dim"], moved=t["bytes"],
@@ -223,17 +227,19 @@ def rows(result) -> list[dict]:
 
 
 def headline(result) -> list[dict]:
-    """Reconstruct / copy-shader bandwidth for the same output bytes (ratio of the medians,
-    GPU time where there are timestamps) against the goal."""
+    """The reconstruct shader's bandwidth (bytes it moves over its GPU time, where there are
+    timestamps) as a fraction of the copy roofline, against the goal (#13: ≥ 0.7 at ≥ 1 GiB of
+    output); beside it the time ratio to the copy shader over the same output bytes."""
     m = result["main"]["candidates"]
     rec, cp = timing.best_seconds(m["reconstruct"]), timing.best_seconds(m["copy_shader"])
-    out = result["main"]["output_bytes"] / 1e9
-    ratio = cp / rec
-    return [{"figure": "reconstruct / copy shader bandwidth",
+    fraction = m["reconstruct"]["bytes"]["total"] / rec / result["roofline"]["bytes_per_s"]
+    return [{"figure": "reconstruct bandwidth / copy roofline",
              "case": f"s {result['main']['sparsity']}, {result['config']['n_kv']}×{result['config']['n_ctx']} rows",
-             "numerator": out / rec, "denominator": out / cp, "unit": "GB/s", "ratio": ratio,
+             "numerator": m["reconstruct"]["bytes"]["total"] / rec / 1e9,
+             "denominator": result["roofline"]["bytes_per_s"] / 1e9, "unit": "GB/s", "ratio": fraction,
+             "copy_time_over_reconstruct_time": cp / rec,
              "paired_ratio_median": result["main"]["ratio_reconstruct_over_copy"]["median"],
-             "goal": {"at_least": result["goal_ratio"], "met": ratio >= result["goal_ratio"]}}]
+             "goal": {"at_least": result["goal_ratio"], "met": fraction >= result["goal_ratio"]}}]
 
 
 def report(result) -> list[str]:
@@ -246,7 +252,8 @@ def report(result) -> list[str]:
                      f"  {r['output_gb_per_s']:8.3f} GB/s out")
     ratio = m["ratio_reconstruct_over_copy"]
     lines.append(f"  reconstruct / copy bandwidth: {ratio['median']:.3f} (paired, IQR {ratio['p25']:.3f}–"
-                 f"{ratio['p75']:.3f}; goal ≥ {result['goal_ratio']})   NMSE vs float64 {m['nmse_vs_float64']:.2e}")
+                 f"{ratio['p75']:.3f})   NMSE vs float64 {m['nmse_vs_float64']:.2e}")
+    lines.append(f"  reconstruct over the copy roofline: {headline(result)[0]['ratio']:.3f} (goal ≥ {result['goal_ratio']})")
     for r in result["sweep"]:
         lines.append(f"  sweep s={r['sparsity']:<3d} ratio {r['ratio_reconstruct_over_copy']['median']:.3f}  "
                      f"reconstruct {r['candidates']['reconstruct']['output_gb_per_s']:.3f} GB/s")
