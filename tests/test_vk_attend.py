@@ -410,27 +410,51 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
     att = arena.attention(n_kv * g)
     att.path, att.tune = "flash", True
-    locals_ = att.flash_coded_locals(0)[1] if coded else att.flash_locals(0)
-    shapes = T.candidates(locals_, coded)
+    options = att.flash_coded_options(0) if coded else [(0, att.flash_locals(0))]
+    if coded:  # the query heads per workgroup are a dimension of the search: 2 and 1 here
+        assert [hb for hb, _ in options] == [2, 1]
+    shapes = T.candidates(options, coded)
     assert len(shapes) >= 2
-    favourite = shapes[-1]
+    favourite = shapes[-1]  # coded: one query head per workgroup, not the untuned default
     timed = []
 
     def fake_time(layer, n_used, plan):  # the device's "measurement": the favourite is fastest
-        timed.append((plan.local, plan.n_splits))
-        return 1e-3 - 1e-7 * plan.n_splits if plan.local == favourite.local else 2e-3
+        timed.append((plan.local, plan.heads, plan.n_splits))
+        fast = (plan.local, plan.heads) == (favourite.local, favourite.heads)
+        return 1e-3 - 1e-7 * plan.n_splits if fast else 2e-3
     monkeypatch.setattr(att, "time_plan", fake_time)
     import kvdict_vk.vk.attend as A
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     p = att.plan(0, 1500)
-    assert len(timed) == T.ROUNDS * len(shapes) and p.local == favourite.local
-    assert p.n_splits == max(n for local, n in timed if local == favourite.local)
+    assert len(timed) == T.ROUNDS * len(shapes) and (p.local, p.heads) == (favourite.local, favourite.heads)
+    assert p.n_splits == max(n for local, heads, n in timed if (local, heads) == (favourite.local, favourite.heads))
     assert att.plan(0, 2000).local == favourite.local and len(timed) == T.ROUNDS * len(shapes)  # same bucket
     att.plan(0, 3000)
     assert len(timed) == 2 * T.ROUNDS * len(shapes)  # bucket 4096: measured again
     assert len(T.measured()) == 2
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     _check(arena, stored, 0, q, 1500)
+
+
+def test_flash_coded_heads_per_workgroup_fixed_by_the_caller(make_arena, activate):
+    """Attention.coded_heads fixes attend_flash_coded's query heads per workgroup: each count
+    the layer allows gives the reference's output; one it does not is refused, typed."""
+    rng = np.random.default_rng(15)
+    hd, n_kv, g, n_ctx = 32, 2, 4, 700
+    art = random_artifact(rng, hd, 64, [((4, 3), (2, 4))], n_heads=n_kv)
+    arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
+    att = arena.attention(n_kv * g)
+    att.path = "flash"
+    allowed = [hb for hb, _ in att.flash_coded_options(0)]
+    assert allowed == [4, 2, 1]
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    for hb in allowed:
+        att.coded_heads = hb
+        assert att.plan(0, n_ctx).heads == hb
+        _check(arena, stored, 0, q, n_ctx)
+    att.coded_heads = 3
+    with pytest.raises(E.ArenaError, match="3 query heads per workgroup"):
+        att.plan(0, n_ctx)
 
 
 def test_flash_launch_shape_timing_runs_on_the_device(make_arena):

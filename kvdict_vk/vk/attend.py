@@ -88,6 +88,9 @@ class Attention:
         # on a CPU driver); attend_flash's likewise. Benchmarks fix them to sweep them.
         self.coded_workgroups: int | None = None
         self.flash_workgroups: int | None = None
+        # attend_flash_coded's query heads per workgroup (None: measured with the launch
+        # shape on a GPU; the most that fit on a CPU driver). Tests and benchmarks fix it.
+        self.coded_heads: int | None = None
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
         # The arena's shader mapping says which machine to plan for: "row" (CPU drivers:
@@ -209,27 +212,33 @@ class Attention:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""
         return (self.flash_locals(layer) or [0])[0]
 
-    def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
-        """(query heads per workgroup, workgroup sizes preferred first) of attend_flash_coded
-        over ``layer`` ((0, []): it cannot): the largest divisor of the group, at most
-        FLASH_MAX_GROUP, whose q·atom table, atom weights and staged chunk fit the device's
-        shared memory with some size of FLASH_CODED_LOCALS (attend_tune; a chunk is one token
-        per invocation) the device allows; with it, every such size."""
-        def derive() -> tuple[int, tuple[int, ...]]:
+    def flash_coded_options(self, layer: int) -> list[tuple[int, list[int]]]:
+        """[(query heads per workgroup, workgroup sizes preferred first)] of attend_flash_coded
+        over ``layer``, most heads first (empty: it cannot): every divisor of the group, at
+        most FLASH_MAX_GROUP, whose q·atom table, atom weights and staged chunk fit the
+        device's shared memory with some size of FLASH_CODED_LOCALS (attend_tune; a chunk is
+        one token per invocation) the device allows; with it, every such size. The tuner
+        times them all; untuned, the first (the most heads: each slot loaded serves them all)."""
+        def derive() -> tuple[tuple[int, tuple[int, ...]], ...]:
             k, v = self.layout.layers[layer].streams
             hd, na = self.layout.head_dim, self.layout.n_atoms
             if not (k.coded and v.coded) or hd % 4:
-                return 0, ()
+                return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
+            out = []
             for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
                              reverse=True):
                 fits = tuple(n for n in FLASH_CODED_LOCALS if n <= most and n % (hd // 4) == 0
                              and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit)
                 if fits:
-                    return hb, fits
-            return 0, ()
-        hb, fits = self._per_layer("flash_coded_locals", layer, derive)
-        return hb, list(fits)
+                    out.append((hb, fits))
+            return tuple(out)
+        return [(hb, list(fits)) for hb, fits in self._per_layer("flash_coded_options", layer, derive)]
+
+    def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
+        """The default of flash_coded_options: (query heads per workgroup, workgroup sizes)
+        ((0, []): attend_flash_coded cannot attend over ``layer``)."""
+        return (self.flash_coded_options(layer) or [(0, [])])[0]
 
     def flash_coded_config(self, layer: int) -> tuple[int, int]:
         """(query heads, default invocations) per workgroup of attend_flash_coded ((0, 0): it cannot)."""
@@ -277,23 +286,29 @@ class Attention:
         or on a CPU driver, and the splits that make that many workgroups."""
         k = self.layout.layers[layer].k
         if k.coded:
-            hb, locals_ = self.flash_coded_locals(layer)
-            blocks, min_tokens = self.layout.n_kv_heads * (self.group // hb), FLASH_CODED_MIN_SPLIT_TOKENS
+            options = self.flash_coded_options(layer)
+            if self.coded_heads is not None:
+                options = [o for o in options if o[0] == self.coded_heads]
+                if not options:
+                    raise E.ArenaError(f"layer {layer}: attend_flash_coded cannot serve {self.coded_heads} query heads "
+                                       f"per workgroup here (it can: {[hb for hb, _ in self.flash_coded_options(layer)]})")
+            min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS
             fixed, default = self.coded_workgroups, FLASH_CODED_WORKGROUPS
         else:
-            locals_ = self.flash_locals(layer)
-            blocks, min_tokens = self.layout.n_kv_heads, FLASH_MIN_SPLIT_TOKENS
+            options = [(0, self.flash_locals(layer))]
+            min_tokens = FLASH_MIN_SPLIT_TOKENS
             fixed, default = self.flash_workgroups, FLASH_WORKGROUPS
 
         def shaped(shape: T.Shape) -> P.Plan:
+            blocks = self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
             want = min(self.max_splits, max(1, -(-shape.workgroups // blocks)))
             n, split_len = P.split_count(n_used, want, min_tokens, n_used)
-            return P.Plan("flash", n, split_len, local=shape.local)
+            return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads)
         if fixed is None and self.tune and timestamps_usable(self.device):
-            shape = T.choose(self.layer_signature(layer), n_used, locals_, k.coded,
-                             lambda sh: self.time_plan(layer, n_used, shaped(sh)))
+            shape = T.choose(self.layer_signature(layer) + ((self.coded_heads,) if self.coded_heads else ()), n_used,
+                             options, k.coded, lambda sh: self.time_plan(layer, n_used, shaped(sh)))
         else:
-            shape = T.Shape(locals_[0], fixed or default)
+            shape = T.Shape(options[0][1][0], fixed or default, options[0][0])
         return shaped(shape)
 
     def time_plan(self, layer: int, n_used: int, plan: P.Plan) -> float | None:

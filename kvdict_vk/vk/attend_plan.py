@@ -118,6 +118,7 @@ class Plan:
     fresh_splits: int = 0  # table path in a step: attend_direct over [n_cached, n_used)
     fresh_len: int = 0
     local: int = 0  # flash: invocations per workgroup (0: the kernel's default for the layer)
+    heads: int = 0  # flash over codes: query heads per workgroup (0: the layer's default)
 
     @property
     def records(self) -> int:

@@ -1,7 +1,10 @@
 """The flash kernels' launch shape chosen by measurement on the device (GPUs).
 
 attend_flash and attend_flash_coded take two free parameters: the workgroup size (tokens
-per chunk) and how many workgroups an attention launches (splits × KV heads × head blocks).
+per chunk) and how many workgroups an attention launches (splits × KV heads × head blocks);
+attend_flash_coded a third, the query heads a workgroup serves (HB: its q·atom table and
+atom weights take 2 · HB · n_atoms words of shared memory, so fewer heads mean more
+workgroups resident per multiprocessor, each reading every V atom once at its end).
 Which pair is fastest depends on the GPU (multiprocessors, registers, shared memory per
 multiprocessor — Vulkan core reports none of the first two), on the layer's format and on
 the context: on an H200, 256-invocation workgroups won over 3 × 3 heads at 131 072 tokens
@@ -33,8 +36,8 @@ FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
 WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
 CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per workgroup is larger)
 
-# (device name, layer signature, n_kv, group, head_dim, n_atoms, bucket) → (local, workgroups)
-_CHOICES: dict[tuple, tuple[int, int]] = {}
+# (device name, layer signature, n_kv, group, head_dim, n_atoms, bucket) → (local, workgroups, heads)
+_CHOICES: dict[tuple, tuple[int, int, int]] = {}
 
 
 def bucket(n_used: int) -> int:
@@ -47,9 +50,11 @@ def bucket(n_used: int) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """One flash launch shape: invocations per workgroup, workgroups per attention."""
+    """One flash launch shape: invocations per workgroup, workgroups per attention, and
+    (attend_flash_coded) query heads per workgroup (0: attend_flash, one KV head's group)."""
     local: int
     workgroups: int
+    heads: int = 0
 
 
 def layer_signature(att, layer: int) -> tuple:
@@ -67,23 +72,26 @@ def signature(layer_sig: tuple, n_used: int) -> tuple:
     return layer_sig + (bucket(n_used),)
 
 
-def candidates(locals_: list[int], coded: bool) -> list[Shape]:
-    return [Shape(n, w) for n in locals_ for w in (CODED_WORKGROUPS if coded else WORKGROUPS)]
+def candidates(options: list[tuple[int, list[int]]], coded: bool) -> list[Shape]:
+    """Every shape of ``options`` — [(query heads per workgroup, its workgroup sizes)], the
+    default first (attend_flash: one entry, heads 0) — at every workgroup count."""
+    return [Shape(n, w, heads) for heads, locals_ in options for n in locals_
+            for w in (CODED_WORKGROUPS if coded else WORKGROUPS)]
 
 
-def choose(layer_sig: tuple, n_used: int, locals_: list[int], coded: bool, time_shape) -> Shape:
+def choose(layer_sig: tuple, n_used: int, options: list[tuple[int, list[int]]], coded: bool, time_shape) -> Shape:
     """The fastest shape for this (layer signature — device included —, bucket), measured on
     first use: ``time_shape(shape) -> seconds`` runs the attention over the layer at n_used
     in that shape (None when the device cannot time it: then the first candidate, untimed)."""
     key = signature(layer_sig, n_used)
     if key in _CHOICES:
         return Shape(*_CHOICES[key])
-    first = candidates(locals_, coded)[0]
+    first = candidates(options, coded)[0]
     t = time.perf_counter()
     while time.perf_counter() - t < WARM_S:  # the clocks up first (bench.timing.measure says why)
         if time_shape(first) is None:
             return first
-    shapes = candidates(locals_, coded)
+    shapes = candidates(options, coded)
     best_s = {shape: float("inf") for shape in shapes}
     for _ in range(ROUNDS):  # interleaved: a drifting clock hits every candidate alike
         for shape in shapes:
@@ -92,10 +100,10 @@ def choose(layer_sig: tuple, n_used: int, locals_: list[int], coded: bool, time_
                 return first
             best_s[shape] = min(best_s[shape], seconds)
     best = min(shapes, key=lambda sh: best_s[sh])
-    _CHOICES[key] = (best.local, best.workgroups)
+    _CHOICES[key] = (best.local, best.workgroups, best.heads)
     return best
 
 
 def measured() -> dict:
-    """What the tuner chose in this process (for reports): {signature: (local, workgroups)}."""
+    """What the tuner chose in this process (for reports): {signature: (local, workgroups, heads)}."""
     return dict(_CHOICES)
