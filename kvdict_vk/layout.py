@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import errors as E
+from . import kivi as K
 from .dictionary import MAX_N_ATOMS, KvDictArtifact
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words, slot_words
 
@@ -43,6 +44,7 @@ ALIGN_WORDS = 64  # 256 bytes: ≥ any minStorageBufferOffsetAlignment, one cach
 VEC4_WORDS = 4
 DEFAULT_GUARD_VALUE = 0x7FA5A5A5  # a NaN as float32; as a code word its coefficient is NaN
 CACHES = ("f16", "f32", "q8_0")  # row formats of the uncoded cache
+KIVI_CACHE = "kivi"  # the KIVI-style quantised cache (kvdict_vk.kivi): a mode of its own
 Q8_BLOCK = 32  # q8_0 (llama.cpp): 32 int8 values and one f16 scale per block
 DEFAULT_CACHE = "f16"  # what engines keep (llama.cpp's default); f32 is the exact option
 
@@ -125,12 +127,26 @@ class StreamLayout:
     n_dict_heads: int = 1  # 1: one dictionary shared by the KV heads; n_kv_heads: one each
     scale_word: int | None = None  # residual scales, n_dict_heads × head_dim
     scale_words: int = 0
-    rows: str = "f32"  # passthrough rows: "f32", "f16" (two per word) or "q8_0"
+    rows: str = "f32"  # passthrough rows: "f32", "f16" (two per word), "q8_0" or "kivi"
+    # The KIVI cache (rows "kivi", kvdict_vk.kivi): the levels' bits; the keys' group
+    # statistics (n_kv × ⌈n_ctx / GROUP⌉ × head_dim words, K only); the exact window, a ring
+    # of window_tokens binary16 rows per KV head (token t at t mod window_tokens); and the
+    # layer's state word (how many tokens are quantised, written by every append).
+    kivi_bits: int = 0
+    stats_word: int | None = None
+    stats_words: int = 0
+    window_word: int | None = None
+    window_tokens: int = 0
+    state_word: int | None = None
 
     @property
     def row_format(self) -> str:
-        """"slot" (dict-coded), or the passthrough rows' format: "f16", "f32" or "q8_0"."""
+        """"slot" (dict-coded), or the passthrough rows' format: "f16", "f32", "q8_0" or "kivi"."""
         return "slot" if self.coded else self.rows
+
+    @property
+    def kivi(self) -> bool:
+        return not self.coded and self.rows == KIVI_CACHE
 
     @property
     def half(self) -> bool:
@@ -169,7 +185,9 @@ class StreamLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.n_kv_heads * self.row_words * WORD_BYTES
+        """Bytes one more token adds (a KIVI key's share of its group's statistics included)."""
+        stats = self.stats_words / self.n_ctx if self.kivi else 0
+        return round(self.n_kv_heads * self.row_words * WORD_BYTES + stats * WORD_BYTES)
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "stream": self.stream, "coded": self.coded,
@@ -180,7 +198,11 @@ class StreamLayout:
                 "atoms": None if self.atoms_word is None else _span(self.atoms_word, self.atoms_words),
                 "mean": None if self.mean_word is None else _span(self.mean_word, self.mean_words),
                 "residual_scale": None if self.scale_word is None else _span(self.scale_word, self.scale_words),
-                "bytes_per_token": self.bytes_per_token}
+                "bytes_per_token": self.bytes_per_token,
+                **({"kivi_bits": self.kivi_bits, "window_tokens": self.window_tokens,
+                    "group_stats": None if self.stats_word is None else _span(self.stats_word, self.stats_words),
+                    "window": _span(self.window_word, self.n_kv_heads * self.window_tokens * self.head_dim // 2),
+                    "state": _span(self.state_word, 1)} if self.kivi else {})}
 
 
 def _span(word: int, words: int) -> dict:
@@ -214,7 +236,7 @@ class LayerLayout:
 
 @dataclass(frozen=True)
 class ArenaLayout:
-    mode: str  # "dict", or the uncoded cache's row format: "f16" or "f32"
+    mode: str  # "dict", "kivi", or the uncoded cache's row format: "f16", "f32" or "q8_0"
     n_layers: int
     n_kv_heads: int
     head_dim: int
@@ -225,6 +247,7 @@ class ArenaLayout:
     guard_value: int
     layers: tuple = field(repr=False)
     n_dict_heads: int = 1  # dictionary heads per stream (1 = shared); 1 in the f32 layout
+    kivi: K.KiviSpec | None = None  # the KIVI cache's settings (mode "kivi")
 
     @property
     def total_words(self) -> int:
@@ -274,6 +297,8 @@ class ArenaLayout:
         return {"mode": self.mode, "n_layers": self.n_layers, "n_kv_heads": self.n_kv_heads,
                 "head_dim": self.head_dim, "n_ctx": self.n_ctx, "n_atoms": self.n_atoms,
                 "sparsity": self.sparsity, "n_dict_heads": self.n_dict_heads,
+                **({"kivi": dict(k_bits=self.kivi.k_bits, v_bits=self.kivi.v_bits, recent=self.kivi.recent,
+                                 group=K.GROUP)} if self.kivi else {}),
                 "guard_words": self.guard_words,
                 "guard_value": self.guard_value, "word_bytes": WORD_BYTES,
                 "align_words": ALIGN_WORDS, "total_bytes": self.total_bytes,
@@ -295,9 +320,10 @@ def _positive(**dims) -> None:
 def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
                  dictionary: KvDictArtifact | DictSpec | None = None, *,
                  guard_words: int = 0, guard_value: int = DEFAULT_GUARD_VALUE,
-                 cache: str = DEFAULT_CACHE) -> ArenaLayout:
+                 cache: str = DEFAULT_CACHE, kivi=None) -> ArenaLayout:
     """The arena layout for a model's dims and (optionally) the active dictionary; without
-    one, ``cache`` ("f16" or "f32") is the row format of the uncoded cache."""
+    one, ``cache`` is the row format of the uncoded cache ("f16", "f32", "q8_0"), or "kivi"
+    (the KIVI-style cache, settings ``kivi``: a kvdict_vk.kivi.KiviSpec, default KiviSpec())."""
     _positive(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, n_ctx=n_ctx)
     n_layers, n_kv_heads, head_dim, n_ctx = map(int, (n_layers, n_kv_heads, head_dim, n_ctx))
     if guard_words < 0:
@@ -306,8 +332,20 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
     if not 0 <= guard_value < 1 << 32:
         raise E.ArenaError(f"guard_value {guard_value:#x} is not a 32-bit word")
     spec = DictSpec.from_artifact(dictionary) if isinstance(dictionary, KvDictArtifact) else dictionary
-    if cache not in CACHES:
-        raise E.ArenaError(f"cache must be one of {CACHES}, got {cache!r}")
+    if cache not in CACHES + (KIVI_CACHE,):
+        raise E.ArenaError(f"cache must be one of {CACHES + (KIVI_CACHE,)}, got {cache!r}")
+    if cache == KIVI_CACHE:
+        if spec is not None:
+            raise E.ArenaError("a KIVI cache has no dictionary: build it without one")
+        kivi = K.KiviSpec() if kivi is None else kivi
+        if not isinstance(kivi, K.KiviSpec):
+            raise E.ArenaError(f"kivi must be a kvdict_vk.kivi.KiviSpec, got {type(kivi).__name__}")
+        try:
+            K.check_head_dim(head_dim)
+        except E.DimsError as e:
+            raise E.ArenaError(str(e)) from None
+    else:
+        kivi = None
     rows = cache if spec is None else "f32"  # an artifact's passthrough streams keep f32 rows
     if rows == "f16" and head_dim % 2:
         raise E.ArenaError(f"an f16 cache needs an even head_dim, got {head_dim}")
@@ -323,10 +361,10 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
         if spec.n_heads not in (1, n_kv_heads):
             raise E.DictMismatchError(f"the dictionary has {spec.n_heads} heads per stream; the model "
                                       f"has {n_kv_heads} KV heads (per-head dictionaries need one each)")
-    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard, rows) for i in range(n_layers))
+    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard, rows, kivi) for i in range(n_layers))
     return ArenaLayout(cache if spec is None else "dict", n_layers, n_kv_heads, head_dim, n_ctx,
                        0 if spec is None else spec.n_atoms, 0 if spec is None else spec.sparsity,
-                       guard, int(guard_value), layers, 1 if spec is None else spec.n_heads)
+                       guard, int(guard_value), layers, 1 if spec is None else spec.n_heads, kivi)
 
 
 def _slot_words(index: int, name: str, ss: StreamSpec, spec: DictSpec, hd: int) -> int:
@@ -347,7 +385,8 @@ def _slot_words(index: int, name: str, ss: StreamSpec, spec: DictSpec, hd: int) 
     return slot
 
 
-def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows: str = "f32") -> LayerLayout:
+def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows: str = "f32",
+           kivi=None) -> LayerLayout:
     cursor = 0
     placed = []  # (start, stop) of every region/block, for the guard spans
 
@@ -359,9 +398,21 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
         return start
 
     pair = (StreamSpec(False), StreamSpec(False)) if spec is None else spec.layers[index]
-    rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else row_words(hd, 0, 0, pass_rows)
-            for ss, name in zip(pair, "KV")]
+    if kivi is not None:
+        rows = [K.key_row_words(hd, kivi.k_bits), K.value_row_words(hd, kivi.v_bits)]
+    else:
+        rows = [_slot_words(index, name, ss, spec, hd) if ss.coded else row_words(hd, 0, 0, pass_rows)
+                for ss, name in zip(pair, "KV")]
     regions = [place(n_kv * n_ctx * r, ALIGN_WORDS) for r in rows]
+    kivi_fields = [{}, {}]
+    if kivi is not None:
+        n_stats = n_kv * -(-n_ctx // K.GROUP) * hd
+        stats = place(n_stats, ALIGN_WORDS)
+        windows = [place(n_kv * kivi.window * hd // 2, ALIGN_WORDS) for _ in "kv"]
+        state = place(VEC4_WORDS, VEC4_WORDS)
+        kivi_fields = [dict(kivi_bits=kivi.bits(j == 0), stats_word=stats if j == 0 else None,
+                            stats_words=n_stats if j == 0 else 0, window_word=windows[j],
+                            window_tokens=kivi.window, state_word=state) for j in range(2)]
     tail_word, tail_words = None, 0
     atoms, means, scales = [None, None], [None, None], [None, None]
     g = 1 if spec is None else spec.n_heads
@@ -385,8 +436,8 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
                             n_kv, hd, n_ctx, r, reg, n_kv * n_ctx * r,
                             a, 0 if a is None else g * spec.n_atoms * hd, m, 0 if m is None else g * hd,
                             ss.residual_bits if ss.coded else 0, g, sc, 0 if sc is None else g * hd,
-                            pass_rows)
-               for ss, name, r, reg, a, m, sc in zip(pair, "kv", rows, regions, atoms, means, scales)]
+                            pass_rows, **kf)
+               for ss, name, r, reg, a, m, sc, kf in zip(pair, "kv", rows, regions, atoms, means, scales, kivi_fields)]
     return LayerLayout(index, streams[0], streams[1], tail_word, tail_words, total,
                        tuple(s for s in spans if s[1] > s[0]))
 
@@ -534,6 +585,8 @@ RECONSTRUCT_PUSH = _block("ReconstructPush", "src_word", "atoms_word", "mean_wor
                           "n_ctx", "t0", "n_tok", "n_rows", "out_word", "scale_word", "head_atoms",
                           "head_vec", defaults=dict(scale_word=0, head_atoms=0, head_vec=0))
 COPY_ROWS_PUSH = _block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
+READ_KIVI_PUSH = _block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word", "stats_word",
+                        "window_word", "window", "state_word")
 SCATTER_PUSH = _block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                       "group_stride", "n_words")
 COPY_PUSH = _block("CopyPush", "src_word", "dst_word", "n_words")
@@ -567,12 +620,13 @@ _ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": A
                   "attend_flash.comp": ATTEND_FLASH_PUSH,
                   "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH}
 
-PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, SCATTER_PUSH, COPY_PUSH,
+PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, READ_KIVI_PUSH, SCATTER_PUSH, COPY_PUSH,
                                    *_ATTEND_BLOCKS.values())}
 # shader source file → the block it declares
 SHADER_PUSH_BLOCKS = {"reconstruct.comp": RECONSTRUCT_PUSH, "copy_rows.comp": COPY_ROWS_PUSH,
                       "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH,
                       "read_rows_f16.comp": COPY_ROWS_PUSH, "read_rows_q8.comp": COPY_ROWS_PUSH,
+                      "read_rows_kivi.comp": READ_KIVI_PUSH,
                       **_ATTEND_BLOCKS}
 
 # GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encoder.py): one block for its

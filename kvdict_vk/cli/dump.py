@@ -35,6 +35,12 @@ def _spans_with_padding(ll: L.LayerLayout) -> list[dict]:
                                   ("residual_scale", s.scale_word, s.scale_words)):
             if word is not None and words:
                 blocks.append((f"{s.stream} {name}", word, words))
+        if s.kivi:  # the KIVI cache's blocks (kvdict_vk.kivi): key statistics, the exact window
+            if s.stats_words:
+                blocks.append((f"{s.stream} group_stats", s.stats_word, s.stats_words))
+            blocks.append((f"{s.stream} window", s.window_word, s.n_kv_heads * s.window_tokens * s.head_dim // 2))
+    if ll.k.kivi:
+        blocks.append(("k state", ll.k.state_word, 1))  # the layer's quantised end (K and V)
     blocks.sort(key=lambda b: b[1])
     out = []
     for i, (name, word, words) in enumerate(blocks):
@@ -123,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-kv-heads", type=int)
     ap.add_argument("--head-dim", type=int)
     ap.add_argument("--n-ctx", type=int, default=4096)
-    ap.add_argument("--cache", choices=L.CACHES, default=None,
+    ap.add_argument("--cache", choices=L.CACHES + (L.KIVI_CACHE,), default=None,
                     help="the uncoded layout in this row format, even with an artifact (default: the "
                          f"artifact's dict-coded layout, else {L.DEFAULT_CACHE})")
     ap.add_argument("--f32", action="store_true", help="same as --cache f32")

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from .. import attention_ref, codec, runtime
+from .. import kivi as K
 from .. import layout as L
 from .. import errors as E
 from ..dictionary import KvDictArtifact, StreamDict
@@ -89,6 +90,16 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             out = plain.attend(0, q, n_ctx)
             rows.append(_row(f"attend {cache}", shape, attention_ref.attend(q, kc, vc, n_ctx), out, NMSE_ATTEND,
                              None, plain))
+    if hd % K.GROUP == 0:  # the KIVI cache: reads against kvdict_vk.kivi's reference, attention over them
+        with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, cache="kivi") as kv_arena:
+            kc, vc = K.cache_rows(k, v, n_ctx, kv_arena.layout.kivi)
+            kv_arena.append(0, k, v)
+            gk, gv = kv_arena.read(0, 0, n_ctx)
+            rows.append(_row("append+read kivi K", shape, kc, gk, NMSE_READ, None, kv_arena))
+            rows.append(_row("append+read kivi V", shape, vc, gv, NMSE_READ, None, kv_arena))
+            out = kv_arena.attend(0, q, n_ctx)
+            rows.append(_row("attend kivi", shape, attention_ref.attend(q, kc, vc, n_ctx), out, NMSE_ATTEND,
+                             None, kv_arena))
     for d, name in ((art.layers[0][0], "K"), (art.layers[0][1], "V")):
         if d is not None:
             rows.append(_encoder_row(dev, d, k[:, :64], f"{shape} stream={name}"))

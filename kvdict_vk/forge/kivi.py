@@ -4,9 +4,9 @@ each group with a binary16 scale and a binary16 minimum — optionally with the 
 tokens kept in binary16 (KIVI's "residual" of R full-precision tokens).
 
 Arrays are (n_kv, T, head_dim); keys are quantised as the cache holds them (after RoPE).
-Levels are round-to-nearest of (x − min)/scale with the *stored* (binary16) scale and
-min, clipped to [0, 2^b − 1]. A key group that is not yet full (the window's tail) takes
-its statistics over the tokens it has.
+The quantisation is kvdict_vk.kivi's — the engine's KIVI cache (``KvArena(cache="kivi")``)
+stores exactly these values. A key group that is not yet full (the window's tail) takes
+its statistics over the tokens it has (the engine keeps such a group exact).
 
 Bytes per head vector (head_dim 64): b·64/8 for the levels plus 64 channels × 4 B per 32
 tokens (keys) or 2 groups × 4 B (values) = 8 B either way: 8b + 8 — 5 bit 48 B, 4 bit
@@ -16,40 +16,11 @@ evaluation's context (1024 tokens), where R of the 1024 cached tokens are exact.
 """
 from __future__ import annotations
 
-import numpy as np
+from .. import kivi as K
+from .llama import KVHook
 
-from .llama import KVHook, f16
-
-GROUP = 32
-
-
-def _asym(x: np.ndarray, axis: int, bits: int) -> np.ndarray:
-    """Quantise-dequantise x with one binary16 (scale, min) per slice along `axis`."""
-    lo = f16(x.min(axis=axis, keepdims=True))
-    hi = x.max(axis=axis, keepdims=True)
-    levels = (1 << bits) - 1
-    scale = f16((hi - lo) / levels)
-    safe = np.where(scale > 0, scale, 1.0)
-    q = np.clip(np.rint((x - lo) / safe), 0, levels)
-    return (q * scale + lo).astype(np.float32)
-
-
-def keys(k: np.ndarray, bits: int) -> np.ndarray:
-    """Per channel over groups of GROUP tokens: k (…, T, d)."""
-    k = np.asarray(k, np.float32)
-    out = np.empty_like(k)
-    for t0 in range(0, k.shape[-2], GROUP):
-        sl = slice(t0, t0 + GROUP)
-        out[..., sl, :] = _asym(k[..., sl, :], -2, bits)
-    return out
-
-
-def values(v: np.ndarray, bits: int) -> np.ndarray:
-    """Per token over groups of GROUP dims: v (…, d) with d a multiple of GROUP."""
-    v = np.asarray(v, np.float32)
-    d = v.shape[-1]
-    g = v.reshape(*v.shape[:-1], d // GROUP, GROUP)
-    return _asym(g, -1, bits).reshape(v.shape)
+GROUP = K.GROUP
+keys, values = K.keys, K.values  # the cache's own quantisation: the forge measures what the engine stores
 
 
 def quant_bytes(bits: int, head_dim: int = 64) -> float:

@@ -21,6 +21,7 @@ from .. import codec, runtime
 from .. import errors as E
 from .. import layout as L
 from .device import Device, get_device, kp
+from .kivi_store import KiviStore
 from .kernels import Buffer, Kernel, barrier, run
 from .attend import Attention, check_query
 from . import encode_choice
@@ -40,7 +41,7 @@ CACHE_ENV = "KVDICT_VK_CACHE"  # the uncoded cache's row format when the switch 
 
 
 def resolve_cache(cache: str | None, dict_active: bool) -> str:
-    """The cache an arena gets: "dict", "f16" or "f32" (KvArena's ``cache`` argument)."""
+    """The cache an arena gets: "dict", "kivi", or an uncoded row format (KvArena's ``cache``)."""
     if cache is None:
         if dict_active:
             return "dict"
@@ -49,8 +50,9 @@ def resolve_cache(cache: str | None, dict_active: bool) -> str:
         if not dict_active:
             raise E.ArenaError("cache='dict' needs an active dictionary (kvdict_vk.runtime.activate)")
         return cache
-    if cache not in L.CACHES:
-        raise E.ArenaError(f"cache must be None, 'dict' or one of {L.CACHES} (or ${CACHE_ENV}), got {cache!r}")
+    if cache not in L.CACHES + (L.KIVI_CACHE,):
+        raise E.ArenaError(f"cache must be None, 'dict' or one of {L.CACHES + (L.KIVI_CACHE,)} (or ${CACHE_ENV}), "
+                           f"got {cache!r}")
     return cache
 
 
@@ -58,7 +60,7 @@ class KvArena:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
                  device: "int | str | Device | None" = None, shader_mapping: str | None = None,
                  guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE, encoder: str | None = None,
-                 cache: str | None = None):
+                 cache: str | None = None, kivi: "KiviSpec | None" = None):
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
@@ -69,7 +71,9 @@ class KvArena:
         ``cache``: None — the runtime switch decides: the dict-coded cache when a dictionary
         is active, else the uncoded cache in $KVDICT_VK_CACHE's row format ("f16" default,
         or "f32"); "dict" requires an active dictionary; "f16" / "f32" give that uncoded
-        cache whatever the switch says."""
+        cache whatever the switch says; "kivi" the KIVI-style quantised cache (kvdict_vk.kivi)
+        with the settings ``kivi`` (a KiviSpec; default: 4-bit keys and values, the 128 most
+        recent tokens exact), whatever the switch says."""
         if encoder is None:
             encoder = os.environ.get(ENCODER_ENV, "").strip().lower() or "auto"
         if encoder not in ENCODERS:
@@ -78,9 +82,12 @@ class KvArena:
         snap = runtime.snapshot()  # once: the layout never changes under a live arena
         cache = resolve_cache(cache, snap.active)
         art = snap.artifact if cache == "dict" else None
+        if kivi is not None and cache != L.KIVI_CACHE:
+            raise E.ArenaError(f"kivi settings given for a {cache!r} cache")
         self._layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx, art,
                                       guard_words=guard_words, guard_value=guard_value,
-                                      cache=L.DEFAULT_CACHE if cache == "dict" else cache)
+                                      cache=L.DEFAULT_CACHE if cache == "dict" else cache, kivi=kivi)
+        self._kivi = KiviStore(self._layout) if cache == L.KIVI_CACHE else None
         self._art = art
         self._flat = None if art is None else art.atoms_flat()  # = runtime.atoms_flat() of the snapshot
         self.device = get_device(device)
@@ -149,6 +156,14 @@ class KvArena:
     def _init_layer(self, ll: L.LayerLayout) -> None:
         """Upload the tail (atoms, means); in guard mode, the whole layer: sentinels
         everywhere except the tail blocks."""
+        if ll.k.kivi:  # the quantised end starts at 0 (storage buffers start undefined)
+            image = np.full(ll.total_words, self.layout.guard_value, np.uint32) if ll.guard_spans else None
+            if image is None:
+                self._write_words(ll.index, ll.k.state_word, np.zeros(1, np.uint32))
+            else:
+                image[ll.k.state_word] = 0
+                self._write_words(ll.index, 0, image)
+            return
         if ll.tail_word is None and not ll.guard_spans:
             return
         lay = self.layout
@@ -291,9 +306,44 @@ class KvArena:
         dictionary); only the new slots go to the device. Returns the layer's new token count."""
         i = self._layer_index(layer)
         rows = self._new_rows(i, k_rows, v_rows)
+        if self._kivi is not None:
+            return self._append_kivi(i, rows)
         if self._gpu_encodes(i, rows):
             return self._append_gpu(i, rows)
         return self._append_words(i, *self._encode(i, rows))
+
+    def _append_kivi(self, layer: int, rows) -> int:
+        """A KIVI layer's append: its writes planned on the host (kivi_store: the groups that
+        leave the exact window quantised, the window's new rows), then written in an order
+        that keeps every visible token readable; the host state and the token count move
+        only once all is written."""
+        t0, t_new = self._n_tokens[layer], rows[0].shape[1]
+        writes, state = self._kivi.plan(layer, t0, *rows)
+        self._write_blocks(layer, writes)
+        self._kivi.commit(layer, state)
+        self._n_tokens[layer] = t0 + t_new
+        return t0 + t_new
+
+    def _write_blocks(self, layer: int, writes) -> None:
+        """kivi_store.Write blocks through the upload buffer, in order: as many per
+        submission as the buffer holds, a block larger than it split by rows."""
+        up, cap = self._upload.host_words(), self._caps["upload"]
+        ops, used = [], 0
+        for w in writes:
+            heads, n_rows, row = w.words.shape
+            step = max(1, cap // (heads * row))
+            for r0 in range(0, n_rows, step):
+                part = np.ascontiguousarray(w.words[:, r0:r0 + step])
+                if used + part.size > cap:
+                    run(self.device, *ops, what=f"appending to layer {layer}")
+                    ops, used = [], 0
+                up[used:used + part.size] = part.reshape(-1)
+                ops.append(self._scatter(layer, part.size).op(
+                    src_word=used, dst_word=w.dst_word + r0 * row, row_words=row, group_rows=part.shape[1],
+                    group_stride=w.group_stride, n_words=part.size))
+                used += part.size
+        if ops:
+            run(self.device, *ops, what=f"appending to layer {layer}")
 
     def _gpu_encodes(self, layer: int, rows) -> bool:
         if not any(st.coded for st in self.layout.layers[layer].streams) or self.encoder == "cpu":
@@ -365,6 +415,8 @@ class KvArena:
         passthrough stream (stored as f16 in an f16 cache). Slots are stored as given (an
         out-of-range atom index reconstructs as zero)."""
         i = self._layer_index(layer)
+        if self._kivi is not None:  # float32 rows: a KIVI cache quantises them itself
+            return self.append(i, k, v)
         words = []
         for n, a, st in zip(("k", "v"), (k, v), self.layout.layers[i].streams):
             if st.coded:
@@ -460,6 +512,9 @@ class KvArena:
         t0, t_new = self._n_tokens[i], rows[0].shape[1]
         q, n_used, scale = check_query(self.layout, q, max(t0 + t_new, 1), t0 + t_new, scale)
         att = self.attention(q.shape[0])
+        if self._kivi is not None:  # append, then attend: two submissions
+            self._append_kivi(i, rows)
+            return att.attend(i, q, n_used, scale)
         if self._gpu_encodes(i, rows):
             self._append_gpu(i, rows)  # the slots are made on the device: two submissions
             return att.attend(i, q, n_used, scale)

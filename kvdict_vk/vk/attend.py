@@ -257,6 +257,9 @@ class Attention:
         if path not in PATHS:
             raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {path!r}")
         k, v = self.layout.layers[layer].streams
+        if k.kivi:
+            raise E.ArenaError(f"layer {layer}: a KIVI layer is attended by reconstruct-then-attend "
+                               f"(Attention.attend does it); no kernel path reads its words in place")
         n_cached = n_used if n_cached is None else n_cached
         # GPUs: the flash kernels (a workgroup per split and KV head) over uncoded rows and
         # over layers whose streams are both coded; CPU drivers keep attend_direct and the
@@ -389,6 +392,8 @@ class Attention:
         self._warm_layers.add(layer)
 
     def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float) -> np.ndarray:
+        if self.layout.layers[layer].k.kivi:  # no kernel reads KIVI words in place (yet)
+            return self.attend_reconstructed(layer, q, n_used, scale)
         self._warm(layer, n_used, scale)
         ops = self.passes.ops(layer, self.plan(layer, n_used), n_used, n_used, scale)
         self._upload_q(q)

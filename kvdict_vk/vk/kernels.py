@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .. import errors as E
+from .. import kivi as K
 from .. import layout as L
 from ..residual import slot_words
 from . import spirv
@@ -153,6 +154,21 @@ def _read_q8_extents(p, s):
     return [_rows_extents(p, L.row_words(hd, 0, 0, "q8_0"))], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
 
 
+def _read_kivi_extents(p, s):
+    _check_rows(p)
+    hd, bits, keys = s["HEAD_DIM"], s["BITS"], s["KEYS"]
+    if hd % K.GROUP or not K.MIN_BITS <= bits <= K.MAX_BITS or keys not in (0, 1) or p["window"] < 1:
+        raise E.DispatchError(f"read_rows_kivi: HEAD_DIM {hd}, BITS {bits}, KEYS {keys}, window {p['window']}")
+    reads = [(p["state_word"], p["state_word"] + 1)]
+    if p["n_rows"]:
+        n_kv = p["n_rows"] // p["n_tok"]
+        row = K.key_row_words(hd, bits) if keys else K.value_row_words(hd, bits)
+        reads += [_rows_extents(p, row), (p["window_word"], p["window_word"] + n_kv * p["window"] * hd // 2)]
+        if keys:
+            reads.append((p["stats_word"], p["stats_word"] + n_kv * -(-p["n_ctx"] // K.GROUP) * hd))
+    return reads, [(p["out_word"], p["out_word"] + p["n_rows"] * hd)] if p["n_rows"] else []
+
+
 def _copy_extents(p, s):
     n = p["n_words"]
     return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
@@ -177,6 +193,8 @@ SHADERS = {
                                 _read_f16_extents),
     "read_rows_q8": ShaderSpec("read_rows_q8", L.COPY_ROWS_PUSH, (1, 4), (False, True), ("HEAD_DIM",),
                                _read_q8_extents),
+    "read_rows_kivi": ShaderSpec("read_rows_kivi", L.READ_KIVI_PUSH, (1, 4), (False, True),
+                                 ("HEAD_DIM", "BITS", "KEYS"), _read_kivi_extents, optional_spec=(("KEYS", 1),)),
 }
 
 

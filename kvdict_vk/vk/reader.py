@@ -49,6 +49,11 @@ class ReadPlan:
                 self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word, n_atoms=lay.n_atoms,
                                         scale_word=st.scale_word, head_atoms=st.head_atoms_stride,
                                         head_vec=st.head_vec_stride, **common))
+            elif st.kivi:
+                kern = self._kernel(("read_rows_kivi", layer, st.stream, out.words), "read_rows_kivi",
+                                    [layer_buf, out], BITS=st.kivi_bits, KEYS=int(st.stream == "k"))
+                self.ops.append(kern.op(stats_word=st.stats_word or 0, window_word=st.window_word,
+                                        window=st.window_tokens, state_word=st.state_word, **common))
             elif st.half or st.q8:
                 shader = "read_rows_f16" if st.half else "read_rows_q8"
                 kern = self._kernel((shader, layer, out.words), shader, [layer_buf, out])
@@ -63,9 +68,9 @@ class ReadPlan:
         key = key + (id(buffers[-1]),)  # one pipeline per output buffer (Kompute binds at creation)
 
         def make() -> Kernel:
-            if shader in ("read_rows_f16", "read_rows_q8"):  # one invocation per 2 / 4 elements
+            if shader in ("read_rows_f16", "read_rows_q8", "read_rows_kivi"):  # an invocation per 2 / 4 elements
                 per = 2 if shader == "read_rows_f16" else 4
-                return Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim},
+                return Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim, **spec},
                               max_items=buffers[-1].words // per)
             variant = f"{shader}_{'vec4' if a.vec4_rows else 'scalar'}"
             return Kernel(a.device, variant, buffers, {"HEAD_DIM": a.layout.head_dim, "CHUNKS": a.row_chunks, **spec},

@@ -46,6 +46,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "scatter": ("scatter.comp", {}),
     "read_rows_f16": ("read_rows_f16.comp", {}),
     "read_rows_q8": ("read_rows_q8.comp", {}),
+    "read_rows_kivi": ("read_rows_kivi.comp", {}),
     # decode attention (kvdict_vk/vk/attend.py): f32 cache / dict-coded cache
     "attend_split_coded": ("attend_split.comp", {}),
     **{name: (f"{name}.comp", {}) for name in ("attend_table", "attend_combine", "attend_atoms", "attend_reduce",

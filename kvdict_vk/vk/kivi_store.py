@@ -1,0 +1,101 @@
+"""What an append to a KIVI cache (kvdict_vk.kivi) writes, and where — on the host, before
+anything reaches the device, so a refused or failed append changes nothing the cache shows.
+
+A KIVI layer holds its newest tokens exact (binary16, the window ring) until their group is
+``recent`` tokens old, then quantises the whole group: a key group's per-channel statistics
+need all of its tokens. The host keeps the float32 rows of the tokens not yet quantised
+(at most ``window`` per KV head), so the groups that leave the window are quantised from
+the rows as they arrived — exactly what kvdict_vk.kivi.cache_rows computes.
+
+An append's writes come in an order that keeps every token already visible readable at
+every point in between: the rows (and key statistics) of the groups it quantises, then the
+layer's state word (the quantised end the read shader consults), then the new tokens' window
+rows — those only overwrite ring slots of tokens the state word already sends to their
+quantised rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import kivi as K
+from .. import layout as L
+
+
+@dataclass(frozen=True)
+class Write:
+    """Words (heads, rows, row_words) to a layer buffer: head h's rows at
+    dst_word + h · group_stride, rows contiguous (the scatter shader's shape)."""
+    dst_word: int
+    words: np.ndarray
+    group_stride: int
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """A KIVI layer's host state: the quantised end and the float32 rows of tokens
+    [q_end, n_tokens) — (K, V), each (n_kv, n_tokens − q_end, head_dim)."""
+    q_end: int
+    pending: tuple
+
+
+class KiviStore:
+    """The host side of a KvArena's KIVI layers (one per arena)."""
+
+    def __init__(self, layout: L.ArenaLayout):
+        self.layout, self.spec = layout, layout.kivi
+        hd, n_kv = layout.head_dim, layout.n_kv_heads
+        empty = np.zeros((n_kv, 0, hd), np.float32)
+        self._state = [LayerState(0, (empty, empty)) for _ in layout.layers]
+
+    def q_end(self, layer: int) -> int:
+        return self._state[layer].q_end
+
+    def plan(self, layer: int, n_tokens: int, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple[list, LayerState]:
+        """The writes of appending (K, V) rows (n_kv, T, head_dim) to ``layer`` holding
+        n_tokens, in their order, and the layer's state after them (commit it once written)."""
+        lay, spec = self.layout, self.spec
+        ll = lay.layers[layer]
+        old = self._state[layer]
+        n_new = n_tokens + k_rows.shape[1]
+        q_new = K.quantised_end(n_new, spec.recent)
+        pending = [np.concatenate([p, r], axis=1) for p, r in zip(old.pending, (k_rows, v_rows))]
+        writes = []
+        if q_new > old.q_end:  # whole groups leave the window: quantise them
+            n_q = q_new - old.q_end
+            k_part, v_part = (p[:, :n_q] for p in pending)
+            g0, n_g = old.q_end // K.GROUP, n_q // K.GROUP
+            stats, levels = zip(*(K.quantise_keys(k_part[:, i * K.GROUP:(i + 1) * K.GROUP], spec.k_bits)
+                                  for i in range(n_g)))
+            k_st, v_st = ll.streams
+            n_groups = -(-lay.n_ctx // K.GROUP)
+            writes.append(Write(k_st.stats_word + g0 * lay.head_dim, np.stack(stats, axis=1), n_groups * lay.head_dim))
+            writes.append(Write(k_st.region_word + old.q_end * k_st.row_words, np.concatenate(levels, axis=1),
+                                lay.n_ctx * k_st.row_words))
+            writes.append(Write(v_st.region_word + old.q_end * v_st.row_words, K.quantise_values(v_part, spec.v_bits),
+                                lay.n_ctx * v_st.row_words))
+            writes.append(Write(k_st.state_word, np.full((1, 1, 1), q_new, np.uint32), 1))
+            pending = [p[:, n_q:] for p in pending]
+        # the new tokens still exact after this append, into the ring (at most two runs: it wraps)
+        first = max(n_tokens, q_new)
+        for st, rows in zip(ll.streams, (k_rows, v_rows)):
+            # binary16 pairs, element 2k in the low half (the f16 cache's rows)
+            half = np.ascontiguousarray(rows[:, first - n_tokens:], np.float32).astype(np.float16).view(np.uint32)
+            writes += _ring_writes(st, first, half)
+        return writes, LayerState(q_new, tuple(pending))
+
+    def commit(self, layer: int, state: LayerState) -> None:
+        self._state[layer] = state
+
+
+def _ring_writes(st: L.StreamLayout, t0: int, words: np.ndarray) -> list:
+    """Window rows of tokens t0.. (words (n_kv, T, head_dim / 2)) at their ring slots."""
+    w, row = st.window_tokens, st.head_dim // 2
+    out, done = [], 0
+    while done < words.shape[1]:
+        slot = (t0 + done) % w
+        run = min(words.shape[1] - done, w - slot)
+        out.append(Write(st.window_word + slot * row, words[:, done:done + run], w * row))
+        done += run
+    return out
