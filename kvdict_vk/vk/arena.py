@@ -21,6 +21,7 @@ from .. import codec, runtime
 from .. import errors as E
 from .. import layout as L
 from .device import Device, get_device, kp
+from ..kivi import KiviSpec
 from .kivi_store import KiviStore
 from .kernels import Buffer, Kernel, barrier, run
 from .attend import Attention, check_query
@@ -60,7 +61,7 @@ class KvArena:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
                  device: "int | str | Device | None" = None, shader_mapping: str | None = None,
                  guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE, encoder: str | None = None,
-                 cache: str | None = None, kivi: "KiviSpec | None" = None):
+                 cache: str | None = None, kivi: KiviSpec | None = None):
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
