@@ -167,6 +167,9 @@ def main(argv=None) -> int:
                     help="calibration files (default: the licenses but the evaluation texts)")
     ap.add_argument("--probe-k", type=int, default=2)
     ap.add_argument("--probe-v", type=int, default=2)
+    ap.add_argument("--min-bits", type=int, default=1, help="fewest residual bits a stream may get")
+    ap.add_argument("--sensitivity", default=None,
+                    help="reuse the sensitivities of an earlier run's JSON (same artifact and probe bits)")
     ap.add_argument("--uniform", type=lambda s: [tuple(int(b) for b in x.split("/")) for x in s.split(",")],
                     default=[], help="uniform K/V bits to certify beside the allocations, e.g. 4/3,3/2")
     ap.add_argument("--certify", action="store_true",
@@ -179,10 +182,17 @@ def main(argv=None) -> int:
     files = P.calibration_files(a.calib_files)
     windows = P.calibration_windows(files, a.window, a.windows, bool(a.calib_files))
     probe = {True: a.probe_k, False: a.probe_v}
-    sens = sensitivity(art, windows, probe, log)
+    if a.sensitivity:
+        with open(a.sensitivity) as f:
+            old = json.load(f)
+        if old["artifact"] != a.artifact or old["probe_bits"] != dict(k=a.probe_k, v=a.probe_v):
+            raise SystemExit(f"{a.sensitivity}: measured on {old['artifact']} at {old['probe_bits']}")
+        sens = {(e["layer"], e["stream"] == "k"): e["kl"] for e in old["sensitivity"]}
+    else:
+        sens = sensitivity(art, windows, probe, log)
     allocations = []
     for target in a.target_bytes:
-        bits = allocate(art, sens, probe, target)
+        bits = allocate(art, sens, probe, target, min_bits=a.min_bits)
         allocations.append(dict(target_bytes=target, bytes_per_vector=mean_bytes(art, bits),
                                 modelled_kl=modelled_kl(sens, probe, bits),
                                 k_bits=[bits[(li, True)] for li in range(len(art.layers))],
@@ -190,7 +200,8 @@ def main(argv=None) -> int:
         log(f"{target} B: K bits {allocations[-1]['k_bits']}, V bits {allocations[-1]['v_bits']}")
     rows = _certify(art, allocations, a.uniform, a.cache, log) if a.certify else []
     doc = dict(command=" ".join(["python -m kvdict_vk.forge.allocate"] + list(sys.argv[1:] if argv is None else argv)),
-               artifact=a.artifact, probe_bits=dict(k=a.probe_k, v=a.probe_v),
+               artifact=a.artifact, probe_bits=dict(k=a.probe_k, v=a.probe_v), min_bits=a.min_bits,
+               sensitivity_from=a.sensitivity,
                calibration=[dict(path=f) for f in files], windows=len(windows), window=a.window,
                sensitivity=[dict(layer=li, stream="k" if kv else "v", kl=s) for (li, kv), s in sorted(sens.items())],
                allocations=allocations, rows=rows)
