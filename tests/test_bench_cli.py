@@ -77,7 +77,7 @@ def _check_attention(summary, result):
     args = attention.parse_args(attention.PRESETS["quick"])
     rows = _rows(summary, "attention")
     for n in args.n_used_list:
-        assert {r["cache"] for r in rows if r["n_used"] == n} == {"f16", "f32", "q8_0", "dict"}, n
+        assert {r["cache"] for r in rows if r["n_used"] == n} == {"f16", "f32", "q8_0", "kivi", "dict"}, n
     by_case = {r["case"]: r for r in rows}
     n_kv, gqa, hd, n = args.n_kv, args.gqa, args.head_dim, args.n_used_list[0]
     # K and V of every token read once: an f16 row is half an f32 row
@@ -88,6 +88,7 @@ def _check_attention(summary, result):
             checks = r["checks"]
             assert checks["f16_vs_f32_nmse"] < 1e-5  # f16 rounding of unit-variance rows: ~1e-7
             assert checks["q8_0_vs_f32_nmse"] < 1e-3  # q8_0 rounding: ~1e-5
+            assert 1e-9 < checks["kivi_vs_f32_nmse"] < 1e-1  # 4-bit KIVI over the tokens past the window
             assert all(v < 1e-9 for k, v in checks.items() if not k.endswith("_vs_f32_nmse")), checks
     if torch_anchor.anchor()[0] is None:
         assert all(r["torch_sdpa_f16_s"] is None for r in rows)

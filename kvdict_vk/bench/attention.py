@@ -37,6 +37,7 @@ PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", 
                    "--formats", "0/0,4/3,6/4", "--repeats", "20", "--case-budget-s", "10"]}
 USES_DEVICE, REQUIRES = True, {}
 UNCODED = ("f16", "f32", "q8_0")
+KIVI = "kivi"  # KvArena(cache="kivi"), default settings
 
 
 def parse_args(argv=None):
@@ -95,7 +96,7 @@ def _arenas(n_kv, hd, args, dev, rng) -> dict:
     n_ctx = max(args.n_used_list)
     rows = [_rows(rng, n_kv, n_ctx, hd) for _ in "kv"]
     arenas = {}
-    for cache in UNCODED:
+    for cache in UNCODED + (KIVI,):
         arenas[cache] = KvArena(1, n_kv, hd, n_ctx, device=dev, cache=cache)
         arenas[cache].append(0, *rows)
     del rows
@@ -113,6 +114,8 @@ def _modes(arenas, args, n_heads: int) -> dict:
         modes[f"{c}_cache"] = (arenas[c], c, None, None, False)
         if c != "q8_0" and arenas[c].attention(n_heads).plan(0, args.n_used_list[0]).path != "direct":
             modes[f"{c}_cache_direct"] = (arenas[c], c, None, "direct", False)
+    # the KIVI cache: reconstruct-then-attend is its only path (no kernel reads its words in place)
+    modes["kivi_cache"] = (arenas[KIVI], KIVI, None, None, True)
     for bits in args.format_list:
         f = format_name(bits)
         modes[f"dict_{f}"] = (arenas[f], "dict", f, None, False)
@@ -158,7 +161,8 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
             else:
                 outputs[mode] = c()
         checks = {"f16_vs_f32_nmse": _nmse(outputs["f16_cache"], outputs["f32_cache"]),
-                  "q8_0_vs_f32_nmse": _nmse(outputs["q8_0_cache"], outputs["f32_cache"])}
+                  "q8_0_vs_f32_nmse": _nmse(outputs["q8_0_cache"], outputs["f32_cache"]),
+                  "kivi_vs_f32_nmse": _nmse(outputs["kivi_cache"], outputs["f32_cache"])}
         for c in UNCODED:
             if f"{c}_cache_direct" in outputs:
                 checks[f"{c}_cache_direct_vs_{c}_cache_nmse"] = _nmse(outputs[f"{c}_cache_direct"], outputs[f"{c}_cache"])
@@ -183,7 +187,7 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
 
 def case_name(mode_info, shape, n) -> str:
     n_kv, gqa, hd = shape
-    if mode_info["cache"] in UNCODED:
+    if mode_info["cache"] in UNCODED + (KIVI,):
         what = mode_info["cache"] + (f" {mode_info['forced']}" if mode_info["forced"] else "")
     elif mode_info["plan"]["path"] == "reconstruct_then_attend":
         what = f"recon {mode_info['format']}"

@@ -18,7 +18,7 @@ from . import timing as T
 
 REQUIRED = ("benchmark", "case", "cache", "n_used", "n_kv", "gqa", "head_dim", "batch", "gpu_s", "wall_s",
             "bytes", "roofline_fraction", "torch_sdpa_f16_s")
-CACHES = ("f16", "f32", "q8_0", "dict", None)
+CACHES = ("f16", "f32", "q8_0", "kivi", "dict", None)
 
 
 def row(benchmark: str, case: str, t: dict, *, cache=None, n_used=None, n_kv=None, gqa=None, head_dim=None,

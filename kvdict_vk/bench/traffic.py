@@ -7,7 +7,8 @@ re-reads its KV head's tokens, a split pass re-reads the bins it accumulates int
 come from the caches). So ``bytes / time`` is the operation's effective bandwidth, and its
 ratio to the copy roofline says how close it runs to the memory's limit.
 
-    cache       the stored K/V words of the tokens touched (slots, f16 or f32 rows)
+    cache       the stored K/V words of the tokens touched (slots, f16, f32 or q8_0 rows,
+                a KIVI layer's levels, group statistics and exact window)
     dictionary  atoms (at most the block; fewer when few tokens gather few rows), means and
                 residual scales of the coded streams the passes read
     scratch     what the passes write and a later pass (or the same one) reads back: the
@@ -59,7 +60,13 @@ def bytes_moved(op: str, layout=None, layer: int = 0, n_tokens: int = 0, *, plan
 
 
 def _cache_words(layout, ll, n_tokens: int) -> int:
-    return layout.n_kv_heads * n_tokens * (ll.k.row_words + ll.v.row_words)
+    """The stored words of n_tokens: their rows / slots; a KIVI layer's key group statistics
+    (a word per channel and 32-token group) and its exact window rows too."""
+    words = layout.n_kv_heads * n_tokens * (ll.k.row_words + ll.v.row_words)
+    if ll.k.kivi:
+        n_kv, hd = layout.n_kv_heads, layout.head_dim
+        words += n_kv * -(-n_tokens // 32) * hd + 2 * n_kv * min(n_tokens, ll.k.window_tokens) * hd // 2
+    return words
 
 
 def _atoms_touched(layout, st, gathers: int) -> int:

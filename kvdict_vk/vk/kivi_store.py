@@ -23,6 +23,9 @@ from .. import kivi as K
 from .. import layout as L
 
 
+VALUE_SLICE = 2048  # values quantised per NumPy pass
+
+
 @dataclass(frozen=True)
 class Write:
     """Words (heads, rows, row_words) to a layer buffer: head h's rows at
@@ -73,8 +76,10 @@ class KiviStore:
             writes.append(Write(k_st.stats_word + g0 * lay.head_dim, np.stack(stats, axis=1), n_groups * lay.head_dim))
             writes.append(Write(k_st.region_word + old.q_end * k_st.row_words, np.concatenate(levels, axis=1),
                                 lay.n_ctx * k_st.row_words))
-            writes.append(Write(v_st.region_word + old.q_end * v_st.row_words, K.quantise_values(v_part, spec.v_bits),
-                                lay.n_ctx * v_st.row_words))
+            # values in slices: the level packing's temporaries grow with the tokens packed at once
+            v_words = np.concatenate([K.quantise_values(v_part[:, t:t + VALUE_SLICE], spec.v_bits)
+                                      for t in range(0, n_q, VALUE_SLICE)], axis=1)
+            writes.append(Write(v_st.region_word + old.q_end * v_st.row_words, v_words, lay.n_ctx * v_st.row_words))
             writes.append(Write(k_st.state_word, np.full((1, 1, 1), q_new, np.uint32), 1))
             pending = [p[:, n_q:] for p in pending]
         # the new tokens still exact after this append, into the ring (at most two runs: it wraps)
