@@ -19,6 +19,7 @@ CASES = [  # (head_dim, n_kv, n_ctx, spec, append sizes)
     (64, 2, 300, K.KiviSpec(2, 3, 0), (7, 25, 32, 1, 200, 35)),  # no recent window: only the open group exact
     (32, 1, 1000, K.KiviSpec(8, 5, 33), (900, 1, 99)),  # one big append: many groups at once, the ring wraps
     (128, 2, 97, K.KiviSpec(3, 2, 5), (40, 40, 17)),  # n_ctx not whole groups: the last stays exact
+    (32, 1, 5000, K.KiviSpec(4, 4, 128), (4500, 1, 499)),  # values quantised in several slices
 ]
 
 
