@@ -132,14 +132,14 @@ def modelled_kl(sens: dict, probe: dict, bits: dict) -> float:
     return float(sum(s * 4.0 ** (probe[key[1]] - bits[key]) for key, s in sens.items()))
 
 
-def _certify(art: KvDictArtifact, allocations: list, uniform: list, cache: str, log) -> list:
+def _certify(art: KvDictArtifact, allocations: list, uniform: list, cache: str, log, min_bits: int) -> list:
     """Every allocation and uniform (K bits, V bits) through the engine's reconstruct path
     (forge.levers' installed RuntimeHook) on the forge's evaluation texts: table rows."""
     from . import levers, table
     cfg = P.ForgeConfig()
     sets = P.eval_sets(cfg, cache)
     n = len(art.layers)
-    todo = [(f"dict {art.n_atoms} atoms, K/V bits by layer (allocated, {al['target_bytes']:g} B)",
+    todo = [(f"dict {art.n_atoms} atoms, K/V bits by layer (allocated, {al['target_bytes']:g} B, ≥ {min_bits} b)",
              {(li, kv): al["k_bits" if kv else "v_bits"][li] for li in range(n) for kv in (True, False)})
             for al in allocations]
     todo += [(f"dict {art.n_atoms} atoms, K {art.layers[0][0].sparsity}+{kb} b, V {art.layers[0][1].sparsity}+{vb} b",
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
                                 k_bits=[bits[(li, True)] for li in range(len(art.layers))],
                                 v_bits=[bits[(li, False)] for li in range(len(art.layers))]))
         log(f"{target} B: K bits {allocations[-1]['k_bits']}, V bits {allocations[-1]['v_bits']}")
-    rows = _certify(art, allocations, a.uniform, a.cache, log) if a.certify else []
+    rows = _certify(art, allocations, a.uniform, a.cache, log, a.min_bits) if a.certify else []
     doc = dict(command=" ".join(["python -m kvdict_vk.forge.allocate"] + list(sys.argv[1:] if argv is None else argv)),
                artifact=a.artifact, probe_bits=dict(k=a.probe_k, v=a.probe_v), min_bits=a.min_bits,
                sensitivity_from=a.sensitivity,
