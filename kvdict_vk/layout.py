@@ -149,6 +149,11 @@ class StreamLayout:
         return not self.coded and self.rows == KIVI_CACHE
 
     @property
+    def window_words(self) -> int:
+        """Words of a KIVI stream's exact window (binary16 pairs; 0 for other streams)."""
+        return self.n_kv_heads * self.window_tokens * self.head_dim // 2
+
+    @property
     def half(self) -> bool:
         return not self.coded and self.rows == "f16"
 
@@ -201,7 +206,7 @@ class StreamLayout:
                 "bytes_per_token": self.bytes_per_token,
                 **({"kivi_bits": self.kivi_bits, "window_tokens": self.window_tokens,
                     "group_stats": None if self.stats_word is None else _span(self.stats_word, self.stats_words),
-                    "window": _span(self.window_word, self.n_kv_heads * self.window_tokens * self.head_dim // 2),
+                    "window": _span(self.window_word, self.window_words),
                     "state": _span(self.state_word, 1)} if self.kivi else {})}
 
 

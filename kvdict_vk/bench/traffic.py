@@ -21,6 +21,7 @@ The query (a few KiB) is left out.
 """
 from __future__ import annotations
 
+from ..kivi import GROUP
 from ..layout import WORD_BYTES
 from ..vk.attend_specs import n_blocks
 
@@ -65,7 +66,8 @@ def _cache_words(layout, ll, n_tokens: int) -> int:
     words = layout.n_kv_heads * n_tokens * (ll.k.row_words + ll.v.row_words)
     if ll.k.kivi:
         n_kv, hd = layout.n_kv_heads, layout.head_dim
-        words += n_kv * -(-n_tokens // 32) * hd + 2 * n_kv * min(n_tokens, ll.k.window_tokens) * hd // 2
+        window_rows = min(n_tokens, ll.k.window_tokens)  # the exact tokens read, K and V
+        words += n_kv * -(-n_tokens // GROUP) * hd + sum(st.window_words // st.window_tokens for st in ll.streams) * window_rows
     return words
 
 

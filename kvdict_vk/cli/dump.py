@@ -38,7 +38,7 @@ def _spans_with_padding(ll: L.LayerLayout) -> list[dict]:
         if s.kivi:  # the KIVI cache's blocks (kvdict_vk.kivi): key statistics, the exact window
             if s.stats_words:
                 blocks.append((f"{s.stream} group_stats", s.stats_word, s.stats_words))
-            blocks.append((f"{s.stream} window", s.window_word, s.n_kv_heads * s.window_tokens * s.head_dim // 2))
+            blocks.append((f"{s.stream} window", s.window_word, s.window_words))
     if ll.k.kivi:
         blocks.append(("k state", ll.k.state_word, 1))  # the layer's quantised end (K and V)
     blocks.sort(key=lambda b: b[1])
