@@ -52,9 +52,6 @@ class KiviStore:
         empty = np.zeros((n_kv, 0, hd), np.float32)
         self._state = [LayerState(0, (empty, empty)) for _ in layout.layers]
 
-    def q_end(self, layer: int) -> int:
-        return self._state[layer].q_end
-
     def plan(self, layer: int, n_tokens: int, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple[list, LayerState]:
         """The writes of appending (K, V) rows (n_kv, T, head_dim) to ``layer`` holding
         n_tokens, in their order, and the layer's state after them (commit it once written)."""
