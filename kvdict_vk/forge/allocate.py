@@ -153,7 +153,7 @@ def _certify(art: KvDictArtifact, allocations: list, uniform: list, cache: str, 
                               lambda coded=coded: levers.Installed(coded, P.RuntimeHook()), ident,
                               "lever: residual bits per layer and stream" if "allocated" in name else ""))
     measured = table.measure(rows, sets, cache, log=log)
-    print(table.markdown(measured, sets))
+    print(table.markdown(measured, sets), file=sys.stderr)  # stdout is the JSON's when --out is not given
     return measured
 
 
