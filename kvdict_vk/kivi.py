@@ -111,21 +111,33 @@ def _stats_of(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             (w >> 16).astype(np.uint16).view(np.float16).astype(np.float32))
 
 
+def _key_groups(t: int) -> tuple[int, int]:
+    """(groups, tokens per group) of t keys quantised together: whole GROUPs, or one group
+    of t < GROUP tokens."""
+    if t <= GROUP:
+        return 1, t
+    if t % GROUP:
+        raise E.ShapeError(f"keys quantise in whole groups of {GROUP} tokens (or one shorter group), got {t}")
+    return t // GROUP, GROUP
+
+
 def quantise_keys(k: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys (n, g, d) of one group of g ≤ GROUP tokens → (stats words (n, d), level words
-    (n, g, level_words))."""
+    """Keys (n, T, d), T whole groups (or one group of T < GROUP tokens) → (stats words
+    (n, groups, d), level words (n, T, level_words))."""
     k = np.asarray(k, np.float32)
-    n, g, d = k.shape
-    sl, levels = _stats_levels(k, 1, bits)
-    return _stats_words(sl, 1), _pack_levels(levels.reshape(n * g, d), bits).reshape(n, g, -1)
+    n, t, d = k.shape
+    n_g, g = _key_groups(t)
+    sl, levels = _stats_levels(k.reshape(n, n_g, g, d), 2, bits)
+    return _stats_words(sl, 2), _pack_levels(levels.reshape(n * t, d), bits).reshape(n, t, -1)
 
 
 def dequantise_keys(stats: np.ndarray, levels: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
-    """(stats (n, d), level words (n, g, L)) → keys (n, g, d) float32."""
-    n, g, _ = levels.shape
+    """(stats (n, groups, d), level words (n, T, L)) → keys (n, T, d) float32."""
+    n, t, _ = levels.shape
+    n_g, g = _key_groups(t)
     scale, lo = _stats_of(stats)
-    q = _unpack_levels(np.asarray(levels, np.uint32).reshape(n * g, -1), head_dim, bits).reshape(n, g, head_dim)
-    return (q.astype(np.float32) * scale[:, None, :] + lo[:, None, :]).astype(np.float32)
+    q = _unpack_levels(np.asarray(levels, np.uint32).reshape(n * t, -1), head_dim, bits).reshape(n, n_g, g, head_dim)
+    return (q.astype(np.float32) * scale[:, :, None, :] + lo[:, :, None, :]).reshape(n, t, head_dim)
 
 
 def quantise_values(v: np.ndarray, bits: int) -> np.ndarray:
@@ -156,9 +168,10 @@ def keys(k: np.ndarray, bits: int) -> np.ndarray:
     lead, (t, d) = k.shape[:-2], k.shape[-2:]
     flat = k.reshape(-1, t, d)
     out = np.empty_like(flat)
-    for t0 in range(0, t, GROUP):
-        stats, levels = quantise_keys(flat[:, t0:t0 + GROUP], bits)
-        out[:, t0:t0 + GROUP] = dequantise_keys(stats, levels, bits, d)
+    whole = t // GROUP * GROUP
+    for t0, t1 in ((0, whole), (whole, t)):  # the whole groups, then a partial one
+        if t1 > t0:
+            out[:, t0:t1] = dequantise_keys(*quantise_keys(flat[:, t0:t1], bits), bits, d)
     return out.reshape(*lead, t, d)
 
 

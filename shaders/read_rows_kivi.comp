@@ -14,7 +14,7 @@ layout(local_size_x = WG_SIZE) in;
 layout(constant_id = 0) const uint HEAD_DIM = 64u;  // a multiple of 32
 layout(constant_id = 1) const uint BITS = 4u;       // 2 .. 8
 layout(constant_id = 2) const uint KEYS = 1u;       // 1: keys (per-channel statistics), 0: values
-const uint GROUP = 32u;
+layout(constant_id = 3) const uint GROUP = 32u;     // kvdict_vk.kivi.GROUP (tokens of a key group, dims of a value group)
 const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, BITS);
 const uint STATS_IN_ROW = KEYS > 0u ? 0u : HEAD_DIM / GROUP;
 const uint ROW_WORDS = STATS_IN_ROW + LEVEL_WORDS;

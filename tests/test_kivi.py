@@ -21,7 +21,7 @@ def test_words_round_trip_to_the_values(bits):
     x = _x()
     stats, levels = K.quantise_keys(x[:, :32], bits)
     assert stats.dtype == levels.dtype == np.uint32
-    assert stats.shape == (3, 64) and levels.shape == (3, 32, K.level_words(64, bits))
+    assert stats.shape == (3, 1, 64) and levels.shape == (3, 32, K.level_words(64, bits))
     k = K.dequantise_keys(stats, levels, bits, 64)
     np.testing.assert_array_equal(k, K.keys(x[:, :32], bits))
     words = K.quantise_values(x, bits)
@@ -31,7 +31,15 @@ def test_words_round_trip_to_the_values(bits):
     # within half a step of the input
     scale = (stats & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
     np.testing.assert_allclose(k.min(1), x[:, :32].min(1), rtol=2e-3, atol=2e-3)
-    assert np.all(np.abs(k - x[:, :32]) <= scale[:, None, :] * 0.5 + 2e-2 * np.abs(x[:, :32]) + 1e-3)
+    assert np.all(np.abs(k - x[:, :32]) <= scale * 0.5 + 2e-2 * np.abs(x[:, :32]) + 1e-3)
+    # several whole groups in one call: each its own statistics, as one call per group
+    stats4, levels4 = K.quantise_keys(x[:, :96], bits)
+    assert stats4.shape == (3, 3, 64)
+    for g in range(3):
+        one = K.quantise_keys(x[:, 32 * g:32 * g + 32], bits)
+        assert np.array_equal(stats4[:, g:g + 1], one[0]) and np.array_equal(levels4[:, 32 * g:32 * g + 32], one[1])
+    with pytest.raises(E.ShapeError, match="whole groups"):
+        K.quantise_keys(x[:, :40], bits)
 
 
 def test_the_quantiser_is_the_previous_forge_one():

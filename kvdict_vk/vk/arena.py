@@ -23,7 +23,7 @@ from .. import layout as L
 from .device import Device, get_device, kp
 from ..kivi import KiviSpec
 from .kivi_store import KiviStore
-from .kernels import Buffer, Kernel, barrier, run
+from .kernels import Buffer, Kernel, Write, barrier, run
 from .attend import Attention, check_query
 from . import encode_choice
 from .reader import ReadPlan
@@ -182,13 +182,8 @@ class KvArena:
             self._write_words(ll.index, ll.tail_word, tail)
 
     def _write_words(self, layer: int, dst_word: int, words: np.ndarray) -> None:
-        scatter, up = self._scatter(layer), self._upload.host_words()
-        for start in range(0, words.size, up.size):
-            part = words[start:start + up.size]
-            up[:part.size] = part
-            run(self.device, scatter.op(src_word=0, dst_word=dst_word + start, row_words=part.size,
-                                        group_rows=1, group_stride=part.size, n_words=part.size),
-                what=f"uploading layer {layer}")
+        """Contiguous words (a tail or guard image, a state word) at dst_word of the layer."""
+        self._write_blocks(layer, [Write(dst_word, words.reshape(1, -1, 1), 0)], what=f"uploading layer {layer}")
 
     def _scatter(self, layer: int, n_words: int | None = None) -> Kernel:
         """The scatter pipeline for an upload of n_words (None: any size). Two sizes: a
@@ -325,10 +320,12 @@ class KvArena:
         self._n_tokens[layer] = t0 + t_new
         return t0 + t_new
 
-    def _write_blocks(self, layer: int, writes) -> None:
-        """kivi_store.Write blocks through the upload buffer, in order: as many per
-        submission as the buffer holds, a block larger than it split by rows."""
+    def _write_blocks(self, layer: int, writes, what: str | None = None) -> None:
+        """kernels.Write blocks to the layer through the upload buffer, in order: as many per
+        submission as the buffer holds, a block larger than it split by rows (a row of
+        every head — n_kv × row_words ≤ the buffer, _check_limits — fits)."""
         up, cap = self._upload.host_words(), self._caps["upload"]
+        what = what or f"appending to layer {layer}"
         ops, used = [], 0
         for w in writes:
             heads, n_rows, row = w.words.shape
@@ -336,7 +333,7 @@ class KvArena:
             for r0 in range(0, n_rows, step):
                 part = np.ascontiguousarray(w.words[:, r0:r0 + step])
                 if used + part.size > cap:
-                    run(self.device, *ops, what=f"appending to layer {layer}")
+                    run(self.device, *ops, what=what)
                     ops, used = [], 0
                 up[used:used + part.size] = part.reshape(-1)
                 ops.append(self._scatter(layer, part.size).op(
@@ -344,7 +341,7 @@ class KvArena:
                     group_stride=w.group_stride, n_words=part.size))
                 used += part.size
         if ops:
-            run(self.device, *ops, what=f"appending to layer {layer}")
+            run(self.device, *ops, what=what)
 
     def _gpu_encodes(self, layer: int, rows) -> bool:
         if not any(st.coded for st in self.layout.layers[layer].streams) or self.encoder == "cpu":
@@ -442,20 +439,10 @@ class KvArena:
 
     def _scatter_words(self, layer: int, parts) -> None:
         """Words (n_kv, T_new, row_words) of the given streams, [(words, StreamLayout)], to
-        tokens n_tokens.. of the layer through the upload buffer, chunked to fit it."""
-        t_new, t0 = parts[0][0].shape[1], self._n_tokens[layer]
-        n_kv = self.layout.n_kv_heads
-        step = self._caps["upload"] // (n_kv * sum(st.row_words for _, st in parts))
-        up = self._upload.host_words()
-        for c0 in range(0, t_new, step):
-            tc = min(step, t_new - c0)
-            ops, src = [], 0
-            for w, st in parts:
-                n = n_kv * tc * st.row_words
-                up[src:src + n] = w[:, c0:c0 + tc].reshape(-1)
-                ops.append(self._scatter_op(layer, src, st, t0 + c0, tc))
-                src += n
-            run(self.device, *ops, what=f"appending to layer {layer}")
+        tokens n_tokens.. of the layer (_write_blocks)."""
+        t0, n_ctx = self._n_tokens[layer], self.layout.n_ctx
+        self._write_blocks(layer, [Write(st.region_word + t0 * st.row_words, w, n_ctx * st.row_words)
+                                   for w, st in parts])
 
     def read(self, layer: int, t0: int = 0, t1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1), reconstructed on the GPU."""

@@ -120,6 +120,15 @@ def _copy_rows_extents(p, s):
     return [_rows_extents(p, hd)], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
 
 
+@dataclass(frozen=True)
+class Write:
+    """Words (heads, rows, row_words) for a buffer, in the scatter shader's shape: head h's
+    rows at dst_word + h · group_stride, its rows contiguous."""
+    dst_word: int
+    words: np.ndarray
+    group_stride: int
+
+
 def _scatter_extents(p, s):
     n, rw, gr = p["n_words"], p["row_words"], p["group_rows"]
     if not n:
@@ -157,8 +166,10 @@ def _read_q8_extents(p, s):
 def _read_kivi_extents(p, s):
     _check_rows(p)
     hd, bits, keys = s["HEAD_DIM"], s["BITS"], s["KEYS"]
-    if hd % K.GROUP or not K.MIN_BITS <= bits <= K.MAX_BITS or keys not in (0, 1) or p["window"] < 1:
-        raise E.DispatchError(f"read_rows_kivi: HEAD_DIM {hd}, BITS {bits}, KEYS {keys}, window {p['window']}")
+    if s["GROUP"] != K.GROUP or hd % K.GROUP or not K.MIN_BITS <= bits <= K.MAX_BITS or keys not in (0, 1) \
+            or p["window"] < 1:
+        raise E.DispatchError(f"read_rows_kivi: HEAD_DIM {hd}, BITS {bits}, KEYS {keys}, GROUP {s['GROUP']}, "
+                              f"window {p['window']}")
     reads = [(p["state_word"], p["state_word"] + 1)]
     if p["n_rows"]:
         n_kv = p["n_rows"] // p["n_tok"]
@@ -194,7 +205,8 @@ SHADERS = {
     "read_rows_q8": ShaderSpec("read_rows_q8", L.COPY_ROWS_PUSH, (1, 4), (False, True), ("HEAD_DIM",),
                                _read_q8_extents),
     "read_rows_kivi": ShaderSpec("read_rows_kivi", L.READ_KIVI_PUSH, (1, 4), (False, True),
-                                 ("HEAD_DIM", "BITS", "KEYS"), _read_kivi_extents, optional_spec=(("KEYS", 1),)),
+                                 ("HEAD_DIM", "BITS", "KEYS", "GROUP"), _read_kivi_extents,
+                                 optional_spec=(("KEYS", 1),)),
 }
 
 

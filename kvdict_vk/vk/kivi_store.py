@@ -21,18 +21,10 @@ import numpy as np
 
 from .. import kivi as K
 from .. import layout as L
+from .kernels import Write
 
 
-VALUE_SLICE = 2048  # values quantised per NumPy pass
-
-
-@dataclass(frozen=True)
-class Write:
-    """Words (heads, rows, row_words) to a layer buffer: head h's rows at
-    dst_word + h · group_stride, rows contiguous (the scatter shader's shape)."""
-    dst_word: int
-    words: np.ndarray
-    group_stride: int
+SLICE = 2048  # tokens quantised per NumPy pass (the level packing's temporaries grow with it)
 
 
 @dataclass(frozen=True)
@@ -65,17 +57,15 @@ class KiviStore:
         if q_new > old.q_end:  # whole groups leave the window: quantise them
             n_q = q_new - old.q_end
             k_part, v_part = (p[:, :n_q] for p in pending)
-            g0, n_g = old.q_end // K.GROUP, n_q // K.GROUP
-            stats, levels = zip(*(K.quantise_keys(k_part[:, i * K.GROUP:(i + 1) * K.GROUP], spec.k_bits)
-                                  for i in range(n_g)))
+            keys = [K.quantise_keys(k_part[:, t:t + SLICE], spec.k_bits) for t in range(0, n_q, SLICE)]
+            v_words = np.concatenate([K.quantise_values(v_part[:, t:t + SLICE], spec.v_bits)
+                                      for t in range(0, n_q, SLICE)], axis=1)
             k_st, v_st = ll.streams
             n_groups = -(-lay.n_ctx // K.GROUP)
-            writes.append(Write(k_st.stats_word + g0 * lay.head_dim, np.stack(stats, axis=1), n_groups * lay.head_dim))
-            writes.append(Write(k_st.region_word + old.q_end * k_st.row_words, np.concatenate(levels, axis=1),
-                                lay.n_ctx * k_st.row_words))
-            # values in slices: the level packing's temporaries grow with the tokens packed at once
-            v_words = np.concatenate([K.quantise_values(v_part[:, t:t + VALUE_SLICE], spec.v_bits)
-                                      for t in range(0, n_q, VALUE_SLICE)], axis=1)
+            writes.append(Write(k_st.stats_word + old.q_end // K.GROUP * lay.head_dim,
+                                np.concatenate([st for st, _ in keys], axis=1), n_groups * lay.head_dim))
+            writes.append(Write(k_st.region_word + old.q_end * k_st.row_words,
+                                np.concatenate([lv for _, lv in keys], axis=1), lay.n_ctx * k_st.row_words))
             writes.append(Write(v_st.region_word + old.q_end * v_st.row_words, v_words, lay.n_ctx * v_st.row_words))
             writes.append(Write(k_st.state_word, np.full((1, 1, 1), q_new, np.uint32), 1))
             pending = [p[:, n_q:] for p in pending]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import errors as E
+from .. import kivi as K
 from .device import kp
 from .kernels import Buffer, Kernel
 from .submit import Recording
@@ -51,7 +52,7 @@ class ReadPlan:
                                         head_vec=st.head_vec_stride, **common))
             elif st.kivi:
                 kern = self._kernel(("read_rows_kivi", layer, st.stream, out.words), "read_rows_kivi",
-                                    [layer_buf, out], BITS=st.kivi_bits, KEYS=int(st.stream == "k"))
+                                    [layer_buf, out], BITS=st.kivi_bits, KEYS=int(st.stream == "k"), GROUP=K.GROUP)
                 self.ops.append(kern.op(stats_word=st.stats_word or 0, window_word=st.window_word,
                                         window=st.window_tokens, state_word=st.state_word, **common))
             elif st.half or st.q8:
