@@ -25,6 +25,9 @@ const uint ROW_CHUNKS = HEAD_DIM / LANES;
 const uint GROUPS = ROW_CHUNKS / CHUNKS;  // invocations per row
 const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, RES_BITS);
 const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, HEAD_DIM, RES_BITS);
+const uint RES_MASK = (1u << RES_BITS) - 1u;
+// Whether a chunk's levels can straddle two words (LANES*RES_BITS does not divide 32).
+const bool RES_STRADDLES = RES_BITS > 0u && (32u % (LANES * RES_BITS + (RES_BITS == 0u ? 1u : 0u))) != 0u;
 // Private copy of a row's level words on CPU drivers (>= 1 element: GLSL has no empty arrays).
 const uint LEVEL_COPY = CHUNKS > 1u ? LEVEL_WORDS + 1u : 1u;
 
@@ -48,21 +51,19 @@ layout(push_constant) uniform ReconstructPush {
 } pc;
 
 // The residual of chunk `chunk` of a row: LANES levels starting at element chunk*LANES.
-// A chunk's levels span at most two words (LANES*RES_BITS <= 32 bits, any bit offset).
+// A chunk's levels span at most two words (LANES*RES_BITS <= 32 bits, any bit offset): they
+// are taken as one window of bits, then each level at a constant shift.
 FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
-    float half_ = residual_half(RES_BITS);
+    uint off = (chunk * LANES * RES_BITS) & 31u;
+    uint bits = off == 0u ? lw0 : (lw0 >> off) | (lw1 << (32u - off));
     FELEM r;
 #if VEC4
-    [[unroll]] for (uint i = 0u; i < LANES; ++i) {
-        uint bit = (chunk * LANES + i) * RES_BITS - ((chunk * LANES * RES_BITS) & ~31u);
-        uint lo = bit < 32u ? lw0 : lw1;
-        r[i] = float(residual_level(lo, lw1, bit & 31u, RES_BITS));
-    }
+    [[unroll]] for (uint i = 0u; i < LANES; ++i)
+        r[i] = centred_level((bits >> (i * RES_BITS)) & RES_MASK, RES_BITS);
 #else
-    uint bit = (chunk * RES_BITS) & 31u;
-    r = float(residual_level(lw0, lw1, bit, RES_BITS));
+    r = centred_level(bits & RES_MASK, RES_BITS);
 #endif
-    return (r - half_) * step_ * scale;
+    return r * step_ * scale;
 }
 
 void main() {
@@ -133,9 +134,10 @@ void main() {
                     lw1 = level_copy[w + 1u];  // the padding word past the last
                 } else {
                     // GPUs: read the (at most) two words this chunk's levels span; the
-                    // second is inside the slot (a level word or the step) whenever used.
+                    // second is inside the slot (a level word or the step) whenever used,
+                    // and not read at all when no chunk straddles
                     lw0 = layer_words[slot + SPARSITY + w];
-                    lw1 = layer_words[slot + SPARSITY + min(w + 1u, LEVEL_WORDS)];
+                    lw1 = RES_STRADDLES ? layer_words[slot + SPARSITY + min(w + 1u, LEVEL_WORDS)] : 0u;
                 }
                 acc += residual_chunk(lw0, lw1, chunk, step_, scale_part[k]);
             }

@@ -34,3 +34,9 @@ uint residual_level(uint w0, uint w1, uint bit, uint bits) {
     return v & ((1u << bits) - 1u);
 }
 float residual_half(uint bits) { return float((1u << bits) - 1u) * 0.5; }
+// level - half as a float without an int→float conversion (a quarter-rate instruction on
+// NVIDIA GPUs): the level's bits in the mantissa of 2^22, whose ulp is 0.5, so
+// float(0x4A800000 | level << 1) - (2^22 + half) = level - half exactly (levels < 2^22).
+float centred_level(uint level, uint bits) {
+    return uintBitsToFloat(0x4A800000u | (level << 1u)) - (4194304.0 + residual_half(bits));
+}
