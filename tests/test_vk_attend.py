@@ -318,9 +318,10 @@ def test_large_scores_do_not_overflow(mode, make_arena, activate):
         assert np.isfinite(out).all()
 
 
-def test_reconstruct_then_attend_baseline(make_arena, activate):
-    """The benchmark's third mode (GPU reconstruct into f32 rows, then the f32 kernels)
-    gives the same attention."""
+@pytest.mark.parametrize("path", ["direct", "flash"])
+def test_reconstruct_then_attend_baseline(path, make_arena, activate):
+    """The benchmark's third mode (GPU reconstruct into f32 rows, then attend_direct or
+    attend_flash over them) gives the same attention."""
     rng = np.random.default_rng(6)
     hd, n_kv, g, n_ctx = 64, 3, 3, 1000
     art = random_artifact(rng, hd, 256, [((8, 4), (8, 3))])
@@ -328,7 +329,10 @@ def test_reconstruct_then_attend_baseline(make_arena, activate):
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     att = arena.attention(n_kv * g)
     for n_used in (1, 999):
+        att.path = path
+        assert att.rows_plan(n_used).path == path
         got = att.attend_reconstructed(0, q, n_used, 1 / 8)
+        att.path = None
         k, v, kd, vd = stored[0]
         assert nmse(reference(q, k, v, kd, vd, n_used), got) <= 1e-9
         assert nmse(arena.attend(0, q, n_used), got) <= 1e-9

@@ -70,8 +70,9 @@ def test_a_recorded_read_stays_right_as_groups_are_quantised(make_arena):
     assert not np.array_equal(first[0], again[0])  # exact at first, quantised now
 
 
+@pytest.mark.parametrize("path", [None, "flash"])  # the device's choice (attend_direct on CPU drivers); attend_flash
 @pytest.mark.parametrize("group", [1, 3])
-def test_attention_and_steps_match_the_reference(group, make_arena):
+def test_attention_and_steps_match_the_reference(group, path, make_arena):
     spec = K.KiviSpec()
     hd, n_kv, n_ctx = 64, 2, 400
     rng = np.random.default_rng(group)
@@ -79,6 +80,9 @@ def test_attention_and_steps_match_the_reference(group, make_arena):
     arena = make_arena(1, n_kv, hd, n_ctx, cache="kivi")
     arena.append(0, k[:, :300], v[:, :300])
     q = rng.standard_normal((n_kv * group, hd)).astype(np.float32)
+    att = arena.attention(n_kv * group)
+    att.path = path
+    assert att.rows_plan(300).path == (path or ("flash" if att.local == 64 else "direct"))
     for n_used in (1, 150, 300):
         kr, vr = K.cache_rows(k, v, 300, spec)
         ref = attention_ref.attend(q, kr, vr, n_used)

@@ -197,16 +197,21 @@ class Attention:
         cannot): at most FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8
         (f16: a uvec4 is 8 halves), 4 (f32) or 32 (q8_0 blocks); those of FLASH_LOCALS
         (attend_tune) the device allows that the row's units divide and whose shared memory fits."""
+        k = self.layout.layers[layer].k
+        return [] if k.coded else self.flash_locals_of(k.rows)
+
+    def flash_locals_of(self, rows: str) -> list[int]:
+        """attend_flash's workgroup sizes over ``rows`` ("f16", "f32", "q8_0"), preferred
+        first (flash_locals; the reconstruct-then-attend path asks for "f32")."""
         def derive() -> tuple[int, ...]:
-            k = self.layout.layers[layer].k
             hd = self.layout.head_dim
-            if k.coded or self.group > FLASH_MAX_GROUP or hd % (8 if k.half else 32 if k.q8 else 4):
+            if self.group > FLASH_MAX_GROUP or hd % {"f16": 8, "q8_0": 32}.get(rows, 4):
                 return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
-            units = flash_units(hd, k.rows)
+            units = flash_units(hd, rows)
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
                          and flash_shared_bytes(hd, self.group, n) <= limit)
-        return list(self._per_layer("flash_locals", layer, derive))
+        return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
 
     def flash_local(self, layer: int) -> int:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""
@@ -411,20 +416,30 @@ class Attention:
         return self._eval([*scatter_ops, *ops], f"decode step on layer {layer}")
 
     def attend_reconstructed(self, layer: int, q: np.ndarray, n_used: int, scale: float) -> np.ndarray:
-        """The reconstruct-then-attend baseline (benchmarks): reconstruct K and V of
-        [0, n_used) on the GPU into an f32 buffer (one submission), then the f32 kernels
-        over it (a second submission: the rows are far too large for the barrier-by-copy)."""
+        """Reconstruct-then-attend (the KIVI cache's attention; a benchmark baseline for the
+        dict-coded one): reconstruct K and V of [0, n_used) on the GPU into an f32 buffer
+        (one submission), then attention over those rows (a second submission: the rows are
+        far too large for the barrier-by-copy) — attend_flash where it plans the flash
+        kernels (GPUs, or ``path`` "flash"; its default launch shape, untuned), else
+        attend_direct."""
         lay = self.layout
         if self._recon is None:
             self._recon = self._new_buffer(2 * lay.n_kv_heads * lay.n_ctx * lay.head_dim, "storage",
                                            "reconstructed K/V")
         plan = self.passes.reconstruct_plan(layer, n_used, self._recon)
         plan.dispatch()
-        rows = P.Plan("direct", *P.split_count(n_used, self.preferred_splits, P.MIN_DIRECT_SPLIT_TOKENS,
-                                               P.max_split_tokens("direct", 0, 0)))
-        ops = self.passes.rows_ops(self._recon, rows, n_used, scale)
+        ops = self.passes.rows_ops(self._recon, self.rows_plan(n_used), n_used, scale)
         self._upload_q(q)
         return self._eval(ops, f"attending over reconstructed layer {layer}")
+
+    def rows_plan(self, n_used: int) -> P.Plan:
+        """The plan of an attention over n_used reconstructed f32 rows (attend_reconstructed)."""
+        locals_ = self.flash_locals_of("f32")
+        if locals_ and self.path != "direct" and (self.local == GPU_LOCAL or self.path == "flash"):
+            want = min(self.max_splits, max(1, -(-(self.flash_workgroups or FLASH_WORKGROUPS) // self.layout.n_kv_heads)))
+            return P.Plan("flash", *P.split_count(n_used, want, FLASH_MIN_SPLIT_TOKENS, n_used), local=locals_[0])
+        return P.Plan("direct", *P.split_count(n_used, self.preferred_splits, P.MIN_DIRECT_SPLIT_TOKENS,
+                                               P.max_split_tokens("direct", 0, 0)))
 
     def free(self) -> None:
         if self.passes is not None:

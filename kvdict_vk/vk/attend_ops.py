@@ -192,11 +192,19 @@ class PassBuilder:
         return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
-        """The direct path over f32 rows in ``rows``: K at word 0, V after it, n_used tokens
-        per KV head (the reconstruct-then-attend baseline)."""
-        lay = self.layout
+        """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,
+        n_used tokens per KV head (reconstruct-then-attend)."""
+        att, lay = self.att, self.layout
         source = dict(k_word=0, v_word=lay.n_kv_heads * n_used * lay.head_dim, n_ctx=n_used)
         key = ("rows", id(rows))
+        if plan.path == "flash":
+            kernel = self._kernel(("rows_flash", id(rows), plan.local), "attend_flash",
+                                  [rows, rows, att.q, att.accs, att.stats],
+                                  lay.n_kv_heads * att.max_splits * plan.local, LOCAL=plan.local, HB=1,
+                                  ROW_HALF=0, ROW_Q8=0)
+            op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
+                           n_kv=lay.n_kv_heads, score_scale=scale)
+            return [op] + self._merge(key, rows, None, plan.records, per_head=True)
         ops = [self._direct(key, rows, F32Rows(), F32Rows(), source, plan, n_used, n_used, 0, plan.n_splits, plan.split_len,
                             0, scale)]
         return ops if plan.write_out else ops + self._merge(key, rows, None, plan.records)
