@@ -7,9 +7,13 @@ import pytest
 # without them these tests fail at import, they do not skip.
 from kvdict_vk.forge import llama, quant
 from kvdict_vk.forge.gguf_model import load_model
-from kvdict_vk.forge.tokenizer import decode, encode, read_text
+from kvdict_vk.forge.texts import EVAL_TEXTS
+from kvdict_vk.forge.tokenizer import decode, encode
 
-GPL3 = "/usr/share/common-licenses/GPL-3"
+
+
+def _gpl3() -> str:
+    return EVAL_TEXTS["gpl3"].text()
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +23,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def gpl3_tokens():
-    return np.asarray(encode(read_text(GPL3)), dtype=np.int64)
+    return np.asarray(encode(_gpl3()), dtype=np.int64)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def test_config_read_from_metadata(model):
 
 
 def test_tokenizer_round_trips_gpl3(gpl3_tokens):
-    text = read_text(GPL3)
+    text = _gpl3()
     assert len(text) == 35149
     assert len(gpl3_tokens) == 7639
     assert decode(gpl3_tokens) == text

@@ -86,7 +86,7 @@ def test_evaluation_does_not_depend_on_the_blas_thread_count():
     cache give the same per-token NLL whatever the process's BLAS thread count (the
     forward's last bits do depend on it otherwise — measured on K at 1 vs 2 threads)."""
     from kvdict_vk.forge import certify, tokenizer, texts as T
-    toks = tokenizer.encode(tokenizer.read_text(sorted(T.eval_paths())[0]))[:192]
+    toks = tokenizer.encode(T.EVAL_TEXTS["gpl3"].text())[:192]
     windows = [toks[:96], toks[96:]]
     with parallel.blas_threads(1):
         one = certify.baseline_nll(windows)

@@ -54,9 +54,3 @@ def encode(text: str) -> list[int]:
 
 def decode(ids) -> str:
     return load_tokenizer().decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-def read_text(path: str = "/usr/share/common-licenses/GPL-3") -> str:
-    # newline="" keeps the bytes as they are on disk (no universal-newline rewriting).
-    with open(path, encoding="utf-8", newline="") as f:
-        return f.read()
