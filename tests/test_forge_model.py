@@ -11,7 +11,6 @@ from kvdict_vk.forge.texts import EVAL_TEXTS
 from kvdict_vk.forge.tokenizer import decode, encode
 
 
-
 def _gpl3() -> str:
     return EVAL_TEXTS["gpl3"].text()
 

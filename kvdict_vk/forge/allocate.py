@@ -36,7 +36,7 @@ from .. import artifact as A
 from .. import codec
 from ..dictionary import KvDictArtifact
 from ..residual import MAX_BITS, slot_words
-from . import llama, parallel, pipeline as P
+from . import llama, parallel, pipeline as P, table
 
 CHUNK = 128  # logits rows at a time
 
@@ -135,7 +135,7 @@ def modelled_kl(sens: dict, probe: dict, bits: dict) -> float:
 def _certify(art: KvDictArtifact, allocations: list, uniform: list, cache: str, log, min_bits: int) -> list:
     """Every allocation and uniform (K bits, V bits) through the engine's reconstruct path
     (forge.levers' installed RuntimeHook) on the forge's evaluation texts: table rows."""
-    from . import levers, table
+    from . import levers
     cfg = P.ForgeConfig()
     sets = P.eval_sets(cfg, cache)
     n = len(art.layers)
@@ -205,12 +205,7 @@ def main(argv=None) -> int:
                calibration=[dict(path=f) for f in files], windows=len(windows), window=a.window,
                sensitivity=[dict(layer=li, stream="k" if kv else "v", kl=s) for (li, kv), s in sorted(sens.items())],
                allocations=allocations, rows=rows)
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    table.write_doc(doc, a.out)
     return 0
 
 

@@ -13,8 +13,6 @@ this measures what it would buy first.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import shlex
 import sys
 
@@ -24,8 +22,7 @@ from .. import artifact as A
 from .. import codec
 from . import pipeline as P
 from . import table
-from .llama import KVHook
-from .residual_only import quantise_residual
+from .residual_only import DictLeverHook, quantise_residual
 
 E4M3_MAX = 448.0  # the largest finite E4M3 value (no infinities in the format)
 E4M3_MANTISSA_BITS = 3
@@ -44,29 +41,18 @@ def e4m3(x: np.ndarray) -> np.ndarray:
     return np.copysign(rounded, x).astype(np.float32)
 
 
-class Fp8CoefHook(KVHook):
+class Fp8CoefHook(DictLeverHook):
     """Each coded stream: OMP as the engine runs it, the coefficients rounded to E4M3, the
     atoms' reconstruction from those, then the residual stage (the artifact's static
     per-channel scale and bits) over what that leaves; passthrough streams unchanged."""
 
-    def __init__(self, art):
-        self.art = art
-
-    def __call__(self, layer, k, v):
-        out = []
-        for k_not_v, x in ((True, k), (False, v)):
-            d = self.art.stream(layer, k_not_v)
-            if d is None:
-                out.append(x)
-                continue
-            atoms_only = dataclasses.replace(d, residual_bits=0, residual_scale=None)
-            idx, coef = codec.unpack_codes(codec.encode_heads(x, atoms_only))
-            approx = codec.decode_heads(codec.pack_codes(idx, e4m3(coef)), atoms_only)
-            if d.residual_bits:
-                scale = np.broadcast_to(d.residual_scale, (x.shape[0], d.head_dim))
-                approx = approx + quantise_residual(np.asarray(x, np.float64) - approx, scale, d.residual_bits)
-            out.append(approx.astype(np.float32))
-        return out[0], out[1]
+    def code(self, d, x, atoms_only):
+        idx, coef = codec.unpack_codes(codec.encode_heads(x, atoms_only))
+        approx = codec.decode_heads(codec.pack_codes(idx, e4m3(coef)), atoms_only)
+        if not d.residual_bits:
+            return approx
+        scale = np.broadcast_to(d.residual_scale, (x.shape[0], d.head_dim))
+        return approx + quantise_residual(np.asarray(x, np.float64) - approx, scale, d.residual_bits)
 
 
 def coded_bytes(art, code_word_bytes: float) -> float:
@@ -111,14 +97,8 @@ def main(argv=None) -> int:
     sets = P.eval_sets(P.ForgeConfig(), a.cache)
     measured = table.measure(rows(art, stored=not a.fp8_only), sets, a.cache, log=log)
     print(table.markdown(measured, sets), file=sys.stderr)
-    doc = {"command": "python -m kvdict_vk.forge.coef_fp8 " + shlex.join(argv if argv is not None else sys.argv[1:]),
-           "artifact": a.artifact, "rows": measured}
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    table.write_doc({"command": "python -m kvdict_vk.forge.coef_fp8 " + shlex.join(sys.argv[1:] if argv is None else argv),
+                     "artifact": a.artifact, "rows": measured}, a.out)
     return 0
 
 

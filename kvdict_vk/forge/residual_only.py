@@ -83,12 +83,16 @@ def residual_only_bytes(k_bits: int, v_bits: int, group_adaptive: bool = False, 
     return 4 * (residual_words(head_dim, k_bits) + residual_words(head_dim, v_bits)) / 2 + extra
 
 
-class GroupScaleDictHook(KVHook):
-    """The dictionary's atoms (binary16 coefficients, as stored), then the residual they
-    leave quantised with group-adaptive scales instead of the static per-channel scale."""
+class DictLeverHook(KVHook):
+    """A lever on the artifact's dictionaries, stream by stream: ``code(d, x, atoms_only)``
+    gives what a coded stream's cache would return for x (n_kv, T, head_dim); passthrough
+    streams are returned as they are."""
 
     def __init__(self, art):
         self.art = art
+
+    def code(self, d, x, atoms_only) -> np.ndarray:
+        raise NotImplementedError
 
     def __call__(self, layer, k, v):
         out = []
@@ -98,7 +102,15 @@ class GroupScaleDictHook(KVHook):
                 out.append(x)
                 continue
             atoms_only = dataclasses.replace(d, residual_bits=0, residual_scale=None)
-            approx = codec.roundtrip_heads(x, atoms_only).astype(np.float64)
-            r = np.asarray(x, np.float64) - approx
-            out.append((approx + quantise_residual(r, group_scales(r), d.residual_bits)).astype(np.float32))
+            out.append(self.code(d, x, atoms_only).astype(np.float32))
         return out[0], out[1]
+
+
+class GroupScaleDictHook(DictLeverHook):
+    """The dictionary's atoms (binary16 coefficients, as stored), then the residual they
+    leave quantised with group-adaptive scales instead of the static per-channel scale."""
+
+    def code(self, d, x, atoms_only):
+        approx = codec.roundtrip_heads(x, atoms_only).astype(np.float64)
+        r = np.asarray(x, np.float64) - approx
+        return approx + quantise_residual(r, group_scales(r), d.residual_bits)

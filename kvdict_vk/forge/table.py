@@ -144,6 +144,16 @@ def _measure_one(row: Row, es: EvalSet, cache_dir: str | None, log) -> dict:
     return res
 
 
+def write_doc(doc: dict, out: str | None) -> None:
+    """A lever tool's JSON document to ``out``, or to stdout when none is given."""
+    text = json.dumps(doc, indent=1)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+
+
 def markdown(rows: list[dict], sets: list[EvalSet]) -> str:
     """One table per evaluation text, rows by bytes."""
     parts = []
