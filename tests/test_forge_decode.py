@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdict_vk.forge import decode, llama, tokenizer
+from kvdict_vk.forge import decode, llama, texts, tokenizer
 from kvdict_vk.forge.gguf_model import load_model
 
 
 def test_decode_matches_forward_with_f32_reference_cache():
-    toks = tokenizer.encode(tokenizer.read_text())[:24]
+    toks = tokenizer.encode(texts.EVAL_TEXTS["gpl3"].text())[:24]
     c = load_model().config
     cache = decode.NumpyCache(c.n_layers, c.n_kv_heads, c.head_dim, 32)
     res = decode.decode(toks, cache)
@@ -19,7 +19,7 @@ def test_decode_matches_forward_with_f32_reference_cache():
 
 
 def test_reference_check_sees_every_step_and_catches_a_wrong_cache():
-    toks = tokenizer.encode(tokenizer.read_text())[:6]
+    toks = tokenizer.encode(texts.EVAL_TEXTS["gpl3"].text())[:6]
     c = load_model().config
     dims = (c.n_layers, c.n_kv_heads, c.head_dim, 8)
     check = decode.ReferenceCheck(decode.NumpyCache(*dims))
@@ -44,7 +44,7 @@ def test_observer_time_is_not_decode_time(monkeypatch):
         clock[0] += 1.0
 
     c = load_model().config
-    res = decode.decode(tokenizer.encode(tokenizer.read_text())[:3],
+    res = decode.decode(tokenizer.encode(texts.EVAL_TEXTS["gpl3"].text())[:3],
                         decode.NumpyCache(c.n_layers, c.n_kv_heads, c.head_dim, 4), observe=slow_observer)
     assert clock[0] == 3 * c.n_layers  # it ran at every step
     assert res.seconds == 0.0 and res.first_token_seconds == 0.0

@@ -125,7 +125,7 @@ def choose_device(a):
 
 
 def _run(a) -> int:
-    from ..forge import llama, tokenizer
+    from ..forge import llama, texts, tokenizer
     from .validate import NMSE_ATTEND, run_validation, worst_by_metric
     t0 = time.perf_counter()
     path = ensure_artifact(a.out, a.rebuild)
@@ -139,7 +139,7 @@ def _run(a) -> int:
     if not all(r["passed"] for r in rows):
         raise SystemExit("shader validation failed on this device; run kvdict-validate")
 
-    tokens = tokenizer.encode(tokenizer.read_text())[: a.tokens]
+    tokens = tokenizer.encode(texts.EVAL_TEXTS["gpl3"].text())[: a.tokens]  # GPL-3, the gate's first text
     n_ctx = -(-len(tokens) // 64) * 64
     runtime.deactivate()
     # the f32 cache (not the f16 default): the cache the certificate's ΔPPL is relative to
