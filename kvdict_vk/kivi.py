@@ -77,6 +77,17 @@ def value_row_words(head_dim: int, bits: int) -> int:
     return head_dim // GROUP + level_words(head_dim, bits)
 
 
+def stats_words_per_head(n_tokens: int, head_dim: int) -> int:
+    """Words of one KV head's key group statistics over n_tokens (a word — binary16 scale
+    and minimum — per channel and group, the last group possibly partial)."""
+    return -(-n_tokens // GROUP) * head_dim
+
+
+def window_words_per_head(window: int, head_dim: int) -> int:
+    """Words of one KV head's exact window of ``window`` binary16 rows."""
+    return window * head_dim // 2
+
+
 def quantised_end(n_tokens: int, recent: int) -> int:
     """Tokens [0, quantised_end) of a cache holding n_tokens are quantised: whole groups
     whose last token is at least ``recent`` tokens behind the newest."""

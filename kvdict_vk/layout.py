@@ -151,7 +151,7 @@ class StreamLayout:
     @property
     def window_words(self) -> int:
         """Words of a KIVI stream's exact window (binary16 pairs; 0 for other streams)."""
-        return self.n_kv_heads * self.window_tokens * self.head_dim // 2
+        return self.n_kv_heads * K.window_words_per_head(self.window_tokens, self.head_dim)
 
     @property
     def half(self) -> bool:
@@ -411,9 +411,9 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
     regions = [place(n_kv * n_ctx * r, ALIGN_WORDS) for r in rows]
     kivi_fields = [{}, {}]
     if kivi is not None:
-        n_stats = n_kv * -(-n_ctx // K.GROUP) * hd
+        n_stats = n_kv * K.stats_words_per_head(n_ctx, hd)
         stats = place(n_stats, ALIGN_WORDS)
-        windows = [place(n_kv * kivi.window * hd // 2, ALIGN_WORDS) for _ in "kv"]
+        windows = [place(n_kv * K.window_words_per_head(kivi.window, hd), ALIGN_WORDS) for _ in "kv"]
         state = place(VEC4_WORDS, VEC4_WORDS)
         kivi_fields = [dict(kivi_bits=kivi.bits(j == 0), stats_word=stats if j == 0 else None,
                             stats_words=n_stats if j == 0 else 0, window_word=windows[j],

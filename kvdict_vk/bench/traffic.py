@@ -21,7 +21,7 @@ The query (a few KiB) is left out.
 """
 from __future__ import annotations
 
-from ..kivi import GROUP
+from .. import kivi as K
 from ..layout import WORD_BYTES
 from ..vk.attend_specs import n_blocks
 
@@ -67,7 +67,7 @@ def _cache_words(layout, ll, n_tokens: int) -> int:
     if ll.k.kivi:
         n_kv, hd = layout.n_kv_heads, layout.head_dim
         window_rows = min(n_tokens, ll.k.window_tokens)  # the exact tokens read, K and V
-        words += n_kv * -(-n_tokens // GROUP) * hd + sum(st.window_words // st.window_tokens for st in ll.streams) * window_rows
+        words += n_kv * (K.stats_words_per_head(n_tokens, hd) + 2 * K.window_words_per_head(window_rows, hd))
     return words
 
 

@@ -56,12 +56,10 @@ class Fp8CoefHook(DictLeverHook):
 
 
 def coded_bytes(art, code_word_bytes: float) -> float:
-    """Bytes per cached head vector (the average over every stream, passthrough at f32)
-    with code words of ``code_word_bytes``."""
-    hd = art.head_dim
-    per = [4 * hd if d is None else 4 * d.slot_words - (4 - code_word_bytes) * d.sparsity
-           for pair in art.layers for d in pair]
-    return float(np.mean(per))
+    """Bytes per cached head vector (pipeline.bytes_per_vector's average over every stream,
+    passthrough at f32) with code words of ``code_word_bytes`` instead of 4."""
+    saved = np.mean([0 if d is None else (4 - code_word_bytes) * d.sparsity for pair in art.layers for d in pair])
+    return P.bytes_per_vector(art, art.head_dim)["all"] - float(saved)
 
 
 def rows(art, stored: bool = True) -> list:

@@ -159,13 +159,20 @@ class PassBuilder:
         buf = att.arena.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
-        local = plan.local or att.flash_local(layer)
-        kernel = self._kernel(("flash", layer, local), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
-                              lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1,
-                              ROW_HALF=int(k.half), ROW_Q8=int(k.q8))
-        op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
-                       split_len=plan.split_len, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, score_scale=scale)
-        return [op] + self._merge(("layer", layer), buf, v, plan.records, per_head=True)
+        source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx)
+        return self._flash_rows(("layer", layer), buf, v, source, plan.local or att.flash_local(layer),
+                                int(k.half), int(k.q8), plan, n_used, scale)
+
+    def _flash_rows(self, key, buf, v, source: dict, local: int, half: int, q8: int, plan, n_used: int,
+                    scale: float) -> list:
+        """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
+        rows per KV head), then attend_merge_head."""
+        att, lay = self.att, self.layout
+        kernel = self._kernel(("flash",) + key + (local,), "attend_flash", [buf, buf, att.q, att.accs, att.stats],
+                              lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1, ROW_HALF=half, ROW_Q8=q8)
+        op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
+                       n_kv=lay.n_kv_heads, score_scale=scale)
+        return [op] + self._merge(key, buf, v, plan.records, per_head=True)
 
     def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
         att, lay = self.att, self.layout
@@ -194,17 +201,11 @@ class PassBuilder:
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,
         n_used tokens per KV head (reconstruct-then-attend)."""
-        att, lay = self.att, self.layout
+        lay = self.layout
         source = dict(k_word=0, v_word=lay.n_kv_heads * n_used * lay.head_dim, n_ctx=n_used)
         key = ("rows", id(rows))
         if plan.path == "flash":
-            kernel = self._kernel(("rows_flash", id(rows), plan.local), "attend_flash",
-                                  [rows, rows, att.q, att.accs, att.stats],
-                                  lay.n_kv_heads * att.max_splits * plan.local, LOCAL=plan.local, HB=1,
-                                  ROW_HALF=0, ROW_Q8=0)
-            op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
-                           n_kv=lay.n_kv_heads, score_scale=scale)
-            return [op] + self._merge(key, rows, None, plan.records, per_head=True)
+            return self._flash_rows(key, rows, None, source, plan.local, 0, 0, plan, n_used, scale)
         ops = [self._direct(key, rows, F32Rows(), F32Rows(), source, plan, n_used, n_used, 0, plan.n_splits, plan.split_len,
                             0, scale)]
         return ops if plan.write_out else ops + self._merge(key, rows, None, plan.records)

@@ -174,9 +174,10 @@ def _read_kivi_extents(p, s):
     if p["n_rows"]:
         n_kv = p["n_rows"] // p["n_tok"]
         row = K.key_row_words(hd, bits) if keys else K.value_row_words(hd, bits)
-        reads += [_rows_extents(p, row), (p["window_word"], p["window_word"] + n_kv * p["window"] * hd // 2)]  # binary16 rows
+        reads += [_rows_extents(p, row),
+                  (p["window_word"], p["window_word"] + n_kv * K.window_words_per_head(p["window"], hd))]
         if keys:
-            reads.append((p["stats_word"], p["stats_word"] + n_kv * -(-p["n_ctx"] // K.GROUP) * hd))
+            reads.append((p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(p["n_ctx"], hd)))
     return reads, [(p["out_word"], p["out_word"] + p["n_rows"] * hd)] if p["n_rows"] else []
 
 

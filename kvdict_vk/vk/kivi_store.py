@@ -61,9 +61,9 @@ class KiviStore:
             v_words = np.concatenate([K.quantise_values(v_part[:, t:t + SLICE], spec.v_bits)
                                       for t in range(0, n_q, SLICE)], axis=1)
             k_st, v_st = ll.streams
-            n_groups = -(-lay.n_ctx // K.GROUP)
-            writes.append(Write(k_st.stats_word + old.q_end // K.GROUP * lay.head_dim,
-                                np.concatenate([st for st, _ in keys], axis=1), n_groups * lay.head_dim))
+            writes.append(Write(k_st.stats_word + K.stats_words_per_head(old.q_end, lay.head_dim),
+                                np.concatenate([st for st, _ in keys], axis=1),
+                                K.stats_words_per_head(lay.n_ctx, lay.head_dim)))
             writes.append(Write(k_st.region_word + old.q_end * k_st.row_words,
                                 np.concatenate([lv for _, lv in keys], axis=1), lay.n_ctx * k_st.row_words))
             writes.append(Write(v_st.region_word + old.q_end * v_st.row_words, v_words, lay.n_ctx * v_st.row_words))
