@@ -2,39 +2,50 @@
 // Decode attention over the uncoded cache (f16, f32 or q8_0 rows), shaped for GPUs: ONE WORKGROUP
 // per (split i, KV head g) attends all GROUP query heads of g over the split's tokens, so each
 // key and value row is read from memory once (FlashDecoding: the context split across
-// workgroups, the running softmax in registers and shared memory, attend_merge_head.comp
-// combining the splits' records in one small pass). The split is walked in chunks of LOCAL
-// tokens:
-//   1. values first: each invocation issues the loads of its (token lane, row unit) share of
-//      the chunk's V rows — a unit is a uvec4 of f16/f32 rows or a q8_0 word, so neighbouring
-//      invocations read neighbouring words — and they are in flight while the keys compute;
-//   2. keys — one token per invocation (its row read as contiguous vec4s), dotted with the
-//      GROUP query vectors held in shared memory;
-//   3. the softmax reference m moves only when a score exceeds it by more than GROW_MARGIN
-//      (a flag, then a workgroup maximum: the first chunk and rarely after), so a chunk needs
-//      no reduction: probabilities stay ≤ e^GROW_MARGIN and each invocation sums its own;
-//   4. the probabilities through shared memory to the value lanes, accumulating p·v in
-//      registers (rescaled when m moves).
-// At the end the token lanes' accumulators are summed in shared memory and the split's
-// record (m, l, acc — attend_common.glsl's layout) is written. No optional feature: tree
-// reductions in shared memory, 32-bit storage only.
+// workgroups, the running softmax in registers, attend_merge_head.comp combining the splits'
+// records in one small pass).
+//
+// Lanes across a row: a token is served by UNITS neighbouring invocations, one row unit each
+// (a uvec4 of f16 or f32 elements, or a q8_0 value word), so a row is one coalesced run of
+// loads for its key and one for its value; LOCAL / UNITS tokens are in flight per workgroup,
+// TB of them per invocation with their loads issued together. Each invocation keeps its unit
+// of the GROUP query vectors in registers and dots it with its unit of the key; the UNITS
+// partial scores are summed across the token's lanes — by subgroup shuffles (SUBGROUP 1, the
+// attend_flash_sg variant, where the device's subgroups support them and hold whole tokens:
+// host-checked) or through shared memory (SUBGROUP 0: no optional feature). Every lane of a
+// token then holds its scores and accumulates p·v over its unit, so the main loop needs no
+// barrier with subgroups.
+//
+// The softmax: each token lane keeps its own reference m (the same in all its invocations),
+// moved only when a score exceeds it by more than GROW_MARGIN, so probabilities stay
+// ≤ e^GROW_MARGIN and rescaling is rare. At the split's end the lanes' references meet at
+// their maximum M (a shared-memory reduction), each lane's sums are rescaled by exp(m - M),
+// summed over the token lanes in shared memory, and the split's record (M, l, acc —
+// attend_common.glsl's layout) is written.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
+#ifndef SUBGROUP
+#define SUBGROUP 0
+#endif
+#if SUBGROUP
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#endif
 #include "common.glsl"
 #include "attend_common.glsl"
 
 layout(constant_id = 4) const uint ROW_HALF = 1u;  // 1: f16 rows (two halves a word), 0: f32
 // 1: q8_0 rows (ROW_HALF 0): the block scales (f16 pairs), then the int8 values four to a word
 layout(constant_id = 5) const uint ROW_Q8 = 0u;
-const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2: tokens per chunk
+const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2
 const uint Q8_SCALE_WORDS = (HEAD_DIM / 32u + 1u) / 2u;
 const uint ROW_WORDS = ROW_Q8 > 0u ? Q8_SCALE_WORDS + HEAD_DIM / 4u : (ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM);
-const uint ROW_QUADS = ROW_WORDS / 4u;  // f16 / f32 rows: HEAD_DIM % 8 == 0 / % 4 == 0 (host-checked)
-// the value pass's unit: a uvec4 (8 halves or 4 floats) or a q8_0 value word (4 int8)
+// a row unit: a uvec4 (8 halves or 4 floats; rows of whole uvec4s, host-checked) or a q8_0
+// value word (4 int8)
 const uint UNIT_DIMS = ROW_Q8 > 0u ? 4u : (ROW_HALF > 0u ? 8u : 4u);
-const uint UNITS = HEAD_DIM / UNIT_DIMS;  // units of a row; LOCAL % UNITS == 0 (host)
-const uint VLANES = LOCAL / UNITS;        // token lanes of the value pass
-const uint VBATCH = UNITS < 16u ? UNITS : 16u;  // value units per invocation loaded together
+const uint UNITS = HEAD_DIM / UNIT_DIMS;  // invocations per token; LOCAL % UNITS == 0 (host)
+const uint TLANES = LOCAL / UNITS;        // tokens in flight per workgroup
+const uint TB = 4u;                       // tokens per invocation whose rows are loaded together
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
 const float GROW_MARGIN = 8.0;
 
@@ -55,26 +66,34 @@ layout(push_constant) uniform AttendFlashPush {
     float score_scale;
 } pc;
 
-shared vec4 q_sh[GROUP * HEAD_DIM / 4u];  // vec4: one shared load per four query elements
-shared float p_sh[GROUP * LOCAL];   // the chunk's probabilities; reductions; the end's sums
-shared uint grow_sh;
+// partial scores (SUBGROUP 0); the end's reductions and sums
+shared float red_sh[GROUP * LOCAL];
 
-void reduce(bool take_max) {  // p_sh[h*LOCAL + x] over x → p_sh[h*LOCAL]
+// The invocation's place in the workgroup. With subgroups it is counted through them, so
+// the UNITS invocations of a token are neighbours in one subgroup (the host makes
+// LOCAL a multiple of the subgroup size and UNITS a power of two dividing it).
+uint lane_index() {
+#if SUBGROUP
+    return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
+#else
+    return gl_LocalInvocationID.x;
+#endif
+}
+
+void reduce(uint tid, bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh[h*LOCAL]
     for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
         barrier();
-        uint x = gl_LocalInvocationID.x;
-        if (x < width)
+        if (tid < width)
             for (uint h = 0u; h < GROUP; ++h) {
-                float a = p_sh[h * LOCAL + x], b = p_sh[h * LOCAL + x + width];
-                p_sh[h * LOCAL + x] = take_max ? max(a, b) : a + b;
+                float a = red_sh[h * LOCAL + tid], b = red_sh[h * LOCAL + tid + width];
+                red_sh[h * LOCAL + tid] = take_max ? max(a, b) : a + b;
             }
     }
     barrier();
 }
 
-// Unit `unit` of a V row starting at word `base`: its elements as two vec4s (f16: 8, else 4
-// in the first), from the unit's words (f16 / f32: a uvec4; q8_0: the value word in .x and
-// its block's scale pair in .y).
+// Unit `unit` of a row: its elements as two vec4s (f16: 8, else 4 in the first), from the
+// unit's words (f16 / f32: a uvec4; q8_0: the value word in .x and its block's scale pair in .y).
 void unit_values(uvec4 w, uint unit, out vec4 lo, out vec4 hi) {
     if (ROW_Q8 > 0u) {
         lo = int8x4(w.x) * unpackHalf2x16(w.y)[(unit / 8u) % 2u];
@@ -88,164 +107,147 @@ void unit_values(uvec4 w, uint unit, out vec4 lo, out vec4 hi) {
     }
 }
 
-uvec4 load_unit(uint base, uint unit) {
+uvec4 load_unit(uint base, uint unit) {  // base: the row's first word
     if (ROW_Q8 > 0u)
         return uvec4(cache_words[base + Q8_SCALE_WORDS + unit], cache_words[base + unit / 16u], 0u, 0u);
     return cache_quads[(base >> 2u) + unit];
 }
 
 void main() {
-    const uint tid = gl_LocalInvocationID.x;
-    const uint unit = tid % UNITS, vlane = tid / UNITS;
+    const uint tid = lane_index();
+    const uint unit = tid % UNITS, tlane = tid / UNITS;
     uint items = pc.n_kv * pc.n_splits;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint g = item % pc.n_kv;
         uint i = item / pc.n_kv;
         uint t0 = i * pc.split_len;
-        uint t1 = min(t0 + pc.split_len, pc.n_used);
+        uint n_tok = min(t0 + pc.split_len, pc.n_used) - t0;
 
-        for (uint x = tid; x < GROUP * HEAD_DIM / 4u; x += LOCAL) {
-            uint f = g * GROUP * HEAD_DIM + 4u * x;
-            q_sh[x] = vec4(q_floats[f], q_floats[f + 1u], q_floats[f + 2u], q_floats[f + 3u]) * pc.score_scale;
-        }
-        if (tid == 0u)
-            grow_sh = 0u;
-        float m[MAX_G], l[MAX_G];   // the reference (uniform) and this invocation's sum of p
+        vec4 q_lo[MAX_G], q_hi[MAX_G];  // this unit of each query head, times the score scale
+        float m[MAX_G], l[MAX_G];       // the token lane's reference and sum of p
         vec4 acc_lo[MAX_G], acc_hi[MAX_G];  // the unit's elements of each head's sum of p·v
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+            q_lo[h] = vec4(0.0);
+            q_hi[h] = vec4(0.0);
+            if (h < GROUP) {
+                uint f = (g * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
+                q_lo[h] = vec4(q_floats[f], q_floats[f + 1u], q_floats[f + 2u], q_floats[f + 3u]) * pc.score_scale;
+                if (UNIT_DIMS == 8u)
+                    q_hi[h] = vec4(q_floats[f + 4u], q_floats[f + 5u], q_floats[f + 6u], q_floats[f + 7u]) * pc.score_scale;
+            }
             m[h] = NEG_INF;
             l[h] = 0.0;
             acc_lo[h] = vec4(0.0);
             acc_hi[h] = vec4(0.0);
         }
-        barrier();
 
-        uint k_base = pc.k_word + g * pc.n_ctx * ROW_WORDS;
-        uint v_base = pc.v_word + g * pc.n_ctx * ROW_WORDS;
-        for (uint c0 = t0; c0 < t1; c0 += LOCAL) {
-            uint n = min(LOCAL, t1 - c0);
-            // 1. the first batch of this invocation's value units: loads in flight during the keys
-            uvec4 vw[VBATCH];
-            [[unroll]] for (uint u = 0u; u < VBATCH; ++u)
-                vw[u] = load_unit(v_base + (c0 + min(vlane + u * VLANES, n - 1u)) * ROW_WORDS, unit);
-            // 2. this invocation's key
-            float s[MAX_G];
-            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                s[h] = 0.0;
-            uint base = k_base + (c0 + min(tid, n - 1u)) * ROW_WORDS;
-            if (ROW_Q8 > 0u) {
-                [[unroll]] for (uint blk = 0u; blk < HEAD_DIM / 32u; ++blk) {
-                    float d = unpackHalf2x16(cache_words[base + blk / 2u])[blk % 2u];
-                    [[unroll]] for (uint u = 0u; u < 8u; ++u) {
-                        uint c = blk * 8u + u;  // value word c: elements 4c .. 4c+3
-                        vec4 kv = int8x4(cache_words[base + Q8_SCALE_WORDS + c]) * d;
-                        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                            if (h < GROUP)
-                                s[h] += dot(kv, q_sh[h * (HEAD_DIM / 4u) + c]);
-                    }
-                }
-            } else {
-                [[unroll]] for (uint c = 0u; c < ROW_QUADS; ++c) {
-                    vec4 k0, k1;
-                    unit_values(cache_quads[(base >> 2u) + c], 0u, k0, k1);
-                    uint d4 = c * (ROW_HALF > 0u ? 2u : 1u);  // the quad's first element, in vec4s
-                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                        if (h < GROUP) {
-                            s[h] += dot(k0, q_sh[h * (HEAD_DIM / 4u) + d4]);
-                            if (ROW_HALF > 0u)
-                                s[h] += dot(k1, q_sh[h * (HEAD_DIM / 4u) + d4 + 1u]);
-                        }
-                    }
-                }
+        uint k_base = pc.k_word + (g * pc.n_ctx + t0) * ROW_WORDS;
+        uint v_base = pc.v_word + (g * pc.n_ctx + t0) * ROW_WORDS;
+        for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
+            uvec4 kw[TB], vw[TB];  // TB tokens' units, loaded together (past the end: the last token)
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                uint t = min(r0 + tlane + b * TLANES, n_tok - 1u);
+                kw[b] = load_unit(k_base + t * ROW_WORDS, unit);
+                vw[b] = load_unit(v_base + t * ROW_WORDS, unit);
             }
-            bool grow = false;
-            [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                if (h < GROUP) {
-                    s[h] = tid < n ? s[h] : NEG_INF;
-                    grow = grow || s[h] > m[h] + GROW_MARGIN;
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                bool live = r0 + tlane + b * TLANES < n_tok;
+                vec4 k0, k1;
+                unit_values(kw[b], unit, k0, k1);
+                float s[MAX_G];
+                [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                    s[h] = dot(k0, q_lo[h]);
+                    if (UNIT_DIMS == 8u)
+                        s[h] += dot(k1, q_hi[h]);
                 }
-            }
-            if (grow)
-                grow_sh = 1u;
-            barrier();
-            // 3. a score far above the reference: the chunk's maximum becomes it (uniform branch)
-            if (grow_sh != 0u) {
+                // the token's scores: its lanes' partial scores summed (the same in each lane)
+#if SUBGROUP
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
                     if (h < GROUP)
-                        p_sh[h * LOCAL + tid] = s[h];
-                reduce(true);
+                        for (uint w = 1u; w < UNITS; w <<= 1u)
+                            s[h] += subgroupShuffleXor(s[h], w);
+#else
+                barrier();  // the last token's partials are read
+                [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                    if (h < GROUP)
+                        red_sh[h * LOCAL + tid] = s[h];
+                barrier();
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
                     if (h < GROUP) {
-                        float m_new = max(m[h], p_sh[h * LOCAL]);
-                        float corr = exp(m[h] - m_new);  // 0 on the first chunk (m = -inf)
-                        m[h] = m_new;
-                        l[h] *= corr;
-                        acc_lo[h] *= corr;
-                        acc_hi[h] *= corr;
+                        float a = 0.0;
+                        for (uint u = 0u; u < UNITS; ++u)
+                            a += red_sh[h * LOCAL + tlane * UNITS + u];
+                        s[h] = a;
                     }
                 }
-                barrier();  // all have read the maximum
-                if (tid == 0u)
-                    grow_sh = 0u;
-            }
-            [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                if (h < GROUP) {
-                    float p = exp(s[h] - m[h]);  // 0 past the chunk's end
-                    l[h] += p;
-                    p_sh[h * LOCAL + tid] = p;
-                }
-            }
-            barrier();
-            // 4. values: the unit's elements of the lane's tokens, the first batch already loaded
-            for (uint x0 = 0u; x0 < UNITS; x0 += VBATCH) {
-                if (x0 > 0u)
-                    [[unroll]] for (uint u = 0u; u < VBATCH; ++u)
-                        vw[u] = load_unit(v_base + (c0 + min(vlane + (x0 + u) * VLANES, n - 1u)) * ROW_WORDS, unit);
-                [[unroll]] for (uint u = 0u; u < VBATCH; ++u) {
-                    uint x = vlane + (x0 + u) * VLANES;
-                    if (x < n) {
-                        vec4 lo, hi;
-                        unit_values(vw[u], unit, lo, hi);
-                        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                            if (h < GROUP) {
-                                float p = p_sh[h * LOCAL + x];
-                                acc_lo[h] += p * lo;
-                                if (ROW_HALF > 0u && ROW_Q8 == 0u)
-                                    acc_hi[h] += p * hi;
+#endif
+                if (live) {
+                    vec4 v0, v1;
+                    unit_values(vw[b], unit, v0, v1);
+                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                        if (h < GROUP) {
+                            if (s[h] > m[h] + GROW_MARGIN) {  // the reference moves up to the score
+                                float corr = exp(m[h] - s[h]);  // 0 on the lane's first token
+                                m[h] = s[h];
+                                l[h] *= corr;
+                                acc_lo[h] *= corr;
+                                acc_hi[h] *= corr;
                             }
+                            float p = exp(s[h] - m[h]);
+                            l[h] += p;
+                            acc_lo[h] += p * v0;
+                            if (UNIT_DIMS == 8u)
+                                acc_hi[h] += p * v1;
                         }
                     }
                 }
             }
-            barrier();  // the chunk's probabilities are read before the next chunk's
         }
 
+        // the split's reference M: the largest of the token lanes' references; each lane's sums
+        // rescaled to it (a lane without tokens, m = -inf, adds nothing)
+        barrier();
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+            if (h < GROUP)
+                red_sh[h * LOCAL + tid] = m[h];
+        reduce(tid, true);
+        float m_split[MAX_G];
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+            if (h < GROUP) {
+                m_split[h] = red_sh[h * LOCAL];
+                float f = m[h] > NEG_INF ? exp(m[h] - m_split[h]) : 0.0;
+                l[h] *= f;
+                acc_lo[h] *= f;
+                acc_hi[h] *= f;
+            }
+        }
         // the token lanes' accumulators, summed through shared memory one element of the unit
-        // at a time (p_sh holds GROUP × LOCAL = GROUP × VLANES × UNITS floats)
+        // at a time (red_sh holds GROUP × LOCAL = GROUP × TLANES × UNITS floats)
         uint rec0 = record(i, g, pc.n_kv);
         [[unroll]] for (uint e = 0u; e < UNIT_DIMS; ++e) {
             barrier();
             [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
                 if (h < GROUP)
-                    p_sh[h * LOCAL + tid] = e < 4u ? acc_lo[h][e % 4u] : acc_hi[h][e % 4u];
+                    red_sh[h * LOCAL + tid] = e < 4u ? acc_lo[h][e % 4u] : acc_hi[h][e % 4u];
             barrier();
             for (uint x = tid; x < GROUP * UNITS; x += LOCAL) {
                 uint h = x / UNITS, un = x - h * UNITS;
                 float a = 0.0;
-                for (uint ln = 0u; ln < VLANES; ++ln)
-                    a += p_sh[h * LOCAL + ln * UNITS + un];
+                for (uint ln = 0u; ln < TLANES; ++ln)
+                    a += red_sh[h * LOCAL + ln * UNITS + un];
                 acc_floats[(rec0 + h) * HEAD_DIM + un * UNIT_DIMS + e] = a;  // record (i, g, h) = rec0 + h
             }
         }
+        // the sums of p: a token lane's l is in each of its invocations, counted once
         barrier();
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
             if (h < GROUP)
-                p_sh[h * LOCAL + tid] = l[h];
-        reduce(false);
+                red_sh[h * LOCAL + tid] = unit == 0u ? l[h] : 0.0;
+        reduce(tid, false);
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
             if (h < GROUP && tid == h) {
-                stats[(rec0 + h) * 2u] = m[h];
-                stats[(rec0 + h) * 2u + 1u] = p_sh[h * LOCAL];
+                stats[(rec0 + h) * 2u] = m_split[h];
+                stats[(rec0 + h) * 2u + 1u] = red_sh[h * LOCAL];
             }
         barrier();  // shared memory is reused by the next item
     }

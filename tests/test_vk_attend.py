@@ -181,16 +181,25 @@ def test_the_grid_is_covered():
     assert any(None in p and p != (None, None) for c in CASES for p in c[5])  # a mixed layer
 
 
-@pytest.mark.parametrize("path", ["direct", "flash"])
+@pytest.mark.parametrize("path", ["direct", "flash", "flash-shared"])
 @pytest.mark.parametrize("cache", ["f16", "f32"])
 @pytest.mark.parametrize("hd,g,n_kv,n_ctx", [(64, 3, 3, 32768), (32, 8, 2, 4096), (128, 1, 4, 300)])
 def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, path, make_arena):
     """The f16 cache against the float64 reference of its f16-rounded rows; f32 exactly so;
-    both shaders (attend_direct, and attend_flash — the GPUs' default)."""
+    both shaders (attend_direct, and attend_flash — the GPUs' default), attend_flash in both
+    variants: partial scores summed by subgroup shuffles where the device's subgroups hold a
+    token's lanes (attend_flash_sg), and through shared memory ("flash-shared", everywhere)."""
+    from kvdict_vk.vk.attend_specs import flash_subgroup_fits, flash_units
     rng = np.random.default_rng(hd * 1000 + g)
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, cache)
-    arena.attention(n_kv * g).path = path
-    assert arena.attention(n_kv * g).plan(0, n_ctx).path == path
+    att = arena.attention(n_kv * g)
+    att.path = path.split("-")[0]
+    att.subgroups = False if path == "flash-shared" else None
+    assert att.plan(0, n_ctx).path == att.path
+    if att.path == "flash":
+        local = att.flash_local(0)
+        fits = flash_subgroup_fits(flash_units(hd, cache), local, arena.device.shuffle_subgroup_size())
+        assert att.flash_variant(cache, local) == ("attend_flash_sg" if fits and path == "flash" else "attend_flash")
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
         _check(arena, stored, 0, q, n_used)

@@ -82,9 +82,13 @@ def test_shipped_spirv_matches_its_contract(name):
     from kvdict_vk.vk.kernels import SHADERS
     code = spirv.load(name)
     r = spirv.reflect(code)
-    spirv.check_portable(name, r)  # Shader capability only, no extension, ≤ 128 invocations
-    assert r.local_size == (64, 1, 1)
     spec = SHADERS[name]
+    # Shader capability only (and the subgroup classes a variant declares), no extension, ≤ 128
+    # invocations
+    spirv.check_portable(name, r, subgroup_ops=spec.subgroup_ops)
+    if not spec.subgroup_ops:
+        assert r.capabilities == (1,)
+    assert r.local_size == (64, 1, 1)
     assert len(r.bindings) == len(spec.lanes)
     assert r.push_constant_bytes == spec.push.size_bytes
     assert r.spec_ids == tuple(range(len(spec.spec_names)))

@@ -33,7 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import FLASH_MAX_GROUP, Sizes, flash_coded_shared_bytes, flash_shared_bytes, flash_units
+from .attend_specs import (FLASH_MAX_GROUP, Sizes, flash_coded_shared_bytes, flash_shared_bytes,
+                           flash_subgroup_fits, flash_units)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
@@ -91,6 +92,10 @@ class Attention:
         # attend_flash_coded's query heads per workgroup (None: measured with the launch
         # shape on a GPU; the most that fit on a CPU driver). Tests and benchmarks fix it.
         self.coded_heads: int | None = None
+        # whether attend_flash sums a token's partial scores by subgroup shuffles
+        # (attend_flash_sg) — None: wherever the device has them and they fit the row
+        # (flash_variant); False: through shared memory everywhere. Tests fix it.
+        self.subgroups: bool | None = None
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
         # The arena's shader mapping says which machine to plan for: "row" (CPU drivers:
@@ -212,6 +217,15 @@ class Attention:
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
                          and flash_shared_bytes(hd, self.group, n) <= limit)
         return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
+
+    def flash_variant(self, rows: str, local: int) -> str:
+        """attend_flash's SPIR-V for ``rows`` at ``local`` invocations: attend_flash_sg where
+        the device's subgroups can sum a token's partial scores (attend_specs.flash_subgroup_fits)
+        and ``subgroups`` allows, else attend_flash (shared memory, no optional feature)."""
+        units = flash_units(self.layout.head_dim, rows)
+        if self.subgroups is not False and flash_subgroup_fits(units, local, self.device.shuffle_subgroup_size()):
+            return "attend_flash_sg"
+        return "attend_flash"
 
     def flash_local(self, layer: int) -> int:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""

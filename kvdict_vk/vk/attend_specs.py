@@ -20,15 +20,23 @@ FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it kee
 
 
 def flash_shared_bytes(head_dim: int, group: int, local: int) -> int:
-    """attend_flash.comp's shared memory: the queries, the chunk's probabilities (and
-    reductions), the grow flag."""
-    return 4 * (group * head_dim + group * local + 1)
+    """attend_flash.comp's shared memory: a float per (query head, invocation) — partial
+    scores without subgroups, the end's reductions."""
+    return 4 * group * local
 
 
 def flash_units(head_dim: int, rows: str) -> int:
-    """Units of a row that attend_flash's value pass spreads over invocations: uvec4s of an
-    f16 (8 elements) or f32 row (4), int8 words of a q8_0 row (4)."""
+    """Invocations attend_flash spreads a row over (a unit each): uvec4s of an f16 (8
+    elements) or f32 row (4), int8 words of a q8_0 row (4)."""
     return head_dim // (8 if rows == "f16" else 4)
+
+
+def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
+    """Whether attend_flash_sg can sum a token's partial scores by subgroup shuffles: its
+    ``units`` invocations a power of two within one subgroup, the workgroup whole subgroups
+    (``subgroup_size`` 0: the device has no shuffles)."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return pow2(units) and pow2(subgroup_size) and units <= subgroup_size and local % subgroup_size == 0
 
 
 FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY")
@@ -285,8 +293,10 @@ def shader_specs(shader_spec) -> dict:
         shader_spec("attend_merge_head", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
                     _merge_head_extents),
         # cache words, cache quads, query, accs, stats
-        shader_spec("attend_flash", L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
-                    FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0))),
+        *(shader_spec(name, L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
+                      FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0)),
+                      subgroup_ops=ops)
+          for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
         shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
                     (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,

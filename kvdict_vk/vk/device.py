@@ -94,6 +94,12 @@ class Device:
     def limit(self, name: str):
         return self.info.limits[name]
 
+    def shuffle_subgroup_size(self) -> int:
+        """The subgroup size where compute shaders may use subgroup shuffles (the basic and
+        shuffle operation classes, both reported for the compute stage), else 0."""
+        ops = self.info.limits.get("subgroup_operations", ())
+        return self.info.limits.get("subgroup_size", 0) if {"basic", "shuffle"} <= set(ops) else 0
+
     @contextlib.contextmanager
     def guard(self, what: str):
         """Turn whatever Kompute raises (RuntimeError from Vulkan-Hpp, …) into a

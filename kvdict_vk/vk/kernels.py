@@ -80,6 +80,7 @@ class ShaderSpec:
     extents: Callable  # (push dict, spec dict) -> per binding, a list of Spans
     groups: Callable = lambda spec: 1  # invocations that share one row (grid stride % groups == 0)
     optional_spec: tuple = ()  # ((name, default), …): may be omitted, and may be 0
+    subgroup_ops: tuple = ()  # subgroup operation classes it uses (the device must report them)
 
 
 def _rows_extents(p, row_words: int) -> Span:
@@ -234,7 +235,12 @@ class Kernel:
         sh = self.shader
         code = spirv.load(sh.variant)
         r = spirv.reflect(code)
-        spirv.check_portable(sh.variant, r, min(128, device.limit("max_compute_work_group_invocations")))
+        spirv.check_portable(sh.variant, r, min(128, device.limit("max_compute_work_group_invocations")),
+                             sh.subgroup_ops)
+        missing = set(sh.subgroup_ops) - set(device.limit("subgroup_operations"))
+        if missing:
+            raise E.DispatchError(f"{sh.variant}: uses subgroup operations {sorted(missing)} that "
+                                  f"{device.name} does not report for compute shaders")
         if len(r.bindings) > device.limit("max_per_stage_storage_buffers"):
             raise E.DispatchError(f"{sh.variant}: binds {len(r.bindings)} storage buffers, the device "
                                   f"allows {device.limit('max_per_stage_storage_buffers')} per stage")

@@ -52,6 +52,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     **{name: (f"{name}.comp", {}) for name in ("attend_table", "attend_combine", "attend_atoms", "attend_reduce",
                                                "attend_direct", "attend_merge", "attend_merge_head", "attend_flash",
                                                "attend_flash_coded")},
+    # the same kernel summing a token's partial scores by subgroup shuffles (GPUs that have them)
+    "attend_flash_sg": ("attend_flash.comp", {"SUBGROUP": 1}),
     # GPU OMP encoder (kvdict_vk/vk/encoder.py, kvdict_vk/vk/encode_specs.py)
     **{f"omp_encode_{k}_{v}": (f"omp_encode_{k}.comp", {"VEC4": n}) for k in ("corr", "metric")
        for v, n in (("vec4", 1), ("scalar", 0))},

@@ -140,10 +140,19 @@ def reflect(spirv: bytes) -> Reflection:
                       tuple(caps), tuple(exts))
 
 
-def check_portable(name: str, r: Reflection, max_invocations: int = 128) -> None:
-    """Shader rules: Shader capability only, no extension, ≤ 128 invocations, set 0."""
-    if set(r.capabilities) - {_CAP_SHADER}:
-        raise E.ShaderBuildError(f"{name}: needs capabilities {r.capabilities} (only Shader allowed)")
+# SPIR-V's GroupNonUniform* capabilities by the Vulkan subgroup operation class that allows
+# each (VkSubgroupFeatureFlagBits, vulkan_info.SUBGROUP_OPERATIONS)
+SUBGROUP_CAPABILITIES = {61: "basic", 62: "vote", 63: "arithmetic", 64: "ballot", 65: "shuffle",
+                         66: "shuffle_relative", 67: "clustered", 68: "quad"}
+
+
+def check_portable(name: str, r: Reflection, max_invocations: int = 128, subgroup_ops: tuple = ()) -> None:
+    """Shader rules: Shader capability only — and the subgroup capabilities of the operation
+    classes ``subgroup_ops`` (a variant that declares them, for devices that report them) —,
+    no extension, ≤ 128 invocations, set 0."""
+    allowed = {_CAP_SHADER} | {c for c, op in SUBGROUP_CAPABILITIES.items() if op in subgroup_ops}
+    if set(r.capabilities) - allowed:
+        raise E.ShaderBuildError(f"{name}: needs capabilities {r.capabilities} (allowed: {sorted(allowed)})")
     if r.extensions:
         raise E.ShaderBuildError(f"{name}: needs SPIR-V extensions {r.extensions}")
     if int(np.prod(r.local_size)) > max_invocations:

@@ -92,6 +92,11 @@ class _DriverProps(ctypes.Structure):
                 ("conformanceVersion", _u8 * 4)]
 
 
+class _SubgroupProps(ctypes.Structure):
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("subgroupSize", _u32), ("supportedStages", _u32),
+                ("supportedOperations", _u32), ("quadOperationsInAllStages", _u32)]
+
+
 class _MemoryProps(ctypes.Structure):
     _fields_ = [("memoryTypeCount", _u32), ("memoryTypes", _u32 * 64),  # 32 × (flags, heapIndex)
                 ("memoryHeapCount", _u32), ("memoryHeaps", _u64 * 32)]  # 16 × (size, flags+pad)
@@ -119,7 +124,10 @@ class _InstanceInfo(ctypes.Structure):
 
 
 _ST_APP, _ST_INSTANCE = 0, 1
-_ST_PROPS2, _ST_MAINT3, _ST_DRIVER = 1000059001, 1000168000, 1000196000
+_ST_PROPS2, _ST_MAINT3, _ST_DRIVER, _ST_SUBGROUP = 1000059001, 1000168000, 1000196000, 1000094000
+_STAGE_COMPUTE = 0x20
+# VkSubgroupFeatureFlagBits, bit by bit
+SUBGROUP_OPERATIONS = ("basic", "vote", "arithmetic", "ballot", "shuffle", "shuffle_relative", "clustered", "quad")
 _DEVICE_TYPES = {0: "other", 1: "integrated-gpu", 2: "discrete-gpu", 3: "virtual-gpu", 4: "cpu"}
 _HEAP_DEVICE_LOCAL = 1
 
@@ -193,11 +201,14 @@ def query_devices() -> list[DeviceInfo]:
 def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
     base = _Properties()
     vk.vkGetPhysicalDeviceProperties(ctypes.c_void_p(handle), ctypes.byref(base))
+    # the chain: maintenance3 → subgroup properties (core in 1.1) → driver properties (1.2)
     maint3 = _Maintenance3(_ST_MAINT3, None, 0, 0)
+    subgroup = _SubgroupProps(_ST_SUBGROUP, None)
     driver = _DriverProps(_ST_DRIVER, None)
+    maint3.pNext = ctypes.cast(ctypes.pointer(subgroup), ctypes.c_void_p)
     have_driver = base.apiVersion >= _make_version(1, 2) and instance_api >= _make_version(1, 2)
     if have_driver:
-        maint3.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
+        subgroup.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
     props2 = _Properties2(_ST_PROPS2, ctypes.cast(ctypes.pointer(maint3), ctypes.c_void_p))
     vk.vkGetPhysicalDeviceProperties2(ctypes.c_void_p(handle), ctypes.byref(props2))
     mem = _MemoryProps()
@@ -222,6 +233,12 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
         "timestamp_compute_and_graphics": bool(lim.timestampComputeAndGraphics),
         "timestamp_period_ns": lim.timestampPeriod,
         "timestamp_valid_bits": compute[0].timestampValidBits if compute else 0,
+        # subgroups in compute shaders: their size and the operation classes they support
+        # (none when the compute stage has no subgroup support)
+        "subgroup_size": subgroup.subgroupSize,
+        "subgroup_operations": tuple(name for bit, name in enumerate(SUBGROUP_OPERATIONS)
+                                     if subgroup.supportedStages & _STAGE_COMPUTE
+                                     and subgroup.supportedOperations >> bit & 1),
     }
     heaps = tuple((int(mem.memoryHeaps[2 * i]), bool(mem.memoryHeaps[2 * i + 1] & _HEAP_DEVICE_LOCAL))
                   for i in range(mem.memoryHeapCount))
