@@ -40,12 +40,18 @@ layout(constant_id = 5) const uint ROW_Q8 = 0u;
 const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2
 const uint Q8_SCALE_WORDS = (HEAD_DIM / 32u + 1u) / 2u;
 const uint ROW_WORDS = ROW_Q8 > 0u ? Q8_SCALE_WORDS + HEAD_DIM / 4u : (ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM);
-// a row unit: a uvec4 (8 halves or 4 floats; rows of whole uvec4s, host-checked) or a q8_0
-// value word (4 int8)
-const uint UNIT_DIMS = ROW_Q8 > 0u ? 4u : (ROW_HALF > 0u ? 8u : 4u);
+// a row unit: 8 elements — a uvec4 of halves, two of floats, two q8_0 value words (rows of
+// whole units: HEAD_DIM % 8 == 0, host-checked)
+const uint UNIT_DIMS = 8u;
 const uint UNITS = HEAD_DIM / UNIT_DIMS;  // invocations per token; LOCAL % UNITS == 0 (host)
 const uint TLANES = LOCAL / UNITS;        // tokens in flight per workgroup
-const uint TB = 4u;                       // tokens per invocation whose rows are loaded together
+#ifndef TOKENS_PER_LANE
+#define TOKENS_PER_LANE 4u
+#endif
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+const uint TB = TOKENS_PER_LANE;  // tokens per invocation whose rows are loaded together
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
 const float GROW_MARGIN = 8.0;
 
@@ -92,26 +98,44 @@ void reduce(uint tid, bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh
     barrier();
 }
 
-// Unit `unit` of a row: its elements as two vec4s (f16: 8, else 4 in the first), from the
-// unit's words (f16 / f32: a uvec4; q8_0: the value word in .x and its block's scale pair in .y).
-void unit_values(uvec4 w, uint unit, out vec4 lo, out vec4 hi) {
+// A row unit's words: f16 a (8 halves); f32 a, b (4 floats each); q8_0 a.x, a.y (the value
+// words) and a.z (the pair of block scales holding its block's).
+void load_unit(uint base, uint unit, out uvec4 a, out uvec4 b) {  // base: the row's first word
+    b = uvec4(0u);
     if (ROW_Q8 > 0u) {
-        lo = int8x4(w.x) * unpackHalf2x16(w.y)[(unit / 8u) % 2u];
-        hi = vec4(0.0);
+        uint w = base + Q8_SCALE_WORDS + 2u * unit;
+        a = uvec4(cache_words[w], cache_words[w + 1u], cache_words[base + unit / 8u], 0u);
     } else if (ROW_HALF > 0u) {
-        lo = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-        hi = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+        a = cache_quads[(base >> 2u) + unit];
     } else {
-        lo = uintBitsToFloat(w);
-        hi = vec4(0.0);
+        a = cache_quads[(base >> 2u) + 2u * unit];
+        b = cache_quads[(base >> 2u) + 2u * unit + 1u];
     }
 }
 
-uvec4 load_unit(uint base, uint unit) {  // base: the row's first word
-    if (ROW_Q8 > 0u)
-        return uvec4(cache_words[base + Q8_SCALE_WORDS + unit], cache_words[base + unit / 16u], 0u, 0u);
-    return cache_quads[(base >> 2u) + unit];
+// The unit's 8 elements as two vec4s.
+void unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
+    if (ROW_Q8 > 0u) {
+        float d = unpackHalf2x16(a.z)[(unit / 4u) % 2u];  // 4 units a block of 32
+        lo = int8x4(a.x) * d;
+        hi = int8x4(a.y) * d;
+    } else if (ROW_HALF > 0u) {
+        lo = vec4(unpackHalf2x16(a.x), unpackHalf2x16(a.y));
+        hi = vec4(unpackHalf2x16(a.z), unpackHalf2x16(a.w));
+    } else {
+        lo = uintBitsToFloat(a);
+        hi = uintBitsToFloat(b);
+    }
 }
+
+// The units of this invocation's TB tokens of the round starting at split token `first`
+// (past the split's end: its last token, unused) into ka/kb (K) and va/vb (V).
+#define LOAD_ROUND(first) \
+    [[unroll]] for (uint b = 0u; b < TB; ++b) { \
+        uint t = min((first) + tlane + b * TLANES, n_tok - 1u); \
+        load_unit(k_base + t * ROW_WORDS, unit, ka[b], kb[b]); \
+        load_unit(v_base + t * ROW_WORDS, unit, va[b], vb[b]); \
+    }
 
 void main() {
     const uint tid = lane_index();
@@ -132,8 +156,7 @@ void main() {
             if (h < GROUP) {
                 uint f = (g * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
                 q_lo[h] = vec4(q_floats[f], q_floats[f + 1u], q_floats[f + 2u], q_floats[f + 3u]) * pc.score_scale;
-                if (UNIT_DIMS == 8u)
-                    q_hi[h] = vec4(q_floats[f + 4u], q_floats[f + 5u], q_floats[f + 6u], q_floats[f + 7u]) * pc.score_scale;
+                q_hi[h] = vec4(q_floats[f + 4u], q_floats[f + 5u], q_floats[f + 6u], q_floats[f + 7u]) * pc.score_scale;
             }
             m[h] = NEG_INF;
             l[h] = 0.0;
@@ -143,23 +166,26 @@ void main() {
 
         uint k_base = pc.k_word + (g * pc.n_ctx + t0) * ROW_WORDS;
         uint v_base = pc.v_word + (g * pc.n_ctx + t0) * ROW_WORDS;
+        // TB tokens' units, loaded together; with PREFETCH the next round's are in flight
+        // while this round computes (else loaded after it)
+        uvec4 ka[TB], kb[TB], va[TB], vb[TB];
+        LOAD_ROUND(0u);
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
-            uvec4 kw[TB], vw[TB];  // TB tokens' units, loaded together (past the end: the last token)
+            vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                uint t = min(r0 + tlane + b * TLANES, n_tok - 1u);
-                kw[b] = load_unit(k_base + t * ROW_WORDS, unit);
-                vw[b] = load_unit(v_base + t * ROW_WORDS, unit);
+                unit_values(ka[b], kb[b], unit, k_lo[b], k_hi[b]);
+                unit_values(va[b], vb[b], unit, v_lo[b], v_hi[b]);
             }
+            uint next = r0 + TLANES * TB;
+#if PREFETCH
+            if (next < n_tok)
+                LOAD_ROUND(next);
+#endif
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 bool live = r0 + tlane + b * TLANES < n_tok;
-                vec4 k0, k1;
-                unit_values(kw[b], unit, k0, k1);
                 float s[MAX_G];
-                [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                    s[h] = dot(k0, q_lo[h]);
-                    if (UNIT_DIMS == 8u)
-                        s[h] += dot(k1, q_hi[h]);
-                }
+                [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                    s[h] = dot(k_lo[b], q_lo[h]) + dot(k_hi[b], q_hi[h]);
                 // the token's scores: its lanes' partial scores summed (the same in each lane)
 #if SUBGROUP
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
@@ -182,8 +208,6 @@ void main() {
                 }
 #endif
                 if (live) {
-                    vec4 v0, v1;
-                    unit_values(vw[b], unit, v0, v1);
                     [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
                         if (h < GROUP) {
                             if (s[h] > m[h] + GROW_MARGIN) {  // the reference moves up to the score
@@ -195,13 +219,16 @@ void main() {
                             }
                             float p = exp(s[h] - m[h]);
                             l[h] += p;
-                            acc_lo[h] += p * v0;
-                            if (UNIT_DIMS == 8u)
-                                acc_hi[h] += p * v1;
+                            acc_lo[h] += p * v_lo[b];
+                            acc_hi[h] += p * v_hi[b];
                         }
                     }
                 }
             }
+#if !PREFETCH
+            if (next < n_tok)
+                LOAD_ROUND(next);
+#endif
         }
 
         // the split's reference M: the largest of the token lanes' references; each lane's sums

@@ -200,7 +200,7 @@ class Attention:
     def flash_locals(self, layer: int) -> list[int]:
         """attend_flash's workgroup sizes over an uncoded ``layer``, preferred first (empty: it
         cannot): at most FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8
-        (f16: a uvec4 is 8 halves), 4 (f32) or 32 (q8_0 blocks); those of FLASH_LOCALS
+        (a unit of 8 elements per invocation) or 32 (q8_0 blocks); those of FLASH_LOCALS
         (attend_tune) the device allows that the row's units divide and whose shared memory fits."""
         k = self.layout.layers[layer].k
         return [] if k.coded else self.flash_locals_of(k.rows)
@@ -210,7 +210,7 @@ class Attention:
         first (flash_locals; the reconstruct-then-attend path asks for "f32")."""
         def derive() -> tuple[int, ...]:
             hd = self.layout.head_dim
-            if self.group > FLASH_MAX_GROUP or hd % {"f16": 8, "q8_0": 32}.get(rows, 4):
+            if self.group > FLASH_MAX_GROUP or hd % (32 if rows == "q8_0" else 8):
                 return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
             units = flash_units(hd, rows)
@@ -291,7 +291,7 @@ class Attention:
         if path == "flash" or (path is None and (self.local == GPU_LOCAL or k.q8) and self.flash_fits(layer)):
             if not self.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
-                                   f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16), 4 (f32), 32 (q8_0); "
+                                   f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16, f32) or 32 (q8_0); "
                                    f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
                                    f"the q·atom table in shared memory)")
             return self._flash_plan(layer, n_used)

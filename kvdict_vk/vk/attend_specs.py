@@ -26,9 +26,9 @@ def flash_shared_bytes(head_dim: int, group: int, local: int) -> int:
 
 
 def flash_units(head_dim: int, rows: str) -> int:
-    """Invocations attend_flash spreads a row over (a unit each): uvec4s of an f16 (8
-    elements) or f32 row (4), int8 words of a q8_0 row (4)."""
-    return head_dim // (8 if rows == "f16" else 4)
+    """Invocations attend_flash spreads a row over, a unit of 8 elements each (a uvec4 of an
+    f16 row, two of an f32 row, two value words of a q8_0 row): the same for every format."""
+    return head_dim // 8
 
 
 def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
@@ -218,7 +218,7 @@ def _flash_extents(p, s):
     row, units = row_words(hd, 0, 0, rows), flash_units(hd, rows)
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
-    _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % (8 if rows == "f16" else 4) == 0
+    _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % 8 == 0
            and units <= local and local % units == 0 and not (s["ROW_Q8"] and s["ROW_HALF"])
            and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0,
            "attend_flash (specialization)", dict(p, **s))
