@@ -145,7 +145,7 @@ void main() {
         uint g = item % pc.n_kv;
         uint i = item / pc.n_kv;
         uint t0 = i * pc.split_len;
-        uint n_tok = t0 < pc.n_used ? min(t0 + pc.split_len, pc.n_used) - t0 : 0u;  // 0: an empty split
+        uint n_tok = min(t0 + pc.split_len, pc.n_used) - t0;
 
         vec4 q_lo[MAX_G], q_hi[MAX_G];  // this unit of each query head, times the score scale
         float m[MAX_G], l[MAX_G];       // the token lane's reference and sum of p
@@ -169,8 +169,7 @@ void main() {
         // TB tokens' units, loaded together; with PREFETCH the next round's are in flight
         // while this round computes (else loaded after it)
         uvec4 ka[TB], kb[TB], va[TB], vb[TB];
-        if (n_tok > 0u)
-            LOAD_ROUND(0u);
+        LOAD_ROUND(0u);
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
             vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
             [[unroll]] for (uint b = 0u; b < TB; ++b) {

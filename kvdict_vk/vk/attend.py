@@ -33,8 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_MAX_GROUP, Sizes, flash_coded_lanes, flash_coded_shared_bytes,
-                           flash_shared_bytes, flash_subgroup_fits, flash_units)
+from .attend_specs import (FLASH_MAX_GROUP, Sizes, flash_coded_shared_bytes, flash_shared_bytes,
+                           flash_subgroup_fits, flash_units)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
@@ -92,10 +92,9 @@ class Attention:
         # attend_flash_coded's query heads per workgroup (None: measured with the launch
         # shape on a GPU; the most that fit on a CPU driver). Tests and benchmarks fix it.
         self.coded_heads: int | None = None
-        # whether the flash kernels sum a token's partial scores by subgroup shuffles
-        # (attend_flash_sg, attend_flash_coded_sg) — None: wherever the device has them and
-        # they fit the row (flash_variant, flash_coded_variant); False: through shared memory
-        # everywhere. Tests fix it.
+        # whether attend_flash sums a token's partial scores by subgroup shuffles
+        # (attend_flash_sg) — None: wherever the device has them and they fit the row
+        # (flash_variant); False: through shared memory everywhere. Tests fix it.
         self.subgroups: bool | None = None
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
@@ -228,15 +227,6 @@ class Attention:
             return "attend_flash_sg"
         return "attend_flash"
 
-    def flash_coded_variant(self, local: int) -> str:
-        """attend_flash_coded's SPIR-V at ``local`` invocations: attend_flash_coded_sg where the
-        device's subgroups can sum a token's partial scores and ``subgroups`` allows, else
-        attend_flash_coded (shared memory)."""
-        lanes = flash_coded_lanes(self.layout.head_dim)
-        if self.subgroups is not False and flash_subgroup_fits(lanes, local, self.device.shuffle_subgroup_size()):
-            return "attend_flash_coded_sg"
-        return "attend_flash_coded"
-
     def flash_local(self, layer: int) -> int:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""
         return (self.flash_locals(layer) or [0])[0]
@@ -251,13 +241,13 @@ class Attention:
         def derive() -> tuple[tuple[int, tuple[int, ...]], ...]:
             k, v = self.layout.layers[layer].streams
             hd, na = self.layout.head_dim, self.layout.n_atoms
-            if not (k.coded and v.coded) or hd % 8:
+            if not (k.coded and v.coded) or hd % 4:
                 return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
             out = []
             for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
                              reverse=True):
-                fits = tuple(n for n in FLASH_CODED_LOCALS if n <= most and n % flash_coded_lanes(hd) == 0
+                fits = tuple(n for n in FLASH_CODED_LOCALS if n <= most and n % (hd // 4) == 0
                              and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit)
                 if fits:
                     out.append((hb, fits))
@@ -302,7 +292,7 @@ class Attention:
             if not self.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
                                    f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16, f32) or 32 (q8_0); "
-                                   f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 8, "
+                                   f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
                                    f"the q·atom table in shared memory)")
             return self._flash_plan(layer, n_used)
         p = P.plan(k, v, self.layout.head_dim, self.hb, self.layout.n_atoms, n_used, n_cached,

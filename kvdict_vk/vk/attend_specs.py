@@ -44,15 +44,10 @@ FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARS
 
 def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v_bits: int) -> int:
     """attend_flash_coded.comp's shared memory: the q·atom table and the atom weights of its
-    HB heads, a float per (head, invocation) — partial scores without subgroups, reductions,
-    the end's sums —, three grow flags. (``head_dim`` and ``v_bits`` no longer size it: the
-    lanes keep their queries and levels in registers.)"""
-    return 4 * (2 * hb * n_atoms + hb * local + 3)
-
-
-def flash_coded_lanes(head_dim: int) -> int:
-    """Invocations attend_flash_coded spreads a slot over: one per 8 elements."""
-    return head_dim // 8
+    HB heads, the scaled queries, the chunk's p·step (and reductions), the chunk's staged V
+    level words, the grow flag."""
+    v_stage = L.residual_words(head_dim, v_bits) - 1 if v_bits else 1
+    return 4 * (2 * hb * n_atoms + hb * head_dim + hb * local + local * v_stage + 1)
 
 
 def n_blocks(n_atoms: int) -> int:
@@ -240,7 +235,7 @@ def _flash_coded_extents(p, s):
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
-    _check(g % hb == 0 and hd % 8 == 0 and local % flash_coded_lanes(hd) == 0, "attend_flash_coded (specialization)", s)
+    _check(g % hb == 0 and hd % 4 == 0 and local % (hd // 4) == 0, "attend_flash_coded (specialization)", s)
     words = []
     for word, sp, bits in ((p["k_word"], s["K_SPARSITY"], s["K_BITS"]), (p["v_word"], s["V_SPARSITY"], s["V_BITS"])):
         words.append(_span(word, ((n_kv - 1) * p["n_ctx"] + used) * row_words(hd, sp, bits)))
@@ -303,9 +298,8 @@ def shader_specs(shader_spec) -> dict:
                       subgroup_ops=ops)
           for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
-        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
-                      (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
-                      optional_spec=(("K_BITS", 0), ("V_BITS", 0)), subgroup_ops=ops)
-          for name, ops in (("attend_flash_coded", ()), ("attend_flash_coded_sg", ("basic", "shuffle")))),
+        shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
+                    (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
+                    optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
     ]
     return {s.variant: s for s in specs}
