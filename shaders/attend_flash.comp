@@ -45,13 +45,18 @@ const uint ROW_WORDS = ROW_Q8 > 0u ? Q8_SCALE_WORDS + HEAD_DIM / 4u : (ROW_HALF 
 const uint UNIT_DIMS = 8u;
 const uint UNITS = HEAD_DIM / UNIT_DIMS;  // invocations per token; LOCAL % UNITS == 0 (host)
 const uint TLANES = LOCAL / UNITS;        // tokens in flight per workgroup
+// Tokens per invocation whose rows are loaded together, and whether the next round's rows
+// are loaded while this round computes (else after it): on an H200 (8 × 4 heads, d64, 131 072
+// tokens) 2 tokens with prefetch won for f16 (87 µs against 101-134 for 2/4/8 tokens
+// without or 8 with) and q8_0 rows; f32 rows — twice the registers a unit — won without
+// (144 µs, 179 with). Build-time knobs for such probes.
 #ifndef TOKENS_PER_LANE
-#define TOKENS_PER_LANE 4u
+#define TOKENS_PER_LANE 2u
 #endif
 #ifndef PREFETCH
-#define PREFETCH 1
+#define PREFETCH (ROW_Q8 > 0u || ROW_HALF > 0u)
 #endif
-const uint TB = TOKENS_PER_LANE;  // tokens per invocation whose rows are loaded together
+const uint TB = TOKENS_PER_LANE;
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
 const float GROW_MARGIN = 8.0;
 
@@ -145,7 +150,7 @@ void main() {
         uint g = item % pc.n_kv;
         uint i = item / pc.n_kv;
         uint t0 = i * pc.split_len;
-        uint n_tok = min(t0 + pc.split_len, pc.n_used) - t0;
+        uint n_tok = t0 < pc.n_used ? min(t0 + pc.split_len, pc.n_used) - t0 : 0u;  // 0: an empty split
 
         vec4 q_lo[MAX_G], q_hi[MAX_G];  // this unit of each query head, times the score scale
         float m[MAX_G], l[MAX_G];       // the token lane's reference and sum of p
@@ -169,7 +174,8 @@ void main() {
         // TB tokens' units, loaded together; with PREFETCH the next round's are in flight
         // while this round computes (else loaded after it)
         uvec4 ka[TB], kb[TB], va[TB], vb[TB];
-        LOAD_ROUND(0u);
+        if (n_tok > 0u)
+            LOAD_ROUND(0u);
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
             vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
@@ -177,10 +183,8 @@ void main() {
                 unit_values(va[b], vb[b], unit, v_lo[b], v_hi[b]);
             }
             uint next = r0 + TLANES * TB;
-#if PREFETCH
-            if (next < n_tok)
+            if (PREFETCH && next < n_tok)
                 LOAD_ROUND(next);
-#endif
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 bool live = r0 + tlane + b * TLANES < n_tok;
                 float s[MAX_G];
@@ -225,10 +229,8 @@ void main() {
                     }
                 }
             }
-#if !PREFETCH
-            if (next < n_tok)
+            if (!(PREFETCH) && next < n_tok)
                 LOAD_ROUND(next);
-#endif
         }
 
         // the split's reference M: the largest of the token lanes' references; each lane's sums

@@ -32,9 +32,10 @@ from . import common, results, roofline, timing, torch_anchor, traffic
 NAME, TOOL = "attention", "kvdict_vk.bench.attention"
 PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", "20"],
            "cpu": [],
-           # the shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB)
+           # the shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB),
+           # per-head dictionaries of 1024 atoms (the certified format's)
            "gpu": ["--shapes", "8x4,3x3", "--head-dims", "64,128", "--n-used", "8192,32768,131072",
-                   "--formats", "0/0,4/3,6/4", "--repeats", "20", "--case-budget-s", "10"]}
+                   "--formats", "0/0,4/3,6/4", "--per-head", "--repeats", "20", "--case-budget-s", "10"]}
 USES_DEVICE, REQUIRES = True, {}
 UNCODED = ("f16", "f32", "q8_0")
 KIVI = "kivi"  # KvArena(cache="kivi"), default settings
