@@ -1,7 +1,8 @@
 // Shared by every kvdict_vk compute shader. Compiled with
 //   glslangValidator -V --target-env vulkan1.1 [-DVEC4=0|1]
 // No optional Vulkan feature or extension: 32-bit uint/float storage buffers only,
-// no subgroup operations, workgroups of WG_SIZE (<= 128) invocations.
+// no subgroup operations (a variant built with -DSUBGROUP=1, attend_flash_sg, uses shuffles
+// and runs only where the device reports them), workgroups of WG_SIZE (<= 128) invocations.
 // (GL_GOOGLE_include_directive, used to include this file, is a front-end feature of
 // glslang; it leaves no capability or extension in the SPIR-V.)
 

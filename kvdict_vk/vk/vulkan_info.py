@@ -2,7 +2,9 @@
 
 Kompute's Python binding reports a device name and workgroup limits only; the arena also
 needs maxStorageBufferRange, maxMemoryAllocationSize, the memory heaps and the device type
-(to refuse arenas before allocating, and to pick a CPU- or GPU-friendly shader mapping).
+(to refuse arenas before allocating, and to pick a CPU- or GPU-friendly shader mapping), and
+the subgroup size and operations of compute shaders (to pick the kernel variants that use
+subgroup shuffles where the device has them).
 This module asks the loader through ``ctypes`` (a short-lived instance of its own, no kp),
 enumerating devices in the loader's order — the order ``kp.Manager(index)`` uses.
 """
@@ -205,9 +207,10 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
     maint3 = _Maintenance3(_ST_MAINT3, None, 0, 0)
     subgroup = _SubgroupProps(_ST_SUBGROUP, None)
     driver = _DriverProps(_ST_DRIVER, None)
-    maint3.pNext = ctypes.cast(ctypes.pointer(subgroup), ctypes.c_void_p)
+    if base.apiVersion >= _make_version(1, 1):
+        maint3.pNext = ctypes.cast(ctypes.pointer(subgroup), ctypes.c_void_p)
     have_driver = base.apiVersion >= _make_version(1, 2) and instance_api >= _make_version(1, 2)
-    if have_driver:
+    if have_driver:  # a 1.2 device is a 1.1 device: the subgroup properties are chained
         subgroup.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
     props2 = _Properties2(_ST_PROPS2, ctypes.cast(ctypes.pointer(maint3), ctypes.c_void_p))
     vk.vkGetPhysicalDeviceProperties2(ctypes.c_void_p(handle), ctypes.byref(props2))

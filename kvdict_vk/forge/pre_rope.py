@@ -1,0 +1,104 @@
+"""The pre-RoPE-keys lever (#14): key dictionaries learned on, and coding, the keys before
+RoPE rotates them — where a channel's statistics do not turn with the token's position —,
+measured on the forge's evaluation texts beside key dictionaries learned on the rotated keys
+(the engine's choice), both from the same calibration capture, the same configuration and the
+same value dictionaries, both through the forge's codec (``codec.roundtrip_heads``).
+
+The engine does not implement it: attention over pre-RoPE codes needs each key rotated to
+its position after decoding (the direct path could; the q·atom table of attend_flash_coded
+cannot, since a rotated atom differs per position). This measures what it would buy first.
+
+    python -m kvdict_vk.forge.pre_rope --k-bits 4 --v-bits 3 --out docs/results/fidelity_levers/pre_rope_keys_k4v3.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+
+import numpy as np
+
+from .. import codec
+from . import llama, parallel, table
+from . import pipeline as P
+from .residual_only import DictLeverHook
+
+
+class CodecHook(DictLeverHook):
+    """Every coded stream through the codec (post-RoPE keys: the engine's layout)."""
+
+    def code(self, d, x, atoms_only):
+        return codec.roundtrip_heads(x, d)
+
+
+class PreRopeKeysHook(llama.KVHook):
+    """Keys coded before RoPE with ``pre`` (an artifact learned on pre-RoPE keys), values
+    with ``art``'s value dictionaries; a passthrough stream stays as it is."""
+
+    def __init__(self, pre, art):
+        self.pre, self.art = pre, art
+
+    def keys_pre_rope(self, layer, k):
+        d = self.pre.stream(layer, True)
+        return k if d is None else codec.roundtrip_heads(k, d)
+
+    def __call__(self, layer, k, v):
+        d = self.art.stream(layer, False)
+        return k, (v if d is None else codec.roundtrip_heads(v, d))
+
+
+def _capture_task(window):
+    """One calibration window: per layer (K after RoPE, V, K before RoPE)."""
+    return llama.capture_kv(window)
+
+
+def calibration_kv3(cfg: P.ForgeConfig, log) -> list:
+    """Per layer (K, V, K pre-RoPE) from the forge's calibration windows (pipeline's files
+    and windows; not cached)."""
+    paths = P.calibration_files(cfg.calib_files)
+    wins = P.calibration_windows(paths, cfg.window, max(1, -(-cfg.calib_tokens // cfg.window)), bool(cfg.calib_files))
+    # the task by its module's import name: the workers import it (not "__main__" under -m)
+    from . import pre_rope as this
+    caps = parallel.map_tasks(this._capture_task, [(w,) for w in wins],
+                              lambda i: log(f"calibration window {i + 1}/{len(wins)} captured"))
+    return [tuple(np.concatenate([c[li][j] for c in caps], 1) for j in range(3)) for li in range(len(caps[0]))]
+
+
+def rows(cfg: P.ForgeConfig, log) -> list:
+    """The two rows: key dictionaries learned on rotated keys, and on pre-RoPE keys."""
+    kv3 = calibration_kv3(cfg, log)
+    log("learning the rotated-key and value dictionaries")
+    art = P.learn_artifact([(k, v) for k, v, _ in kv3], cfg)
+    log("learning the pre-RoPE key dictionaries")
+    keys_only = dataclasses.replace(cfg, passthrough=[f"v:{i}" for i in range(len(kv3))])
+    pre = P.learn_artifact([(kp, v) for _, v, kp in kv3], keys_only)
+    ident = lambda a: table.digest(*[x for pair in a.layers for d in pair if d is not None  # noqa: E731
+                                     for x in (d.atoms, d.mean, d.residual_scale)])
+    name = f"dict {cfg.n_atoms} atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b (codec)"
+    size = P.bytes_per_vector(art, art.head_dim)["all"]
+    return [table.Row(name, "dictionary", size, lambda: CodecHook(art), ident(art)),
+            table.Row(name + ", keys coded before RoPE", "dictionary", size, lambda: PreRopeKeysHook(pre, art),
+                      ident(art) + ident(pre), "lever: pre-RoPE keys (not in the engine)")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvdict_vk.forge.pre_rope", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--k-bits", type=int, default=P.ForgeConfig.k_bits)
+    ap.add_argument("--v-bits", type=int, default=P.ForgeConfig.v_bits)
+    ap.add_argument("--n-atoms", type=int, default=P.ForgeConfig.n_atoms)
+    ap.add_argument("--cache", default="out/forge/cache", help="the forge's cache (evaluation sets, rows)")
+    ap.add_argument("--out", default=None, help="JSON of the rows (default stdout)")
+    a = ap.parse_args(argv)
+    log = lambda m: print(f"[pre_rope] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    cfg = P.ForgeConfig(k_bits=a.k_bits, v_bits=a.v_bits, n_atoms=a.n_atoms)
+    sets = P.eval_sets(cfg, a.cache)
+    measured = table.measure(rows(cfg, log), sets, a.cache, log=log)
+    print(table.markdown(measured, sets), file=sys.stderr)
+    table.write_doc({"command": "python -m kvdict_vk.forge.pre_rope " + shlex.join(sys.argv[1:] if argv is None else argv),
+                     "rows": measured}, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
