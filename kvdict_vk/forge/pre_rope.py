@@ -65,21 +65,24 @@ def calibration_kv3(cfg: P.ForgeConfig, log) -> list:
     return [tuple(np.concatenate([c[li][j] for c in caps], 1) for j in range(3)) for li in range(len(caps[0]))]
 
 
-def rows(cfg: P.ForgeConfig, log) -> list:
-    """The two rows: key dictionaries learned on rotated keys, and on pre-RoPE keys."""
+def rows(cfg: P.ForgeConfig, log, pre_only: bool = False) -> list:
+    """The two rows: key dictionaries learned on rotated keys, and on pre-RoPE keys (only
+    the second with ``pre_only``: the rotated keys' dictionaries are then not learned)."""
     kv3 = calibration_kv3(cfg, log)
-    log("learning the rotated-key and value dictionaries")
-    art = P.learn_artifact([(k, v) for k, v, _ in kv3], cfg)
+    n = len(kv3)
+    log("learning the value dictionaries" + ("" if pre_only else " and the rotated-key ones"))
+    art = P.learn_artifact([(k, v) for k, v, _ in kv3],
+                           dataclasses.replace(cfg, passthrough=[f"k:{i}" for i in range(n)]) if pre_only else cfg)
     log("learning the pre-RoPE key dictionaries")
-    keys_only = dataclasses.replace(cfg, passthrough=[f"v:{i}" for i in range(len(kv3))])
-    pre = P.learn_artifact([(kp, v) for _, v, kp in kv3], keys_only)
+    pre = P.learn_artifact([(kp, v) for _, v, kp in kv3], dataclasses.replace(cfg, passthrough=[f"v:{i}" for i in range(n)]))
     ident = lambda a: table.digest(*[x for pair in a.layers for d in pair if d is not None  # noqa: E731
                                      for x in (d.atoms, d.mean, d.residual_scale)])
     name = f"dict {cfg.n_atoms} atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b (codec)"
-    size = P.bytes_per_vector(art, art.head_dim)["all"]
-    return [table.Row(name, "dictionary", size, lambda: CodecHook(art), ident(art)),
-            table.Row(name + ", keys coded before RoPE", "dictionary", size, lambda: PreRopeKeysHook(pre, art),
-                      ident(art) + ident(pre), "lever: pre-RoPE keys (not in the engine)")]
+    k0, v0 = pre.layers[0][0], art.layers[0][1]
+    size = 2.0 * (k0.slot_words + v0.slot_words)  # bytes per head vector, K and V averaged (4 B a word)
+    out = [] if pre_only else [table.Row(name, "dictionary", size, lambda: CodecHook(art), ident(art))]
+    return out + [table.Row(name + ", keys coded before RoPE", "dictionary", size, lambda: PreRopeKeysHook(pre, art),
+                            ident(art) + ident(pre), "lever: pre-RoPE keys (not in the engine)")]
 
 
 def main(argv=None) -> int:
@@ -87,13 +90,18 @@ def main(argv=None) -> int:
     ap.add_argument("--k-bits", type=int, default=P.ForgeConfig.k_bits)
     ap.add_argument("--v-bits", type=int, default=P.ForgeConfig.v_bits)
     ap.add_argument("--n-atoms", type=int, default=P.ForgeConfig.n_atoms)
+    ap.add_argument("--calib-tokens", type=int, default=P.ForgeConfig.calib_tokens)
+    ap.add_argument("--train-vectors", type=int, default=P.ForgeConfig.train_vectors)
+    ap.add_argument("--iters", type=int, default=P.ForgeConfig.iters)
+    ap.add_argument("--pre-only", action="store_true", help="only the pre-RoPE row (the rotated keys are not learned)")
     ap.add_argument("--cache", default="out/forge/cache", help="the forge's cache (evaluation sets, rows)")
     ap.add_argument("--out", default=None, help="JSON of the rows (default stdout)")
     a = ap.parse_args(argv)
     log = lambda m: print(f"[pre_rope] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    cfg = P.ForgeConfig(k_bits=a.k_bits, v_bits=a.v_bits, n_atoms=a.n_atoms)
+    cfg = P.ForgeConfig(k_bits=a.k_bits, v_bits=a.v_bits, n_atoms=a.n_atoms, calib_tokens=a.calib_tokens,
+                        train_vectors=a.train_vectors, iters=a.iters)
     sets = P.eval_sets(cfg, a.cache)
-    measured = table.measure(rows(cfg, log), sets, a.cache, log=log)
+    measured = table.measure(rows(cfg, log, a.pre_only), sets, a.cache, log=log)
     print(table.markdown(measured, sets), file=sys.stderr)
     table.write_doc({"command": "python -m kvdict_vk.forge.pre_rope " + shlex.join(sys.argv[1:] if argv is None else argv),
                      "rows": measured}, a.out)
