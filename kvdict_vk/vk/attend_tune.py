@@ -1,7 +1,7 @@
 """The flash kernels' launch shape chosen by measurement on the device (GPUs).
 
-attend_flash and attend_flash_coded take two free parameters: the workgroup size (tokens
-per chunk) and how many workgroups an attention launches (splits × KV heads × head blocks);
+attend_flash and attend_flash_coded take two free parameters: the workgroup size
+(invocations) and how many workgroups an attention launches (splits × KV heads × head blocks);
 attend_flash_coded a third, the query heads a workgroup serves (HB: its q·atom table and
 atom weights take 2 · HB · n_atoms words of shared memory, so fewer heads mean more
 workgroups resident per multiprocessor, each reading every V atom once at its end).
@@ -29,8 +29,9 @@ MIN_BUCKET = 1024
 REPEATS = 2  # timed runs per candidate and round (the minimum is kept: noise only adds time)
 ROUNDS = 3
 WARM_S = 0.2  # untimed load before the candidates are timed: a GPU idling lowers its clocks
-# workgroup sizes (tokens per chunk), preferred first: the untuned choice is the first a
-# layer and the device allow
+# workgroup sizes (invocations: attend_flash_coded's tokens per chunk; attend_flash spreads a
+# token over head_dim / 8 of them), preferred first: the untuned choice is the first a layer
+# and the device allow
 FLASH_LOCALS = (256, 128)  # attend_flash
 FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
 WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
