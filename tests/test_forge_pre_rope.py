@@ -26,3 +26,16 @@ def test_keys_are_coded_before_rope_values_after_and_passthrough_streams_are_kep
     k_out, v_out = R.CodecHook(art)(0, k, v)
     assert np.array_equal(k_out, codec.roundtrip_heads(k, art.stream(0, True)))
     assert np.array_equal(R.CodecHook(art)(1, k, v)[0], k)
+
+
+def test_fp8_coefficients_reach_both_streams():
+    rng = np.random.default_rng(5)
+    art = random_artifact(rng, 64, 32, [(None, (4, 3))], n_heads=2)
+    pre = random_artifact(rng, 64, 32, [((4, 4), None)], n_heads=2)
+    from kvdict_vk.forge.coef_fp8 import fp8_roundtrip
+    hook = R.PreRopeKeysHook(pre, art, fp8=True)
+    k, v = (rng.standard_normal((2, 40, 64)).astype(np.float32) for _ in range(2))
+    got = hook.keys_pre_rope(0, k)
+    assert np.array_equal(got, fp8_roundtrip(pre.stream(0, True), k).astype(np.float32))
+    assert not np.array_equal(got, codec.roundtrip_heads(k, pre.stream(0, True)))  # the rounding shows
+    assert np.array_equal(hook(0, k, v)[1], fp8_roundtrip(art.stream(0, False), v).astype(np.float32))

@@ -13,6 +13,7 @@ this measures what it would buy first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 
@@ -41,18 +42,25 @@ def e4m3(x: np.ndarray) -> np.ndarray:
     return np.copysign(rounded, x).astype(np.float32)
 
 
+def fp8_roundtrip(d, x: np.ndarray) -> np.ndarray:
+    """What stream ``d``'s cache would return for x (n_kv, T, head_dim) with E4M3
+    coefficients: OMP as the engine runs it, the coefficients rounded, the atoms'
+    reconstruction from those, then the residual stage (the stream's static per-channel
+    scale and bits) over what that leaves."""
+    atoms_only = dataclasses.replace(d, residual_bits=0, residual_scale=None)
+    idx, coef = codec.unpack_codes(codec.encode_heads(x, atoms_only))
+    approx = codec.decode_heads(codec.pack_codes(idx, e4m3(coef)), atoms_only)
+    if not d.residual_bits:
+        return approx
+    scale = np.broadcast_to(d.residual_scale, (x.shape[0], d.head_dim))
+    return approx + quantise_residual(np.asarray(x, np.float64) - approx, scale, d.residual_bits)
+
+
 class Fp8CoefHook(DictLeverHook):
-    """Each coded stream: OMP as the engine runs it, the coefficients rounded to E4M3, the
-    atoms' reconstruction from those, then the residual stage (the artifact's static
-    per-channel scale and bits) over what that leaves; passthrough streams unchanged."""
+    """Each coded stream through fp8_roundtrip; passthrough streams unchanged."""
 
     def code(self, d, x, atoms_only):
-        idx, coef = codec.unpack_codes(codec.encode_heads(x, atoms_only))
-        approx = codec.decode_heads(codec.pack_codes(idx, e4m3(coef)), atoms_only)
-        if not d.residual_bits:
-            return approx
-        scale = np.broadcast_to(d.residual_scale, (x.shape[0], d.head_dim))
-        return approx + quantise_residual(np.asarray(x, np.float64) - approx, scale, d.residual_bits)
+        return fp8_roundtrip(d, x)
 
 
 def coded_bytes(art, code_word_bytes: float) -> float:

@@ -22,6 +22,8 @@ import numpy as np
 from .. import codec
 from . import llama, parallel, table
 from . import pipeline as P
+from .allocate import with_bits
+from .coef_fp8 import fp8_roundtrip
 from .residual_only import DictLeverHook
 
 
@@ -34,18 +36,23 @@ class CodecHook(DictLeverHook):
 
 class PreRopeKeysHook(llama.KVHook):
     """Keys coded before RoPE with ``pre`` (an artifact learned on pre-RoPE keys), values
-    with ``art``'s value dictionaries; a passthrough stream stays as it is."""
+    with ``art``'s value dictionaries; a passthrough stream stays as it is. ``fp8``: the
+    coefficients rounded to E4M3 (forge.coef_fp8) in both streams."""
 
-    def __init__(self, pre, art):
+    def __init__(self, pre, art, fp8: bool = False):
         self.pre, self.art = pre, art
+        self.fp8 = fp8
+
+    def roundtrip(self, d, x):
+        return fp8_roundtrip(d, x).astype(np.float32) if self.fp8 else codec.roundtrip_heads(x, d)
 
     def keys_pre_rope(self, layer, k):
         d = self.pre.stream(layer, True)
-        return k if d is None else codec.roundtrip_heads(k, d)
+        return k if d is None else self.roundtrip(d, k)
 
     def __call__(self, layer, k, v):
         d = self.art.stream(layer, False)
-        return k, (v if d is None else codec.roundtrip_heads(v, d))
+        return k, (v if d is None else self.roundtrip(d, v))
 
 
 def _capture_task(window):
@@ -65,9 +72,12 @@ def calibration_kv3(cfg: P.ForgeConfig, log) -> list:
     return [tuple(np.concatenate([c[li][j] for c in caps], 1) for j in range(3)) for li in range(len(caps[0]))]
 
 
-def rows(cfg: P.ForgeConfig, log, pre_only: bool = False) -> list:
+def rows(cfg: P.ForgeConfig, log, pre_only: bool = False, fp8: bool = False, recode: tuple = ()) -> list:
     """The two rows: key dictionaries learned on rotated keys, and on pre-RoPE keys (only
-    the second with ``pre_only``: the rotated keys' dictionaries are then not learned)."""
+    the second with ``pre_only``: the rotated keys' dictionaries are then not learned).
+    ``fp8``: the pre-RoPE row again with E4M3 coefficients (3-byte code words); ``recode``:
+    ((K bits, V bits), …) — the pre-RoPE row (with fp8: its fp8 row) re-coded at those
+    residual bits (the atoms and scales do not depend on them: forge.allocate.with_bits)."""
     kv3 = calibration_kv3(cfg, log)
     n = len(kv3)
     log("learning the value dictionaries" + ("" if pre_only else " and the rotated-key ones"))
@@ -78,11 +88,22 @@ def rows(cfg: P.ForgeConfig, log, pre_only: bool = False) -> list:
     ident = lambda a: table.digest(*[x for pair in a.layers for d in pair if d is not None  # noqa: E731
                                      for x in (d.atoms, d.mean, d.residual_scale)])
     name = f"dict {cfg.n_atoms} atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b (codec)"
-    k0, v0 = pre.layers[0][0], art.layers[0][1]
-    size = 2.0 * (k0.slot_words + v0.slot_words)  # bytes per head vector, K and V averaged (4 B a word)
-    out = [] if pre_only else [table.Row(name, "dictionary", size, lambda: CodecHook(art), ident(art))]
-    return out + [table.Row(name + ", keys coded before RoPE", "dictionary", size, lambda: PreRopeKeysHook(pre, art),
-                            ident(art) + ident(pre), "lever: pre-RoPE keys (not in the engine)")]
+    def size(pre, art, code_word_bytes=4):  # bytes per head vector, K and V averaged
+        k0, v0 = pre.layers[0][0], art.layers[0][1]
+        return 2.0 * (k0.slot_words + v0.slot_words) - (4 - code_word_bytes) * (k0.sparsity + v0.sparsity) / 2
+    out = [] if pre_only else [table.Row(name, "dictionary", size(art, art), lambda: CodecHook(art), ident(art))]
+    variants = [(cfg.k_bits, cfg.v_bits, False)] + ([(cfg.k_bits, cfg.v_bits, True)] if fp8 else [])
+    variants += [(kb, vb, fp8) for kb, vb in recode]
+    for kb, vb, f8 in variants:
+        p = with_bits(pre, {(li, True): kb for li in range(len(kv3))})
+        a = with_bits(art, {(li, False): vb for li in range(len(kv3))})
+        label = name.replace(f"K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b",
+                             f"K {cfg.k_sparsity}+{kb} b, V {cfg.v_sparsity}+{vb} b")
+        label += ", keys coded before RoPE" + (" + fp8 coefficients" if f8 else "")
+        out.append(table.Row(label, "dictionary", size(p, a, 3 if f8 else 4),
+                             lambda p=p, a=a, f8=f8: PreRopeKeysHook(p, a, f8), ident(a) + ident(p),
+                             "lever: pre-RoPE keys" + (", E4M3 coefficients" if f8 else "") + " (not in the engine)"))
+    return out
 
 
 def main(argv=None) -> int:
@@ -94,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-vectors", type=int, default=P.ForgeConfig.train_vectors)
     ap.add_argument("--iters", type=int, default=P.ForgeConfig.iters)
     ap.add_argument("--pre-only", action="store_true", help="only the pre-RoPE row (the rotated keys are not learned)")
+    ap.add_argument("--fp8", action="store_true", help="the pre-RoPE row also with E4M3 coefficients")
+    ap.add_argument("--recode", default="", help="K/V residual bits to re-code the pre-RoPE row at, e.g. 4/2,3/3")
     ap.add_argument("--cache", default="out/forge/cache", help="the forge's cache (evaluation sets, rows)")
     ap.add_argument("--out", default=None, help="JSON of the rows (default stdout)")
     a = ap.parse_args(argv)
@@ -101,7 +124,8 @@ def main(argv=None) -> int:
     cfg = P.ForgeConfig(k_bits=a.k_bits, v_bits=a.v_bits, n_atoms=a.n_atoms, calib_tokens=a.calib_tokens,
                         train_vectors=a.train_vectors, iters=a.iters)
     sets = P.eval_sets(cfg, a.cache)
-    measured = table.measure(rows(cfg, log, a.pre_only), sets, a.cache, log=log)
+    recode = tuple(tuple(int(b) for b in x.split("/")) for x in a.recode.split(",") if x)
+    measured = table.measure(rows(cfg, log, a.pre_only, a.fp8, recode), sets, a.cache, log=log)
     print(table.markdown(measured, sets), file=sys.stderr)
     table.write_doc({"command": "python -m kvdict_vk.forge.pre_rope " + shlex.join(sys.argv[1:] if argv is None else argv),
                      "rows": measured}, a.out)
