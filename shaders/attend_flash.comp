@@ -5,8 +5,8 @@
 // workgroups, the running softmax in registers, attend_merge_head.comp combining the splits'
 // records in one small pass).
 //
-// Lanes across a row: a token is served by UNITS neighbouring invocations, one row unit each
-// (a uvec4 of f16 or f32 elements, or a q8_0 value word), so a row is one coalesced run of
+// Lanes across a row: a token is served by UNITS neighbouring invocations, one row unit of 8
+// elements each (a uvec4 of halves, two of floats, two q8_0 value words), so a row is one coalesced run of
 // loads for its key and one for its value; LOCAL / UNITS tokens are in flight per workgroup,
 // TB of them per invocation with their loads issued together. Each invocation keeps its unit
 // of the GROUP query vectors in registers and dots it with its unit of the key; the UNITS

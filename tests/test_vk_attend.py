@@ -198,8 +198,8 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     assert att.plan(0, n_ctx).path == att.path
     if att.path == "flash":
         local = att.flash_local(0)
-        fits = flash_subgroup_fits(flash_units(hd, cache), local, arena.device.shuffle_subgroup_size())
-        assert att.flash_variant(cache, local) == ("attend_flash_sg" if fits and path == "flash" else "attend_flash")
+        fits = flash_subgroup_fits(flash_units(hd), local, arena.device.shuffle_subgroup_size())
+        assert att.flash_variant(local) == ("attend_flash_sg" if fits and path == "flash" else "attend_flash")
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
         _check(arena, stored, 0, q, n_used)

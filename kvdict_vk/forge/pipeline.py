@@ -118,33 +118,36 @@ def calibration_sha256(files: list) -> list:
     return out
 
 
-def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None = None, files=None) -> list:
+def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None = None, files=None,
+                   pre_rope_keys: bool = False) -> list:
     """Per layer (K, V), each (n_kv, T, head_dim) float32, from ≈ n_tokens of calibration
-    text (``files``: calibration_files' argument); cached in cache_dir (keyed by the model,
-    the texts and the sizes) when given."""
+    text (``files``: calibration_files' argument); with ``pre_rope_keys`` (K, V, K before
+    RoPE). Cached in cache_dir (keyed by the model, the texts and the sizes) when given."""
     paths, interleave = calibration_files(files), bool(files)  # given files: their windows in turn
     cache = None
     if cache_dir:
         key = hashlib.sha256(repr((load_model().sha256, paths, n_tokens, window,
-                                   parallel.learning_core()) + (("interleaved",) if interleave else ())).encode())
+                                   parallel.learning_core()) + (("interleaved",) if interleave else ())
+                                  + (("pre_rope_keys",) if pre_rope_keys else ())).encode())
         cache = os.path.join(cache_dir, f"calib-{key.hexdigest()[:16]}.npz")
         if os.path.exists(cache):
             with np.load(cache) as z:
                 log(f"calibration K/V reused from {cache}")
-                return [(z[f"k{i}"], z[f"v{i}"]) for i in range(len(z.files) // 2)]
+                names = ("k", "v", "kp") if pre_rope_keys else ("k", "v")
+                return [tuple(z[f"{n}{i}"] for n in names) for i in range(len(z.files) // len(names))]
     wins = calibration_windows(paths, window, max(1, -(-n_tokens // window)), interleave)
     # in the learning workers: the forward's float32 matmuls on the same pinned BLAS kernels
     # as learning (forge.parallel), so the calibration vectors do not depend on the CPU
     t0 = time.perf_counter()
-    caps = parallel.map_tasks(_capture_task, [(w,) for w in wins],
+    caps = parallel.map_tasks(_capture_task, [(w, pre_rope_keys) for w in wins],
                               lambda i: log(f"calibration window {i + 1}/{len(wins)} captured "
                                             f"({time.perf_counter() - t0:.1f} s)"))
-    per_layer = [(np.concatenate([c[li][0] for c in caps], 1), np.concatenate([c[li][1] for c in caps], 1))
+    per_layer = [tuple(np.concatenate([c[li][j] for c in caps], 1) for j in range(len(caps[0][li])))
                  for li in range(len(caps[0]))]
     if cache:
         os.makedirs(cache_dir, exist_ok=True)
         tmp = cache + ".tmp.npz"
-        np.savez(tmp, **{f"{n}{i}": a for i, (k, v) in enumerate(per_layer) for n, a in (("k", k), ("v", v))})
+        np.savez(tmp, **{f"{n}{i}": a for i, arrays in enumerate(per_layer) for n, a in zip(("k", "v", "kp"), arrays)})
         os.replace(tmp, cache)
     return per_layer
 
@@ -171,8 +174,8 @@ def learn_head_stream(x: np.ndarray, cfg: ForgeConfig, k_not_v: bool, seed: int)
                       np.stack(scales) if bits else None)
 
 
-def _capture_task(window):
-    return [(k, v) for k, v, _ in llama.capture_kv(window)]  # plain arrays travel
+def _capture_task(window, pre_rope_keys=False):
+    return [(k, v, kp) if pre_rope_keys else (k, v) for k, v, kp in llama.capture_kv(window)]  # plain arrays travel
 
 
 def _learn_task(x, cfg, k_not_v, seed):

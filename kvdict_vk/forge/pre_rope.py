@@ -20,10 +20,11 @@ import sys
 import numpy as np
 
 from .. import codec
-from . import llama, parallel, table
+from ..dictionary import KvDictArtifact
+from . import llama, table
 from . import pipeline as P
 from .allocate import with_bits
-from .coef_fp8 import fp8_roundtrip
+from .coef_fp8 import coded_bytes, fp8_roundtrip
 from .residual_only import DictLeverHook
 
 
@@ -35,19 +36,18 @@ class CodecHook(DictLeverHook):
 
 
 class PreRopeKeysHook(llama.KVHook):
-    """Keys coded before RoPE with ``pre`` (an artifact learned on pre-RoPE keys), values
-    with ``art``'s value dictionaries; a passthrough stream stays as it is. ``fp8``: the
-    coefficients rounded to E4M3 (forge.coef_fp8) in both streams."""
+    """An artifact whose key dictionaries were learned on pre-RoPE keys: its keys coded before
+    RoPE, its values after; a passthrough stream stays as it is. ``fp8``: the coefficients
+    rounded to E4M3 (forge.coef_fp8) in both streams."""
 
-    def __init__(self, pre, art, fp8: bool = False):
-        self.pre, self.art = pre, art
-        self.fp8 = fp8
+    def __init__(self, art, fp8: bool = False):
+        self.art, self.fp8 = art, fp8
 
     def roundtrip(self, d, x):
         return fp8_roundtrip(d, x).astype(np.float32) if self.fp8 else codec.roundtrip_heads(x, d)
 
     def keys_pre_rope(self, layer, k):
-        d = self.pre.stream(layer, True)
+        d = self.art.stream(layer, True)
         return k if d is None else self.roundtrip(d, k)
 
     def __call__(self, layer, k, v):
@@ -55,53 +55,41 @@ class PreRopeKeysHook(llama.KVHook):
         return k, (v if d is None else self.roundtrip(d, v))
 
 
-def _capture_task(window):
-    """One calibration window: per layer (K after RoPE, V, K before RoPE)."""
-    return llama.capture_kv(window)
+def with_keys_of(keys, art) -> KvDictArtifact:
+    """``art`` with the key streams of ``keys`` (the same model, sizes and atoms count)."""
+    return KvDictArtifact(art.head_dim, art.n_atoms, max(keys.sparsity, art.sparsity),
+                          [(kp[0], pair[1]) for kp, pair in zip(keys.layers, art.layers)])
 
 
-def calibration_kv3(cfg: P.ForgeConfig, log) -> list:
-    """Per layer (K, V, K pre-RoPE) from the forge's calibration windows (pipeline's files
-    and windows; not cached)."""
-    paths = P.calibration_files(cfg.calib_files)
-    wins = P.calibration_windows(paths, cfg.window, max(1, -(-cfg.calib_tokens // cfg.window)), bool(cfg.calib_files))
-    # the task by its module's import name: the workers import it (not "__main__" under -m)
-    from . import pre_rope as this
-    caps = parallel.map_tasks(this._capture_task, [(w,) for w in wins],
-                              lambda i: log(f"calibration window {i + 1}/{len(wins)} captured"))
-    return [tuple(np.concatenate([c[li][j] for c in caps], 1) for j in range(3)) for li in range(len(caps[0]))]
-
-
-def rows(cfg: P.ForgeConfig, log, pre_only: bool = False, fp8: bool = False, recode: tuple = ()) -> list:
+def rows(cfg: P.ForgeConfig, log, cache_dir=None, pre_only: bool = False, fp8: bool = False,
+         recode: tuple = ()) -> list:
     """The two rows: key dictionaries learned on rotated keys, and on pre-RoPE keys (only
     the second with ``pre_only``: the rotated keys' dictionaries are then not learned).
     ``fp8``: the pre-RoPE row again with E4M3 coefficients (3-byte code words); ``recode``:
     ((K bits, V bits), …) — the pre-RoPE row (with fp8: its fp8 row) re-coded at those
     residual bits (the atoms and scales do not depend on them: forge.allocate.with_bits)."""
-    kv3 = calibration_kv3(cfg, log)
+    kv3 = P.calibration_kv(cfg.calib_tokens, cfg.window, log=log, cache_dir=cache_dir, files=cfg.calib_files,
+                           pre_rope_keys=True)
     n = len(kv3)
     log("learning the value dictionaries" + ("" if pre_only else " and the rotated-key ones"))
     art = P.learn_artifact([(k, v) for k, v, _ in kv3],
                            dataclasses.replace(cfg, passthrough=[f"k:{i}" for i in range(n)]) if pre_only else cfg)
     log("learning the pre-RoPE key dictionaries")
-    pre = P.learn_artifact([(kp, v) for _, v, kp in kv3], dataclasses.replace(cfg, passthrough=[f"v:{i}" for i in range(n)]))
+    keys = P.learn_artifact([(kp, v) for _, v, kp in kv3], dataclasses.replace(cfg, passthrough=[f"v:{i}" for i in range(n)]))
+    pre = with_keys_of(keys, art)
     ident = lambda a: table.digest(*[x for pair in a.layers for d in pair if d is not None  # noqa: E731
                                      for x in (d.atoms, d.mean, d.residual_scale)])
     name = f"dict {cfg.n_atoms} atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b (codec)"
-    def size(pre, art, code_word_bytes=4):  # bytes per head vector, K and V averaged
-        k0, v0 = pre.layers[0][0], art.layers[0][1]
-        return 2.0 * (k0.slot_words + v0.slot_words) - (4 - code_word_bytes) * (k0.sparsity + v0.sparsity) / 2
-    out = [] if pre_only else [table.Row(name, "dictionary", size(art, art), lambda: CodecHook(art), ident(art))]
+    out = [] if pre_only else [table.Row(name, "dictionary", coded_bytes(art, 4), lambda: CodecHook(art), ident(art))]
     variants = [(cfg.k_bits, cfg.v_bits, False)] + ([(cfg.k_bits, cfg.v_bits, True)] if fp8 else [])
     variants += [(kb, vb, fp8) for kb, vb in recode]
     for kb, vb, f8 in variants:
-        p = with_bits(pre, {(li, True): kb for li in range(len(kv3))})
-        a = with_bits(art, {(li, False): vb for li in range(len(kv3))})
+        a = with_bits(pre, {(li, kv): kb if kv else vb for li in range(n) for kv in (True, False)})
         label = name.replace(f"K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b",
                              f"K {cfg.k_sparsity}+{kb} b, V {cfg.v_sparsity}+{vb} b")
         label += ", keys coded before RoPE" + (" + fp8 coefficients" if f8 else "")
-        out.append(table.Row(label, "dictionary", size(p, a, 3 if f8 else 4),
-                             lambda p=p, a=a, f8=f8: PreRopeKeysHook(p, a, f8), ident(a) + ident(p),
+        out.append(table.Row(label, "dictionary", coded_bytes(a, 3 if f8 else 4),
+                             lambda a=a, f8=f8: PreRopeKeysHook(a, f8), ident(a),
                              "lever: pre-RoPE keys" + (", E4M3 coefficients" if f8 else "") + " (not in the engine)"))
     return out
 
@@ -125,7 +113,7 @@ def main(argv=None) -> int:
                         train_vectors=a.train_vectors, iters=a.iters)
     sets = P.eval_sets(cfg, a.cache)
     recode = tuple(tuple(int(b) for b in x.split("/")) for x in a.recode.split(",") if x)
-    measured = table.measure(rows(cfg, log, a.pre_only, a.fp8, recode), sets, a.cache, log=log)
+    measured = table.measure(rows(cfg, log, a.cache, a.pre_only, a.fp8, recode), sets, a.cache, log=log)
     print(table.markdown(measured, sets), file=sys.stderr)
     table.write_doc({"command": "python -m kvdict_vk.forge.pre_rope " + shlex.join(sys.argv[1:] if argv is None else argv),
                      "rows": measured}, a.out)

@@ -213,19 +213,20 @@ class Attention:
             if self.group > FLASH_MAX_GROUP or hd % (32 if rows == "q8_0" else 8):
                 return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
-            units = flash_units(hd, rows)
+            units = flash_units(hd)
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
-                         and flash_shared_bytes(hd, self.group, n) <= limit)
+                         and flash_shared_bytes(self.group, n) <= limit)
         return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
 
-    def flash_variant(self, rows: str, local: int) -> str:
-        """attend_flash's SPIR-V for ``rows`` at ``local`` invocations: attend_flash_sg where
-        the device's subgroups can sum a token's partial scores (attend_specs.flash_subgroup_fits)
-        and ``subgroups`` allows, else attend_flash (shared memory, no optional feature)."""
-        units = flash_units(self.layout.head_dim, rows)
-        if self.subgroups is not False and flash_subgroup_fits(units, local, self.device.shuffle_subgroup_size()):
-            return "attend_flash_sg"
-        return "attend_flash"
+    def flash_variant(self, local: int) -> str:
+        """attend_flash's SPIR-V at ``local`` invocations: attend_flash_sg where the device's
+        subgroups can sum a token's partial scores (attend_specs.flash_subgroup_fits) and
+        ``subgroups`` allows, else attend_flash (shared memory, no optional feature). Derived
+        once per (size, setting): planning asks on every step."""
+        def derive() -> str:
+            fits = flash_subgroup_fits(flash_units(self.layout.head_dim), local, self.device.shuffle_subgroup_size())
+            return "attend_flash_sg" if fits and self.subgroups is not False else "attend_flash"
+        return self._per_layer("flash_variant", (local, self.subgroups), derive)
 
     def flash_local(self, layer: int) -> int:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""

@@ -168,7 +168,7 @@ class PassBuilder:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
         rows per KV head), then attend_merge_head."""
         att, lay = self.att, self.layout
-        variant = att.flash_variant("q8_0" if q8 else ("f16" if half else "f32"), local)
+        variant = att.flash_variant(local)
         kernel = self._kernel(("flash", variant) + key + (local,), variant, [buf, buf, att.q, att.accs, att.stats],
                               lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1, ROW_HALF=half, ROW_Q8=q8)
         op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,

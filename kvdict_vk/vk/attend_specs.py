@@ -19,13 +19,13 @@ FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8")
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
 
 
-def flash_shared_bytes(head_dim: int, group: int, local: int) -> int:
+def flash_shared_bytes(group: int, local: int) -> int:
     """attend_flash.comp's shared memory: a float per (query head, invocation) — partial
     scores without subgroups, the end's reductions."""
     return 4 * group * local
 
 
-def flash_units(head_dim: int, rows: str) -> int:
+def flash_units(head_dim: int) -> int:
     """Invocations attend_flash spreads a row over, a unit of 8 elements each (a uvec4 of an
     f16 row, two of an f32 row, two value words of a q8_0 row): the same for every format."""
     return head_dim // 8
@@ -215,7 +215,7 @@ def _flash_extents(p, s):
     records 0 .. n_splits of every (KV head, query head)."""
     hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
     rows = "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32")
-    row, units = row_words(hd, 0, 0, rows), flash_units(hd, rows)
+    row, units = row_words(hd, 0, 0, rows), flash_units(hd)
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
     _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % 8 == 0

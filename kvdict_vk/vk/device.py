@@ -94,11 +94,16 @@ class Device:
     def limit(self, name: str):
         return self.info.limits[name]
 
+    def subgroup_operations(self) -> tuple:
+        """The subgroup operation classes compute shaders may use (vulkan_info; none known:
+        empty)."""
+        return tuple(self.info.limits.get("subgroup_operations", ()))
+
     def shuffle_subgroup_size(self) -> int:
         """The subgroup size where compute shaders may use subgroup shuffles (the basic and
         shuffle operation classes, both reported for the compute stage), else 0."""
-        ops = self.info.limits.get("subgroup_operations", ())
-        return self.info.limits.get("subgroup_size", 0) if {"basic", "shuffle"} <= set(ops) else 0
+        ok = {"basic", "shuffle"} <= set(self.subgroup_operations())
+        return self.info.limits.get("subgroup_size", 0) if ok else 0
 
     @contextlib.contextmanager
     def guard(self, what: str):

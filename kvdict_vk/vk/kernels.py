@@ -237,7 +237,7 @@ class Kernel:
         r = spirv.reflect(code)
         spirv.check_portable(sh.variant, r, min(128, device.limit("max_compute_work_group_invocations")),
                              sh.subgroup_ops)
-        missing = set(sh.subgroup_ops) - set(device.info.limits.get("subgroup_operations", ()))
+        missing = set(sh.subgroup_ops) - set(device.subgroup_operations())
         if missing:
             raise E.DispatchError(f"{sh.variant}: uses subgroup operations {sorted(missing)} that "
                                   f"{device.name} does not report for compute shaders")

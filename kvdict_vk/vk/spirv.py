@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import errors as E
 from . import shader_build
+from .vulkan_info import SUBGROUP_OPERATIONS
 
 MAGIC = 0x07230203
 # opcodes / enums used below (SPIR-V 1.x unified spec)
@@ -140,10 +141,9 @@ def reflect(spirv: bytes) -> Reflection:
                       tuple(caps), tuple(exts))
 
 
-# SPIR-V's GroupNonUniform* capabilities by the Vulkan subgroup operation class that allows
-# each (VkSubgroupFeatureFlagBits, vulkan_info.SUBGROUP_OPERATIONS)
-SUBGROUP_CAPABILITIES = {61: "basic", 62: "vote", 63: "arithmetic", 64: "ballot", 65: "shuffle",
-                         66: "shuffle_relative", 67: "clustered", 68: "quad"}
+# SPIR-V's GroupNonUniform* capabilities (61 … 68) by the Vulkan subgroup operation class
+# that allows each: the same order as VkSubgroupFeatureFlagBits' bits
+SUBGROUP_CAPABILITIES = {61 + bit: name for bit, name in enumerate(SUBGROUP_OPERATIONS)}
 
 
 def check_portable(name: str, r: Reflection, max_invocations: int = 128, subgroup_ops: tuple = ()) -> None:
