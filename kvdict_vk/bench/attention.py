@@ -54,6 +54,8 @@ def parse_args(argv=None):
                     help="seconds the repeats of one context length may take (fewer repeats, at least 3, past it)")
     ap.add_argument("--sdpa-calls", type=int, default=100, help="timed torch SDPA calls per case")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA anchor")
+    ap.add_argument("--engine-paths-only", action="store_true",
+                    help="only the path each cache's engine plans (no forced direct/table paths beside it)")
     args = common.parse(ap, argv)
     args.shape_list = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")] \
         if args.shapes else [(args.n_kv, args.gqa)]
@@ -113,15 +115,17 @@ def _modes(arenas, args, n_heads: int) -> dict:
     modes = {}
     for c in UNCODED:
         modes[f"{c}_cache"] = (arenas[c], c, None, None, False)
-        if c != "q8_0" and arenas[c].attention(n_heads).plan(0, args.n_used_list[0]).path != "direct":
+        if c != "q8_0" and not args.engine_paths_only \
+                and arenas[c].attention(n_heads).plan(0, args.n_used_list[0]).path != "direct":
             modes[f"{c}_cache_direct"] = (arenas[c], c, None, "direct", False)
     # the KIVI cache: reconstruct-then-attend is its only path (no kernel reads its words in place)
     modes["kivi_cache"] = (arenas[KIVI], KIVI, None, None, True)
     for bits in args.format_list:
         f = format_name(bits)
         modes[f"dict_{f}"] = (arenas[f], "dict", f, None, False)
-        modes[f"dict_{f}_direct"] = (arenas[f], "dict", f, "direct", False)
-        modes[f"dict_{f}_table"] = (arenas[f], "dict", f, "table", False)
+        if not args.engine_paths_only:
+            modes[f"dict_{f}_direct"] = (arenas[f], "dict", f, "direct", False)
+            modes[f"dict_{f}_table"] = (arenas[f], "dict", f, "table", False)
         if not args.no_reconstruct:
             modes[f"recon_{f}"] = (arenas[f], "dict", f, None, True)
     return modes
