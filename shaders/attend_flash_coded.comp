@@ -1,13 +1,15 @@
 #version 450
 // Decode attention straight over dict-coded slots (docs/FORMAT.md), shaped for GPUs: one
 // workgroup per (split i, KV head g, block of HB query heads) attends over the split's tokens
-// without decoding a key or a value; attend_merge_head.comp combines the splits' records (and
-// adds the V mean). Both streams dict-coded, each with or without a residual stage.
+// without decoding a key or a value; attend_coded_atoms.comp multiplies the splits' atom
+// weights by the V atoms and attend_merge_head.comp combines the records (and adds the V
+// mean). Both streams dict-coded, each with or without a residual stage.
 //   keys:   score = scale * (sum_j c_j T[h, idx_j] + step * sum_e (q*rscale_k)[h, e] * (lvl_e - half))
 //           with T = q . atom from attend_table.comp (once per step) in shared memory;
 //           q . mean_k is the same for every token (it cancels);
 //   values: out = mean_v + sum_a w[h, a] atom[a] + rscale_v * sum_t p_t step_t (lvl_t - half)
-//           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j.
+//           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j,
+//           written per split; the record's acc holds the residual part.
 //
 // Lanes across a slot: a token is served by U = HEAD_DIM / 8 neighbouring invocations, 8
 // elements each — its K and V levels are one window of 8·bits bits of the slot (a coalesced run
@@ -52,6 +54,17 @@
 #endif
 #include "common.glsl"
 #include "attend_common.glsl"
+// Build-time knobs for probes (tools/coded_probe.py); all off in the shipped SPIR-V. The
+// ABLATE_* ones remove a part to time the rest and make the output wrong.
+#ifndef ABLATE_SCATTER
+#define ABLATE_SCATTER 0
+#endif
+#ifndef ABLATE_ROUND_SYNC
+#define ABLATE_ROUND_SYNC 0
+#endif
+#ifndef ABLATE_RESIDUAL
+#define ABLATE_RESIDUAL 0
+#endif
 
 layout(constant_id = 4) const uint K_BITS = 0u;   // residual bits of K (0: atoms only)
 layout(constant_id = 5) const uint V_BITS = 0u;
@@ -68,7 +81,7 @@ const uint TLANES = LOCAL / U;        // token lanes per workgroup
 const uint TB = TOKENS_PER_LANE;      // tokens per lane and round, loaded together
 const uint ROUND = TLANES * TB;       // tokens per round
 const uint MAX_HB = 4u;               // registers per query head are unrolled up to this (host: HB <= 4)
-const uint HP = HB > 2u ? 4u : HB;    // heads padded to a power of two: the table's and bins' row
+const uint HP = HB > 2u ? 4u : HB;    // heads padded to a power of two: the reduce-scatter's
 const uint LPH = U / HP;              // lanes holding one head's score after the reduce-scatter
 const uint KC = (K_SPARSITY + U - 1u) / U;  // K code words per lane
 const uint VC = (V_SPARSITY + U - 1u) / U;
@@ -81,10 +94,7 @@ const uint V_ROW = SLOT_WORDS_OF(V_SPARSITY, HEAD_DIM, V_BITS);
 #define WIN_OF(B) ((B) == 0u ? 1u : ((E * (B)) % 32u == 0u ? (E * (B)) / 32u : (24u + E * (B) + 31u) / 32u))
 const uint K_WIN = WIN_OF(K_BITS);
 const uint V_WIN = WIN_OF(V_BITS);
-const uint NB = (N_ATOMS * HP + LOCAL - 1u) / LOCAL;  // fixed-point bins a lane flushes
-const uint VQ = HEAD_DIM / 4u;        // element quads (the end's weights × atoms product)
-const uint VLANES = LOCAL / VQ;       // atom lanes of that product (host: LOCAL % VQ == 0)
-const uint UNROLL = 16u;              // atom rows loaded together at the end (latency)
+const uint NB = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // fixed-point bins a lane flushes
 // Probabilities stay ≤ e^GROW_MARGIN between moves of the reference. Small, because one
 // fixed-point scale serves every head: a head whose probabilities run e^GROW_MARGIN above
 // another's would set a quantum that coarse for the other's additions.
@@ -96,7 +106,8 @@ const float MAGIC = 12582912.0;       // 1.5 * 2^23: x + MAGIC rounds x (|x| < 2
 const uint N_CTL = 4u;                // round control buffers: 3 rotating + the slow path's
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, scales
-layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };  // V atoms
+// the split's atom weights, [rec*N_ATOMS + a] for its records rec (attend_coded_atoms.comp reads them)
+layout(std430, binding = 1) writeonly buffer Weights { float weights[]; };
 layout(std430, binding = 2) readonly buffer Table { float table[]; };  // [(g*GROUP + h)*n_atoms + a]
 layout(std430, binding = 3) readonly buffer Query { float q_floats[]; };
 layout(std430, binding = 4) writeonly buffer Accs { float acc_floats[]; };
@@ -110,20 +121,19 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint split_len;
     uint n_splits;
     uint n_kv;
-    uint v_atoms_word;  // V atoms (KV head h's at + h*head_atoms), a multiple of 4
-    uint head_atoms;
     uint k_scale_word;  // residual scales (read only with a residual stage)
     uint v_scale_word;
     uint head_vec;
     float score_scale;
 } pc;
 
-shared float tab_sh[N_ATOMS * HP];  // [a*HP + h]: q . atom * score scale
-shared int bins_sh[N_ATOMS * HP];   // [a*HP + h]: the atom weights in fixed point; at the end, floats
+// head-major, so one head's lookups and additions of a warp spread over every bank
+shared float tab_sh[HB * N_ATOMS];  // [h*N_ATOMS + a]: q . atom * score scale
+shared int bins_sh[HB * N_ATOMS];   // [h*N_ATOMS + a]: the atom weights in fixed point; at the end, floats
 shared float red_sh[MAX_HB * LOCAL];  // partial scores (SUBGROUP 0); the end's sums
 shared float out_sh[MAX_HB * HEAD_DIM];  // the end: the V residual part of each head
 shared uint mx_sh[N_CTL];           // per round buffer: the largest addition's bits
-shared float sum_sh[N_CTL][LOCAL];  // per round buffer: partial sums of the additions' magnitudes
+shared vec4 sum4_sh[N_CTL][LOCAL / 4u];  // per round buffer: partial sums of the additions' magnitudes
 shared uint grow_sh[N_CTL];         // per round buffer: a probability passed e^GROW_MARGIN
 shared uint smax_sh[MAX_HB];        // the slow path: each head's round maximum (ordered bits)
 
@@ -183,21 +193,22 @@ void lane_levels(uint w[3], uint unit, uint b, out float f[E]) {
             } \
             if (gl_SubgroupInvocationID == 0u) { \
                 atomicMax(mx_sh[buf], floatBitsToUint(xmax));  /* non-negative: bits order as floats */ \
-                sum_sh[buf][gl_SubgroupID] = xsum; \
+                sum4_sh[buf][gl_SubgroupID / 4u][gl_SubgroupID % 4u] = xsum; \
             }
 #define N_PARTS gl_NumSubgroups
 #else
 #define PUBLISH_BOUND(buf) \
             if (xmax > 0.0) \
                 atomicMax(mx_sh[buf], floatBitsToUint(xmax)); \
-            sum_sh[buf][tid] = xsum;
+            sum4_sh[buf][tid / 4u][tid % 4u] = xsum;
 #define N_PARTS LOCAL
 #endif
-#define READ_BOUND(buf, big, total) \
+#define READ_BOUND(buf, big, total) { \
             big = uintBitsToFloat(mx_sh[buf]); \
-            total = 0.0; \
-            for (uint k = 0u; k < N_PARTS; ++k) \
-                total += sum_sh[buf][k];
+            vec4 t4 = vec4(0.0); \
+            for (uint k = 0u; k < (N_PARTS + 3u) / 4u; ++k)  /* entries past N_PARTS stay 0 */ \
+                t4 += sum4_sh[buf][k]; \
+            total = (t4.x + t4.y) + (t4.z + t4.w); }
 
 void main() {
     const uint tid = lane_index();
@@ -217,15 +228,16 @@ void main() {
         uint t0 = i * pc.split_len;
         uint n_tok = t0 < pc.n_used ? min(t0 + pc.split_len, pc.n_used) - t0 : 0u;  // 0: an empty split
 
-        for (uint x = gl_LocalInvocationID.x; x < N_ATOMS * HP; x += LOCAL) {
-            uint a = x / HP, h = x - a * HP;
-            tab_sh[x] = h < HB ? table[(h0 + h) * N_ATOMS + a] * pc.score_scale : 0.0;
+        for (uint x = gl_LocalInvocationID.x; x < HB * N_ATOMS; x += LOCAL) {
+            tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // the block's rows, contiguous
             bins_sh[x] = 0;
         }
         if (gl_LocalInvocationID.x < N_CTL) {
             mx_sh[gl_LocalInvocationID.x] = 0u;
             grow_sh[gl_LocalInvocationID.x] = 0u;
         }
+        for (uint x = gl_LocalInvocationID.x; x < N_CTL * (LOCAL / 4u); x += LOCAL)
+            sum4_sh[x / (LOCAL / 4u)][x % (LOCAL / 4u)] = vec4(0.0);
         // this lane's elements of the queries: times the score scale, K's residual scale and
         // 2^K_BITS; kconst = (1 + half/2^b) * their sum (level_float's offset, folded)
         float qk[MAX_HB][E], kconst[MAX_HB];
@@ -317,7 +329,7 @@ void main() {
                 float part[MAX_HB];
                 [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
                     part[h] = 0.0;
-                if (K_BITS > 0u) {
+                if (K_BITS > 0u && ABLATE_RESIDUAL == 0) {
                     float f[E];
                     lane_levels(kw[b], unit, K_BITS, f);
                     float st = uintBitsToFloat(ks[b]);
@@ -336,7 +348,7 @@ void main() {
                         float coef = code_coef(kc[b][c]);
                         [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
                             if (h < HB)
-                                part[h] += coef * tab_sh[a * HP + h];
+                                part[h] += coef * tab_sh[h * N_ATOMS + a];
                     }
                 }
 #if SUBGROUP
@@ -410,14 +422,23 @@ void main() {
             PROBABILITIES()
             if (grow)
                 grow_sh[cur] = 1u;  // every writer writes 1
+#if ABLATE_ROUND_SYNC
+            if (round_no == 0u) {
+                PUBLISH_BOUND(cur)
+                barrier();
+            }
+#else
             PUBLISH_BOUND(cur)
             barrier();
+#endif
 
             // 3. the bins: flushed when the reference moves, the round would overflow them or its
             //    additions would pass ADD_LIMIT (uniform decisions: every lane reads the same words)
-            float big, total;
-            READ_BOUND(cur, big, total)
-            if (grow_sh[cur] != 0u) {
+            float big = 0.0, total = 0.0;
+            if (ABLATE_ROUND_SYNC == 0 || round_no == 0u) {
+                READ_BOUND(cur, big, total)
+            }
+            if (grow_sh[cur] != 0u && (ABLATE_ROUND_SYNC == 0 || round_no == 0u)) {
                 // the slow path: each head's round maximum becomes its reference where it passed
                 // the old one by GROW_MARGIN; sums so far rescaled; the round's probabilities anew
                 if (gl_LocalInvocationID.x < MAX_HB)
@@ -452,15 +473,17 @@ void main() {
                         }
                     }
                 }
-                float corr_lane = corr[0], corr_own = corr[0];
-                [[unroll]] for (uint h = 1u; h < MAX_HB; ++h) {
-                    corr_lane = tid % HP == h ? corr[h] : corr_lane;
+                float corr_own = corr[0];
+                [[unroll]] for (uint h = 1u; h < MAX_HB; ++h)
                     corr_own = own == h ? corr[h] : corr_own;
-                }
                 [[unroll]] for (uint k = 0u; k < NB; ++k) {
                     uint x = tid + k * LOCAL;
-                    if (x < N_ATOMS * HP) {
-                        wf[k] = (wf[k] + float(bins_sh[x]) / fix_scale) * corr_lane;
+                    if (x < HB * N_ATOMS) {
+                        uint hx = x / N_ATOMS;  // the bin's head
+                        float c = corr[0];
+                        [[unroll]] for (uint h = 1u; h < MAX_HB; ++h)
+                            c = hx == h ? corr[h] : c;
+                        wf[k] = (wf[k] + float(bins_sh[x]) / fix_scale) * c;
                         bins_sh[x] = 0;
                     }
                 }
@@ -479,10 +502,10 @@ void main() {
                 READ_BOUND(3u, big, total)
                 fix_scale = big > 0.0 ? pow2_floor(ADD_LIMIT / big) : 1.0;
                 budget = total * fix_scale;
-            } else if (big * fix_scale >= ADD_LIMIT || budget + total * fix_scale > BUDGET) {
+            } else if (ABLATE_ROUND_SYNC == 0 && (big * fix_scale >= ADD_LIMIT || budget + total * fix_scale > BUDGET)) {
                 [[unroll]] for (uint k = 0u; k < NB; ++k) {
                     uint x = tid + k * LOCAL;
-                    if (x < N_ATOMS * HP) {
+                    if (x < HB * N_ATOMS) {
                         wf[k] += float(bins_sh[x]) / fix_scale;
                         bins_sh[x] = 0;
                     }
@@ -498,7 +521,7 @@ void main() {
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
                     l_own += unit == h * LPH && h < HB ? p[b][h] : 0.0;  // one lane of each head counts
-                if (V_BITS > 0u) {
+                if (V_BITS > 0u && ABLATE_RESIDUAL == 0) {
                     float f[E];
                     lane_levels(vw[b], unit, V_BITS, f);
                     float st = uintBitsToFloat(vs[b]);
@@ -515,83 +538,87 @@ void main() {
                         float coef = code_coef(vc[b][c]) * fix_scale;
                         [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
                             if (h < HB)
-                                atomicAdd(bins_sh[a * HP + h], floatBitsToInt(fma(p[b][h], coef, MAGIC)) - 0x4B400000);
+                                if (ABLATE_SCATTER == 0)
+                                    atomicAdd(bins_sh[h * N_ATOMS + a], floatBitsToInt(fma(p[b][h], coef, MAGIC)) - 0x4B400000);
                     }
                 }
             }
         }
 
-        // the last flush; the weights as floats in the bins (each lane's own)
+        // the last flush: the weights to memory (each lane its own; the block's rows are contiguous)
         barrier();  // every addition is in
+        uint rec0 = record(i, g, pc.n_kv) + blk * HB;
         [[unroll]] for (uint k = 0u; k < NB; ++k) {
             uint x = tid + k * LOCAL;
-            if (x < N_ATOMS * HP)
-                bins_sh[x] = floatBitsToInt(wf[k] + float(bins_sh[x]) / fix_scale);
+            if (x < HB * N_ATOMS)
+                weights[rec0 * N_ATOMS + x] = wf[k] + float(bins_sh[x]) / fix_scale;
         }
-        // the V residual: this lane's elements summed over the token lanes, into out_sh
-        uint rec0 = record(i, g, pc.n_kv) + blk * HB;
+        // the V residual: this lane's elements summed over the token lanes, into out_sh. With
+        // subgroups the token lanes of a subgroup are summed by shuffles first (all elements at
+        // once), leaving a row per subgroup; without, a row per token lane.
+        vec4 l4 = vec4(own == 0u ? l_own : 0.0, own == 1u ? l_own : 0.0, own == 2u ? l_own : 0.0,
+                       own == 3u ? l_own : 0.0);  // the sums of p by head (one lane per head counts)
+#if SUBGROUP
+        for (uint w = U; w < gl_SubgroupSize; w <<= 1u) {
+            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
+                [[unroll]] for (uint e = 0u; e < E; ++e)
+                    if (h < HB)
+                        acc[h][e] += subgroupShuffleXor(acc[h][e], w);
+        }
+        for (uint w = 1u; w < gl_SubgroupSize; w <<= 1u)
+            l4 += vec4(subgroupShuffleXor(l4.x, w), subgroupShuffleXor(l4.y, w), subgroupShuffleXor(l4.z, w),
+                       subgroupShuffleXor(l4.w, w));
+        const uint rows = gl_NumSubgroups, row = gl_SubgroupID;
+        const bool writes = gl_SubgroupInvocationID < U;
+#else
+        const uint rows = TLANES, row = tlane;
+        const bool writes = true;
+#endif
         [[unroll]] for (uint e = 0u; e < E; ++e) {
             barrier();
             [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                if (h < HB)
-                    red_sh[h * LOCAL + tid] = acc[h][e];
+                if (h < HB && writes)
+                    red_sh[h * LOCAL + row * U + unit] = acc[h][e];
             barrier();
             for (uint x = gl_LocalInvocationID.x; x < HB * U; x += LOCAL) {
                 uint h = x / U, un = x - h * U;
                 float a = 0.0;
-                for (uint ln = 0u; ln < TLANES; ++ln)
-                    a += red_sh[h * LOCAL + ln * U + un];
+                for (uint r = 0u; r < rows; ++r)
+                    a += red_sh[h * LOCAL + r * U + un];
                 uint d = un * E + e;
                 float rs = V_BITS > 0u ? uintBitsToFloat(cache_words[pc.v_scale_word + g * pc.head_vec + d]) : 0.0;
                 out_sh[h * HEAD_DIM + d] = a * rs * float(1u << V_BITS);
             }
         }
-        barrier();  // the float weights are in
-        // the weights times the atoms (quad q4, lane vlane's atoms), then the lanes' sums
-        const uint q4 = gl_LocalInvocationID.x % VQ, vlane = gl_LocalInvocationID.x / VQ;
-        vec4 part[MAX_HB];
-        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-            part[h] = vec4(0.0);
-        {
-            uint atoms = (pc.v_atoms_word + g * pc.head_atoms) / 4u + q4;
-            for (uint a0 = vlane; a0 < N_ATOMS; a0 += VLANES * UNROLL) {
-                vec4 av[UNROLL];  // UNROLL atoms' quad q4 loaded together
-                [[unroll]] for (uint u = 0u; u < UNROLL; ++u)
-                    av[u] = uintBitsToFloat(cache_quads[atoms + min(a0 + u * VLANES, N_ATOMS - 1u) * VQ]);
-                [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
-                    uint a = a0 + u * VLANES;
-                    if (a < N_ATOMS)
-                        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                            if (h < HB)
-                                part[h] += intBitsToFloat(bins_sh[a * HP + h]) * av[u];
-                }
-            }
-        }
-        [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-            barrier();
-            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                if (h < HB)
-                    red_sh[h * LOCAL + gl_LocalInvocationID.x] = part[h][k];
-            barrier();
-            for (uint x = gl_LocalInvocationID.x; x < HB * VQ; x += LOCAL) {
-                uint h = x / VQ, q = x - h * VQ;
-                float a = out_sh[h * HEAD_DIM + 4u * q + k];
-                for (uint ln = 0u; ln < VLANES; ++ln)
-                    a += red_sh[h * LOCAL + ln * VQ + q];
-                acc_floats[(rec0 + h) * HEAD_DIM + 4u * q + k] = a;  // records are h-major
-            }
-        }
-        // the sums of p: each head's lanes counted once
+        barrier();  // out_sh is complete
+        for (uint x = gl_LocalInvocationID.x; x < HB * HEAD_DIM; x += LOCAL)
+            acc_floats[rec0 * HEAD_DIM + x] = out_sh[x];  // records are h-major
+        // the sums of p (l4: by head, this subgroup's or this lane's)
         barrier();
+#if SUBGROUP
+        if (gl_SubgroupInvocationID == 0u)
+            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
+                red_sh[h * LOCAL + row] = l4[h];
+#else
         [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-            if (h < HB)
-                red_sh[h * LOCAL + tid] = own == h ? l_own : 0.0;
+            red_sh[h * LOCAL + tid] = l4[h];
+        for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
+            barrier();
+            if (tid < width)
+                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
+                    red_sh[h * LOCAL + tid] += red_sh[h * LOCAL + tid + width];
+        }
+#endif
         barrier();
         if (gl_LocalInvocationID.x < HB) {
             uint h = gl_LocalInvocationID.x;
             float a = 0.0;
-            for (uint x = 0u; x < LOCAL; ++x)
+#if SUBGROUP
+            for (uint x = 0u; x < rows; ++x)
                 a += red_sh[h * LOCAL + x];
+#else
+            a = red_sh[h * LOCAL];
+#endif
             stats[(rec0 + h) * 2u] = m[h];
             stats[(rec0 + h) * 2u + 1u] = a;
         }

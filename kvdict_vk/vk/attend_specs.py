@@ -59,23 +59,23 @@ def flash_coded_lanes(head_dim: int) -> int:
 def flash_coded_fits(head_dim: int, hb: int, local: int, n_atoms: int) -> bool:
     """Whether attend_flash_coded runs at ``hb`` query heads and ``local`` invocations (shared
     memory aside): head_dim a multiple of 8 whose lanes per token are a power of two at least
-    the padded heads, the workgroup whole tokens and whole element quads, at most
-    FLASH_CODED_MAX_HEADS heads, at most FLASH_CODED_MAX_BINS bins flushed per invocation."""
+    the padded heads, the workgroup whole tokens, whole element quads and whole vec4s of
+    partial sums, at most FLASH_CODED_MAX_HEADS heads, at most FLASH_CODED_MAX_BINS bins
+    flushed per invocation."""
     if head_dim % 8 or not 1 <= hb <= FLASH_CODED_MAX_HEADS:
         return False
     u, hp = flash_coded_lanes(head_dim), flash_coded_heads_padded(hb)
-    return (u & (u - 1) == 0 and u >= hp and local % u == 0 and local % (head_dim // 4) == 0
-            and -(-n_atoms * hp // local) <= FLASH_CODED_MAX_BINS)
+    return (u & (u - 1) == 0 and u >= hp and local % u == 0 and local % (head_dim // 4) == 0 and local % 4 == 0
+            and -(-n_atoms * hb // local) <= FLASH_CODED_MAX_BINS)
 
 
 def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -> int:
     """attend_flash_coded.comp's shared memory: the q·atom table and the fixed-point atom
-    weights (a row of padded heads per atom), partial scores and the end's sums (MAX_HB
-    floats per invocation), the end's V residual (MAX_HB head vectors), the round control
-    words (a maximum, a flag and a partial sum per invocation each) and the slow path's maxima."""
+    weights (a row of atoms per head), partial scores and the end's sums (MAX_HB floats per
+    invocation), the end's V residual (MAX_HB head vectors), the round control words (a
+    maximum, a flag and a partial sum per invocation each) and the slow path's maxima."""
     m = FLASH_CODED_MAX_HEADS
-    return 4 * (2 * n_atoms * flash_coded_heads_padded(hb) + m * local + m * head_dim
-                + FLASH_CODED_CTL * (2 + local) + m)
+    return 4 * (2 * n_atoms * hb + m * local + m * head_dim + FLASH_CODED_CTL * (2 + local) + m)
 
 
 def n_blocks(n_atoms: int) -> int:
@@ -258,11 +258,11 @@ def _flash_extents(p, s):
 
 def _flash_coded_extents(p, s):
     """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
-    V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
+    the split atom weights of records 0 .. n_splits, the q·atom table, the queries, the
+    records."""
     hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
-           and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
-           and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
+           and p["n_splits"] * p["split_len"] >= used, "attend_flash_coded", p)
     _check(g % hb == 0 and flash_coded_fits(hd, hb, local, s["N_ATOMS"]), "attend_flash_coded (specialization)", s)
     words = []
     for word, sp, bits in ((p["k_word"], s["K_SPARSITY"], s["K_BITS"]), (p["v_word"], s["V_SPARSITY"], s["V_BITS"])):
@@ -270,10 +270,34 @@ def _flash_coded_extents(p, s):
     for word, bits in ((p["k_scale_word"], s["K_BITS"]), (p["v_scale_word"], s["V_BITS"])):
         if bits:
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
-    atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
     records = n_kv * p["n_splits"] * g
-    return [words, [atoms], [_span(0, n_kv * g * s["N_ATOMS"])], [_span(0, n_kv * g * hd)],
-            [_span(0, records * hd)], [_span(0, 2 * records)]]
+    return [words, [_span(0, records * s["N_ATOMS"])], [_span(0, n_kv * g * s["N_ATOMS"])],
+            [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
+
+
+CODED_ATOMS_MAX_SPLITS = 256  # attend_coded_atoms.comp's MAX_SPLITS
+
+
+def coded_atoms_chunks(n_atoms: int, blocks: int, local: int) -> int:
+    """attend_coded_atoms' chunks of atoms per (KV head, head block): enough workgroups over
+    the ``blocks`` (KV head, head block) pairs to spread its reads (~64), a chunk at most
+    ``local`` atoms (its shared weights)."""
+    return min(n_atoms, max(-(-n_atoms // local), -(-64 // blocks)))
+
+
+def _coded_atoms_extents(p, s):
+    """attend_coded_atoms.comp: the V atoms of every KV head, the weights and records of
+    splits 0 .. n_splits, the chunks' records after them."""
+    hd, g, hb, n_kv, na = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], s["N_ATOMS"]
+    _check(n_kv >= 1 and 1 <= p["n_splits"] <= CODED_ATOMS_MAX_SPLITS and 1 <= p["chunk"] <= s["LOCAL"]
+           and p["atoms_word"] % 4 == 0 and p["head_atoms"] % 4 == 0, "attend_coded_atoms", p)
+    _check(g % hb == 0 and hb <= FLASH_CODED_MAX_HEADS and s["LOCAL"] % (hd // 4) == 0,
+           "attend_coded_atoms (specialization)", s)
+    chunks = -(-na // p["chunk"])
+    records = n_kv * p["n_splits"] * g
+    out = n_kv * (p["n_splits"] + chunks) * g
+    atoms = _span(p["atoms_word"], (n_kv - 1) * p["head_atoms"] + na * hd)
+    return [[atoms], [_span(0, records * na)], [_span(0, 2 * out)], [_span(records * hd, (out - records) * hd)]]
 
 
 def _merge_extents(p, s):
@@ -326,9 +350,13 @@ def shader_specs(shader_spec) -> dict:
                       subgroup_ops=ops)
           for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
-        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
-                      (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
+        # layer words, weights, q·atom table, query, accs, stats
+        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 1, 1, 1, 1, 1),
+                      (False, True, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
                       optional_spec=(("K_BITS", 0), ("V_BITS", 0)), subgroup_ops=ops)
           for name, ops in (("attend_flash_coded", ()), ("attend_flash_coded_sg", ("basic", "shuffle")))),
+        # layer quads, weights, stats, accs
+        shader_spec("attend_coded_atoms", L.ATTEND_CODED_ATOMS_PUSH, (4, 1, 1, 4), (False, False, True, True),
+                    SPEC + ("N_ATOMS",), _coded_atoms_extents),
     ]
     return {s.variant: s for s in specs}

@@ -1,0 +1,143 @@
+"""Probe attend_flash_coded on a GPU: every launch shape the tuner may pick (query heads per
+workgroup, invocations, workgroups) for each SPIR-V build given (directories holding
+attend_flash_coded*.spv built with other -D knobs, through $KVDICT_VK_SPV_DIR), by GPU time
+of the whole attention (q·atom table, the kernel, the merge), beside attend_flash over the
+f16 cache of the same shape and torch SDPA over f16 (when torch with CUDA is there).
+Every build's output is checked against the first's (NMSE). Writes one JSON file.
+
+  python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --out probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvdict_vk.bench import attention as BA, common, torch_anchor  # noqa: E402
+from kvdict_vk import attention_ref  # noqa: E402
+from kvdict_vk.metrics import nmse  # noqa: E402
+from kvdict_vk.vk import KvArena, spirv  # noqa: E402
+from kvdict_vk.vk import attend as A  # noqa: E402
+from kvdict_vk.vk import attend_tune as T  # noqa: E402
+
+
+def dict_arena(bits, n_kv, hd, n_ctx, dev, rng):
+    """bench.attention's dict arena (per-head dictionaries of 1024 atoms, s 4), keeping the
+    slots for the float64 reference."""
+    from kvdict_vk import runtime, synthetic
+    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+    dicts = [StreamDict(rng.standard_normal((n_kv, 1024, hd), dtype=np.float32) / np.sqrt(hd),
+                        mean=rng.standard_normal((n_kv, hd), dtype=np.float32) * 0.1, sparsity=4,
+                        residual_bits=b, residual_scale=rng.random((n_kv, hd), dtype=np.float32) + 0.5 if b else None)
+             for b in bits]
+    with runtime.enabled_with(KvDictArtifact(hd, 1024, 4, ((dicts[0], dicts[1]),)), allow_uncertified=True):
+        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict")
+    slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
+    arena.append_codes(0, *slots)
+    return arena, dicts, slots
+
+
+def timed(att, n, plan, rounds=3):
+    best = None
+    for _ in range(rounds):
+        t = att.time_plan(0, n, plan)
+        best = t if best is None or (t is not None and t < best) else best
+    return best
+
+
+def warm(att, n, plan, seconds=0.3):
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        att.time_plan(0, n, plan)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--builds", default="default=", help="name=spv dir (empty: the package's), comma-separated")
+    ap.add_argument("--shapes", default="8x4,3x3")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--n-used", default="32768,131072")
+    ap.add_argument("--formats", default="4/3,0/0")
+    ap.add_argument("--workgroups", default="132,264,528,1056")
+    ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    builds = [tuple(b.split("=", 1)) for b in a.builds.split(",")]
+    dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
+    anchor = torch_anchor.Anchor(50, enabled=True)
+    rng = np.random.default_rng(0)
+    out = {"argv": sys.argv, "device": dev.name, "builds": dict(builds), "cases": []}
+    ns = [int(x) for x in a.n_used.split(",")]
+    for shape in a.shapes.split(","):
+        n_kv, gqa = (int(x) for x in shape.split("x"))
+        for hd in (int(x) for x in a.head_dims.split(",")):
+            q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+            f16 = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
+            rows = BA._rows(rng, n_kv, max(ns), hd)
+            f16.append(0, rows, rows)
+            f16_att = f16.attention(n_kv * gqa)
+            for n in ns:
+                plan = f16_att.plan(0, n)
+                warm(f16_att, n, plan)
+                case = {"shape": shape, "head_dim": hd, "n_used": n, "f16_flash_s": timed(f16_att, n, plan, 5),
+                        "f16_plan": vars(plan), "torch_sdpa_f16_s": anchor.seconds(n_kv, gqa, hd, n), "formats": {}}
+                out["cases"].append(case)
+            f16.free()
+            for fmt in a.formats.split(","):
+                bits = tuple(int(b) for b in fmt.split("/"))
+                arena, dicts, slots = dict_arena(bits, n_kv, hd, max(ns), dev, rng)
+                first = {}
+                for name, spv_dir in builds:
+                    if spv_dir:
+                        os.environ[spirv.SPV_DIR_ENV] = os.path.abspath(spv_dir)
+                    else:
+                        os.environ.pop(spirv.SPV_DIR_ENV, None)
+                    spirv.load.cache_clear()  # the override is read when a variant is first loaded
+                    att = A.Attention(arena, n_kv * gqa)
+                    att.path = "flash"
+                    try:
+                        for n in ns:
+                            case = next(c for c in out["cases"] if (c["shape"], c["head_dim"], c["n_used"]) == (shape, hd, n))
+                            res = case["formats"].setdefault(fmt, {}).setdefault(name, {"shapes": []})
+                            check = att.attend(0, q, n, 1.0 / np.sqrt(hd))
+                            if n not in first:
+                                first[n] = check
+                                if n == ns[0]:  # the float64 reference, once per format
+                                    ref = attention_ref.attend_coded(q.astype(np.float64), slots[0], slots[1], dicts[0],
+                                                                     dicts[1], n, 1.0 / np.sqrt(hd))
+                                    res["nmse_vs_float64"] = float(nmse(ref, check))
+                            res["nmse_vs_first_build"] = float(nmse(first[n].astype(np.float64), check))
+                            shapes = [T.Shape(local, wg, hb) for hb, locals_ in att.flash_coded_options(0)
+                                      for local in locals_ for wg in (int(w) for w in a.workgroups.split(","))]
+                            warm(att, n, att._flash_shaped(n, shapes[0], A.FLASH_CODED_MIN_SPLIT_TOKENS))
+                            for sh in shapes:
+                                plan = att._flash_shaped(n, sh, A.FLASH_CODED_MIN_SPLIT_TOKENS)
+                                res["shapes"].append({"heads": sh.heads, "local": sh.local, "workgroups": sh.workgroups,
+                                                      "n_splits": plan.n_splits, "gpu_s": timed(att, n, plan)})
+                            best = min(res["shapes"], key=lambda r: r["gpu_s"] or 1e9)
+                            res["best"] = best
+                            print(f"{shape} d{hd} n{n} {fmt} {name}: best {best['gpu_s'] * 1e6:.1f} us "
+                                  f"(hb {best['heads']} local {best['local']} wg {best['workgroups']}), "
+                                  f"f16 {case['f16_flash_s'] * 1e6:.1f} us, sdpa "
+                                  f"{(case['torch_sdpa_f16_s'] or 0) * 1e6:.1f} us, nmse {res['nmse_vs_first_build']:.2g} "
+                                  f"(float64: {res.get('nmse_vs_float64')})",
+                                  flush=True)
+                    finally:
+                        att.free()
+                arena.free()
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
+    os.environ.pop(spirv.SPV_DIR_ENV, None)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
