@@ -615,17 +615,15 @@ ATTEND_FLASH_PUSH = PushBlock("AttendFlashPush", tuple(
     + (("score_scale", "float"),))
 ATTEND_FLASH_CODED_PUSH = PushBlock("AttendFlashCodedPush", tuple(
     (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv",
-                          "k_scale_word", "v_scale_word", "head_vec"))
+                          "v_atoms_word", "head_atoms", "k_scale_word", "v_scale_word", "head_vec"))
     + (("score_scale", "float"),))
-ATTEND_CODED_ATOMS_PUSH = _block("AttendCodedAtomsPush", "n_kv", "n_splits", "atoms_word", "head_atoms", "chunk")
 ATTEND_MERGE_PUSH = _block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
 _ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": ATTEND_TABLE_PUSH,
                   "attend_combine.comp": ATTEND_COMBINE_PUSH, "attend_atoms.comp": ATTEND_ATOMS_PUSH,
                   "attend_reduce.comp": ATTEND_REDUCE_PUSH, "attend_direct.comp": ATTEND_DIRECT_PUSH,
                   "attend_merge.comp": ATTEND_MERGE_PUSH, "attend_merge_head.comp": ATTEND_MERGE_PUSH,
                   "attend_flash.comp": ATTEND_FLASH_PUSH,
-                  "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH,
-                  "attend_coded_atoms.comp": ATTEND_CODED_ATOMS_PUSH}
+                  "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH}
 
 PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, READ_KIVI_PUSH, SCATTER_PUSH, COPY_PUSH,
                                    *_ATTEND_BLOCKS.values())}

@@ -1,15 +1,16 @@
 #version 450
 // Decode attention straight over dict-coded slots (docs/FORMAT.md), shaped for GPUs: one
 // workgroup per (split i, KV head g, block of HB query heads) attends over the split's tokens
-// without decoding a key or a value; attend_coded_atoms.comp multiplies the splits' atom
-// weights by the V atoms and attend_merge_head.comp combines the records (and adds the V
-// mean). Both streams dict-coded, each with or without a residual stage.
+// without decoding a key or a value; attend_merge_head.comp combines the splits' records (and
+// adds the V mean). Both streams dict-coded, each with or without a residual stage.
 //   keys:   score = scale * (sum_j c_j T[h, idx_j] + step * sum_e (q*rscale_k)[h, e] * (lvl_e - half))
 //           with T = q . atom from attend_table.comp (once per step) in shared memory;
 //           q . mean_k is the same for every token (it cancels);
 //   values: out = mean_v + sum_a w[h, a] atom[a] + rscale_v * sum_t p_t step_t (lvl_t - half)
 //           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j,
-//           written per split; the record's acc holds the residual part.
+//           multiplied by the atoms at the split's end. (Multiplying them once per attention
+//           in a pass of their own instead — the weights written per split — measured slower on
+//           an H200: the extra dispatch and its barrier cost more than the atom reads it saves.)
 //
 // Lanes across a slot: a token is served by U = HEAD_DIM / 8 neighbouring invocations, 8
 // elements each — its K and V levels are one window of 8·bits bits of the slot (a coalesced run
@@ -26,7 +27,7 @@
 // swap loop (core Vulkan has no float atomics) whose round trips serialise. Here the weights
 // are FIXED-POINT INTEGERS in shared memory, added with core atomicAdd (no loop, no result
 // waited for), and flushed now and then into float weights each lane keeps in registers
-// (NB of them: bins tid, tid + LOCAL, …, all of head tid % HP). Exact enough by construction:
+// (NB of them: bins tid, tid + LOCAL, …). Exact enough by construction:
 //   * per round (ROUND tokens) every lane knows x = p·|c| for its code words (p the largest of
 //     the heads'); their maximum `big` and sum `total` (through shared memory) bound every
 //     addition of the round and what it adds to any bin;
@@ -76,7 +77,7 @@ const uint E = 8u;                    // elements per lane
 const uint U = HEAD_DIM / E;          // lanes per token: a power of two >= HP (host)
 const uint TLANES = LOCAL / U;        // token lanes per workgroup
 #ifndef TOKENS_PER_LANE
-#define TOKENS_PER_LANE 2u
+#define TOKENS_PER_LANE 4u
 #endif
 const uint TB = TOKENS_PER_LANE;      // tokens per lane and round, loaded together
 const uint ROUND = TLANES * TB;       // tokens per round
@@ -95,6 +96,9 @@ const uint V_ROW = SLOT_WORDS_OF(V_SPARSITY, HEAD_DIM, V_BITS);
 const uint K_WIN = WIN_OF(K_BITS);
 const uint V_WIN = WIN_OF(V_BITS);
 const uint NB = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // fixed-point bins a lane flushes
+const uint VQ = HEAD_DIM / 4u;        // element quads (the end's weights × atoms product)
+const uint VLANES = LOCAL / VQ;       // atom lanes of that product (host: LOCAL % VQ == 0)
+const uint UNROLL = 16u;              // atom rows loaded together at the end (latency)
 // Probabilities stay ≤ e^GROW_MARGIN between moves of the reference. Small, because one
 // fixed-point scale serves every head: a head whose probabilities run e^GROW_MARGIN above
 // another's would set a quantum that coarse for the other's additions.
@@ -106,8 +110,7 @@ const float MAGIC = 12582912.0;       // 1.5 * 2^23: x + MAGIC rounds x (|x| < 2
 const uint N_CTL = 4u;                // round control buffers: 3 rotating + the slow path's
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, scales
-// the split's atom weights, [rec*N_ATOMS + a] for its records rec (attend_coded_atoms.comp reads them)
-layout(std430, binding = 1) writeonly buffer Weights { float weights[]; };
+layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };  // V atoms
 layout(std430, binding = 2) readonly buffer Table { float table[]; };  // [(g*GROUP + h)*n_atoms + a]
 layout(std430, binding = 3) readonly buffer Query { float q_floats[]; };
 layout(std430, binding = 4) writeonly buffer Accs { float acc_floats[]; };
@@ -121,6 +124,8 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint split_len;
     uint n_splits;
     uint n_kv;
+    uint v_atoms_word;  // V atoms (KV head h's at + h*head_atoms), a multiple of 4
+    uint head_atoms;
     uint k_scale_word;  // residual scales (read only with a residual stage)
     uint v_scale_word;
     uint head_vec;
@@ -545,13 +550,13 @@ void main() {
             }
         }
 
-        // the last flush: the weights to memory (each lane its own; the block's rows are contiguous)
+        // the last flush; the weights as floats in the bins (each lane its own)
         barrier();  // every addition is in
         uint rec0 = record(i, g, pc.n_kv) + blk * HB;
         [[unroll]] for (uint k = 0u; k < NB; ++k) {
             uint x = tid + k * LOCAL;
             if (x < HB * N_ATOMS)
-                weights[rec0 * N_ATOMS + x] = wf[k] + float(bins_sh[x]) / fix_scale;
+                bins_sh[x] = floatBitsToInt(wf[k] + float(bins_sh[x]) / fix_scale);
         }
         // the V residual: this lane's elements summed over the token lanes, into out_sh. With
         // subgroups the token lanes of a subgroup are summed by shuffles first (all elements at
@@ -590,9 +595,41 @@ void main() {
                 out_sh[h * HEAD_DIM + d] = a * rs * float(1u << V_BITS);
             }
         }
-        barrier();  // out_sh is complete
-        for (uint x = gl_LocalInvocationID.x; x < HB * HEAD_DIM; x += LOCAL)
-            acc_floats[rec0 * HEAD_DIM + x] = out_sh[x];  // records are h-major
+        barrier();  // the float weights and out_sh are in
+        // the weights times the atoms (quad q4, lane vlane's atoms), then the lanes' sums
+        const uint q4 = gl_LocalInvocationID.x % VQ, vlane = gl_LocalInvocationID.x / VQ;
+        vec4 part[MAX_HB];
+        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
+            part[h] = vec4(0.0);
+        {
+            uint atoms = (pc.v_atoms_word + g * pc.head_atoms) / 4u + q4;
+            for (uint a0 = vlane; a0 < N_ATOMS; a0 += VLANES * UNROLL) {
+                vec4 av[UNROLL];  // UNROLL atoms' quad q4 loaded together
+                [[unroll]] for (uint u = 0u; u < UNROLL; ++u)
+                    av[u] = uintBitsToFloat(cache_quads[atoms + min(a0 + u * VLANES, N_ATOMS - 1u) * VQ]);
+                [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
+                    uint a = a0 + u * VLANES;
+                    if (a < N_ATOMS)
+                        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
+                            if (h < HB)
+                                part[h] += intBitsToFloat(bins_sh[h * N_ATOMS + a]) * av[u];
+                }
+            }
+        }
+        [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+            barrier();
+            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
+                if (h < HB)
+                    red_sh[h * LOCAL + gl_LocalInvocationID.x] = part[h][k];
+            barrier();
+            for (uint x = gl_LocalInvocationID.x; x < HB * VQ; x += LOCAL) {
+                uint h = x / VQ, q = x - h * VQ;
+                float a = out_sh[h * HEAD_DIM + 4u * q + k];
+                for (uint ln = 0u; ln < VLANES; ++ln)
+                    a += red_sh[h * LOCAL + ln * VQ + q];
+                acc_floats[(rec0 + h) * HEAD_DIM + 4u * q + k] = a;  // records are h-major
+            }
+        }
         // the sums of p (l4: by head, this subgroup's or this lane's)
         barrier();
 #if SUBGROUP

@@ -275,11 +275,12 @@ FLASH_CODED_CASES = [
     (32, 2, 8, 64, False, ((2, 0), (3, 5)), 300),    # atoms only for K, a shared dictionary
     (128, 1, 1, 128, False, ((8, 2), (1, 0)), 129),
     (64, 2, 2, 512, True, ((1, 8), (16, 1)), 1100),
+    (64, 2, 4, 1024, True, ((4, 4), (4, 3)), 32768),  # a long split: many rounds of fixed-point weights
 ]
 
 
 @pytest.mark.parametrize("subgroups", [None, False], ids=["sg-where-fits", "shared"])
-@pytest.mark.parametrize("case", FLASH_CODED_CASES, ids=lambda c: "hd{}-kv{}-g{}-a{}-{}".format(*c[:4], c[5]))
+@pytest.mark.parametrize("case", FLASH_CODED_CASES, ids=lambda c: "hd{}-kv{}-g{}-a{}-{}-ctx{}".format(*c[:4], c[5], c[6]))
 def test_flash_coded_attention_equals_reference(case, subgroups, make_arena, activate):
     """attend_flash_coded (the GPUs' path over the codes) against the float64 reference over
     the same slots, out-of-range code words included (they contribute zero) — summing a

@@ -33,9 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_MAX_GROUP, Sizes, coded_atoms_chunks, flash_coded_fits, flash_coded_lanes,
-                           flash_coded_shared_bytes, flash_shared_bytes, flash_subgroup_fits, flash_units,
-                           merge_head_local)
+from .attend_specs import (FLASH_MAX_GROUP, Sizes, flash_coded_fits, flash_coded_lanes, flash_coded_shared_bytes,
+                           flash_shared_bytes, flash_subgroup_fits, flash_units)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
@@ -115,12 +114,7 @@ class Attention:
         if needed > MAX_SPLITS + 1:
             raise E.ArenaTooLargeError(f"attention over {lay.n_ctx} tokens needs {needed} splits per KV head "
                                        f"(at most {MAX_SPLITS}); use a shorter context or a lower sparsity")
-        # attend_coded_atoms appends a record per chunk of atoms after the flash splits
-        # (records per KV head: splits + chunks); the most chunks are at the most heads a block
-        self.coded_chunks = 0
-        if any(ll.k.coded and ll.v.coded for ll in lay.layers):
-            self.coded_chunks = coded_atoms_chunks(lay.n_atoms, n_kv, merge_head_local(hd, self.max_local()))
-        self.max_splits = needed + self.coded_chunks
+        self.max_splits = needed
         if self.any_v_coded:
             per_split = n_kv * g * lay.n_atoms
             cap = min(BINS_BUDGET_WORDS, self.device.limit("max_storage_buffer_range") // 4) // per_split
@@ -130,7 +124,6 @@ class Attention:
         self.sizes = sz = Sizes(n_kv, g, hd, max(lay.n_atoms, 1), lay.n_ctx, self.max_splits)
         self._buffers: list[Buffer] = []
         self._recon = None
-        self._flash_weights = None
         self._warm_layers: set[int] = set()
         # (what, layer) → a fact of the layer that planning reads on every step (the flash
         # kernels' workgroup sizes, whether one fits, the tuner's layer signature): they depend
@@ -158,19 +151,6 @@ class Attention:
         except BaseException:
             self.free()
             raise
-
-    def flash_weights(self) -> Buffer:
-        """attend_flash_coded's per-split atom weights (every record's n_atoms floats), made on
-        first use: the engine plans that kernel only on GPUs (or when a test forces it)."""
-        if self._flash_weights is None:
-            self._flash_weights = self._new_buffer(self.sizes.bins, "device", "flash split atom weights")
-        return self._flash_weights
-
-    def coded_atoms_shape(self, hb: int) -> tuple[int, int]:
-        """attend_coded_atoms' (workgroup size, atoms per chunk) at ``hb`` query heads per block."""
-        local = merge_head_local(self.layout.head_dim, self.max_local())
-        blocks = self.layout.n_kv_heads * (self.group // hb)
-        return local, -(-self.layout.n_atoms // coded_atoms_chunks(self.layout.n_atoms, blocks, local))
 
     def _clear_bins(self) -> None:
         """The split pass expects zero atom weights (attend_atoms.comp leaves them so after a
@@ -365,8 +345,7 @@ class Attention:
         """The flash plan of a launch shape: the splits that make ``shape.workgroups``
         workgroups over the KV heads (and head blocks), each at least min_tokens long."""
         blocks = self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
-        room = self.max_splits - (self.coded_chunks if shape.heads else 0)  # attend_coded_atoms' records
-        want = min(room, max(1, -(-shape.workgroups // blocks)))
+        want = min(self.max_splits, max(1, -(-shape.workgroups // blocks)))
         n, split_len = P.split_count(n_used, want, min_tokens, n_used)
         return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads)
 

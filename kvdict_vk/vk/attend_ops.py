@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .. import errors as E
 from .attend_plan import LOOP_BUDGET
-from .attend_specs import coded_atoms_chunks, merge_head_local, n_blocks
+from .attend_specs import merge_head_local, n_blocks
 from .device import kp
 from .kernels import Kernel, barrier
 
@@ -188,27 +188,17 @@ class PassBuilder:
             hb, default = plan.heads, dict(att.flash_coded_options(layer))[plan.heads][0]
         local = plan.local or default
         variant = att.flash_coded_variant(local)
-        weights = att.flash_weights()
         kernel = self._kernel(("flash_coded", variant, layer, local, hb), variant,
-                              [buf, weights, att.table, att.q, att.accs, att.stats],
+                              [buf, buf, att.table, att.q, att.accs, att.stats],
                               n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
                               K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity)
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
-                             split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv,
-                             k_scale_word=k.scale_word if k.residual_bits else 0,
+                             split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word,
+                             head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                              score_scale=scale))
-        # the splits' atom weights times the V atoms: one more record per chunk of atoms
-        atoms_local, chunk = att.coded_atoms_shape(hb)
-        n_chunks = -(-lay.n_atoms // chunk)
-        atoms = self._kernel(("coded_atoms", layer, hb), "attend_coded_atoms", [buf, weights, att.stats, att.accs],
-                             n_kv * (att.group // hb) * n_chunks * atoms_local, LOCAL=atoms_local, HB=hb,
-                             N_ATOMS=lay.n_atoms)
-        ops += [self.sync(weights, att.stats, att.accs),
-                self._cached_op(("coded_atoms", layer, hb), atoms, n_kv=n_kv, n_splits=plan.n_splits,
-                                atoms_word=v.atoms_word, head_atoms=v.head_atoms_stride, chunk=chunk)]
-        return ops + self._merge(("layer", layer), buf, v, plan.n_splits + n_chunks, per_head=True)
+        return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,

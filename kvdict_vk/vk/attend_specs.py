@@ -258,11 +258,11 @@ def _flash_extents(p, s):
 
 def _flash_coded_extents(p, s):
     """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
-    the split atom weights of records 0 .. n_splits, the q·atom table, the queries, the
-    records."""
+    V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
     hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
-           and p["n_splits"] * p["split_len"] >= used, "attend_flash_coded", p)
+           and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
+           and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
     _check(g % hb == 0 and flash_coded_fits(hd, hb, local, s["N_ATOMS"]), "attend_flash_coded (specialization)", s)
     words = []
     for word, sp, bits in ((p["k_word"], s["K_SPARSITY"], s["K_BITS"]), (p["v_word"], s["V_SPARSITY"], s["V_BITS"])):
@@ -270,34 +270,10 @@ def _flash_coded_extents(p, s):
     for word, bits in ((p["k_scale_word"], s["K_BITS"]), (p["v_scale_word"], s["V_BITS"])):
         if bits:
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
+    atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
     records = n_kv * p["n_splits"] * g
-    return [words, [_span(0, records * s["N_ATOMS"])], [_span(0, n_kv * g * s["N_ATOMS"])],
-            [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
-
-
-CODED_ATOMS_MAX_SPLITS = 256  # attend_coded_atoms.comp's MAX_SPLITS
-
-
-def coded_atoms_chunks(n_atoms: int, blocks: int, local: int) -> int:
-    """attend_coded_atoms' chunks of atoms per (KV head, head block): enough workgroups over
-    the ``blocks`` (KV head, head block) pairs to spread its reads (~64), a chunk at most
-    ``local`` atoms (its shared weights)."""
-    return min(n_atoms, max(-(-n_atoms // local), -(-64 // blocks)))
-
-
-def _coded_atoms_extents(p, s):
-    """attend_coded_atoms.comp: the V atoms of every KV head, the weights and records of
-    splits 0 .. n_splits, the chunks' records after them."""
-    hd, g, hb, n_kv, na = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], s["N_ATOMS"]
-    _check(n_kv >= 1 and 1 <= p["n_splits"] <= CODED_ATOMS_MAX_SPLITS and 1 <= p["chunk"] <= s["LOCAL"]
-           and p["atoms_word"] % 4 == 0 and p["head_atoms"] % 4 == 0, "attend_coded_atoms", p)
-    _check(g % hb == 0 and hb <= FLASH_CODED_MAX_HEADS and s["LOCAL"] % (hd // 4) == 0,
-           "attend_coded_atoms (specialization)", s)
-    chunks = -(-na // p["chunk"])
-    records = n_kv * p["n_splits"] * g
-    out = n_kv * (p["n_splits"] + chunks) * g
-    atoms = _span(p["atoms_word"], (n_kv - 1) * p["head_atoms"] + na * hd)
-    return [[atoms], [_span(0, records * na)], [_span(0, 2 * out)], [_span(records * hd, (out - records) * hd)]]
+    return [words, [atoms], [_span(0, n_kv * g * s["N_ATOMS"])], [_span(0, n_kv * g * hd)],
+            [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _merge_extents(p, s):
@@ -350,13 +326,10 @@ def shader_specs(shader_spec) -> dict:
                       subgroup_ops=ops)
           for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
-        # layer words, weights, q·atom table, query, accs, stats
-        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 1, 1, 1, 1, 1),
-                      (False, True, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
+        # layer words, layer quads (V atoms), q·atom table, query, accs, stats
+        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
+                      (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
                       optional_spec=(("K_BITS", 0), ("V_BITS", 0)), subgroup_ops=ops)
           for name, ops in (("attend_flash_coded", ()), ("attend_flash_coded_sg", ("basic", "shuffle")))),
-        # layer quads, weights, stats, accs
-        shader_spec("attend_coded_atoms", L.ATTEND_CODED_ATOMS_PUSH, (4, 1, 1, 4), (False, False, True, True),
-                    SPEC + ("N_ATOMS",), _coded_atoms_extents),
     ]
     return {s.variant: s for s in specs}

@@ -51,7 +51,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "attend_split_coded": ("attend_split.comp", {}),
     **{name: (f"{name}.comp", {}) for name in ("attend_table", "attend_combine", "attend_atoms", "attend_reduce",
                                                "attend_direct", "attend_merge", "attend_merge_head", "attend_flash",
-                                               "attend_flash_coded", "attend_coded_atoms")},
+                                               "attend_flash_coded")},
     # the same kernel summing a token's partial scores by subgroup shuffles (GPUs that have them)
     "attend_flash_sg": ("attend_flash.comp", {"SUBGROUP": 1}),
     "attend_flash_coded_sg": ("attend_flash_coded.comp", {"SUBGROUP": 1}),
