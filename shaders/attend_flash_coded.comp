@@ -1,113 +1,55 @@
 #version 450
 // Decode attention straight over dict-coded slots (docs/FORMAT.md), shaped for GPUs: one
-// workgroup per (split i, KV head g, block of HB query heads) attends over the split's tokens
-// without decoding a key or a value; attend_merge_head.comp combines the splits' records (and
-// adds the V mean). Both streams dict-coded, each with or without a residual stage.
+// workgroup per (split i, KV head g, block of HB query heads) attends over the split's
+// tokens without decoding a key or a value; attend_merge_head.comp combines the splits' records
+// (and adds the V mean). Both streams dict-coded, each with or without a residual stage.
 //   keys:   score = scale * (sum_j c_j T[h, idx_j] + step * sum_e (q*rscale_k)[h, e] * (lvl_e - half))
-//           with T = q . atom from attend_table.comp (once per step) in shared memory;
-//           q . mean_k is the same for every token (it cancels);
+//           with T = q . atom from attend_table.comp (run once per step), kept in shared
+//           memory for the block's heads; q . mean_k is the same for every token (cancels);
 //   values: out = mean_v + sum_a w[h, a] atom[a] + rscale_v * sum_t p_t step_t (lvl_t - half)
-//           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j,
-//           multiplied by the atoms at the split's end. (Multiplying them once per attention
-//           in a pass of their own instead — the weights written per split — measured slower on
-//           an H200: the extra dispatch and its barrier cost more than the atom reads it saves.)
-//
-// Lanes across a slot: a token is served by U = HEAD_DIM / 8 neighbouring invocations, 8
-// elements each — its K and V levels are one window of 8·bits bits of the slot (a coalesced run
-// over the token's lanes), code word j is loaded by lane j % U. Each lane keeps its 8 elements
-// of the HB query vectors (times the score scale, K's residual scale and 2^K_BITS) and of the
-// V residual's sums in registers. A token's partial scores are summed across its lanes:
-//   SUBGROUP 1 (attend_flash_coded_sg; the device's subgroups hold whole tokens, host-checked):
-//     a reduce-scatter by shuffles leaves lane u with the score of head u / (U / HP) only, which
-//     it exponentiates; the others' probabilities come back by one shuffle per head;
-//   SUBGROUP 0 (no optional feature): partial scores through shared memory, every lane sums them.
-//
-// The atom weights are a scatter — every V code word adds p·c to one weight per head — and it
-// is the part that set this kernel's pace: a float add in shared memory needs a compare-and-
-// swap loop (core Vulkan has no float atomics) whose round trips serialise. Here the weights
-// are FIXED-POINT INTEGERS in shared memory, added with core atomicAdd (no loop, no result
-// waited for), and flushed now and then into float weights each lane keeps in registers
-// (NB of them: bins tid, tid + LOCAL, …). Exact enough by construction:
-//   * per round (ROUND tokens) every lane knows x = p·|c| for its code words (p the largest of
-//     the heads'); their maximum `big` and sum `total` (through shared memory) bound every
-//     addition of the round and what it adds to any bin;
-//   * an addition is rounded to an integer at `fix_scale`, a power of two chosen at each flush
-//     so the round's largest addition is in [2^21, 2^22) units: its error is ≤ 2^-22 of it;
-//     rounding x < 2^22 is one add of 1.5·2^23;
-//   * `budget` sums the rounds' totals (in units): a round that would pass 1.5·2^30, or whose
-//     largest addition would reach 2^22, flushes the bins first — a bin never overflows.
-// The softmax reference m (uniform over the workgroup) moves only when a probability exceeds
-// e^GROW_MARGIN (a flag in shared memory; then a workgroup maximum — the first round, rarely
-// after), so the bins never need rescaling between flushes: a move flushes them first.
-// The record's (m, l, acc) are exact for any reference (the merge rescales by exp(m - M)).
-// Levels become floats without an int→float conversion: a level's bits placed at the top of
-// the mantissa of 1.0 give 1 + lvl / 2^b; K folds the constant into a per-lane term, V
-// subtracts 1 + half / 2^b exactly (both operands in [1, 2)).
+//           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j
+//           accumulated in shared memory — a compare-and-swap loop on the float's bits
+//           (core Vulkan has no float atomics) — and multiplied by the atoms once at the end.
+// The split is walked in chunks of LOCAL tokens, one token per invocation: its K and V slot
+// words are loaded a chunk ahead into registers (all of a slot's words at once: the code
+// word counts are specialization constants), so the next chunk's loads are in flight while
+// this one computes. The invocation scores its key, adds its value's code words to the
+// weights and stages its V levels in shared memory; then invocations across (token lane,
+// element quad) accumulate the V residual from shared memory.
+// The softmax reference m moves only when a score exceeds it by more than GROW_MARGIN
+// (flag, then a workgroup maximum — the first chunk and rarely after), so a chunk needs no
+// reduction: probabilities stay ≤ e^GROW_MARGIN, each invocation sums its own, and the
+// record's (m, l) are exact for any reference (the merge rescales by exp(m - M)).
+// Levels become floats without an int→float conversion (a quarter-rate instruction on
+// NVIDIA GPUs): the level's bits in the mantissa of 2^22, whose ulp is 0.5, so
+// float(0x4A800000 | level << 1) - (2^22 + half) = level - half exactly.
 // An out-of-range atom index contributes exactly zero.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-#ifndef SUBGROUP
-#define SUBGROUP 0
-#endif
-#if SUBGROUP
-#extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_shuffle : require
-#endif
 #include "common.glsl"
 #include "attend_common.glsl"
-// Build-time knobs for probes (tools/coded_probe.py); all off in the shipped SPIR-V. The
-// ABLATE_* ones remove a part to time the rest and make the output wrong.
-#ifndef ABLATE_SCATTER
-#define ABLATE_SCATTER 0
-#endif
-#ifndef ABLATE_ROUND_SYNC
-#define ABLATE_ROUND_SYNC 0
-#endif
-#ifndef ABLATE_RESIDUAL
-#define ABLATE_RESIDUAL 0
-#endif
 
 layout(constant_id = 4) const uint K_BITS = 0u;   // residual bits of K (0: atoms only)
 layout(constant_id = 5) const uint V_BITS = 0u;
-layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary head
+layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary head (shared memory)
 layout(constant_id = 7) const uint K_SPARSITY = 4u;  // code words per K slot
 layout(constant_id = 8) const uint V_SPARSITY = 4u;
-const uint LOCAL = gl_WorkGroupSize.x;
-const uint E = 8u;                    // elements per lane
-const uint U = HEAD_DIM / E;          // lanes per token: a power of two >= HP (host)
-const uint TLANES = LOCAL / U;        // token lanes per workgroup
-#ifndef TOKENS_PER_LANE
-#define TOKENS_PER_LANE 4u
-#endif
-const uint TB = TOKENS_PER_LANE;      // tokens per lane and round, loaded together
-const uint ROUND = TLANES * TB;       // tokens per round
-const uint MAX_HB = 4u;               // registers per query head are unrolled up to this (host: HB <= 4)
-const uint HP = HB > 2u ? 4u : HB;    // heads padded to a power of two: the reduce-scatter's
-const uint LPH = U / HP;              // lanes holding one head's score after the reduce-scatter
-const uint KC = (K_SPARSITY + U - 1u) / U;  // K code words per lane
-const uint VC = (V_SPARSITY + U - 1u) / U;
+const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk
 const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
 const uint V_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);
-const uint K_ROW = SLOT_WORDS_OF(K_SPARSITY, HEAD_DIM, K_BITS);
+const uint K_ROW = SLOT_WORDS_OF(K_SPARSITY, HEAD_DIM, K_BITS);  // words of a slot
 const uint V_ROW = SLOT_WORDS_OF(V_SPARSITY, HEAD_DIM, V_BITS);
-// words a lane's window of E·b bits spans: its first bit is a multiple of 8, so ≤ 24 bits of
-// offset (none when E·b is a multiple of 32); at least one (unused without a residual stage)
-#define WIN_OF(B) ((B) == 0u ? 1u : ((E * (B)) % 32u == 0u ? (E * (B)) / 32u : (24u + E * (B) + 31u) / 32u))
-const uint K_WIN = WIN_OF(K_BITS);
-const uint V_WIN = WIN_OF(V_BITS);
-const uint NB = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // fixed-point bins a lane flushes
-const uint VQ = HEAD_DIM / 4u;        // element quads (the end's weights × atoms product)
-const uint VLANES = LOCAL / VQ;       // atom lanes of that product (host: LOCAL % VQ == 0)
-const uint UNROLL = 16u;              // atom rows loaded together at the end (latency)
-// Probabilities stay ≤ e^GROW_MARGIN between moves of the reference. Small, because one
-// fixed-point scale serves every head: a head whose probabilities run e^GROW_MARGIN above
-// another's would set a quantum that coarse for the other's additions.
-const float GROW_MARGIN = 1.0;
-const float P_GROW = 2.718281828459045;  // e^GROW_MARGIN
-const float ADD_LIMIT = 4194304.0;    // 2^22: fixed-point additions stay below (MAGIC's range)
-const float BUDGET = 1610612736.0;    // 1.5 * 2^30: the bins' worst-case magnitude between flushes
-const float MAGIC = 12582912.0;       // 1.5 * 2^23: x + MAGIC rounds x (|x| < 2^22) to an integer
-const uint N_CTL = 4u;                // round control buffers: 3 rotating + the slow path's
+const uint V_STAGE = V_BITS > 0u ? V_LEVEL_WORDS : 1u;  // staged level words per token
+// register copies of a slot: room for LEVEL's "next word" and the step also when a stream
+// has no residual stage (those code paths are dead, but their indices stay in bounds)
+const uint K_ARR = K_SPARSITY + K_LEVEL_WORDS + 2u;
+const uint V_ARR = V_SPARSITY + V_STAGE + 1u;
+const uint VQ = HEAD_DIM / 4u;       // element quads of a head vector
+const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms passes (host: >= 1)
+const uint UNROLL = 16u;             // atom rows loaded together at the end (latency)
+const uint TABLE_ROUNDS = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // table words per invocation
+const float GROW_MARGIN = 8.0;       // probabilities stay ≤ e^8 between rescales
+const uint MANTISSA_22 = 0x4A800000u;  // 2^22 as float bits
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, scales
 layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };  // V atoms
@@ -132,98 +74,48 @@ layout(push_constant) uniform AttendFlashCodedPush {
     float score_scale;
 } pc;
 
-// head-major, so one head's lookups and additions of a warp spread over every bank
-shared float tab_sh[HB * N_ATOMS];  // [h*N_ATOMS + a]: q . atom * score scale
-shared int bins_sh[HB * N_ATOMS];   // [h*N_ATOMS + a]: the atom weights in fixed point; at the end, floats
-shared float red_sh[MAX_HB * LOCAL];  // partial scores (SUBGROUP 0); the end's sums
-shared float out_sh[MAX_HB * HEAD_DIM];  // the end: the V residual part of each head
-shared uint mx_sh[N_CTL];           // per round buffer: the largest addition's bits
-shared vec4 sum4_sh[N_CTL][LOCAL / 4u];  // per round buffer: partial sums of the additions' magnitudes
-shared uint grow_sh[N_CTL];         // per round buffer: a probability passed e^GROW_MARGIN
-shared uint smax_sh[MAX_HB];        // the slow path: each head's round maximum (ordered bits)
+shared float tab_sh[HB * N_ATOMS];
+shared uint bins_sh[HB * N_ATOMS];  // float bits: the per-atom value weights
+shared vec4 qs_sh[HB * VQ];         // scale * q * K's residual scale
+shared float ps_sh[HB * LOCAL];     // p * step of the chunk's tokens; reductions; the end's sums
+shared uint vlev_sh[LOCAL * V_STAGE];  // the chunk's V level words, token-major
+shared uint grow_sh;
 
-uint lane_index() {
-#if SUBGROUP
-    return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
-#else
-    return gl_LocalInvocationID.x;
-#endif
-}
-
-// floats → uints whose order is the floats' (for atomicMax over signed scores)
-uint ordered(float x) {
-    uint b = floatBitsToUint(x);
-    return (b & 0x80000000u) != 0u ? ~b : b | 0x80000000u;
-}
-float unordered(uint b) { return uintBitsToFloat((b & 0x80000000u) != 0u ? b & 0x7FFFFFFFu : ~b); }
-
-// The largest power of two ≤ y (y > 0 finite; clamped to [2^-100, 2^100]).
-float pow2_floor(float y) { return uintBitsToFloat(floatBitsToUint(clamp(y, 7.9e-31, 1.2e30)) & 0xFF800000u); }
-
-// The 32 bits of the level stream starting `off` bits (a multiple of 8, < 32) into w0, w1.
-uint window(uint w0, uint w1, uint off) { return (w0 >> off) | ((w1 << 1u) << (31u - off)); }
-
-// Level e of a window (element e at bit e*b) as 1 + lvl / 2^b: its bits at the top of 1.0's mantissa.
-float level_float(uint win, uint e, uint b) {
-    uint sh = e * b, top = 23u - b;
-    uint v = sh <= top ? win << (top - sh) : win >> (sh - top);
-    return uintBitsToFloat((v & (((1u << b) - 1u) << top)) | 0x3F800000u);
-}
-
-// The E levels of a lane (elements unit*E .. unit*E+E-1) from its window words.
-void lane_levels(uint w[3], uint unit, uint b, out float f[E]) {
-    uint off = (unit * E * b) & 31u;
-    if (E * b <= 32u) {
-        uint win = (E * b) % 32u == 0u ? w[0] : window(w[0], w[1], off);
-        [[unroll]] for (uint e = 0u; e < E; ++e)
-            f[e] = level_float(win, e, b);
-    } else {  // 5..8 bits: two windows of E/2 elements
-        uint win0 = (E * b) % 32u == 0u ? w[0] : window(w[0], w[1], off);
-        uint off1 = off + (E / 2u) * b;
-        uint win1 = off1 >= 32u ? window(w[1], w[2], off1 - 32u) : window(w[0], w[1], off1);
-        [[unroll]] for (uint e = 0u; e < E / 2u; ++e) {
-            f[e] = level_float(win0, e, b);
-            f[e + E / 2u] = level_float(win1, e, b);
-        }
+void bin_add(uint idx, float v) {
+    uint seen = bins_sh[idx];
+    for (;;) {
+        uint want = floatBitsToUint(uintBitsToFloat(seen) + v);
+        uint was = atomicCompSwap(bins_sh[idx], seen, want);
+        if (was == seen)
+            break;
+        seen = was;
     }
 }
 
-// The round's bound: the largest addition (a maximum in shared memory) and the sum of their
-// magnitudes (partial sums in shared memory, added up in the same order by every lane).
-#if SUBGROUP
-#define PUBLISH_BOUND(buf) \
-            for (uint w = 1u; w < gl_SubgroupSize; w <<= 1u) { \
-                xmax = max(xmax, subgroupShuffleXor(xmax, w)); \
-                xsum += subgroupShuffleXor(xsum, w); \
-            } \
-            if (gl_SubgroupInvocationID == 0u) { \
-                atomicMax(mx_sh[buf], floatBitsToUint(xmax));  /* non-negative: bits order as floats */ \
-                sum4_sh[buf][gl_SubgroupID / 4u][gl_SubgroupID % 4u] = xsum; \
+void reduce(bool take_max) {  // ps_sh[h*LOCAL + x] over x → ps_sh[h*LOCAL]
+    for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
+        barrier();
+        uint x = gl_LocalInvocationID.x;
+        if (x < width)
+            for (uint h = 0u; h < HB; ++h) {
+                float a = ps_sh[h * LOCAL + x], b = ps_sh[h * LOCAL + x + width];
+                ps_sh[h * LOCAL + x] = take_max ? max(a, b) : a + b;
             }
-#define N_PARTS gl_NumSubgroups
-#else
-#define PUBLISH_BOUND(buf) \
-            if (xmax > 0.0) \
-                atomicMax(mx_sh[buf], floatBitsToUint(xmax)); \
-            sum4_sh[buf][tid / 4u][tid % 4u] = xsum;
-#define N_PARTS LOCAL
-#endif
-#define READ_BOUND(buf, big, total) { \
-            big = uintBitsToFloat(mx_sh[buf]); \
-            vec4 t4 = vec4(0.0); \
-            for (uint k = 0u; k < (N_PARTS + 3u) / 4u; ++k)  /* entries past N_PARTS stay 0 */ \
-                t4 += sum4_sh[buf][k]; \
-            total = (t4.x + t4.y) + (t4.z + t4.w); }
+    }
+    barrier();
+}
+
+// The centred level of element d of a slot whose level words start at word w0 of `row`.
+#define LEVEL(row, w0, d, BITS, offset) \
+    (uintBitsToFloat(MANTISSA_22 | ((((((d) * BITS) & 31u) + BITS > 32u) \
+        ? ((row[(w0) + (((d) * BITS) >> 5u)] >> (((d) * BITS) & 31u)) | (row[(w0) + (((d) * BITS) >> 5u) + 1u] << (32u - (((d) * BITS) & 31u)))) \
+        : (row[(w0) + (((d) * BITS) >> 5u)] >> (((d) * BITS) & 31u))) & ((1u << BITS) - 1u)) << 1u) - (offset))
 
 void main() {
-    const uint tid = lane_index();
-    const uint unit = tid % U, tlane = tid / U;
-    const uint own = unit / LPH;  // the head whose score this lane holds (SUBGROUP 1) and whose p it sums
-#if SUBGROUP
-    const uint tok0 = gl_SubgroupInvocationID - unit;  // the token's first lane in the subgroup
-#endif
-    const float k_c0 = 1.0 + residual_half(K_BITS) / float(1u << K_BITS);
-    const float v_c0 = 1.0 + residual_half(V_BITS) / float(1u << V_BITS);
+    const uint tid = gl_LocalInvocationID.x;
+    const uint q4 = tid % VQ, vlane = tid / VQ;  // the element quad and token lane of the V passes
+    const float k_offset = 4194304.0 + residual_half(K_BITS);  // 2^22 + half
+    const float v_offset = 4194304.0 + residual_half(V_BITS);
     uint items = pc.n_splits * pc.n_kv * N_HB;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint blk = item % N_HB;
@@ -231,375 +123,179 @@ void main() {
         uint i = item / (N_HB * pc.n_kv);
         uint h0 = g * GROUP + blk * HB;  // first query head of the block
         uint t0 = i * pc.split_len;
-        uint n_tok = t0 < pc.n_used ? min(t0 + pc.split_len, pc.n_used) - t0 : 0u;  // 0: an empty split
+        uint t1 = min(t0 + pc.split_len, pc.n_used);
 
-        for (uint x = gl_LocalInvocationID.x; x < HB * N_ATOMS; x += LOCAL) {
-            tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // the block's rows, contiguous
-            bins_sh[x] = 0;
+        [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
+            uint x = tid + r * LOCAL;
+            if (x < HB * N_ATOMS) {
+                tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // rows h0 .. h0+HB-1
+                bins_sh[x] = 0u;
+            }
         }
-        if (gl_LocalInvocationID.x < N_CTL) {
-            mx_sh[gl_LocalInvocationID.x] = 0u;
-            grow_sh[gl_LocalInvocationID.x] = 0u;
+        for (uint x = tid; x < HB * VQ; x += LOCAL) {
+            vec4 qv, rs = vec4(0.0);
+            [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+                uint f = 4u * x + k;
+                qv[k] = q_floats[h0 * HEAD_DIM + f];
+                if (K_BITS > 0u)
+                    rs[k] = uintBitsToFloat(cache_words[pc.k_scale_word + g * pc.head_vec + f % HEAD_DIM]);
+            }
+            qs_sh[x] = qv * rs * pc.score_scale;
         }
-        for (uint x = gl_LocalInvocationID.x; x < N_CTL * (LOCAL / 4u); x += LOCAL)
-            sum4_sh[x / (LOCAL / 4u)][x % (LOCAL / 4u)] = vec4(0.0);
-        // this lane's elements of the queries: times the score scale, K's residual scale and
-        // 2^K_BITS; kconst = (1 + half/2^b) * their sum (level_float's offset, folded)
-        float qk[MAX_HB][E], kconst[MAX_HB];
-        float acc[MAX_HB][E];  // the V residual: sum_t p step (lvl - half) / 2^V_BITS, this lane's elements
-        float m[MAX_HB];       // the reference (uniform)
-        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) {
-            kconst[h] = 0.0;
+        if (tid == 0u)
+            grow_sh = 0u;
+        float m[HB], l[HB];   // the reference (uniform) and this invocation's sum of p
+        vec4 res[HB];         // quad q4 of sum_t p_t step_t (lvl - half) over lane vlane's tokens, V
+        [[unroll]] for (uint h = 0u; h < HB; ++h) {
             m[h] = NEG_INF;
-            [[unroll]] for (uint e = 0u; e < E; ++e) {
-                qk[h][e] = 0.0;
-                acc[h][e] = 0.0;
-                if (h < HB && K_BITS > 0u) {
-                    uint d = unit * E + e;
-                    float rs = uintBitsToFloat(cache_words[pc.k_scale_word + g * pc.head_vec + d]);
-                    qk[h][e] = q_floats[(h0 + h) * HEAD_DIM + d] * pc.score_scale * rs * float(1u << K_BITS);
-                    kconst[h] += qk[h][e];
-                }
-            }
-            kconst[h] *= k_c0;
+            l[h] = 0.0;
+            res[h] = vec4(0.0);
         }
-        float wf[NB];  // the flushed atom weights of bins tid + k*LOCAL (head tid % HP)
-        [[unroll]] for (uint k = 0u; k < NB; ++k)
-            wf[k] = 0.0;
-        float l_own = 0.0;     // sum of p of head `own` over this lane's tokens
-        float fix_scale = 1.0, budget = 0.0;  // uniform
 
-        uint k_base = pc.k_word + (g * pc.n_ctx + t0) * K_ROW;
-        uint v_base = pc.v_word + (g * pc.n_ctx + t0) * V_ROW;
-        // this lane's words of TB tokens (next round's, loaded while this one computes)
-        uint kcw[TB][KC], vcw[TB][VC], kwin[TB][3], vwin[TB][3], kst[TB], vst[TB];
-        const uint k_w0 = K_SPARSITY + ((unit * E * K_BITS) >> 5u);
-        const uint v_w0 = V_SPARSITY + ((unit * E * V_BITS) >> 5u);
-#define LOAD_ROUND(first) \
-        [[unroll]] for (uint b = 0u; b < TB; ++b) { \
-            uint t = min((first) + tlane + b * TLANES, n_tok - 1u); \
-            uint kr = k_base + t * K_ROW, vr = v_base + t * V_ROW; \
-            [[unroll]] for (uint c = 0u; c < KC; ++c) \
-                kcw[b][c] = cache_words[kr + min(unit + c * U, K_SPARSITY - 1u)]; \
-            [[unroll]] for (uint c = 0u; c < VC; ++c) \
-                vcw[b][c] = cache_words[vr + min(unit + c * U, V_SPARSITY - 1u)]; \
-            [[unroll]] for (uint w = 0u; w < 3u; ++w) { \
-                kwin[b][w] = 0u; \
-                vwin[b][w] = 0u; \
-            } \
-            kst[b] = 0u; \
-            vst[b] = 0u; \
-            if (K_BITS > 0u) { \
-                [[unroll]] for (uint w = 0u; w < K_WIN; ++w) \
-                    kwin[b][w] = cache_words[kr + min(k_w0 + w, K_SPARSITY + K_LEVEL_WORDS)]; \
-                kst[b] = cache_words[kr + K_SPARSITY + K_LEVEL_WORDS]; \
-            } \
-            if (V_BITS > 0u) { \
-                [[unroll]] for (uint w = 0u; w < V_WIN; ++w) \
-                    vwin[b][w] = cache_words[vr + min(v_w0 + w, V_SPARSITY + V_LEVEL_WORDS)]; \
-                vst[b] = cache_words[vr + V_SPARSITY + V_LEVEL_WORDS]; \
-            } \
+        uint k_base = pc.k_word + g * pc.n_ctx * K_ROW;
+        uint v_base = pc.v_word + g * pc.n_ctx * V_ROW;
+        // The slots of this invocation's token in the next chunk, loaded a chunk ahead (past the
+        // split's end: the split's last token, unused). ~K_ROW + V_ROW more registers; on an
+        // H200 it measured the same as loading each chunk's slots at its start (other
+        // workgroups hide the latency there).
+        uint kw[K_ARR], vw[V_ARR];
+        {
+            uint t = min(t0 + tid, t1 - 1u);
+            [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
+                kw[r] = cache_words[k_base + t * K_ROW + r];
+            [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
+                vw[r] = cache_words[v_base + t * V_ROW + r];
         }
-        if (n_tok > 0u)
-            LOAD_ROUND(0u);
-        barrier();  // the table, the zeroed bins and control words
+        barrier();  // the table, weights and queries are in shared memory
 
-        uint round_no = 0u;
-        for (uint r0 = 0u; r0 < n_tok; r0 += ROUND, ++round_no) {  // the same trip count everywhere
-            uint cur = round_no % 3u;
-            if (gl_LocalInvocationID.x == 0u) {  // the buffer the next round writes: last read two rounds ago
-                mx_sh[(round_no + 1u) % 3u] = 0u;
-                grow_sh[(round_no + 1u) % 3u] = 0u;
-            }
-            uint kc[TB][KC], vc[TB][VC], kw[TB][3], vw[TB][3], ks[TB], vs[TB];
-            [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                [[unroll]] for (uint c = 0u; c < KC; ++c)
-                    kc[b][c] = kcw[b][c];
-                [[unroll]] for (uint c = 0u; c < VC; ++c)
-                    vc[b][c] = vcw[b][c];
-                kw[b] = kwin[b];
-                vw[b] = vwin[b];
-                ks[b] = kst[b];
-                vs[b] = vst[b];
-            }
-            if (r0 + ROUND < n_tok)
-                LOAD_ROUND(r0 + ROUND);
-
-            // 1. the partial scores of this lane's tokens: its code words' table entries and its
-            //    elements of the K residual
-            float s[TB][MAX_HB];  // SUBGROUP 1: s[b][0] = the score of head `own`; 0: every head's
-            bool live[TB];
-            [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                live[b] = r0 + tlane + b * TLANES < n_tok;
-                float part[MAX_HB];
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                    part[h] = 0.0;
-                if (K_BITS > 0u && ABLATE_RESIDUAL == 0) {
-                    float f[E];
-                    lane_levels(kw[b], unit, K_BITS, f);
-                    float st = uintBitsToFloat(ks[b]);
-                    [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) {
-                        if (h < HB) {
-                            float d = 0.0;
-                            [[unroll]] for (uint e = 0u; e < E; ++e)
-                                d += qk[h][e] * f[e];
-                            part[h] = st * (d - kconst[h]);
-                        }
-                    }
-                }
-                [[unroll]] for (uint c = 0u; c < KC; ++c) {
-                    uint a = code_atom(kc[b][c]);
-                    if (unit + c * U < K_SPARSITY && a < N_ATOMS) {
-                        float coef = code_coef(kc[b][c]);
-                        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                            if (h < HB)
-                                part[h] += coef * tab_sh[h * N_ATOMS + a];
-                    }
-                }
-#if SUBGROUP
-                // reduce-scatter over the token's U lanes: halve the heads held at each exchange
-                uint w = U / 2u;
-                if (HP == 4u) {
-                    bool up = (unit & w) != 0u;
-                    float send0 = up ? part[0] : part[2], send1 = up ? part[1] : part[3];
-                    float keep0 = up ? part[2] : part[0], keep1 = up ? part[3] : part[1];
-                    part[0] = keep0 + subgroupShuffleXor(send0, w);
-                    part[1] = keep1 + subgroupShuffleXor(send1, w);
-                    w >>= 1u;
-                }
-                if (HP >= 2u) {
-                    bool up = (unit & w) != 0u;
-                    float send = up ? part[0] : part[1], keep = up ? part[1] : part[0];
-                    part[0] = keep + subgroupShuffleXor(send, w);
-                    w >>= 1u;
-                }
-                for (; w > 0u; w >>= 1u)
-                    part[0] += subgroupShuffleXor(part[0], w);
-                s[b][0] = part[0];
-#else
-                barrier();  // the last token's partials are read
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                    if (h < HB)
-                        red_sh[h * LOCAL + tid] = part[h];
-                barrier();
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) {
-                    s[b][h] = 0.0;
-                    if (h < HB)
-                        for (uint u = 0u; u < U; ++u)
-                            s[b][h] += red_sh[h * LOCAL + tlane * U + u];
-                }
-#endif
+        for (uint c0 = t0; c0 < t1; c0 += LOCAL) {
+            uint n = min(LOCAL, t1 - c0);
+            bool live = tid < n;
+            uint kc[K_ARR], vc[V_ARR];  // this chunk's slots (prefetched)
+            [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
+                kc[r] = kw[r];
+            [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
+                vc[r] = vw[r];
+            if (c0 + LOCAL < t1) {  // the next chunk's slots, in flight while this one computes
+                uint t = min(c0 + LOCAL + tid, t1 - 1u);
+                [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
+                    kw[r] = cache_words[k_base + t * K_ROW + r];
+                [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
+                    vw[r] = cache_words[v_base + t * V_ROW + r];
             }
 
-            // 2. probabilities against the current reference; the round's largest addition
-            float p[TB][MAX_HB];
+            // 1. this invocation's key: its scores
+            float s[HB];
+            [[unroll]] for (uint h = 0u; h < HB; ++h)
+                s[h] = 0.0;
+            [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
+                uint a = code_atom(kc[j]);
+                if (a < N_ATOMS) {
+                    float c = code_coef(kc[j]);
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        s[h] += c * tab_sh[h * N_ATOMS + a];
+                }
+            }
+            if (K_BITS > 0u) {
+                float r[HB];
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    r[h] = 0.0;
+                [[unroll]] for (uint d4 = 0u; d4 < VQ; ++d4) {
+                    vec4 lv;
+                    [[unroll]] for (uint k = 0u; k < 4u; ++k)
+                        lv[k] = LEVEL(kc, K_SPARSITY, 4u * d4 + k, K_BITS, k_offset);
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        r[h] += dot(qs_sh[h * VQ + d4], lv);
+                }
+                float step_ = uintBitsToFloat(kc[K_SPARSITY + K_LEVEL_WORDS]);
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    s[h] += step_ * r[h];
+            }
             bool grow = false;
-            float xmax = 0.0, xsum = 0.0;  // this lane's largest addition of the round, their sum
-            float m_own = m[0];
-            [[unroll]] for (uint h = 1u; h < MAX_HB; ++h)
-                m_own = own == h ? m[h] : m_own;
-#define PROBABILITIES() \
-            [[unroll]] for (uint b = 0u; b < TB; ++b) { \
-                PROBS_OF(b) \
-                float pm = 0.0; \
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) \
-                    pm = h < HB ? max(pm, p[b][h]) : pm; \
-                [[unroll]] for (uint c = 0u; c < VC; ++c) \
-                    if (live[b] && unit + c * U < V_SPARSITY && code_atom(vc[b][c]) < N_ATOMS) { \
-                        float x = pm * abs(code_coef(vc[b][c])); \
-                        xmax = max(xmax, x); \
-                        xsum += x; \
-                    } \
+            [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                s[h] = live ? s[h] : NEG_INF;
+                grow = grow || s[h] > m[h] + GROW_MARGIN;
             }
-#if SUBGROUP
-#define PROBS_OF(b) \
-                float p_own = live[b] && own < HB ? exp(s[b][0] - m_own) : 0.0; \
-                grow = grow || p_own > P_GROW; \
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) \
-                    p[b][h] = h < HB ? subgroupShuffle(p_own, tok0 + h * LPH) : 0.0;
-#else
-#define PROBS_OF(b) \
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) { \
-                    p[b][h] = h < HB && live[b] ? exp(s[b][h] - m[h]) : 0.0; \
-                    grow = grow || p[b][h] > P_GROW; \
-                }
-#endif
-            PROBABILITIES()
             if (grow)
-                grow_sh[cur] = 1u;  // every writer writes 1
-#if ABLATE_ROUND_SYNC
-            if (round_no == 0u) {
-                PUBLISH_BOUND(cur)
-                barrier();
-            }
-#else
-            PUBLISH_BOUND(cur)
+                grow_sh = 1u;
             barrier();
-#endif
-
-            // 3. the bins: flushed when the reference moves, the round would overflow them or its
-            //    additions would pass ADD_LIMIT (uniform decisions: every lane reads the same words)
-            float big = 0.0, total = 0.0;
-            if (ABLATE_ROUND_SYNC == 0 || round_no == 0u) {
-                READ_BOUND(cur, big, total)
+            // 2. a score far above the reference: the chunk's maximum becomes it (uniform branch)
+            if (grow_sh != 0u) {
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    ps_sh[h * LOCAL + tid] = s[h];
+                reduce(true);
+                float corr[HB];
+                [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                    float m_new = max(m[h], ps_sh[h * LOCAL]);
+                    corr[h] = exp(m[h] - m_new);  // 0 on the first chunk (m = -inf)
+                    m[h] = m_new;
+                    l[h] *= corr[h];
+                    res[h] *= corr[h];
+                    for (uint a = tid; a < N_ATOMS; a += LOCAL)
+                        bins_sh[h * N_ATOMS + a] = floatBitsToUint(uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * corr[h]);
+                }
+                barrier();  // all have read the maximum and rescaled their weights
+                if (tid == 0u)
+                    grow_sh = 0u;
             }
-            if (grow_sh[cur] != 0u && (ABLATE_ROUND_SYNC == 0 || round_no == 0u)) {
-                // the slow path: each head's round maximum becomes its reference where it passed
-                // the old one by GROW_MARGIN; sums so far rescaled; the round's probabilities anew
-                if (gl_LocalInvocationID.x < MAX_HB)
-                    smax_sh[gl_LocalInvocationID.x] = 0u;
-                if (gl_LocalInvocationID.x == 0u)
-                    mx_sh[3] = 0u;
-                barrier();
-#if SUBGROUP
-                float smx = NEG_INF;
-                [[unroll]] for (uint b = 0u; b < TB; ++b)
-                    smx = live[b] ? max(smx, s[b][0]) : smx;
-                if (own < HB)
-                    atomicMax(smax_sh[own], ordered(smx));
-#else
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) {
-                    float smx = NEG_INF;
-                    [[unroll]] for (uint b = 0u; b < TB; ++b)
-                        smx = live[b] ? max(smx, s[b][h]) : smx;
-                    if (h < HB && unit == 0u)
-                        atomicMax(smax_sh[h], ordered(smx));
-                }
-#endif
-                barrier();
-                float corr[MAX_HB];
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h) {
-                    corr[h] = 1.0;
-                    if (h < HB) {
-                        float top = unordered(smax_sh[h]);
-                        if (top > m[h] + GROW_MARGIN) {
-                            corr[h] = exp(m[h] - top);  // 0 on the first round (m = -inf)
-                            m[h] = top;
-                        }
-                    }
-                }
-                float corr_own = corr[0];
-                [[unroll]] for (uint h = 1u; h < MAX_HB; ++h)
-                    corr_own = own == h ? corr[h] : corr_own;
-                [[unroll]] for (uint k = 0u; k < NB; ++k) {
-                    uint x = tid + k * LOCAL;
-                    if (x < HB * N_ATOMS) {
-                        uint hx = x / N_ATOMS;  // the bin's head
-                        float c = corr[0];
-                        [[unroll]] for (uint h = 1u; h < MAX_HB; ++h)
-                            c = hx == h ? corr[h] : c;
-                        wf[k] = (wf[k] + float(bins_sh[x]) / fix_scale) * c;
-                        bins_sh[x] = 0;
-                    }
-                }
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                    [[unroll]] for (uint e = 0u; e < E; ++e)
-                        acc[h][e] *= corr[h];
-                l_own *= corr_own;
-                m_own = m[0];
-                [[unroll]] for (uint h = 1u; h < MAX_HB; ++h)
-                    m_own = own == h ? m[h] : m_own;
-                xmax = 0.0;
-                xsum = 0.0;
-                PROBABILITIES()
-                PUBLISH_BOUND(3u)
-                barrier();  // the bins are cleared and the new bound is in
-                READ_BOUND(3u, big, total)
-                fix_scale = big > 0.0 ? pow2_floor(ADD_LIMIT / big) : 1.0;
-                budget = total * fix_scale;
-            } else if (ABLATE_ROUND_SYNC == 0 && (big * fix_scale >= ADD_LIMIT || budget + total * fix_scale > BUDGET)) {
-                [[unroll]] for (uint k = 0u; k < NB; ++k) {
-                    uint x = tid + k * LOCAL;
-                    if (x < HB * N_ATOMS) {
-                        wf[k] += float(bins_sh[x]) / fix_scale;
-                        bins_sh[x] = 0;
-                    }
-                }
-                fix_scale = pow2_floor(ADD_LIMIT / big);
-                budget = total * fix_scale;
-                barrier();  // the bins are cleared
-            } else {
-                budget += total * fix_scale;
+            // 3. probabilities; the value's code words → the per-atom weights; its levels staged
+            float p[HB];
+            [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                p[h] = exp(s[h] - m[h]);  // 0 past the split's end
+                l[h] += p[h];
             }
-
-            // 4. the values: the residual into this lane's elements, the code words into the bins
-            [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                    l_own += unit == h * LPH && h < HB ? p[b][h] : 0.0;  // one lane of each head counts
-                if (V_BITS > 0u && ABLATE_RESIDUAL == 0) {
-                    float f[E];
-                    lane_levels(vw[b], unit, V_BITS, f);
-                    float st = uintBitsToFloat(vs[b]);
-                    [[unroll]] for (uint e = 0u; e < E; ++e) {
-                        float u = f[e] - v_c0;  // (lvl - half) / 2^b, exactly
-                        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                            if (h < HB)
-                                acc[h][e] += (p[b][h] * st) * u;
+            if (live) {
+                // a code word's HB additions tried together (independent shared-memory round
+                // trips, not one compare-and-swap loop after another); one that lost a race
+                // (another invocation's addition to the same weight) retries
+                [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j) {
+                    uint a = code_atom(vc[j]);
+                    if (a < N_ATOMS) {
+                        float c = code_coef(vc[j]);
+                        uint seen[HB], was[HB];
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            seen[h] = bins_sh[h * N_ATOMS + a];
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            was[h] = atomicCompSwap(bins_sh[h * N_ATOMS + a], seen[h],
+                                                    floatBitsToUint(uintBitsToFloat(seen[h]) + p[h] * c));
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            if (was[h] != seen[h])
+                                bin_add(h * N_ATOMS + a, p[h] * c);
                     }
                 }
-                [[unroll]] for (uint c = 0u; c < VC; ++c) {
-                    uint a = code_atom(vc[b][c]);
-                    if (live[b] && unit + c * U < V_SPARSITY && a < N_ATOMS) {
-                        float coef = code_coef(vc[b][c]) * fix_scale;
-                        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                            if (h < HB)
-                                if (ABLATE_SCATTER == 0)
-                                    atomicAdd(bins_sh[h * N_ATOMS + a], floatBitsToInt(fma(p[b][h], coef, MAGIC)) - 0x4B400000);
-                    }
+                if (V_BITS > 0u) {
+                    float step_ = uintBitsToFloat(vc[V_SPARSITY + V_LEVEL_WORDS]);
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        ps_sh[h * LOCAL + tid] = p[h] * step_;
+                    [[unroll]] for (uint w = 0u; w < V_STAGE; ++w)
+                        vlev_sh[tid * V_STAGE + w] = vc[V_SPARSITY + w];
                 }
             }
+            barrier();
+            // 4. the values' residual: quad q4 of lane vlane's tokens, levels from shared memory
+            if (V_BITS > 0u) {
+                uint bit0 = 4u * q4 * V_BITS, w0 = bit0 >> 5u, off = bit0 & 31u;
+                bool straddles = off + 4u * V_BITS > 32u;
+                for (uint x = vlane; x < n; x += VLANES) {
+                    uint lo = vlev_sh[x * V_STAGE + w0];
+                    uint hi = straddles ? vlev_sh[x * V_STAGE + w0 + 1u] : 0u;
+                    uint bits = off == 0u ? lo : (lo >> off) | (hi << (32u - off));
+                    vec4 lv;
+                    [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+                        uint level = (bits >> (k * V_BITS)) & ((1u << V_BITS) - 1u);
+                        lv[k] = uintBitsToFloat(MANTISSA_22 | (level << 1u)) - v_offset;
+                    }
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        res[h] += ps_sh[h * LOCAL + x] * lv;
+                }
+            }
+            barrier();  // the chunk's staged values are read before the next chunk's
         }
 
-        // the last flush; the weights as floats in the bins (each lane its own)
-        barrier();  // every addition is in
-        uint rec0 = record(i, g, pc.n_kv) + blk * HB;
-        [[unroll]] for (uint k = 0u; k < NB; ++k) {
-            uint x = tid + k * LOCAL;
-            if (x < HB * N_ATOMS)
-                bins_sh[x] = floatBitsToInt(wf[k] + float(bins_sh[x]) / fix_scale);
-        }
-        // the V residual: this lane's elements summed over the token lanes, into out_sh. With
-        // subgroups the token lanes of a subgroup are summed by shuffles first (all elements at
-        // once), leaving a row per subgroup; without, a row per token lane.
-        vec4 l4 = vec4(own == 0u ? l_own : 0.0, own == 1u ? l_own : 0.0, own == 2u ? l_own : 0.0,
-                       own == 3u ? l_own : 0.0);  // the sums of p by head (one lane per head counts)
-#if SUBGROUP
-        for (uint w = U; w < gl_SubgroupSize; w <<= 1u) {
-            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                [[unroll]] for (uint e = 0u; e < E; ++e)
-                    if (h < HB)
-                        acc[h][e] += subgroupShuffleXor(acc[h][e], w);
-        }
-        for (uint w = 1u; w < gl_SubgroupSize; w <<= 1u)
-            l4 += vec4(subgroupShuffleXor(l4.x, w), subgroupShuffleXor(l4.y, w), subgroupShuffleXor(l4.z, w),
-                       subgroupShuffleXor(l4.w, w));
-        const uint rows = gl_NumSubgroups, row = gl_SubgroupID;
-        const bool writes = gl_SubgroupInvocationID < U;
-#else
-        const uint rows = TLANES, row = tlane;
-        const bool writes = true;
-#endif
-        [[unroll]] for (uint e = 0u; e < E; ++e) {
-            barrier();
-            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                if (h < HB && writes)
-                    red_sh[h * LOCAL + row * U + unit] = acc[h][e];
-            barrier();
-            for (uint x = gl_LocalInvocationID.x; x < HB * U; x += LOCAL) {
-                uint h = x / U, un = x - h * U;
-                float a = 0.0;
-                for (uint r = 0u; r < rows; ++r)
-                    a += red_sh[h * LOCAL + r * U + un];
-                uint d = un * E + e;
-                float rs = V_BITS > 0u ? uintBitsToFloat(cache_words[pc.v_scale_word + g * pc.head_vec + d]) : 0.0;
-                out_sh[h * HEAD_DIM + d] = a * rs * float(1u << V_BITS);
-            }
-        }
-        barrier();  // the float weights and out_sh are in
-        // the weights times the atoms (quad q4, lane vlane's atoms), then the lanes' sums
-        const uint q4 = gl_LocalInvocationID.x % VQ, vlane = gl_LocalInvocationID.x / VQ;
-        vec4 part[MAX_HB];
-        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
+        // the weights times the atoms (quad q4, lane vlane's atoms) plus the residual part,
+        // then the lanes' sums through shared memory, one quad element at a time
+        vec4 part[HB];
+        [[unroll]] for (uint h = 0u; h < HB; ++h)
             part[h] = vec4(0.0);
         {
             uint atoms = (pc.v_atoms_word + g * pc.head_atoms) / 4u + q4;
@@ -610,55 +306,42 @@ void main() {
                 [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
                     uint a = a0 + u * VLANES;
                     if (a < N_ATOMS)
-                        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                            if (h < HB)
-                                part[h] += intBitsToFloat(bins_sh[h * N_ATOMS + a]) * av[u];
+                        [[unroll]] for (uint h = 0u; h < HB; ++h)
+                            part[h] += uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * av[u];
                 }
             }
+            if (V_BITS > 0u) {
+                uint sw = pc.v_scale_word + g * pc.head_vec + 4u * q4;
+                vec4 rs = uintBitsToFloat(uvec4(cache_words[sw], cache_words[sw + 1u], cache_words[sw + 2u],
+                                                cache_words[sw + 3u]));
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    part[h] += res[h] * rs;
+            }
         }
+        uint rec0 = record(i, g, pc.n_kv) + blk * HB;
         [[unroll]] for (uint k = 0u; k < 4u; ++k) {
             barrier();
-            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                if (h < HB)
-                    red_sh[h * LOCAL + gl_LocalInvocationID.x] = part[h][k];
+            [[unroll]] for (uint h = 0u; h < HB; ++h)
+                ps_sh[h * LOCAL + tid] = part[h][k];
             barrier();
-            for (uint x = gl_LocalInvocationID.x; x < HB * VQ; x += LOCAL) {
+            for (uint x = tid; x < HB * VQ; x += LOCAL) {
                 uint h = x / VQ, q = x - h * VQ;
-                float a = out_sh[h * HEAD_DIM + 4u * q + k];
+                float a = 0.0;
                 for (uint ln = 0u; ln < VLANES; ++ln)
-                    a += red_sh[h * LOCAL + ln * VQ + q];
+                    a += ps_sh[h * LOCAL + ln * VQ + q];
                 acc_floats[(rec0 + h) * HEAD_DIM + 4u * q + k] = a;  // records are h-major
             }
         }
-        // the sums of p (l4: by head, this subgroup's or this lane's)
+        // the invocations' sums of p
         barrier();
-#if SUBGROUP
-        if (gl_SubgroupInvocationID == 0u)
-            [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                red_sh[h * LOCAL + row] = l4[h];
-#else
-        [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-            red_sh[h * LOCAL + tid] = l4[h];
-        for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
-            barrier();
-            if (tid < width)
-                [[unroll]] for (uint h = 0u; h < MAX_HB; ++h)
-                    red_sh[h * LOCAL + tid] += red_sh[h * LOCAL + tid + width];
-        }
-#endif
-        barrier();
-        if (gl_LocalInvocationID.x < HB) {
-            uint h = gl_LocalInvocationID.x;
-            float a = 0.0;
-#if SUBGROUP
-            for (uint x = 0u; x < rows; ++x)
-                a += red_sh[h * LOCAL + x];
-#else
-            a = red_sh[h * LOCAL];
-#endif
-            stats[(rec0 + h) * 2u] = m[h];
-            stats[(rec0 + h) * 2u + 1u] = a;
-        }
+        [[unroll]] for (uint h = 0u; h < HB; ++h)
+            ps_sh[h * LOCAL + tid] = l[h];
+        reduce(false);
+        [[unroll]] for (uint h = 0u; h < HB; ++h)
+            if (tid == h) {
+                stats[(rec0 + h) * 2u] = m[h];
+                stats[(rec0 + h) * 2u + 1u] = ps_sh[h * LOCAL];
+            }
         barrier();  // shared memory is reused by the next item
     }
 }

@@ -33,8 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_MAX_GROUP, Sizes, flash_coded_fits, flash_coded_lanes, flash_coded_shared_bytes,
-                           flash_shared_bytes, flash_subgroup_fits, flash_units)
+from .attend_specs import (FLASH_MAX_GROUP, Sizes, flash_coded_shared_bytes, flash_shared_bytes,
+                           flash_subgroup_fits, flash_units)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
@@ -234,36 +234,26 @@ class Attention:
 
     def flash_coded_options(self, layer: int) -> list[tuple[int, list[int]]]:
         """[(query heads per workgroup, workgroup sizes preferred first)] of attend_flash_coded
-        over ``layer``, most heads first (empty: it cannot): every divisor of the group that
-        attend_specs.flash_coded_fits allows (at most FLASH_CODED_MAX_HEADS, head_dim a
-        multiple of 8, …) with the sizes of FLASH_CODED_LOCALS (attend_tune) the device allows
-        whose shared memory — the q·atom table and atom weights, 2 · n_atoms words per padded
-        head — fits. The tuner times them all; untuned, the first (the most heads: each slot
-        loaded serves them all)."""
+        over ``layer``, most heads first (empty: it cannot): every divisor of the group, at
+        most FLASH_MAX_GROUP, whose q·atom table, atom weights and staged chunk fit the
+        device's shared memory with some size of FLASH_CODED_LOCALS (attend_tune; a chunk is
+        one token per invocation) the device allows; with it, every such size. The tuner
+        times them all; untuned, the first (the most heads: each slot loaded serves them all)."""
         def derive() -> tuple[tuple[int, tuple[int, ...]], ...]:
             k, v = self.layout.layers[layer].streams
             hd, na = self.layout.head_dim, self.layout.n_atoms
-            if not (k.coded and v.coded):
+            if not (k.coded and v.coded) or hd % 4:
                 return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
             out = []
-            for hb in sorted((d for d in range(1, self.group + 1) if self.group % d == 0), reverse=True):
-                fits = tuple(n for n in FLASH_CODED_LOCALS if n <= most and flash_coded_fits(hd, hb, n, na)
-                             and flash_coded_shared_bytes(hd, hb, n, na) <= limit)
+            for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
+                             reverse=True):
+                fits = tuple(n for n in FLASH_CODED_LOCALS if n <= most and n % (hd // 4) == 0
+                             and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit)
                 if fits:
                     out.append((hb, fits))
             return tuple(out)
         return [(hb, list(fits)) for hb, fits in self._per_layer("flash_coded_options", layer, derive)]
-
-    def flash_coded_variant(self, local: int) -> str:
-        """attend_flash_coded's SPIR-V at ``local`` invocations: attend_flash_coded_sg where the
-        device's subgroups hold a token's lanes and have shuffles (as flash_variant), else
-        attend_flash_coded (shared memory, no optional feature)."""
-        def derive() -> str:
-            fits = flash_subgroup_fits(flash_coded_lanes(self.layout.head_dim), local,
-                                       self.device.shuffle_subgroup_size())
-            return "attend_flash_coded_sg" if fits and self.subgroups is not False else "attend_flash_coded"
-        return self._per_layer("flash_coded_variant", (local, self.subgroups), derive)
 
     def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
         """The default of flash_coded_options: (query heads per workgroup, workgroup sizes)
@@ -303,8 +293,8 @@ class Attention:
             if not self.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
                                    f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16, f32) or 32 (q8_0); "
-                                   f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 8 "
-                                   f"(a power of two times 8), the q·atom table in shared memory)")
+                                   f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
+                                   f"the q·atom table in shared memory)")
             return self._flash_plan(layer, n_used)
         p = P.plan(k, v, self.layout.head_dim, self.hb, self.layout.n_atoms, n_used, n_cached,
                    self.preferred_splits, path)

@@ -187,8 +187,7 @@ class PassBuilder:
         if plan.heads and plan.heads != hb:  # another head count (attend_tune): its own default size
             hb, default = plan.heads, dict(att.flash_coded_options(layer))[plan.heads][0]
         local = plan.local or default
-        variant = att.flash_coded_variant(local)
-        kernel = self._kernel(("flash_coded", variant, layer, local, hb), variant,
+        kernel = self._kernel(("flash_coded", layer, local, hb), "attend_flash_coded",
                               [buf, buf, att.table, att.q, att.accs, att.stats],
                               n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,

@@ -40,42 +40,14 @@ def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
 
 
 FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY")
-FLASH_CODED_MAX_HEADS = 4  # attend_flash_coded.comp's MAX_HB: query heads per workgroup in registers
-FLASH_CODED_MAX_BINS = 32  # its NB: fixed-point atom weights each invocation flushes into registers
-FLASH_CODED_CTL = 4  # its N_CTL: round control buffers
 
 
-def flash_coded_heads_padded(hb: int) -> int:
-    """attend_flash_coded.comp's HP: a block's query heads padded to a power of two (the row
-    of its table and bins, the heads its reduce-scatter splits a token's lanes among)."""
-    return 4 if hb > 2 else hb
-
-
-def flash_coded_lanes(head_dim: int) -> int:
-    """Invocations attend_flash_coded spreads a token over: 8 elements each (its U)."""
-    return head_dim // 8
-
-
-def flash_coded_fits(head_dim: int, hb: int, local: int, n_atoms: int) -> bool:
-    """Whether attend_flash_coded runs at ``hb`` query heads and ``local`` invocations (shared
-    memory aside): head_dim a multiple of 8 whose lanes per token are a power of two at least
-    the padded heads, the workgroup whole tokens, whole element quads and whole vec4s of
-    partial sums, at most FLASH_CODED_MAX_HEADS heads, at most FLASH_CODED_MAX_BINS bins
-    flushed per invocation."""
-    if head_dim % 8 or not 1 <= hb <= FLASH_CODED_MAX_HEADS:
-        return False
-    u, hp = flash_coded_lanes(head_dim), flash_coded_heads_padded(hb)
-    return (u & (u - 1) == 0 and u >= hp and local % u == 0 and local % (head_dim // 4) == 0 and local % 4 == 0
-            and -(-n_atoms * hb // local) <= FLASH_CODED_MAX_BINS)
-
-
-def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -> int:
-    """attend_flash_coded.comp's shared memory: the q·atom table and the fixed-point atom
-    weights (a row of atoms per head), partial scores and the end's sums (MAX_HB floats per
-    invocation), the end's V residual (MAX_HB head vectors), the round control words (a
-    maximum, a flag and a partial sum per invocation each) and the slow path's maxima."""
-    m = FLASH_CODED_MAX_HEADS
-    return 4 * (2 * n_atoms * hb + m * local + m * head_dim + FLASH_CODED_CTL * (2 + local) + m)
+def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v_bits: int) -> int:
+    """attend_flash_coded.comp's shared memory: the q·atom table and the atom weights of its
+    HB heads, the scaled queries, the chunk's p·step (and reductions), the chunk's staged V
+    level words, the grow flag."""
+    v_stage = L.residual_words(head_dim, v_bits) - 1 if v_bits else 1
+    return 4 * (2 * hb * n_atoms + hb * head_dim + hb * local + local * v_stage + 1)
 
 
 def n_blocks(n_atoms: int) -> int:
@@ -263,7 +235,7 @@ def _flash_coded_extents(p, s):
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
-    _check(g % hb == 0 and flash_coded_fits(hd, hb, local, s["N_ATOMS"]), "attend_flash_coded (specialization)", s)
+    _check(g % hb == 0 and hd % 4 == 0 and local % (hd // 4) == 0, "attend_flash_coded (specialization)", s)
     words = []
     for word, sp, bits in ((p["k_word"], s["K_SPARSITY"], s["K_BITS"]), (p["v_word"], s["V_SPARSITY"], s["V_BITS"])):
         words.append(_span(word, ((n_kv - 1) * p["n_ctx"] + used) * row_words(hd, sp, bits)))
@@ -326,10 +298,8 @@ def shader_specs(shader_spec) -> dict:
                       subgroup_ops=ops)
           for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
-        # layer words, layer quads (V atoms), q·atom table, query, accs, stats
-        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
-                      (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
-                      optional_spec=(("K_BITS", 0), ("V_BITS", 0)), subgroup_ops=ops)
-          for name, ops in (("attend_flash_coded", ()), ("attend_flash_coded_sg", ("basic", "shuffle")))),
+        shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
+                    (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
+                    optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
     ]
     return {s.variant: s for s in specs}
