@@ -406,3 +406,14 @@ def test_progress_rewrites_one_line_on_a_terminal():
     # the shorter step is padded over what the longer one left on the line
     assert out.getvalue() == "\r[omp] a longer step" + "\r[omp] short" + " " * 8 + "\n"
     assert "\n" not in out.getvalue()[:-1]
+
+
+def test_engine_paths_only_drops_the_forced_paths():
+    """attention --engine-paths-only: each cache's own mode (and the KIVI and reconstruct
+    modes) without the forced attend_direct / table modes beside them."""
+    names = ("f16", "f32", "q8_0", "kivi", "k4v3")
+    arenas = {n: object() for n in names}  # never asked anything with the flag
+    args = attention.parse_args(["--formats", "4/3", "--engine-paths-only"])
+    modes = attention._modes(arenas, args, n_heads=4)
+    assert set(modes) == {"f16_cache", "f32_cache", "q8_0_cache", "kivi_cache", "dict_k4v3", "recon_k4v3"}
+    assert all(path is None for _, _, _, path, _ in modes.values())
