@@ -28,22 +28,6 @@ from kvdict_vk.vk import attend as A  # noqa: E402
 from kvdict_vk.vk import attend_tune as T  # noqa: E402
 
 
-def dict_arena(bits, n_kv, hd, n_ctx, dev, rng):
-    """bench.attention's dict arena (per-head dictionaries of 1024 atoms, s 4), keeping the
-    slots for the float64 reference."""
-    from kvdict_vk import runtime, synthetic
-    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
-    dicts = [StreamDict(rng.standard_normal((n_kv, 1024, hd), dtype=np.float32) / np.sqrt(hd),
-                        mean=rng.standard_normal((n_kv, hd), dtype=np.float32) * 0.1, sparsity=4,
-                        residual_bits=b, residual_scale=rng.random((n_kv, hd), dtype=np.float32) + 0.5 if b else None)
-             for b in bits]
-    with runtime.enabled_with(KvDictArtifact(hd, 1024, 4, ((dicts[0], dicts[1]),)), allow_uncertified=True):
-        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict")
-    slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
-    arena.append_codes(0, *slots)
-    return arena, dicts, slots
-
-
 def timed(att, n, plan, rounds=3):
     best = None
     for _ in range(rounds):
@@ -75,12 +59,13 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "device": dev.name, "builds": dict(builds), "cases": []}
     ns = [int(x) for x in a.n_used.split(",")]
+    bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=4)  # the bench's gpu preset dictionaries
     for shape in a.shapes.split(","):
         n_kv, gqa = (int(x) for x in shape.split("x"))
         for hd in (int(x) for x in a.head_dims.split(",")):
             q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
             f16 = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
-            rows = BA._rows(rng, n_kv, max(ns), hd)
+            rows = BA.random_rows(rng, n_kv, max(ns), hd)
             f16.append(0, rows, rows)
             f16_att = f16.attention(n_kv * gqa)
             for n in ns:
@@ -92,7 +77,7 @@ def main(argv=None):
             f16.free()
             for fmt in a.formats.split(","):
                 bits = tuple(int(b) for b in fmt.split("/"))
-                arena, dicts, slots = dict_arena(bits, n_kv, hd, max(ns), dev, rng)
+                arena, dicts, slots = BA.dict_arena(bits, n_kv, hd, max(ns), bargs, dev, rng)
                 first = {}
                 for name, spv_dir in builds:
                     if spv_dir:
@@ -116,9 +101,9 @@ def main(argv=None):
                             res["nmse_vs_first_build"] = float(nmse(first[n].astype(np.float64), check))
                             shapes = [T.Shape(local, wg, hb) for hb, locals_ in att.flash_coded_options(0)
                                       for local in locals_ for wg in (int(w) for w in a.workgroups.split(","))]
-                            warm(att, n, att._flash_shaped(n, shapes[0], A.FLASH_CODED_MIN_SPLIT_TOKENS))
+                            warm(att, n, att.flash_shaped(n, shapes[0], A.FLASH_CODED_MIN_SPLIT_TOKENS))
                             for sh in shapes:
-                                plan = att._flash_shaped(n, sh, A.FLASH_CODED_MIN_SPLIT_TOKENS)
+                                plan = att.flash_shaped(n, sh, A.FLASH_CODED_MIN_SPLIT_TOKENS)
                                 res["shapes"].append({"heads": sh.heads, "local": sh.local, "workgroups": sh.workgroups,
                                                       "n_splits": plan.n_splits, "gpu_s": timed(att, n, plan)})
                             best = min(res["shapes"], key=lambda r: r["gpu_s"] or 1e9)

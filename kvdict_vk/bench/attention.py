@@ -69,9 +69,11 @@ def format_name(bits) -> str:
     return f"k{bits[0]}v{bits[1]}"
 
 
-def _dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
+def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
     """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost does
-    not depend on what the codes say; OMP-encoding that many rows would dominate the run)."""
+    not depend on what the codes say; OMP-encoding that many rows would dominate the run);
+    returns (arena, its (K, V) StreamDicts, the (K, V) slots it holds). ``args``: per_head,
+    n_atoms, sparsity."""
     from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     from kvdict_vk.vk import KvArena
@@ -82,11 +84,12 @@ def _dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
              for b in bits]
     with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict")
-    arena.append_codes(0, *(synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts))
-    return arena, dicts
+    slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
+    arena.append_codes(0, *slots)
+    return arena, dicts, slots
 
 
-def _rows(rng, n_kv, n_ctx, hd, block: int = 4096):
+def random_rows(rng, n_kv, n_ctx, hd, block: int = 4096):
     """(n_kv, n_ctx, hd) float32: a random block of tokens repeated (drawing 10⁸ normals
     takes seconds; the cost of an attention does not depend on the values)."""
     b = rng.standard_normal((n_kv, min(n_ctx, block), hd), dtype=np.float32)
@@ -97,14 +100,14 @@ def _arenas(n_kv, hd, args, dev, rng) -> dict:
     """{mode family: arena}: f16, f32, q8_0 (the same rows) and one dict arena per format."""
     from kvdict_vk.vk import KvArena
     n_ctx = max(args.n_used_list)
-    rows = [_rows(rng, n_kv, n_ctx, hd) for _ in "kv"]
+    rows = [random_rows(rng, n_kv, n_ctx, hd) for _ in "kv"]
     arenas = {}
     for cache in UNCODED + (KIVI,):
         arenas[cache] = KvArena(1, n_kv, hd, n_ctx, device=dev, cache=cache)
         arenas[cache].append(0, *rows)
     del rows
     for bits in args.format_list:
-        arenas[format_name(bits)], _ = _dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng)
+        arenas[format_name(bits)] = dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng)[0]
     return arenas
 
 

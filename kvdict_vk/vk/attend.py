@@ -323,7 +323,7 @@ class Attention:
             fixed, default = self.flash_workgroups, FLASH_WORKGROUPS
 
         def shaped(shape: T.Shape) -> P.Plan:
-            return self._flash_shaped(n_used, shape, min_tokens)
+            return self.flash_shaped(n_used, shape, min_tokens)
         if fixed is None and self.tune and timestamps_usable(self.device):
             shape = T.choose(self.layer_signature(layer) + ((self.coded_heads,) if self.coded_heads else ()), n_used,
                              options, k.coded, lambda sh: self.time_plan(layer, n_used, shaped(sh)))
@@ -331,7 +331,7 @@ class Attention:
             shape = T.Shape(options[0][1][0], fixed or default, options[0][0])
         return shaped(shape)
 
-    def _flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int) -> P.Plan:
+    def flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int) -> P.Plan:
         """The flash plan of a launch shape: the splits that make ``shape.workgroups``
         workgroups over the KV heads (and head blocks), each at least min_tokens long."""
         blocks = self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
@@ -457,7 +457,7 @@ class Attention:
         locals_ = self.flash_locals_of("f32")
         if locals_ and self.path != "direct" and (self.local == GPU_LOCAL or self.path == "flash"):
             shape = T.Shape(locals_[0], self.flash_workgroups or FLASH_WORKGROUPS)
-            return self._flash_shaped(n_used, shape, FLASH_MIN_SPLIT_TOKENS)
+            return self.flash_shaped(n_used, shape, FLASH_MIN_SPLIT_TOKENS)
         return P.Plan("direct", *P.split_count(n_used, self.preferred_splits, P.MIN_DIRECT_SPLIT_TOKENS,
                                                P.max_split_tokens("direct", 0, 0)))
 
