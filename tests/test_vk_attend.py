@@ -279,10 +279,15 @@ FLASH_CODED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernel", ["float", "fixed-sg-where-fits", "fixed-shared"])
 @pytest.mark.parametrize("case", FLASH_CODED_CASES, ids=lambda c: "hd{}-kv{}-g{}-a{}-{}-ctx{}".format(*c[:4], c[5], c[6]))
-def test_flash_coded_attention_equals_reference(case, make_arena, activate):
-    """attend_flash_coded (the GPUs' path over the codes) against the float64 reference over
-    the same slots, out-of-range code words included (they contribute zero)."""
+def test_flash_coded_attention_equals_reference(case, kernel, make_arena, activate):
+    """The GPUs' kernels over the codes against the float64 reference over the same slots,
+    out-of-range code words included (they contribute zero): attend_flash_coded, and
+    attend_flash_coded_fixed summing a token's partial scores by subgroup shuffles where the
+    device has them and its subgroups hold a token's lanes (its _sg build), and through shared
+    memory everywhere."""
+    from kvdict_vk.vk.attend_specs import flash_coded_fixed_lanes, flash_subgroup_fits
     hd, n_kv, g, n_atoms, per_head, pair, n_ctx = case
     rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, n_atoms, [pair], n_heads=n_kv if per_head else 1)
@@ -294,10 +299,19 @@ def test_flash_coded_attention_equals_reference(case, make_arena, activate):
     arena.append_codes(0, k, v)
     att = arena.attention(n_kv * g)
     att.path = "flash"
+    att.coded_kernel = kernel.split("-")[0]
+    att.subgroups = False if kernel == "fixed-shared" else None
     assert att.flash_coded_heads(0) >= 1
+    if att.coded_kernel == "fixed":
+        hb, sizes = att.flash_coded_options(0, "fixed")[0]
+        assert g % hb == 0 and hb <= 4  # every case's head_dim / 8 is a power of two ≥ 4: the kernel fits
+        fits = flash_subgroup_fits(flash_coded_fixed_lanes(hd), sizes[0], arena.device.shuffle_subgroup_size())
+        assert att.flash_coded_fixed_variant(sizes[0]) == ("attend_flash_coded_fixed_sg" if fits and att.subgroups is None
+                                                           else "attend_flash_coded_fixed")
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 129, n_ctx // 2 + 1, n_ctx}):
-        assert att.plan(0, n_used).path == "flash"
+        p = att.plan(0, n_used)
+        assert p.path == "flash" and p.kernel == att.coded_kernel
         _check(arena, [(k, v, kd, vd)], 0, q, n_used)
     _check(arena, [(k, v, kd, vd)], 0, q * 40, n_ctx)  # large scores: the running maximum moves
 
@@ -424,24 +438,27 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
     att = arena.attention(n_kv * g)
     att.path, att.tune = "flash", True
-    options = att.flash_coded_options(0) if coded else [(0, att.flash_locals(0))]
-    if coded:  # the query heads per workgroup are a dimension of the search: 2 and 1 here
-        assert [hb for hb, _ in options] == [2, 1]
-    shapes = T.candidates(options, coded)
+    if coded:  # the kernel and the query heads per workgroup are dimensions of the search
+        assert [hb for hb, _ in att.flash_coded_options(0, "float")] == [2, 1]
+        assert [hb for hb, _ in att.flash_coded_options(0, "fixed")] == [2, 1]
+        shapes = T.candidates(att.flash_coded_options(0, "float"), True, "float") + \
+            T.candidates(att.flash_coded_options(0, "fixed"), True, "fixed")
+    else:
+        shapes = T.candidates([(0, att.flash_locals(0))], False)
     assert len(shapes) >= 2
-    favourite = shapes[-1]  # coded: one query head per workgroup, not the untuned default
+    favourite = shapes[-1]  # coded: the fixed-point kernel, one query head per workgroup
+    what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
     timed = []
 
     def fake_time(layer, n_used, plan):  # the device's "measurement": the favourite is fastest
-        timed.append((plan.local, plan.heads, plan.n_splits))
-        fast = (plan.local, plan.heads) == (favourite.local, favourite.heads)
-        return 1e-3 - 1e-7 * plan.n_splits if fast else 2e-3
+        timed.append((what(plan), plan.n_splits))
+        return 1e-3 - 1e-7 * plan.n_splits if what(plan) == what(favourite) else 2e-3
     monkeypatch.setattr(att, "time_plan", fake_time)
     import kvdict_vk.vk.attend as A
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     p = att.plan(0, 1500)
-    assert len(timed) == T.ROUNDS * len(shapes) and (p.local, p.heads) == (favourite.local, favourite.heads)
-    assert p.n_splits == max(n for local, heads, n in timed if (local, heads) == (favourite.local, favourite.heads))
+    assert len(timed) == T.ROUNDS * len(shapes) and what(p) == what(favourite)
+    assert p.n_splits == max(n for w, n in timed if w == what(favourite))
     assert att.plan(0, 2000).local == favourite.local and len(timed) == T.ROUNDS * len(shapes)  # same bucket
     att.plan(0, 3000)
     assert len(timed) == 2 * T.ROUNDS * len(shapes)  # bucket 4096: measured again
@@ -468,6 +485,9 @@ def test_flash_coded_heads_per_workgroup_fixed_by_the_caller(make_arena, activat
         _check(arena, stored, 0, q, n_ctx)
     att.coded_heads = 3
     with pytest.raises(E.ArenaError, match="3 query heads per workgroup"):
+        att.plan(0, n_ctx)
+    att.coded_heads, att.coded_kernel = None, "halves"
+    with pytest.raises(E.ArenaError, match="coded_kernel"):
         att.plan(0, n_ctx)
 
 

@@ -159,7 +159,8 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
                 p = att.plan(0, n, path=path)
                 moved = traffic.bytes_moved("attend", arena.layout, 0, n, plan=p, n_heads=q.shape[0])
                 plan = {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len,
-                        **({"local": p.local, "heads": p.heads} if p.path == "flash" else {})}
+                        **({"local": p.local, "heads": p.heads} if p.path == "flash" else {}),
+                        **({"kernel": p.kernel} if p.path == "flash" and cache == "dict" else {})}
             info[mode] = {"cache": cache, "format": fmt, "forced": path, "plan": plan, "bytes": moved}
         outputs = {}
         for mode, c in candidates.items():  # warm-up, and what each mode computes
@@ -215,7 +216,7 @@ def make_rows(result) -> list[dict]:
                     NAME, case_name(m, shape, r["n_used"]), m["seconds"], cache=m["cache"], n_used=r["n_used"],
                     n_kv=shape[0], gqa=shape[1], head_dim=shape[2], moved=m["bytes"], roofline=result["roofline"],
                     torch_sdpa_f16_s=r["torch_sdpa_f16_s"], mode=mode, path=m["plan"]["path"], format=m["format"],
-                    device_kind=kind))
+                    device_kind=kind, **({"kernel": m["plan"]["kernel"]} if "kernel" in m["plan"] else {})))
     return rows
 
 

@@ -33,8 +33,9 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_MAX_GROUP, Sizes, flash_coded_shared_bytes, flash_shared_bytes,
-                           flash_subgroup_fits, flash_units)
+from .attend_specs import (FLASH_CODED_FIXED_MAX_HEADS, FLASH_MAX_GROUP, Sizes, flash_coded_fixed_fits,
+                           flash_coded_fixed_lanes, flash_coded_fixed_shared_bytes, flash_coded_shared_bytes,
+                           flash_shared_bytes, flash_subgroup_fits, flash_units)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
@@ -57,6 +58,11 @@ FLASH_WORKGROUPS = 1024
 # and few — about two workgroups per multiprocessor of a large GPU.
 FLASH_CODED_MIN_SPLIT_TOKENS = 512
 FLASH_CODED_WORKGROUPS = 256
+# The kernels over the codes, the untuned default first: "float" (attend_flash_coded: the atom
+# weights as floats in shared memory, added by compare-and-swap loops) and "fixed"
+# (attend_flash_coded_fixed: as fixed-point integers added by atomicAdd, flushed into
+# registers). Neither wins everywhere on an H200 (docs/DESIGN.md): the tuner times both.
+CODED_KERNELS = ("float", "fixed")
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -92,6 +98,9 @@ class Attention:
         # attend_flash_coded's query heads per workgroup (None: measured with the launch
         # shape on a GPU; the most that fit on a CPU driver). Tests and benchmarks fix it.
         self.coded_heads: int | None = None
+        # the kernel over the codes (CODED_KERNELS; None: measured with the launch shape on a
+        # GPU, the first on a CPU driver). Tests and benchmarks fix it.
+        self.coded_kernel: str | None = None
         # whether attend_flash sums a token's partial scores by subgroup shuffles
         # (attend_flash_sg) — None: wherever the device has them and they fit the row
         # (flash_variant); False: through shared memory everywhere. Tests fix it.
@@ -232,28 +241,48 @@ class Attention:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""
         return (self.flash_locals(layer) or [0])[0]
 
-    def flash_coded_options(self, layer: int) -> list[tuple[int, list[int]]]:
-        """[(query heads per workgroup, workgroup sizes preferred first)] of attend_flash_coded
-        over ``layer``, most heads first (empty: it cannot): every divisor of the group, at
-        most FLASH_MAX_GROUP, whose q·atom table, atom weights and staged chunk fit the
-        device's shared memory with some size of FLASH_CODED_LOCALS (attend_tune; a chunk is
-        one token per invocation) the device allows; with it, every such size. The tuner
-        times them all; untuned, the first (the most heads: each slot loaded serves them all)."""
+    def flash_coded_options(self, layer: int, kernel: str = "float") -> list[tuple[int, list[int]]]:
+        """[(query heads per workgroup, workgroup sizes preferred first)] of the coded flash
+        ``kernel`` (CODED_KERNELS) over ``layer``, most heads first (empty: it cannot): every
+        divisor of the group that the kernel allows — attend_flash_coded: at most
+        FLASH_MAX_GROUP, head_dim a multiple of 4; attend_flash_coded_fixed:
+        attend_specs.flash_coded_fixed_fits — whose shared memory (the q·atom table and atom
+        weights, …) fits the device with some size of FLASH_CODED_LOCALS (attend_tune) the
+        device allows; with it, every such size. The tuner times them all; untuned, the first
+        (the most heads: each slot loaded serves them all)."""
+        if kernel not in CODED_KERNELS:
+            raise E.ArenaError(f"the kernel over the codes is one of {CODED_KERNELS}, got {kernel!r}")
+
         def derive() -> tuple[tuple[int, tuple[int, ...]], ...]:
             k, v = self.layout.layers[layer].streams
             hd, na = self.layout.head_dim, self.layout.n_atoms
             if not (k.coded and v.coded) or hd % 4:
                 return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
+            max_heads = FLASH_MAX_GROUP if kernel == "float" else FLASH_CODED_FIXED_MAX_HEADS
+
+            def fits(hb: int, n: int) -> bool:
+                if kernel == "float":
+                    return n % (hd // 4) == 0 and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit
+                return flash_coded_fixed_fits(hd, hb, n, na) and flash_coded_fixed_shared_bytes(hd, hb, n, na) <= limit
             out = []
-            for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
+            for hb in sorted((d for d in range(1, min(self.group, max_heads) + 1) if self.group % d == 0),
                              reverse=True):
-                fits = tuple(n for n in FLASH_CODED_LOCALS if n <= most and n % (hd // 4) == 0
-                             and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit)
-                if fits:
-                    out.append((hb, fits))
+                sizes = tuple(n for n in FLASH_CODED_LOCALS if n <= most and fits(hb, n))
+                if sizes:
+                    out.append((hb, sizes))
             return tuple(out)
-        return [(hb, list(fits)) for hb, fits in self._per_layer("flash_coded_options", layer, derive)]
+        return [(hb, list(sizes)) for hb, sizes in self._per_layer("flash_coded_options", (layer, kernel), derive)]
+
+    def flash_coded_fixed_variant(self, local: int) -> str:
+        """attend_flash_coded_fixed's SPIR-V at ``local`` invocations: the _sg build where the
+        device's subgroups hold a token's lanes and have shuffles (as flash_variant), else the
+        plain one (shared memory, no optional feature)."""
+        def derive() -> str:
+            fits = flash_subgroup_fits(flash_coded_fixed_lanes(self.layout.head_dim), local,
+                                       self.device.shuffle_subgroup_size())
+            return "attend_flash_coded_fixed_sg" if fits and self.subgroups is not False else "attend_flash_coded_fixed"
+        return self._per_layer("flash_coded_fixed_variant", (local, self.subgroups), derive)
 
     def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
         """The default of flash_coded_options: (query heads per workgroup, workgroup sizes)
@@ -309,26 +338,35 @@ class Attention:
         or on a CPU driver, and the splits that make that many workgroups."""
         k = self.layout.layers[layer].k
         if k.coded:
-            options = self.flash_coded_options(layer)
-            if self.coded_heads is not None:
-                options = [o for o in options if o[0] == self.coded_heads]
-                if not options:
-                    raise E.ArenaError(f"layer {layer}: attend_flash_coded cannot serve {self.coded_heads} query heads "
-                                       f"per workgroup here (it can: {[hb for hb, _ in self.flash_coded_options(layer)]})")
+            if self.coded_kernel is not None and self.coded_kernel not in CODED_KERNELS:
+                raise E.ArenaError(f"Attention.coded_kernel must be None or one of {CODED_KERNELS}, "
+                                   f"got {self.coded_kernel!r}")
+            shapes = []
+            for kernel in CODED_KERNELS if self.coded_kernel is None else (self.coded_kernel,):
+                options = self.flash_coded_options(layer, kernel)
+                if self.coded_heads is not None:
+                    options = [o for o in options if o[0] == self.coded_heads]
+                shapes += T.candidates(options, True, kernel)
+            if not shapes:
+                can = {kern: [hb for hb, _ in self.flash_coded_options(layer, kern)] for kern in CODED_KERNELS}
+                raise E.ArenaError(f"layer {layer}: no kernel over the codes ({self.coded_kernel or 'any'}) serves "
+                                   f"{self.coded_heads} query heads per workgroup here (they can: {can})")
             min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS
             fixed, default = self.coded_workgroups, FLASH_CODED_WORKGROUPS
         else:
-            options = [(0, self.flash_locals(layer))]
+            shapes = T.candidates([(0, self.flash_locals(layer))], False)
             min_tokens = FLASH_MIN_SPLIT_TOKENS
             fixed, default = self.flash_workgroups, FLASH_WORKGROUPS
 
         def shaped(shape: T.Shape) -> P.Plan:
             return self.flash_shaped(n_used, shape, min_tokens)
         if fixed is None and self.tune and timestamps_usable(self.device):
-            shape = T.choose(self.layer_signature(layer) + ((self.coded_heads,) if self.coded_heads else ()), n_used,
-                             options, k.coded, lambda sh: self.time_plan(layer, n_used, shaped(sh)))
+            forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None)
+            shape = T.choose(self.layer_signature(layer) + forced, n_used, shapes,
+                             lambda sh: self.time_plan(layer, n_used, shaped(sh)))
         else:
-            shape = T.Shape(options[0][1][0], fixed or default, options[0][0])
+            first = shapes[0]
+            shape = T.Shape(first.local, fixed or default, first.heads, first.kernel)
         return shaped(shape)
 
     def flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int) -> P.Plan:
@@ -337,7 +375,7 @@ class Attention:
         blocks = self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
         want = min(self.max_splits, max(1, -(-shape.workgroups // blocks)))
         n, split_len = P.split_count(n_used, want, min_tokens, n_used)
-        return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads)
+        return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel)
 
     def time_plan(self, layer: int, n_used: int, plan: P.Plan) -> float | None:
         """GPU seconds of one attention over ``layer`` in ``plan`` (the best of a few runs;

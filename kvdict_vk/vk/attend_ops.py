@@ -183,11 +183,12 @@ class PassBuilder:
         table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table], att.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
                                n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(att.table)]
-        hb, default = att.flash_coded_config(layer)
-        if plan.heads and plan.heads != hb:  # another head count (attend_tune): its own default size
-            hb, default = plan.heads, dict(att.flash_coded_options(layer))[plan.heads][0]
-        local = plan.local or default
-        kernel = self._kernel(("flash_coded", layer, local, hb), "attend_flash_coded",
+        # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
+        options = att.flash_coded_options(layer, plan.kernel)
+        hb = plan.heads or options[0][0]
+        local = plan.local or dict(options)[hb][0]
+        variant = "attend_flash_coded" if plan.kernel == "float" else att.flash_coded_fixed_variant(local)
+        kernel = self._kernel(("flash_coded", variant, layer, local, hb), variant,
                               [buf, buf, att.table, att.q, att.accs, att.stats],
                               n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,

@@ -50,6 +50,46 @@ def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v
     return 4 * (2 * hb * n_atoms + hb * head_dim + hb * local + local * v_stage + 1)
 
 
+# attend_flash_coded_fixed.comp (the atom weights as fixed-point integers in shared memory;
+# the tuner times it beside attend_flash_coded and keeps the faster per shape)
+FLASH_CODED_FIXED_MAX_HEADS = 4  # its MAX_HB: query heads per workgroup in registers
+FLASH_CODED_FIXED_MAX_BINS = 32  # its NB: fixed-point atom weights each invocation flushes into registers
+FLASH_CODED_FIXED_CTL = 4  # its N_CTL: round control buffers
+
+
+def flash_coded_fixed_heads_padded(hb: int) -> int:
+    """attend_flash_coded_fixed.comp's HP: a block's query heads padded to a power of two (the
+    row of its table and bins, the heads its reduce-scatter splits a token's lanes among)."""
+    return 4 if hb > 2 else hb
+
+
+def flash_coded_fixed_lanes(head_dim: int) -> int:
+    """Invocations attend_flash_coded_fixed spreads a token over: 8 elements each (its U)."""
+    return head_dim // 8
+
+
+def flash_coded_fixed_fits(head_dim: int, hb: int, local: int, n_atoms: int) -> bool:
+    """Whether attend_flash_coded_fixed runs at ``hb`` query heads and ``local`` invocations
+    (shared memory aside): head_dim a multiple of 8 whose lanes per token are a power of two at
+    least the padded heads, the workgroup whole tokens, whole element quads and whole vec4s of
+    partial sums, at most FLASH_CODED_FIXED_MAX_HEADS heads, at most FLASH_CODED_FIXED_MAX_BINS
+    bins flushed per invocation."""
+    if head_dim % 8 or not 1 <= hb <= FLASH_CODED_FIXED_MAX_HEADS:
+        return False
+    u, hp = flash_coded_fixed_lanes(head_dim), flash_coded_fixed_heads_padded(hb)
+    return (u & (u - 1) == 0 and u >= hp and local % u == 0 and local % (head_dim // 4) == 0 and local % 4 == 0
+            and -(-n_atoms * hb // local) <= FLASH_CODED_FIXED_MAX_BINS)
+
+
+def flash_coded_fixed_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -> int:
+    """attend_flash_coded_fixed.comp's shared memory: the q·atom table and the fixed-point atom
+    weights (a row of atoms per head), partial scores and the end's sums (MAX_HB floats per
+    invocation), the end's V residual (MAX_HB head vectors), the round control words (a
+    maximum, a flag and a partial sum per invocation each) and the slow path's maxima."""
+    m = FLASH_CODED_FIXED_MAX_HEADS
+    return 4 * (2 * n_atoms * hb + m * local + m * head_dim + FLASH_CODED_FIXED_CTL * (2 + local) + m)
+
+
 def n_blocks(n_atoms: int) -> int:
     return -(-n_atoms // ATOM_BLOCK)
 
@@ -228,14 +268,16 @@ def _flash_extents(p, s):
     return [rows, quads, [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
-def _flash_coded_extents(p, s):
-    """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
-    V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
+def _flash_coded_extents(p, s, fixed: bool = False):
+    """attend_flash_coded.comp (and its fixed-point sibling): the K and V slots of tokens
+    [0, n_used), both residual scales, V's atoms (as quads), the q·atom table, the queries,
+    records 0 .. n_splits."""
     hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
-    _check(g % hb == 0 and hd % 4 == 0 and local % (hd // 4) == 0, "attend_flash_coded (specialization)", s)
+    fits = flash_coded_fixed_fits(hd, hb, local, s["N_ATOMS"]) if fixed else hd % 4 == 0 and local % (hd // 4) == 0
+    _check(g % hb == 0 and fits, "attend_flash_coded (specialization)", s)
     words = []
     for word, sp, bits in ((p["k_word"], s["K_SPARSITY"], s["K_BITS"]), (p["v_word"], s["V_SPARSITY"], s["V_BITS"])):
         words.append(_span(word, ((n_kv - 1) * p["n_ctx"] + used) * row_words(hd, sp, bits)))
@@ -301,5 +343,11 @@ def shader_specs(shader_spec) -> dict:
         shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
                     (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
                     optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
+        # the same bindings, push block and specialization
+        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
+                      (False, False, False, False, True, True), FLASH_CODED_SPEC,
+                      lambda p, s: _flash_coded_extents(p, s, fixed=True),
+                      optional_spec=(("K_BITS", 0), ("V_BITS", 0)), subgroup_ops=ops)
+          for name, ops in (("attend_flash_coded_fixed", ()), ("attend_flash_coded_fixed_sg", ("basic", "shuffle")))),
     ]
     return {s.variant: s for s in specs}

@@ -37,8 +37,8 @@ FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
 WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
 CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per workgroup is larger)
 
-# (device name, layer signature, n_kv, group, head_dim, n_atoms, bucket) → (local, workgroups, heads)
-_CHOICES: dict[tuple, tuple[int, int, int]] = {}
+# (device name, layer signature, n_kv, group, head_dim, n_atoms, bucket) → (local, workgroups, heads, kernel)
+_CHOICES: dict[tuple, tuple[int, int, int, str]] = {}
 
 
 def bucket(n_used: int) -> int:
@@ -51,11 +51,13 @@ def bucket(n_used: int) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """One flash launch shape: invocations per workgroup, workgroups per attention, and
-    (attend_flash_coded) query heads per workgroup (0: attend_flash, one KV head's group)."""
+    """One flash launch shape: invocations per workgroup, workgroups per attention, and over
+    the codes query heads per workgroup (0: attend_flash, one KV head's group) and the kernel
+    ("float": attend_flash_coded, "fixed": attend_flash_coded_fixed; attend.CODED_KERNELS)."""
     local: int
     workgroups: int
     heads: int = 0
+    kernel: str = "float"
 
 
 def layer_signature(att, layer: int) -> tuple:
@@ -73,26 +75,26 @@ def signature(layer_sig: tuple, n_used: int) -> tuple:
     return layer_sig + (bucket(n_used),)
 
 
-def candidates(options: list[tuple[int, list[int]]], coded: bool) -> list[Shape]:
+def candidates(options: list[tuple[int, list[int]]], coded: bool, kernel: str = "float") -> list[Shape]:
     """Every shape of ``options`` — [(query heads per workgroup, its workgroup sizes)], the
-    default first (attend_flash: one entry, heads 0) — at every workgroup count."""
-    return [Shape(n, w, heads) for heads, locals_ in options for n in locals_
+    default first (attend_flash: one entry, heads 0) — at every workgroup count, for ``kernel``."""
+    return [Shape(n, w, heads, kernel) for heads, locals_ in options for n in locals_
             for w in (CODED_WORKGROUPS if coded else WORKGROUPS)]
 
 
-def choose(layer_sig: tuple, n_used: int, options: list[tuple[int, list[int]]], coded: bool, time_shape) -> Shape:
-    """The fastest shape for this (layer signature — device included —, bucket), measured on
-    first use: ``time_shape(shape) -> seconds`` runs the attention over the layer at n_used
-    in that shape (None when the device cannot time it: then the first candidate, untimed)."""
+def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Shape:
+    """The fastest of ``shapes`` (candidates, the default first) for this (layer signature —
+    device included —, bucket), measured on first use: ``time_shape(shape) -> seconds`` runs
+    the attention over the layer at n_used in that shape (None when the device cannot time
+    it: then the first candidate, untimed)."""
     key = signature(layer_sig, n_used)
     if key in _CHOICES:
         return Shape(*_CHOICES[key])
-    first = candidates(options, coded)[0]
+    first = shapes[0]
     t = time.perf_counter()
     while time.perf_counter() - t < WARM_S:  # the clocks up first (bench.timing.measure says why)
         if time_shape(first) is None:
             return first
-    shapes = candidates(options, coded)
     best_s = {shape: float("inf") for shape in shapes}
     for _ in range(ROUNDS):  # interleaved: a drifting clock hits every candidate alike
         for shape in shapes:
@@ -101,10 +103,10 @@ def choose(layer_sig: tuple, n_used: int, options: list[tuple[int, list[int]]], 
                 return first
             best_s[shape] = min(best_s[shape], seconds)
     best = min(shapes, key=lambda sh: best_s[sh])
-    _CHOICES[key] = (best.local, best.workgroups, best.heads)
+    _CHOICES[key] = (best.local, best.workgroups, best.heads, best.kernel)
     return best
 
 
 def measured() -> dict:
-    """What the tuner chose in this process (for reports): {signature: (local, workgroups, heads)}."""
+    """What the tuner chose in this process (for reports): {signature: (local, workgroups, heads, kernel)}."""
     return dict(_CHOICES)
