@@ -600,7 +600,8 @@ ATTEND_SPLIT_PUSH = PushBlock("AttendSplitPush", tuple(
     (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_atoms",
                           "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word", "head_vec"))
     + (("score_scale", "float"),))
-ATTEND_TABLE_PUSH = _block("AttendTablePush", "atoms_word", "head_atoms", "n_atoms", "n_kv")
+ATTEND_TABLE_PUSH = _block("AttendTablePush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_seqs",
+                           defaults=dict(n_seqs=1))
 ATTEND_COMBINE_PUSH = _block("AttendCombinePush", "n_kv", "n_splits", "f_word", "inv_l_word")
 ATTEND_ATOMS_PUSH = _block("AttendAtomsPush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_splits", "f_word")
 ATTEND_REDUCE_PUSH = _block("AttendReducePush", "n_kv", "n_splits", "f_word", "inv_l_word", "n_blocks",
@@ -610,20 +611,26 @@ ATTEND_DIRECT_PUSH = PushBlock("AttendDirectPush", tuple(
                           "n_cached", "split_len", "n_splits", "split0", "n_kv", "n_atoms", "k_atoms_word",
                           "v_atoms_word", "head_atoms", "k_scale_word", "v_scale_word", "head_vec", "write_out",
                           "use_mean", "mean_word")) + (("score_scale", "float"),))
+# the flash paths batch sequences (n_seqs, seq_rows, seq_heads: shaders/attend_common.glsl)
 ATTEND_FLASH_PUSH = PushBlock("AttendFlashPush", tuple(
-    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv"))
-    + (("score_scale", "float"),))
+    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_seqs",
+                          "seq_rows"))
+    + (("score_scale", "float"),), defaults=(("n_seqs", 1), ("seq_rows", 0)))
 ATTEND_FLASH_CODED_PUSH = PushBlock("AttendFlashCodedPush", tuple(
     (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv",
-                          "v_atoms_word", "head_atoms", "k_scale_word", "v_scale_word", "head_vec"))
-    + (("score_scale", "float"),))
+                          "v_atoms_word", "head_atoms", "k_scale_word", "v_scale_word", "head_vec", "n_seqs",
+                          "seq_rows"))
+    + (("score_scale", "float"),), defaults=(("n_seqs", 1), ("seq_rows", 0)))
 ATTEND_MERGE_PUSH = _block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
+ATTEND_MERGE_HEAD_PUSH = _block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec",
+                                "seq_heads")
 _ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": ATTEND_TABLE_PUSH,
                   "attend_combine.comp": ATTEND_COMBINE_PUSH, "attend_atoms.comp": ATTEND_ATOMS_PUSH,
                   "attend_reduce.comp": ATTEND_REDUCE_PUSH, "attend_direct.comp": ATTEND_DIRECT_PUSH,
-                  "attend_merge.comp": ATTEND_MERGE_PUSH, "attend_merge_head.comp": ATTEND_MERGE_PUSH,
+                  "attend_merge.comp": ATTEND_MERGE_PUSH, "attend_merge_head.comp": ATTEND_MERGE_HEAD_PUSH,
                   "attend_flash.comp": ATTEND_FLASH_PUSH,
-                  "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH}
+                  "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH,
+                  "attend_flash_coded_fixed.comp": ATTEND_FLASH_CODED_PUSH}
 
 PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, READ_KIVI_PUSH, SCATTER_PUSH, COPY_PUSH,
                                    *_ATTEND_BLOCKS.values())}

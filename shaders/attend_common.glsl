@@ -46,5 +46,15 @@ const uint N_HB = GROUP / HB;       // head blocks per KV head
 
 uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
 
+// Batched decode (the flash paths: attend_flash*.comp, attend_table.comp, attend_merge_head.comp):
+// n_seqs sequences share the layer's dictionaries; sequence b's tokens are rows
+// b*seq_rows .. of each KV head (n_ctx rows per head in all), its query heads
+// b*n_kv*GROUP + g*GROUP + hj. A sequence's KV head is a "virtual head" v = b*n_kv + g for
+// the queries, the q·atom table, the records and the output; the dictionary head stays g.
+// The query buffer holds the n_seqs × n_kv × GROUP query vectors, then one word per sequence:
+// its n_used as uint bits (the host writes both; clamped to [1, pc.n_used], the most).
+#define SEQ_USED(qbuf, b) \
+    clamp(floatBitsToUint(qbuf[pc.n_seqs * pc.n_kv * GROUP * HEAD_DIM + (b)]), 1u, pc.n_used)
+
 // The first record of split i of KV head g (add hj for query head hj of the group).
 uint record(uint i, uint g, uint n_kv) { return (i * n_kv + g) * GROUP; }

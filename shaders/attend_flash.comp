@@ -70,10 +70,12 @@ layout(push_constant) uniform AttendFlashPush {
     uint k_word;    // the layer's K region (multiple of 4), n_ctx rows per KV head
     uint v_word;
     uint n_ctx;
-    uint n_used;    // attend over tokens 0 .. n_used-1
+    uint n_used;    // the most tokens any sequence attends over (its own: SEQ_USED)
     uint split_len; // tokens per split
-    uint n_splits;  // splits per KV head
+    uint n_splits;  // splits per KV head and sequence
     uint n_kv;
+    uint n_seqs;    // sequences (attend_common.glsl: batched decode)
+    uint seq_rows;  // rows between two sequences' first tokens in a KV head
     float score_scale;
 } pc;
 
@@ -145,12 +147,15 @@ void unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
 void main() {
     const uint tid = lane_index();
     const uint unit = tid % UNITS, tlane = tid / UNITS;
-    uint items = pc.n_kv * pc.n_splits;
+    uint items = pc.n_kv * pc.n_splits * pc.n_seqs;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint g = item % pc.n_kv;
-        uint i = item / pc.n_kv;
+        uint i = (item / pc.n_kv) % pc.n_splits;
+        uint seq = item / (pc.n_kv * pc.n_splits);
+        uint vh = seq * pc.n_kv + g;  // the virtual head: queries, records
+        uint n_used = SEQ_USED(q_floats, seq);
         uint t0 = i * pc.split_len;
-        uint n_tok = t0 < pc.n_used ? min(t0 + pc.split_len, pc.n_used) - t0 : 0u;  // 0: an empty split
+        uint n_tok = t0 < n_used ? min(t0 + pc.split_len, n_used) - t0 : 0u;  // 0: an empty split
 
         vec4 q_lo[MAX_G], q_hi[MAX_G];  // this unit of each query head, times the score scale
         float m[MAX_G], l[MAX_G];       // the token lane's reference and sum of p
@@ -159,7 +164,7 @@ void main() {
             q_lo[h] = vec4(0.0);
             q_hi[h] = vec4(0.0);
             if (h < GROUP) {
-                uint f = (g * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
+                uint f = (vh * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
                 q_lo[h] = vec4(q_floats[f], q_floats[f + 1u], q_floats[f + 2u], q_floats[f + 3u]) * pc.score_scale;
                 q_hi[h] = vec4(q_floats[f + 4u], q_floats[f + 5u], q_floats[f + 6u], q_floats[f + 7u]) * pc.score_scale;
             }
@@ -169,8 +174,8 @@ void main() {
             acc_hi[h] = vec4(0.0);
         }
 
-        uint k_base = pc.k_word + (g * pc.n_ctx + t0) * ROW_WORDS;
-        uint v_base = pc.v_word + (g * pc.n_ctx + t0) * ROW_WORDS;
+        uint k_base = pc.k_word + (g * pc.n_ctx + seq * pc.seq_rows + t0) * ROW_WORDS;
+        uint v_base = pc.v_word + (g * pc.n_ctx + seq * pc.seq_rows + t0) * ROW_WORDS;
         // TB tokens' units, loaded together; with PREFETCH the next round's are in flight
         // while this round computes (else loaded after it)
         uvec4 ka[TB], kb[TB], va[TB], vb[TB];
@@ -252,7 +257,7 @@ void main() {
         }
         // the token lanes' accumulators, summed through shared memory one element of the unit
         // at a time (red_sh holds GROUP × LOCAL = GROUP × TLANES × UNITS floats)
-        uint rec0 = record(i, g, pc.n_kv);
+        uint rec0 = record(i, vh, pc.n_kv * pc.n_seqs);
         [[unroll]] for (uint e = 0u; e < UNIT_DIMS; ++e) {
             barrier();
             [[unroll]] for (uint h = 0u; h < MAX_G; ++h)

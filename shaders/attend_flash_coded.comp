@@ -71,6 +71,8 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint k_scale_word;  // residual scales (read only with a residual stage)
     uint v_scale_word;
     uint head_vec;
+    uint n_seqs;        // sequences (attend_common.glsl: batched decode)
+    uint seq_rows;      // rows between two sequences' first tokens in a KV head
     float score_scale;
 } pc;
 
@@ -116,14 +118,17 @@ void main() {
     const uint q4 = tid % VQ, vlane = tid / VQ;  // the element quad and token lane of the V passes
     const float k_offset = 4194304.0 + residual_half(K_BITS);  // 2^22 + half
     const float v_offset = 4194304.0 + residual_half(V_BITS);
-    uint items = pc.n_splits * pc.n_kv * N_HB;
+    uint items = pc.n_splits * pc.n_kv * N_HB * pc.n_seqs;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint blk = item % N_HB;
         uint g = (item / N_HB) % pc.n_kv;
-        uint i = item / (N_HB * pc.n_kv);
-        uint h0 = g * GROUP + blk * HB;  // first query head of the block
+        uint i = (item / (N_HB * pc.n_kv)) % pc.n_splits;
+        uint seq = item / (N_HB * pc.n_kv * pc.n_splits);
+        uint vh = seq * pc.n_kv + g;  // the virtual head: queries, table rows, records
+        uint h0 = vh * GROUP + blk * HB;  // first query head of the block
+        uint n_used = SEQ_USED(q_floats, seq);
         uint t0 = i * pc.split_len;
-        uint t1 = min(t0 + pc.split_len, pc.n_used);
+        uint t1 = min(t0 + pc.split_len, n_used);
 
         [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
             uint x = tid + r * LOCAL;
@@ -152,8 +157,8 @@ void main() {
             res[h] = vec4(0.0);
         }
 
-        uint k_base = pc.k_word + g * pc.n_ctx * K_ROW;
-        uint v_base = pc.v_word + g * pc.n_ctx * V_ROW;
+        uint k_base = pc.k_word + (g * pc.n_ctx + seq * pc.seq_rows) * K_ROW;
+        uint v_base = pc.v_word + (g * pc.n_ctx + seq * pc.seq_rows) * V_ROW;
         // The slots of this invocation's token in the next chunk, loaded a chunk ahead (past the
         // split's end: the split's last token, unused). ~K_ROW + V_ROW more registers; on an
         // H200 it measured the same as loading each chunk's slots at its start (other
@@ -318,7 +323,7 @@ void main() {
                     part[h] += res[h] * rs;
             }
         }
-        uint rec0 = record(i, g, pc.n_kv) + blk * HB;
+        uint rec0 = record(i, vh, pc.n_kv * pc.n_seqs) + blk * HB;
         [[unroll]] for (uint k = 0u; k < 4u; ++k) {
             barrier();
             [[unroll]] for (uint h = 0u; h < HB; ++h)

@@ -133,6 +133,8 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint k_scale_word;  // residual scales (read only with a residual stage)
     uint v_scale_word;
     uint head_vec;
+    uint n_seqs;        // sequences (attend_common.glsl: batched decode)
+    uint seq_rows;      // rows between two sequences' first tokens in a KV head
     float score_scale;
 } pc;
 
@@ -228,14 +230,17 @@ void main() {
 #endif
     const float k_c0 = 1.0 + residual_half(K_BITS) / float(1u << K_BITS);
     const float v_c0 = 1.0 + residual_half(V_BITS) / float(1u << V_BITS);
-    uint items = pc.n_splits * pc.n_kv * N_HB;
+    uint items = pc.n_splits * pc.n_kv * N_HB * pc.n_seqs;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint blk = item % N_HB;
         uint g = (item / N_HB) % pc.n_kv;
-        uint i = item / (N_HB * pc.n_kv);
-        uint h0 = g * GROUP + blk * HB;  // first query head of the block
+        uint i = (item / (N_HB * pc.n_kv)) % pc.n_splits;
+        uint seq = item / (N_HB * pc.n_kv * pc.n_splits);
+        uint vh = seq * pc.n_kv + g;  // the virtual head: queries, table rows, records
+        uint h0 = vh * GROUP + blk * HB;  // first query head of the block
+        uint n_used = SEQ_USED(q_floats, seq);
         uint t0 = i * pc.split_len;
-        uint n_tok = t0 < pc.n_used ? min(t0 + pc.split_len, pc.n_used) - t0 : 0u;  // 0: an empty split
+        uint n_tok = t0 < n_used ? min(t0 + pc.split_len, n_used) - t0 : 0u;  // 0: an empty split
 
         for (uint x = gl_LocalInvocationID.x; x < HB * N_ATOMS; x += LOCAL) {
             tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // the block's rows, contiguous
@@ -273,8 +278,8 @@ void main() {
         float l_own = 0.0;     // sum of p of head `own` over this lane's tokens
         float fix_scale = 1.0, budget = 0.0;  // uniform
 
-        uint k_base = pc.k_word + (g * pc.n_ctx + t0) * K_ROW;
-        uint v_base = pc.v_word + (g * pc.n_ctx + t0) * V_ROW;
+        uint k_base = pc.k_word + (g * pc.n_ctx + seq * pc.seq_rows + t0) * K_ROW;
+        uint v_base = pc.v_word + (g * pc.n_ctx + seq * pc.seq_rows + t0) * V_ROW;
         // this lane's words of TB tokens (next round's, loaded while this one computes)
         uint kcw[TB][KC], vcw[TB][VC], kwin[TB][3], vwin[TB][3], kst[TB], vst[TB];
         const uint k_w0 = K_SPARSITY + ((unit * E * K_BITS) >> 5u);
@@ -556,7 +561,7 @@ void main() {
 
         // the last flush; the weights as floats in the bins (each lane its own)
         barrier();  // every addition is in
-        uint rec0 = record(i, g, pc.n_kv) + blk * HB;
+        uint rec0 = record(i, vh, pc.n_kv * pc.n_seqs) + blk * HB;
         [[unroll]] for (uint k = 0u; k < NB; ++k) {
             uint x = tid + k * LOCAL;
             if (x < HB * N_ATOMS)

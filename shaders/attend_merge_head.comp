@@ -21,12 +21,13 @@ layout(std430, binding = 1) readonly buffer Stats { float stats[]; };
 layout(std430, binding = 2) readonly buffer Accs { vec4 accs[]; };
 layout(std430, binding = 3) writeonly buffer Out { vec4 out_quads[]; };
 
-layout(push_constant) uniform AttendMergePush {
+layout(push_constant) uniform AttendMergeHeadPush {
     uint n_kv;
     uint n_splits;   // records per (KV head, query head)
     uint use_mean;   // 1: add the V dictionary's mean
     uint mean_word;  // a multiple of 4
     uint head_vec;   // words between two KV heads' means (0: shared dictionary)
+    uint seq_heads;  // KV heads of a sequence: n_kv counts virtual heads (attend_common.glsl)
 } pc;
 
 shared float red_sh[LOCAL];
@@ -75,7 +76,7 @@ void main() {
             }
             vec4 mean = vec4(0.0);
             if (pc.use_mean != 0u)
-                mean = uintBitsToFloat(layer_quads[((pc.mean_word + g * pc.head_vec) >> 2u) + tid]);
+                mean = uintBitsToFloat(layer_quads[((pc.mean_word + (g % pc.seq_heads) * pc.head_vec) >> 2u) + tid]);
             out_quads[h * Q4 + tid] = mean + sum * (1.0 / l);
         }
         barrier();  // shared memory is reused by the next head

@@ -1,7 +1,8 @@
 #version 450
 // Decode attention over a dict-coded K stream, pass 0: the table of q . atom for every
 // query head and atom, table[(g*GROUP + hj)*n_atoms + a] = q[g*GROUP + hj] . atoms[g', a]
-// (g' = g with per-head dictionaries, 0 when shared: the host passes the atoms stride).
+// (g' = g with per-head dictionaries, 0 when shared: the host passes the atoms stride); with
+// n_seqs sequences g runs over the virtual heads b*n_kv + g (attend_common.glsl), g' from g mod n_kv.
 // A key then costs `sparsity` lookups instead of HEAD_DIM multiply-adds (attend_split.comp).
 // Work items (KV head, head block, atom); each invocation takes a contiguous run of them
 // (the host dispatches a few invocations per hardware thread), so the block's query heads —
@@ -20,10 +21,11 @@ layout(push_constant) uniform AttendTablePush {
     uint head_atoms;  // words between two KV heads' atoms (0: shared dictionary)
     uint n_atoms;
     uint n_kv;
+    uint n_seqs;
 } pc;
 
 void main() {
-    uint items = pc.n_kv * N_HB * pc.n_atoms;
+    uint items = pc.n_kv * pc.n_seqs * N_HB * pc.n_atoms;
     uint run = (items + grid_size() - 1u) / grid_size();
     uint first = gl_GlobalInvocationID.x * run;
     vec4 q[BQ];
@@ -38,7 +40,7 @@ void main() {
             [[unroll]] for (uint x = 0u; x < BQ; ++x)
                 q[x] = q_quads[h0 * Q4 + x];
         }
-        uint row = (pc.atoms_word + g * pc.head_atoms + a * HEAD_DIM) >> 2u;
+        uint row = (pc.atoms_word + (g % pc.n_kv) * pc.head_atoms + a * HEAD_DIM) >> 2u;
         vec4 atom[Q4];
         [[unroll]] for (uint c = 0u; c < Q4; ++c)
             atom[c] = uintBitsToFloat(layer_quads[row + c]);

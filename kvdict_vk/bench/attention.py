@@ -10,7 +10,9 @@ Per case — KV heads × GQA (``--shapes``), head_dim (``--head-dims``), context
 * ``dict_<fmt>`` — what KvArena.attend does over the codes (the cost model of
   kvdict_vk.vk.attend_plan picks the direct or the table path); ``dict_<fmt>_direct`` and
   ``dict_<fmt>_table`` force one path each, so the JSON shows whether it picked the faster;
-* ``recon_<fmt>`` — reconstruct-then-attend (two submissions: wall time only).
+* ``recon_<fmt>`` — reconstruct-then-attend (two submissions: wall time only);
+* with ``--batches``: batched decode, B sequences of ``--batch-n-used`` tokens in one call
+  (kvdict_vk.bench.attention_batch), rows with ``batch`` = B, SDPA at the same B.
 
 Each attention is recorded once (Attention.recording: query upload, passes, read-back of
 the output) and run again per repeat: GPU time from timestamps (first to last), wall time
@@ -27,7 +29,7 @@ import time
 
 import numpy as np
 
-from . import common, results, roofline, timing, torch_anchor, traffic
+from . import attention_batch, common, results, roofline, timing, torch_anchor, traffic
 
 NAME, TOOL = "attention", "kvdict_vk.bench.attention"
 PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", "20"],
@@ -35,7 +37,8 @@ PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", 
            # the issue's shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB),
            # per-head dictionaries of 1024 atoms (the certified format's)
            "gpu": ["--shapes", "8x4,3x3", "--head-dims", "64,128", "--n-used", "8192,32768,131072",
-                   "--formats", "0/0,4/3,6/4", "--per-head", "--repeats", "20", "--case-budget-s", "10"]}
+                   "--formats", "0/0,4/3,6/4", "--per-head", "--repeats", "20", "--case-budget-s", "10",
+                   "--batches", "8,64"]}
 USES_DEVICE, REQUIRES = True, {}
 UNCODED = ("f16", "f32", "q8_0")
 KIVI = "kivi"  # KvArena(cache="kivi"), default settings
@@ -56,12 +59,17 @@ def parse_args(argv=None):
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA anchor")
     ap.add_argument("--engine-paths-only", action="store_true",
                     help="only the path each cache's engine plans (no forced direct/table paths beside it)")
+    ap.add_argument("--batches", default="", help="batched decode: batch sizes B, comma-separated (default: none)")
+    ap.add_argument("--batch-n-used", type=int, default=8192, help="tokens per sequence of a batch")
     args = common.parse(ap, argv)
     args.shape_list = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")] \
         if args.shapes else [(args.n_kv, args.gqa)]
     args.head_dim_list = [int(x) for x in args.head_dims.split(",")] if args.head_dims else [args.head_dim]
     args.n_used_list = [int(x) for x in args.n_used.split(",")]
     args.format_list = [tuple(int(b) for b in f.split("/")) for f in args.formats.split(",") if f.strip()]
+    args.batch_list = [int(x) for x in args.batches.split(",") if x.strip()]
+    if any(b < 1 for b in args.batch_list) or args.batch_n_used < 1:
+        ap.error("--batches and --batch-n-used take positive integers")
     return args
 
 
@@ -75,18 +83,25 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
     returns (arena, its (K, V) StreamDicts, the (K, V) slots it holds). ``args``: per_head,
     n_atoms, sparsity."""
     from kvdict_vk import runtime, synthetic
-    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+    from kvdict_vk.dictionary import KvDictArtifact
     from kvdict_vk.vk import KvArena
-    heads, na = (n_kv if args.per_head else 1), args.n_atoms
-    dicts = [StreamDict(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd),
-                        mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
-                        residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
-             for b in bits]
+    na, dicts = args.n_atoms, dict_stream_dicts(bits, n_kv, hd, args, rng)
     with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict")
     slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
     arena.append_codes(0, *slots)
     return arena, dicts, slots
+
+
+def dict_stream_dicts(bits, n_kv, hd, args, rng) -> list:
+    """Random (K, V) StreamDicts with ``bits`` residual bits each (per KV head with
+    args.per_head), means and residual scales: the benchmarks' dictionaries."""
+    from kvdict_vk.dictionary import StreamDict
+    heads, na = (n_kv if args.per_head else 1), args.n_atoms
+    return [StreamDict(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd),
+                       mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
+                       residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
+            for b in bits]
 
 
 def random_rows(rng, n_kv, n_ctx, hd, block: int = 4096):
@@ -210,10 +225,12 @@ def make_rows(result) -> list[dict]:
     rows = []
     for case in result["cases"]:
         shape = (case["n_kv"], case["gqa"], case["head_dim"])
-        for r in case["by_n_used"]:
+        for r in case["by_n_used"] + case.get("by_batch", []):
+            batch = r.get("batch", 1)
             for mode, m in r["modes"].items():
+                name = case_name(m, shape, r["n_used"]) + (f" b{batch}" if "batch" in r else "")
                 rows.append(results.row(
-                    NAME, case_name(m, shape, r["n_used"]), m["seconds"], cache=m["cache"], n_used=r["n_used"],
+                    NAME, name, m["seconds"], cache=m["cache"], n_used=r["n_used"], batch=batch,
                     n_kv=shape[0], gqa=shape[1], head_dim=shape[2], moved=m["bytes"], roofline=result["roofline"],
                     torch_sdpa_f16_s=r["torch_sdpa_f16_s"], mode=mode, path=m["plan"]["path"], format=m["format"],
                     device_kind=kind, **({"kernel": m["plan"]["kernel"]} if "kernel" in m["plan"] else {})))
@@ -246,7 +263,13 @@ def run(args, progress) -> dict:
             finally:
                 for a in arenas.values():
                     a.free()
-            cases.append({"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "by_n_used": by_n})
+            by_batch = []
+            for batch in args.batch_list:
+                by_batch.append(attention_batch.bench_batch(batch, shape, args, dev, rng, anchor, roof))
+                progress(f"{n_kv}x{gqa} d{hd} batch {batch} × {args.batch_n_used}: " + ", ".join(
+                    f"{k} {1e3 * timing.best_seconds(v['seconds']):.3f} ms" for k, v in by_batch[-1]["modes"].items())
+                    + f" (SDPA {1e3 * (by_batch[-1]['torch_sdpa_f16_s'] or float('nan')):.3f} ms)")
+            cases.append({"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "by_n_used": by_n, "by_batch": by_batch})
     result = {**common.run_header(TOOL, args, dev, t0),
               "config": {k: getattr(args, k) for k in ("sparsity", "n_atoms", "per_head", "repeats", "formats",
                                                        "case_budget_s")},
@@ -298,6 +321,13 @@ def report(result) -> list[str]:
                 lines.append(f"    {mode:20s} {1e3 * timing.best_seconds(m['seconds']):9.3f} ms  "
                              f"wall {1e3 * m['seconds']['wall_s']:9.3f} ms  {m['bytes']['total'] / 2**20:8.2f} MiB"
                              + (f"  {frac:6.3f} of roofline" if frac is not None else ""))
+        for r in case.get("by_batch", []):
+            sdpa = r["torch_sdpa_f16_s"]
+            lines.append(f"  {case['n_kv']}x{case['gqa']} d{case['head_dim']} batch {r['batch']} × {r['n_used']}:"
+                         + (f"  (torch SDPA {1e3 * sdpa:.3f} ms)" if sdpa else ""))
+            for mode, m in r["modes"].items():
+                t = timing.best_seconds(m["seconds"])
+                lines.append(f"    {mode:20s} {1e3 * t:9.3f} ms" + (f"  {t / sdpa:6.2f}× SDPA" if sdpa else ""))
     return lines
 
 

@@ -39,14 +39,15 @@ def describe(torch) -> dict:
             "timing": "CUDA events around each call, median"}
 
 
-def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100) -> dict:
-    """{"seconds": median, "samples", "gqa": how the groups were expanded}."""
+def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100, batch: int = 1) -> dict:
+    """{"seconds": median, "samples", "gqa": how the groups were expanded}: one decode
+    query per sequence, ``batch`` sequences of n_used tokens."""
     F = torch.nn.functional  # imported with torch
     dev, f16 = "cuda", torch.float16
     gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(1, n_kv * gqa, 1, head_dim, device=dev, dtype=f16, generator=gen)
-    k = torch.randn(1, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
-    v = torch.randn(1, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
+    q = torch.randn(batch, n_kv * gqa, 1, head_dim, device=dev, dtype=f16, generator=gen)
+    k = torch.randn(batch, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
+    v = torch.randn(batch, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
     try:
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         kwargs, how = {"enable_gqa": True}, "enable_gqa"
@@ -126,13 +127,13 @@ class Anchor:
         self.info = describe(self.torch) if self.torch is not None else None
         self.results: dict = {}
 
-    def seconds(self, n_kv: int, gqa: int, head_dim: int, n_used: int) -> float | None:
+    def seconds(self, n_kv: int, gqa: int, head_dim: int, n_used: int, batch: int = 1) -> float | None:
         if self.torch is None:
             return None
-        key = (n_kv, gqa, head_dim, n_used)
+        key = (n_kv, gqa, head_dim, n_used, batch)
         if key not in self.results:
             try:
-                self.results[key] = time_sdpa(self.torch, n_kv, gqa, head_dim, n_used, self.calls)
+                self.results[key] = time_sdpa(self.torch, n_kv, gqa, head_dim, n_used, self.calls, batch)
             except Exception as e:  # the anchor is optional: a failure is a note, not a failed run
                 self.results[key] = {"seconds": None, "error": f"{type(e).__name__}: {e}"}
                 self.note = f"SDPA failed at {key}: {type(e).__name__}: {e}"
@@ -140,5 +141,5 @@ class Anchor:
 
     def to_dict(self) -> dict:
         return {"available": self.torch is not None, "note": self.note, "info": self.info,
-                "cases": [{"n_kv": k[0], "gqa": k[1], "head_dim": k[2], "n_used": k[3], **{
+                "cases": [{"n_kv": k[0], "gqa": k[1], "head_dim": k[2], "n_used": k[3], "batch": k[4], **{
                     x: y for x, y in r.items() if x != "samples"}} for k, r in self.results.items()]}

@@ -129,8 +129,10 @@ def _attend(layout, ll, plan, n_used: int, n_heads: int) -> dict:
             bins = n_kv * plan.records * (n_heads // n_kv) * n_atoms
             blocks = n_heads * n_blocks(n_atoms) * hd  # attend_atoms' products, read by the reduce
             scratch += 4 * bins + 2 * blocks  # bins: split read+write, atoms pass read+clear
-    return {"cache": _cache_words(layout, ll, n_used), "dictionary": dictionary, "scratch": scratch,
-            "output": n_heads * hd}
+    # a batched plan: plan.seqs sequences of n_used tokens each, sharing the dictionary reads
+    seqs = plan.seqs
+    return {"cache": seqs * _cache_words(layout, ll, n_used), "dictionary": dictionary, "scratch": seqs * scratch,
+            "output": seqs * n_heads * hd}
 
 
 def _attend_rows(layout, plan, n_tokens: int, n_heads: int) -> dict:

@@ -24,7 +24,7 @@ from .device import Device, get_device, kp
 from ..kivi import KiviSpec
 from .kivi_store import KiviStore
 from .kernels import Buffer, Kernel, Write, barrier, run
-from .attend import Attention, check_query
+from .attend import Attention, check_query, check_scale
 from . import encode_choice
 from .reader import ReadPlan
 
@@ -38,6 +38,7 @@ ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu", "g
 GPU_ENCODE_BATCH = 1024  # vectors per GPU-encoder submission (bounds its work buffers to ~1–2 MiB)
 
 
+MAX_SEQS = 1024  # sequences a batched arena holds at most
 CACHE_ENV = "KVDICT_VK_CACHE"  # the uncoded cache's row format when the switch is off: f16 / f32
 
 
@@ -61,7 +62,7 @@ class KvArena:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
                  device: "int | str | Device | None" = None, shader_mapping: str | None = None,
                  guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE, encoder: str | None = None,
-                 cache: str | None = None, kivi: KiviSpec | None = None):
+                 cache: str | None = None, kivi: KiviSpec | None = None, seqs: int = 1):
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
@@ -74,7 +75,17 @@ class KvArena:
         or "f32"); "dict" requires an active dictionary; "f16" / "f32" give that uncoded
         cache whatever the switch says; "kivi" the KIVI-style quantised cache (kvdict_vk.kivi)
         with the settings ``kivi`` (a KiviSpec; default: 4-bit keys and values, the 128 most
-        recent tokens exact), whatever the switch says."""
+        recent tokens exact), whatever the switch says.
+        ``seqs``: sequences the arena holds, each of up to n_ctx tokens, sharing the layers'
+        dictionaries (batched decode: append/read with ``seq=``, attend_batch; a KV head's
+        slice holds sequence s at rows s·n_ctx .. (s+1)·n_ctx − 1, docs/ARENA.md)."""
+        if isinstance(seqs, (bool, np.bool_)) or not isinstance(seqs, (int, np.integer)) or not 1 <= seqs <= MAX_SEQS:
+            raise E.ArenaError(f"seqs must be an integer in 1..{MAX_SEQS}, got {seqs!r}")
+        if seqs > 1 and cache == L.KIVI_CACHE:
+            raise E.ArenaError("a KIVI cache holds one sequence (its quantisation state is per layer)")
+        if not isinstance(n_ctx, (int, np.integer)) or isinstance(n_ctx, (bool, np.bool_)):
+            raise E.ArenaError(f"n_ctx must be an integer, got {n_ctx!r}")
+        self._seqs, self._seq_ctx = int(seqs), int(n_ctx)
         if encoder is None:
             encoder = os.environ.get(ENCODER_ENV, "").strip().lower() or "auto"
         if encoder not in ENCODERS:
@@ -85,7 +96,7 @@ class KvArena:
         art = snap.artifact if cache == "dict" else None
         if kivi is not None and cache != L.KIVI_CACHE:
             raise E.ArenaError(f"kivi settings given for a {cache!r} cache")
-        self._layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx, art,
+        self._layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx * self._seqs, art,
                                       guard_words=guard_words, guard_value=guard_value,
                                       cache=L.DEFAULT_CACHE if cache == "dict" else cache, kivi=kivi)
         self._kivi = KiviStore(self._layout) if cache == L.KIVI_CACHE else None
@@ -109,7 +120,7 @@ class KvArena:
         self._attention: dict[int, Attention] = {}  # by query-head count, made on first attend
         self._encoders: dict = {}  # (layer, "k"/"v") → GpuEncoder, made on first GPU-encoded append
         self._step_barriers: dict = {}  # layer → the barrier after a step's scatter (made once)
-        self._n_tokens = [0] * n_layers
+        self._n_tokens = [[0] * self._seqs for _ in range(n_layers)]  # [layer][sequence]
         self._freed = False
         try:
             self._upload = Buffer(self.device, self._caps["upload"], "host", "upload buffer")
@@ -293,31 +304,51 @@ class KvArena:
     def closed(self) -> bool:
         return self._freed
 
-    def n_tokens(self, layer: int) -> int:
-        return self._n_tokens[self._layer_index(layer)]
+    @property
+    def seqs(self) -> int:
+        """Sequences the arena holds (1 unless made batched)."""
+        return self._seqs
 
-    def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
-        """Append new tokens' K/V head vectors, float32 (n_kv, T_new, head_dim) each. Coded
-        streams are encoded on the CPU (codec.encode_heads: each KV head through its
-        dictionary); only the new slots go to the device. Returns the layer's new token count."""
-        i = self._layer_index(layer)
-        rows = self._new_rows(i, k_rows, v_rows)
+    @property
+    def seq_ctx(self) -> int:
+        """Tokens a sequence holds at most (the n_ctx it was made with)."""
+        return self._seq_ctx
+
+    def n_tokens(self, layer: int, seq: int = 0) -> int:
+        return self._n_tokens[self._layer_index(layer)][self._seq_index(seq)]
+
+    def _seq_index(self, seq) -> int:
+        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self._seqs:
+            raise E.ArenaError(f"seq must be an integer in 0..{self._seqs - 1}, got {seq!r}")
+        return int(seq)
+
+    def _row0(self, layer: int, seq: int) -> int:
+        """The layer row (within a KV head's slice) of the sequence's next token."""
+        return seq * self._seq_ctx + self._n_tokens[layer][seq]
+
+    def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray, seq: int = 0) -> int:
+        """Append new tokens' K/V head vectors, float32 (n_kv, T_new, head_dim) each, to
+        sequence ``seq``. Coded streams are encoded on the CPU (codec.encode_heads: each KV
+        head through its dictionary) or the GPU (``encoder``); only the new slots go to the
+        device. Returns the sequence's new token count in the layer."""
+        i, seq = self._layer_index(layer), self._seq_index(seq)
+        rows = self._new_rows(i, k_rows, v_rows, seq)
         if self._kivi is not None:
             return self._append_kivi(i, rows)
         if self._gpu_encodes(i, rows):
-            return self._append_gpu(i, rows)
-        return self._append_words(i, *self._encode(i, rows))
+            return self._append_gpu(i, rows, seq)
+        return self._append_words(i, *self._encode(i, rows), seq=seq)
 
     def _append_kivi(self, layer: int, rows) -> int:
         """A KIVI layer's append: its writes planned on the host (kivi_store: the groups that
         leave the exact window quantised, the window's new rows), then written in an order
         that keeps every visible token readable; the host state and the token count move
         only once all is written."""
-        t0, t_new = self._n_tokens[layer], rows[0].shape[1]
+        t0, t_new = self._n_tokens[layer][0], rows[0].shape[1]
         writes, state = self._kivi.plan(layer, t0, *rows)
         self._write_blocks(layer, writes)
         self._kivi.commit(layer, state)
-        self._n_tokens[layer] = t0 + t_new
+        self._n_tokens[layer][0] = t0 + t_new
         return t0 + t_new
 
     def _write_blocks(self, layer: int, writes, what: str | None = None) -> None:
@@ -361,13 +392,13 @@ class KvArena:
                                              max_batch=GPU_ENCODE_BATCH)
         return self._encoders[key]
 
-    def _append_gpu(self, layer: int, rows) -> int:
+    def _append_gpu(self, layer: int, rows, seq: int = 0) -> int:
         """Coded streams OMP-encoded on the device straight into their slots — in one
         submission when each stream's rows fit one encoder batch (a decode step's do), so a
         step pays one round trip for both — passthrough rows through the upload buffer. The
         token count moves only when every stream is written, so a failure leaves the layer's
         visible tokens as they were."""
-        t0, t_new = self._n_tokens[layer], rows[0].shape[1]
+        t0, t_new = self._row0(layer, seq), rows[0].shape[1]
         n_ctx, buf = self.layout.n_ctx, self._layers[layer]
         coded = [(self.gpu_encoder(layer, st), r, st) for r, st in zip(rows, self.layout.layers[layer].streams)
                  if st.coded and t_new]
@@ -385,15 +416,15 @@ class KvArena:
         passthrough = [(L.row_words_of(r, st), st) for r, st in zip(rows, self.layout.layers[layer].streams)
                        if not st.coded]
         if passthrough and t_new:
-            self._scatter_words(layer, passthrough)
-        self._n_tokens[layer] = t0 + t_new
-        return t0 + t_new
+            self._scatter_words(layer, passthrough, seq)
+        self._n_tokens[layer][seq] += t_new
+        return self._n_tokens[layer][seq]
 
-    def _new_rows(self, layer: int, k_rows, v_rows) -> list:
-        """Checked (K, V) rows to append to ``layer``, with room for them."""
+    def _new_rows(self, layer: int, k_rows, v_rows, seq: int = 0) -> list:
+        """Checked (K, V) rows to append to ``layer``'s sequence ``seq``, with room for them."""
         hd = self.layout.head_dim
         rows = [self._rows(n, a, np.float32, hd) for n, a in (("k_rows", k_rows), ("v_rows", v_rows))]
-        self._check_room(layer, rows[0].shape[1], rows[1].shape[1])
+        self._check_room(layer, rows[0].shape[1], rows[1].shape[1], seq)
         return rows
 
     def _encode(self, layer: int, rows) -> list:
@@ -407,12 +438,12 @@ class KvArena:
                 words.append(L.row_words_of(r, st))
         return words
 
-    def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
-        """Append already-encoded tokens: uint32 slots (n_kv, T_new, slot_words) for a coded
-        stream (codec.encode_heads' output), float32 rows (n_kv, T_new, head_dim) for a
-        passthrough stream (stored as f16 in an f16 cache). Slots are stored as given (an
-        out-of-range atom index reconstructs as zero)."""
-        i = self._layer_index(layer)
+    def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray, seq: int = 0) -> int:
+        """Append already-encoded tokens to sequence ``seq``: uint32 slots (n_kv, T_new,
+        slot_words) for a coded stream (codec.encode_heads' output), float32 rows (n_kv,
+        T_new, head_dim) for a passthrough stream (stored as f16 in an f16 cache). Slots are
+        stored as given (an out-of-range atom index reconstructs as zero)."""
+        i, seq = self._layer_index(layer), self._seq_index(seq)
         if self._kivi is not None:  # float32 rows: a KIVI cache quantises them itself
             return self.append(i, k, v)
         words = []
@@ -421,61 +452,65 @@ class KvArena:
                 words.append(self._rows(n, a, np.uint32, st.row_words))
             else:
                 words.append(L.row_words_of(self._rows(n, a, np.float32, self.layout.head_dim), st))
-        self._check_room(i, words[0].shape[1], words[1].shape[1])
-        return self._append_words(i, *words)
+        self._check_room(i, words[0].shape[1], words[1].shape[1], seq)
+        return self._append_words(i, *words, seq=seq)
 
-    def _check_room(self, layer: int, t_k: int, t_v: int) -> None:
+    def _check_room(self, layer: int, t_k: int, t_v: int, seq: int = 0) -> None:
         if t_k != t_v:
             raise E.ShapeError(f"K has {t_k} new tokens, V {t_v}")
-        t0, n_ctx = self._n_tokens[layer], self.layout.n_ctx
-        if t0 + t_k > n_ctx:
-            raise E.ArenaError(f"layer {layer}: {t0} + {t_k} tokens exceed n_ctx {n_ctx}")
+        t0 = self._n_tokens[layer][seq]
+        if t0 + t_k > self._seq_ctx:
+            raise E.ArenaError(f"layer {layer}: {t0} + {t_k} tokens exceed n_ctx {self._seq_ctx}"
+                               + (f" (sequence {seq})" if self._seqs > 1 else ""))
 
-    def _append_words(self, layer: int, k_words: np.ndarray, v_words: np.ndarray) -> int:
-        t0, t_new = self._n_tokens[layer], k_words.shape[1]
-        self._scatter_words(layer, list(zip((k_words, v_words), self.layout.layers[layer].streams)))
-        self._n_tokens[layer] = t0 + t_new
-        return t0 + t_new
+    def _append_words(self, layer: int, k_words: np.ndarray, v_words: np.ndarray, seq: int = 0) -> int:
+        self._scatter_words(layer, list(zip((k_words, v_words), self.layout.layers[layer].streams)), seq)
+        self._n_tokens[layer][seq] += k_words.shape[1]
+        return self._n_tokens[layer][seq]
 
-    def _scatter_words(self, layer: int, parts) -> None:
+    def _scatter_words(self, layer: int, parts, seq: int = 0) -> None:
         """Words (n_kv, T_new, row_words) of the given streams, [(words, StreamLayout)], to
-        tokens n_tokens.. of the layer (_write_blocks)."""
-        t0, n_ctx = self._n_tokens[layer], self.layout.n_ctx
+        the sequence's next tokens in the layer (_write_blocks)."""
+        t0, n_ctx = self._row0(layer, seq), self.layout.n_ctx
         self._write_blocks(layer, [Write(st.region_word + t0 * st.row_words, w, n_ctx * st.row_words)
                                    for w, st in parts])
 
-    def read(self, layer: int, t0: int = 0, t1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1), reconstructed on the GPU."""
-        i, t0, t1 = self._range(layer, t0, t1)
+    def read(self, layer: int, t0: int = 0, t1: int | None = None, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1) of sequence ``seq``,
+        reconstructed on the GPU."""
+        i, t0, t1 = self._range(layer, t0, t1, seq)
         n_kv, hd = self.layout.n_kv_heads, self.layout.head_dim
         k = np.empty((n_kv, t1 - t0, hd), np.float32)
         v = np.empty_like(k)
         step = self.read_tokens
         for c0 in range(t0, t1, step):
             c1 = min(t1, c0 + step)
-            k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run_once()
+            k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run_once()  # rows
         return k, v
 
-    def read_plan(self, layer: int, t0: int = 0, t1: int | None = None) -> ReadPlan:
-        """A recorded, re-runnable read of [t0, t1) (benchmarks: dispatch() and readback()
-        separately). The range must fit one read-back buffer."""
-        i, t0, t1 = self._range(layer, t0, t1)
+    def read_plan(self, layer: int, t0: int = 0, t1: int | None = None, seq: int = 0) -> ReadPlan:
+        """A recorded, re-runnable read of [t0, t1) of sequence ``seq`` (benchmarks:
+        dispatch() and readback() separately). The range must fit one read-back buffer."""
+        i, t0, t1 = self._range(layer, t0, t1, seq)
         return ReadPlan(self, i, t0, t1)
 
-    def _range(self, layer, t0, t1) -> tuple[int, int, int]:
-        i = self._layer_index(layer)
-        n = self._n_tokens[i]
+    def _range(self, layer, t0, t1, seq=0) -> tuple[int, int, int]:
+        """(layer index, first row, end row) of tokens [t0, t1) of sequence ``seq``: rows of
+        a KV head's slice (sequence s starts at row s · seq_ctx)."""
+        i, seq = self._layer_index(layer), self._seq_index(seq)
+        n = self._n_tokens[i][seq]
         t1 = n if t1 is None else t1
         for name, t in (("t0", t0), ("t1", t1)):
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
                 raise E.ArenaError(f"{name} must be an integer, got {t!r}")
         if not 0 <= t0 <= t1:
             raise E.ArenaError(f"token range [{t0}, {t1}) is empty-inverted or negative")
-        if t1 > self.layout.n_ctx:
-            raise E.ArenaError(f"token range [{t0}, {t1}) exceeds n_ctx {self.layout.n_ctx}")
+        if t1 > self._seq_ctx:
+            raise E.ArenaError(f"token range [{t0}, {t1}) exceeds n_ctx {self._seq_ctx}")
         if t1 > n:
             raise E.ArenaError(f"token range [{t0}, {t1}) exceeds the {n} tokens appended to layer {i}")
-        return i, int(t0), int(t1)
+        base = seq * self._seq_ctx
+        return i, base + int(t0), base + int(t1)
 
     def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None) -> np.ndarray:
         """Decode attention of one new query token over the layer's first ``n_used`` cached
@@ -485,8 +520,32 @@ class KvArena:
         in both cache modes: over f32 rows, or straight over the codes (K and V are never
         materialised) — see kvdict_vk.vk.attend."""
         i = self._layer_index(layer)
-        q, n_used, scale = check_query(self.layout, q, n_used, self._n_tokens[i], scale)
+        self._one_sequence("attend")
+        q, n_used, scale = check_query(self.layout, q, n_used, self._n_tokens[i][0], scale)
         return self.attention(q.shape[0]).attend(i, q, n_used, scale)
+
+    def attend_batch(self, layer: int, q: np.ndarray, n_used, scale: float | None = None) -> np.ndarray:
+        """Batched decode attention: q (B, n_heads, head_dim) float32, sequence b's query
+        heads over its first n_used[b] cached tokens (1 ≤ n_used[b] ≤ its token count), for
+        sequences 0 .. B − 1 of a batched arena (B ≤ seqs) — every sequence in the same
+        dispatches (the flash kernels; the dictionaries' reads shared), as ``attend`` per
+        sequence otherwise. Returns (B, n_heads, head_dim) float32."""
+        i = self._layer_index(layer)
+        if not isinstance(q, np.ndarray) or q.ndim != 3 or not 1 <= q.shape[0] <= self._seqs:
+            raise E.ShapeError(f"attend_batch: q must be (B, n_heads, head_dim) with 1 ≤ B ≤ {self._seqs}, got "
+                               f"{getattr(q, 'shape', type(q).__name__)}")
+        used = np.asarray(n_used)
+        if used.shape != (q.shape[0],) or used.dtype.kind not in "iu":
+            raise E.ArenaError(f"attend_batch: n_used must be {q.shape[0]} integers, got {n_used!r}")
+        for b in range(q.shape[0]):
+            check_query(self.layout, q[b], int(used[b]), self._n_tokens[i][b], scale)
+        scale = check_scale(scale, self.layout.head_dim)
+        return self.attention(q.shape[1]).attend_batch(i, q, [int(u) for u in used], scale)
+
+    def _one_sequence(self, what: str) -> None:
+        if self._seqs > 1:
+            raise E.ArenaError(f"{what} serves an arena of one sequence; this one holds {self._seqs}: "
+                               f"append(seq=…) and attend_batch")
 
     def step(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray,
              scale: float | None = None) -> np.ndarray:
@@ -496,8 +555,9 @@ class KvArena:
         attention passes, which read the new tokens from the upload buffer (kvdict_vk.vk.attend
         says why). Returns (n_heads, head_dim) float32. Same call in both cache modes."""
         i = self._layer_index(layer)
+        self._one_sequence("step")
         rows = self._new_rows(i, k_rows, v_rows)
-        t0, t_new = self._n_tokens[i], rows[0].shape[1]
+        t0, t_new = self._n_tokens[i][0], rows[0].shape[1]
         q, n_used, scale = check_query(self.layout, q, max(t0 + t_new, 1), t0 + t_new, scale)
         att = self.attention(q.shape[0])
         if self._kivi is not None:  # append, then attend: two submissions
@@ -524,7 +584,7 @@ class KvArena:
         scatter = [self._scatter_op(i, 0, k_st, t0, t_new), self._scatter_op(i, v_word, v_st, t0, t_new),
                    self._step_barriers[i]]
         out = att.step(i, q, t0, t_new, scale, scatter, (0, v_word))
-        self._n_tokens[i] = t0 + t_new
+        self._n_tokens[i][0] = t0 + t_new
         return out
 
     def attention(self, n_heads: int) -> Attention:

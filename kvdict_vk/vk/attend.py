@@ -117,11 +117,13 @@ class Attention:
         # the longest context needs; the atom weights' memory caps it.
         want = SPLIT_LANES_PER_CPU * (os.cpu_count() or 2) if cpu else 1024
         self.preferred_splits = max(1, min(MAX_SPLITS, -(-want // self.units)))
-        needed = max(P.max_records(ll.k, ll.v, lay.n_ctx, self.preferred_splits) for ll in lay.layers)
+        # a batched arena: arena.seqs sequences of arena.seq_ctx tokens each (n_ctx rows per head in all)
+        self.seqs, seq_ctx = arena.seqs, arena.seq_ctx
+        needed = max(P.max_records(ll.k, ll.v, seq_ctx, self.preferred_splits) for ll in lay.layers)
         if not cpu:  # attend_flash's splits: FLASH_WORKGROUPS over the KV heads
             needed = max(needed, min(MAX_SPLITS, -(-FLASH_WORKGROUPS // n_kv)))
         if needed > MAX_SPLITS + 1:
-            raise E.ArenaTooLargeError(f"attention over {lay.n_ctx} tokens needs {needed} splits per KV head "
+            raise E.ArenaTooLargeError(f"attention over {seq_ctx} tokens needs {needed} splits per KV head "
                                        f"(at most {MAX_SPLITS}); use a shorter context or a lower sparsity")
         self.max_splits = needed
         if self.any_v_coded:
@@ -130,7 +132,7 @@ class Attention:
             if cap < needed:
                 raise E.ArenaTooLargeError(f"{self.device.name}: the atom weights of {needed} splits "
                                            f"({needed * per_split} words) exceed the budget")
-        self.sizes = sz = Sizes(n_kv, g, hd, max(lay.n_atoms, 1), lay.n_ctx, self.max_splits)
+        self.sizes = sz = Sizes(n_kv, g, hd, max(lay.n_atoms, 1), seq_ctx, self.max_splits, self.seqs)
         self._buffers: list[Buffer] = []
         self._recon = None
         self._warm_layers: set[int] = set()
@@ -144,7 +146,7 @@ class Attention:
             new = self._new_buffer
             # device-local: on a discrete GPU a shader reading host-visible memory crosses
             # PCIe on every load; the query is copied up once per call instead (q_upload)
-            self.q = new(sz.out, "device", "attention query")
+            self.q = new(sz.query, "device", "attention query")
             self.out = new(sz.out, "device", "attention output")
             self.stats = new(sz.stats, "device", "attention split stats")
             self.accs = new(sz.accs, "device", "attention split accumulators")
@@ -298,11 +300,18 @@ class Attention:
         """Query heads per workgroup of attend_flash_coded over ``layer`` (0: it cannot)."""
         return self.flash_coded_config(layer)[0]
 
-    def plan(self, layer: int, n_used: int, n_cached: int | None = None, path: str | None = None) -> P.Plan:
+    def plan(self, layer: int, n_used: int, n_cached: int | None = None, path: str | None = None,
+             seqs: int = 1) -> P.Plan:
         """How an attention over tokens [0, n_used) of ``layer`` runs, n_cached of them
         (default: all) in the cache and the rest fresh (a step's new tokens); ``path``
-        (default: ``self.path``) forces "direct" or "table"."""
+        (default: ``self.path``) forces "direct" or "table". ``seqs`` > 1: a batched
+        attention of that many sequences, n_used the longest (the flash kernels only)."""
         path = self.path if path is None else path
+        if seqs > 1:
+            if path not in (None, "flash") or not self.flash_fits(layer):
+                raise E.ArenaError(f"layer {layer}: batched attention runs the flash kernels only, which "
+                                   f"{'were not asked for' if path not in (None, 'flash') else 'do not fit it'}")
+            return self._flash_plan(layer, n_used, seqs)
         if path not in PATHS:
             raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {path!r}")
         k, v = self.layout.layers[layer].streams
@@ -332,7 +341,7 @@ class Attention:
                                f"{self.max_splits}")
         return p
 
-    def _flash_plan(self, layer: int, n_used: int) -> P.Plan:
+    def _flash_plan(self, layer: int, n_used: int, seqs: int = 1) -> P.Plan:
         """The flash kernel's plan: a launch shape (workgroup size, workgroups) measured on
         the device (attend_tune) unless fixed by ``flash_workgroups`` / ``coded_workgroups``
         or on a CPU driver, and the splits that make that many workgroups."""
@@ -359,9 +368,10 @@ class Attention:
             fixed, default = self.flash_workgroups, FLASH_WORKGROUPS
 
         def shaped(shape: T.Shape) -> P.Plan:
-            return self.flash_shaped(n_used, shape, min_tokens)
+            return self.flash_shaped(n_used, shape, min_tokens, seqs)
         if fixed is None and self.tune and timestamps_usable(self.device):
             forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None)
+            forced += (("seqs", seqs),) if seqs > 1 else ()
             shape = T.choose(self.layer_signature(layer) + forced, n_used, shapes,
                              lambda sh: self.time_plan(layer, n_used, shaped(sh)))
         else:
@@ -369,19 +379,23 @@ class Attention:
             shape = T.Shape(first.local, fixed or default, first.heads, first.kernel)
         return shaped(shape)
 
-    def flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int) -> P.Plan:
+    def flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int, seqs: int = 1) -> P.Plan:
         """The flash plan of a launch shape: the splits that make ``shape.workgroups``
-        workgroups over the KV heads (and head blocks), each at least min_tokens long."""
-        blocks = self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
+        workgroups over the KV heads (and head blocks) of ``seqs`` sequences, each at least
+        min_tokens long."""
+        blocks = seqs * self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
         want = min(self.max_splits, max(1, -(-shape.workgroups // blocks)))
         n, split_len = P.split_count(n_used, want, min_tokens, n_used)
-        return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel)
+        return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel, seqs=seqs)
 
     def time_plan(self, layer: int, n_used: int, plan: P.Plan) -> float | None:
         """GPU seconds of one attention over ``layer`` in ``plan`` (the best of a few runs;
-        whatever query the buffer holds: the time does not depend on its values)."""
+        whatever query the buffer holds — the time does not depend on its values — with
+        every sequence's n_used set to ``n_used``: the flash kernels read those)."""
         ops = self.passes.ops(layer, plan, n_used, n_used, 1.0 / float(np.sqrt(self.layout.head_dim)))
-        rec = Recording(self.device, ops, timestamps=True, what=f"timing a plan of layer {layer}")
+        self._upload_lengths([n_used] * plan.seqs)  # the flash kernels read each sequence's n_used
+        rec = Recording(self.device, [self.passes.q_upload(self.q), *ops], timestamps=True,
+                        what=f"timing a plan of layer {layer}", core=(1, 1 + len(ops)))
         try:
             times = []
             for _ in range(T.REPEATS):
@@ -402,22 +416,34 @@ class Attention:
         return P.max_split_tokens("direct", k.sparsity if k.coded else 0, v.sparsity if v.coded else 0)
 
     # --- running --------------------------------------------------------------------------------------
-    def _upload_q(self, q: np.ndarray) -> None:
-        self.q.host_words()[:] = np.ascontiguousarray(q, np.float32).reshape(-1).view(np.uint32)
+    def _upload_q(self, q: np.ndarray, n_used) -> None:
+        """The query block's host words: q (seqs × n_heads × head_dim floats), then each
+        sequence's n_used (``n_used``: an int, or one per sequence; attend_common.glsl)."""
+        words = np.ascontiguousarray(q, np.float32).reshape(-1).view(np.uint32)
+        self.q.host_words()[:words.size] = words
+        self._upload_lengths([n_used] if np.ndim(n_used) == 0 else n_used)
 
-    def _eval(self, ops, what: str) -> np.ndarray:
-        """The query's upload, ``ops`` and the read-back of the output in one submission."""
+    def _upload_lengths(self, lengths) -> None:
+        at = len(lengths) * self.n_heads * self.layout.head_dim
+        self.q.host_words()[at:at + len(lengths)] = np.asarray(lengths, np.uint32)
+
+    def _eval(self, ops, what: str, seqs: int = 0) -> np.ndarray:
+        """The query's upload, ``ops`` and the read-back of the output in one submission
+        (``seqs``: as output's)."""
         self.arena.check_live()
         self._clear_bins()
         self._bins_clear = False
         self.device.submit(self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out), what=what)
         self._bins_clear = True
-        return self.output()
+        return self.output(seqs)
 
-    def output(self) -> np.ndarray:
-        """The last attention's output, (n_heads, head_dim) float32."""
-        words = self.out.host_words()[:self.sizes.out]
-        return words.view(np.float32).reshape(self.n_heads, self.layout.head_dim).copy()
+    def output(self, seqs: int = 0) -> np.ndarray:
+        """The last attention's output, (n_heads, head_dim) float32 — or, ``seqs`` > 0 (a
+        batched attention's), (seqs, n_heads, head_dim)."""
+        shape = (max(seqs, 1), self.n_heads, self.layout.head_dim)
+        words = self.out.host_words()[:int(np.prod(shape))]
+        out = words.view(np.float32).reshape(shape).copy()
+        return out if seqs else out[0]
 
     def recording(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None,
                   path: str | None = None, timestamps: bool = False) -> Recording:
@@ -429,7 +455,7 @@ class Attention:
         self._warm(layer, n_used, scale)
         self._clear_bins()
         ops = self.passes.ops(layer, self.plan(layer, n_used, path=path), n_used, n_used, scale)
-        self._upload_q(q)
+        self._upload_q(q, n_used)
         return Recording(self.device, [self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
                          timestamps=timestamps, what=f"attention over layer {layer}", core=(1, 1 + len(ops)))
 
@@ -459,7 +485,7 @@ class Attention:
             return self.attend_reconstructed(layer, q, n_used, scale)
         self._warm(layer, n_used, scale)
         ops = self.passes.ops(layer, self.plan(layer, n_used), n_used, n_used, scale)
-        self._upload_q(q)
+        self._upload_q(q, n_used)
         return self._eval(ops, f"attending over layer {layer}")
 
     def step(self, layer: int, q: np.ndarray, n_cached: int, n_new: int, scale: float, scatter_ops,
@@ -470,8 +496,29 @@ class Attention:
         n_used = n_cached + n_new
         self._warm(layer, n_used, scale)
         ops = self.passes.ops(layer, self.plan(layer, n_used, n_cached), n_used, n_cached, scale, fresh_words)
-        self._upload_q(q)
+        self._upload_q(q, n_used)
         return self._eval([*scatter_ops, *ops], f"decode step on layer {layer}")
+
+    def attend_batch(self, layer: int, q: np.ndarray, n_used: list[int], scale: float) -> np.ndarray:
+        """Batched decode attention (KvArena.attend_batch: arguments checked there): sequence
+        b's query heads q[b] over its first n_used[b] tokens, every sequence in the same
+        flash dispatches. Returns (seqs, n_heads, head_dim) float32."""
+        ops = self._batch_ops(layer, len(n_used), max(n_used), scale)
+        self._upload_q(q, n_used)
+        return self._eval(ops, f"batched attention over layer {layer}", seqs=len(n_used))
+
+    def batch_recording(self, layer: int, q: np.ndarray, n_used: list[int], scale: float,
+                        timestamps: bool = False) -> Recording:
+        """attend_batch recorded once (query upload, passes, read-back), for benchmarks."""
+        ops = self._batch_ops(layer, len(n_used), max(n_used), scale)
+        self._upload_q(q, n_used)
+        return Recording(self.device, [self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
+                         timestamps=timestamps, what=f"batched attention over layer {layer}", core=(1, 1 + len(ops)))
+
+    def _batch_ops(self, layer: int, seqs: int, n_max: int, scale: float) -> list:
+        if not 1 <= seqs <= self.seqs:
+            raise E.ArenaError(f"a batch of {seqs} sequences; this arena holds {self.seqs}")
+        return self.passes.ops(layer, self.plan(layer, n_max, seqs=seqs), n_max, n_max, scale)
 
     def attend_reconstructed(self, layer: int, q: np.ndarray, n_used: int, scale: float) -> np.ndarray:
         """Reconstruct-then-attend (the KIVI cache's attention; a benchmark baseline for the
@@ -487,7 +534,7 @@ class Attention:
         plan = self.passes.reconstruct_plan(layer, n_used, self._recon)
         plan.dispatch()
         ops = self.passes.rows_ops(self._recon, self.rows_plan(n_used), n_used, scale)
-        self._upload_q(q)
+        self._upload_q(q, n_used)
         return self._eval(ops, f"attending over reconstructed layer {layer}")
 
     def rows_plan(self, n_used: int) -> P.Plan:

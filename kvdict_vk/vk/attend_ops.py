@@ -111,24 +111,29 @@ class PassBuilder:
                          write_out=write_out, use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
                          score_scale=scale)
 
-    def _merge(self, key, buf, v, records: int, per_head: bool = False) -> list:
+    def _merge(self, key, buf, v, records: int, per_head: bool = False, n_seqs: int = 1) -> list:
         """attend_merge (one invocation per output quad: the direct path's, shaped for CPU
         drivers) or, ``per_head`` (the flash paths), attend_merge_head (a workgroup per query
-        head) where its workgroup fits the device."""
+        head, of each of n_seqs sequences) where its workgroup fits the device."""
         att, lay = self.att, self.layout
         use_mean = int(v is not None and v.coded and v.has_mean)
-        n_heads = lay.n_kv_heads * att.group
+        n_heads = att.sizes.seqs * lay.n_kv_heads * att.group
         local = merge_head_local(lay.head_dim, att.max_local()) if per_head else 0
+        mean = dict(use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
+                    head_vec=v.head_vec_stride if use_mean else 0)
         if local:
             kernel = self._kernel(("merge_head",) + key, "attend_merge_head", [buf, att.stats, att.accs, att.out],
                                   n_heads * local, LOCAL=local)
+            op = self._cached_op(("merge", local) + key, kernel, n_kv=n_seqs * lay.n_kv_heads, n_splits=records,
+                                 seq_heads=lay.n_kv_heads, **mean)
         else:
+            if n_seqs > 1:
+                raise E.ArenaError(f"{self.device.name}: batched attention merges with attend_merge_head, whose "
+                                   f"workgroup does not fit this device")
             kernel = self._kernel(("merge",) + key, "attend_merge", [buf, att.stats, att.accs, att.out],
                                   n_heads * lay.head_dim // 4)
-        return [self.sync(att.stats, att.accs),
-                self._cached_op(("merge", local) + key, kernel, n_kv=lay.n_kv_heads, n_splits=records, use_mean=use_mean,
-                                mean_word=v.mean_word if use_mean else 0,
-                                head_vec=v.head_vec_stride if use_mean else 0)]
+            op = self._cached_op(("merge", local) + key, kernel, n_kv=lay.n_kv_heads, n_splits=records, **mean)
+        return [self.sync(att.stats, att.accs), op]
 
     # --- one attention ------------------------------------------------------------------------------
     def ops(self, layer: int, plan, n_used: int, n_cached: int, scale: float, fresh_words=(0, 0)) -> list:
@@ -159,30 +164,32 @@ class PassBuilder:
         buf = att.arena.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
-        source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx)
+        source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, seq_rows=att.arena.seq_ctx)
         return self._flash_rows(("layer", layer), buf, v, source, plan.local or att.flash_local(layer),
                                 int(k.half), int(k.q8), plan, n_used, scale)
 
     def _flash_rows(self, key, buf, v, source: dict, local: int, half: int, q8: int, plan, n_used: int,
                     scale: float) -> list:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
-        rows per KV head), then attend_merge_head."""
+        rows per KV head; plan.seqs sequences seq_rows apart), then attend_merge_head."""
         att, lay = self.att, self.layout
         variant = att.flash_variant(local)
         kernel = self._kernel(("flash", variant) + key + (local,), variant, [buf, buf, att.q, att.accs, att.stats],
-                              lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1, ROW_HALF=half, ROW_Q8=q8)
+                              att.sizes.seqs * lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1,
+                              ROW_HALF=half, ROW_Q8=q8)
         op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
-                       n_kv=lay.n_kv_heads, score_scale=scale)
-        return [op] + self._merge(key, buf, v, plan.records, per_head=True)
+                       n_kv=lay.n_kv_heads, n_seqs=plan.seqs, score_scale=scale)
+        return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
 
     def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
         att, lay = self.att, self.layout
         k, v = lay.layers[layer].streams
         n_kv, buf = lay.n_kv_heads, att.arena.layer_buffer(layer)
         # the q·atom table of every (KV head, query head): one invocation per atom and head block
-        table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table], att.units * lay.n_atoms)
+        table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table],
+                             att.sizes.seqs * att.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
-                               n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(att.table)]
+                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs), self.sync(att.table)]
         # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
         options = att.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
@@ -190,15 +197,15 @@ class PassBuilder:
         variant = "attend_flash_coded" if plan.kernel == "float" else att.flash_coded_fixed_variant(local)
         kernel = self._kernel(("flash_coded", variant, layer, local, hb), variant,
                               [buf, buf, att.table, att.q, att.accs, att.stats],
-                              n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
+                              att.sizes.seqs * n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
                               K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity)
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                              split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word,
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
-                             score_scale=scale))
-        return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True)
+                             n_seqs=plan.seqs, seq_rows=att.arena.seq_ctx, score_scale=scale))
+        return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,

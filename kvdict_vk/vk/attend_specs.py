@@ -97,17 +97,20 @@ def n_blocks(n_atoms: int) -> int:
 @dataclass(frozen=True)
 class Sizes:
     """Word counts of the attention buffers for n_kv KV heads, `group` query heads each,
-    up to `max_splits` splits per KV head (attend_common.glsl has the layouts)."""
+    up to `max_splits` splits per KV head, n_ctx tokens and `seqs` sequences (batched decode:
+    the flash paths' records, queries, table and output are per sequence; attend_common.glsl
+    has the layouts)."""
     n_kv: int
     group: int
     head_dim: int
     n_atoms: int
     n_ctx: int
     max_splits: int
+    seqs: int = 1
 
     @property
-    def records(self) -> int:  # (KV head, split, query head) triples
-        return self.n_kv * self.max_splits * self.group
+    def records(self) -> int:  # (sequence, KV head, split, query head)
+        return self.seqs * self.n_kv * self.max_splits * self.group
 
     @property
     def f_word(self) -> int:  # factors after the (m, l) pairs
@@ -130,8 +133,8 @@ class Sizes:
         return self.records * self.n_atoms
 
     @property
-    def table(self) -> int:  # q·atom for every query head and atom
-        return self.n_kv * self.group * self.n_atoms
+    def table(self) -> int:  # q·atom for every query head (of every sequence) and atom
+        return self.seqs * self.n_kv * self.group * self.n_atoms
 
     @property
     def scores(self) -> int:
@@ -143,7 +146,11 @@ class Sizes:
 
     @property
     def out(self) -> int:
-        return self.n_kv * self.group * self.head_dim
+        return self.seqs * self.n_kv * self.group * self.head_dim
+
+    @property
+    def query(self) -> int:  # the queries, then each sequence's n_used (attend_common.glsl)
+        return self.out + self.seqs
 
 
 def _span(start: int, words: int):
@@ -185,9 +192,18 @@ def _atoms_span(p, hd):
 
 
 def _table_extents(p, s):
-    _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1, "attend_table", p)
-    hd, g = s["HEAD_DIM"], s["GROUP"]
-    return [[_atoms_span(p, hd)], [_span(0, p["n_kv"] * g * hd)], [_span(0, p["n_kv"] * g * p["n_atoms"])]]
+    _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1 and p["n_seqs"] >= 1, "attend_table", p)
+    hd, g, heads = s["HEAD_DIM"], s["GROUP"], p["n_kv"] * p["n_seqs"]
+    return [[_atoms_span(p, hd)], [_span(0, heads * g * hd)], [_span(0, heads * g * p["n_atoms"])]]
+
+
+def _seq_rows(p, what: str) -> int:
+    """The flash kernels' rows read per KV head: sequence n_seqs − 1's first n_used (each
+    sequence's rows within seq_rows of the next's, all within the head's n_ctx)."""
+    used, n_seqs = p["n_used"], p["n_seqs"]
+    _check(n_seqs >= 1 and (n_seqs == 1 or used <= p["seq_rows"])
+           and (n_seqs - 1) * p["seq_rows"] + used <= p["n_ctx"], what, p)
+    return (n_seqs - 1) * p["seq_rows"] + used
 
 
 def _combine_extents(p, s):
@@ -262,10 +278,12 @@ def _flash_extents(p, s):
            and units <= local and local % units == 0 and not (s["ROW_Q8"] and s["ROW_HALF"])
            and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0,
            "attend_flash (specialization)", dict(p, **s))
-    rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + used) * row) for w in (p["k_word"], p["v_word"])]
-    records = n_kv * p["n_splits"] * g
+    last = _seq_rows(p, "attend_flash")
+    rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + last) * row) for w in (p["k_word"], p["v_word"])]
+    records = p["n_seqs"] * n_kv * p["n_splits"] * g
     quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
-    return [rows, quads, [_span(0, n_kv * g * hd)], [_span(0, records * hd)], [_span(0, 2 * records)]]
+    queries = p["n_seqs"] * n_kv * g * hd + p["n_seqs"]
+    return [rows, quads, [_span(0, queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _flash_coded_extents(p, s, fixed: bool = False):
@@ -278,15 +296,16 @@ def _flash_coded_extents(p, s, fixed: bool = False):
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
     fits = flash_coded_fixed_fits(hd, hb, local, s["N_ATOMS"]) if fixed else hd % 4 == 0 and local % (hd // 4) == 0
     _check(g % hb == 0 and fits, "attend_flash_coded (specialization)", s)
+    last, heads = _seq_rows(p, "attend_flash_coded"), p["n_seqs"] * n_kv  # virtual heads
     words = []
     for word, sp, bits in ((p["k_word"], s["K_SPARSITY"], s["K_BITS"]), (p["v_word"], s["V_SPARSITY"], s["V_BITS"])):
-        words.append(_span(word, ((n_kv - 1) * p["n_ctx"] + used) * row_words(hd, sp, bits)))
+        words.append(_span(word, ((n_kv - 1) * p["n_ctx"] + last) * row_words(hd, sp, bits)))
     for word, bits in ((p["k_scale_word"], s["K_BITS"]), (p["v_scale_word"], s["V_BITS"])):
         if bits:
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
     atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
-    records = n_kv * p["n_splits"] * g
-    return [words, [atoms], [_span(0, n_kv * g * s["N_ATOMS"])], [_span(0, n_kv * g * hd)],
+    records = heads * p["n_splits"] * g
+    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(0, heads * g * hd + p["n_seqs"])],
             [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
@@ -299,8 +318,14 @@ def _merge_extents(p, s):
 
 
 def _merge_head_extents(p, s):
+    """attend_merge's, over n_kv virtual heads (sequences × seq_heads KV heads) whose means
+    are their KV head's."""
     _check(s["LOCAL"] % (s["HEAD_DIM"] // 4) == 0, "attend_merge_head (specialization)", s)
-    return _merge_extents(p, s)
+    _check(1 <= p["seq_heads"] <= p["n_kv"] and p["n_kv"] % p["seq_heads"] == 0, "attend_merge_head", p)
+    spans = _merge_extents(p, s)
+    if p["use_mean"]:
+        spans[0] = [_vec_span(p["mean_word"], p["seq_heads"], p["head_vec"], s["HEAD_DIM"])]
+    return spans
 
 
 def merge_head_local(head_dim: int, most: int) -> int:
@@ -332,7 +357,7 @@ def shader_specs(shader_spec) -> dict:
                     optional_spec=tuple((n, 0) for n in DIRECT_SPEC[4:])),
         shader_spec("attend_merge", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
                     _merge_extents),
-        shader_spec("attend_merge_head", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
+        shader_spec("attend_merge_head", L.ATTEND_MERGE_HEAD_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
                     _merge_head_extents),
         # cache words, cache quads, query, accs, stats
         *(shader_spec(name, L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),

@@ -1,0 +1,86 @@
+"""Batched decode attention (kvdict_vk.bench.attention ``--batches``): B sequences of
+``--batch-n-used`` tokens each, attended in one call (KvArena(seqs=B).attend_batch: every
+sequence in the same flash dispatches), over the f16 and q8_0 caches and each dict format —
+beside torch SDPA over an f16 cache of the same B in the same process (the issue's
+"batched" rows: ``batch`` = B, ``n_used`` per sequence).
+
+Every sequence holds the same rows / slots (the cost of an attention does not depend on
+the values, and filling 64 sequences with fresh random rows would dominate the run); the
+dict arenas' dictionaries and slots come from bench.attention.dict_arena's recipe. The f32
+cache is left out: at 64 × 8192 tokens of 8 × 128 f32 a layer buffer passes the 4 GiB a
+storage buffer binds.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import roofline, timing, traffic
+
+CACHES = ("f16", "q8_0")
+
+
+def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:
+    """{mode: (arena, cache, format)}: the uncoded caches and one dict arena per format,
+    each with ``batch`` sequences of the same n_used tokens."""
+    from kvdict_vk import runtime, synthetic
+    from kvdict_vk.dictionary import KvDictArtifact
+    from kvdict_vk.vk import KvArena
+    from .attention import dict_stream_dicts, format_name, random_rows
+    made = {}
+    try:
+        rows = [random_rows(rng, n_kv, n_used, hd) for _ in "kv"]
+        for cache in CACHES:
+            arena = made[f"{cache}_cache"] = (KvArena(1, n_kv, hd, n_used, device=dev, cache=cache, seqs=batch),
+                                              cache, None)
+            for b in range(batch):
+                arena[0].append(0, *rows, seq=b)
+        del rows
+        for bits in args.format_list:
+            dicts = dict_stream_dicts(bits, n_kv, hd, args, rng)
+            with runtime.enabled_with(KvDictArtifact(hd, args.n_atoms, args.sparsity, ((dicts[0], dicts[1]),)),
+                                      allow_uncertified=True):
+                arena = KvArena(1, n_kv, hd, n_used, device=dev, cache="dict", seqs=batch)
+            made[f"dict_{format_name(bits)}"] = (arena, "dict", format_name(bits))
+            slots = [synthetic.random_slots(rng, d, (n_kv, n_used)) for d in dicts]
+            for b in range(batch):
+                arena.append_codes(0, *slots, seq=b)
+    except BaseException:
+        for a, _, _ in made.values():
+            a.free()
+        raise
+    return made
+
+
+def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
+    """One (shape, B) case: every mode's batched attention timed (interleaved repeats), and
+    torch SDPA at the same B."""
+    n_kv, gqa, hd = shape
+    n_used = args.batch_n_used
+    arenas = _arenas(n_kv, hd, batch, n_used, args, dev, rng)
+    recs = {}
+    try:
+        q = rng.standard_normal((batch, n_kv * gqa, hd), dtype=np.float32)
+        scale = 1.0 / np.sqrt(hd)
+        info = {}
+        for mode, (arena, cache, fmt) in arenas.items():
+            att = arena.attention(n_kv * gqa)
+            recs[mode] = att.batch_recording(0, q, [n_used] * batch, scale, timestamps=True)
+            recs[mode].run()  # warm-up
+            p = att.plan(0, n_used, seqs=batch)
+            info[mode] = {"cache": cache, "format": fmt, "forced": None, "bytes":
+                          traffic.bytes_moved("attend", arena.layout, 0, n_used, plan=p, n_heads=n_kv * gqa),
+                          "plan": {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len, "local": p.local,
+                                   "heads": p.heads, "seqs": p.seqs, **({"kernel": p.kernel} if cache == "dict" else {})}}
+        times = timing.measure(recs, args.repeats, budget_s=args.case_budget_s,
+                               warm_s=timing.warm_for(dev))
+    finally:
+        for rec in recs.values():
+            rec.free()
+        for a, _, _ in arenas.values():
+            a.free()
+    out = {"n_used": n_used, "batch": batch, "torch_sdpa_f16_s": anchor.seconds(n_kv, gqa, hd, n_used, batch),
+           "modes": {}}
+    for mode, t in times.items():
+        out["modes"][mode] = {**info[mode], "seconds": t,
+                              "roofline_fraction": roofline.fraction(info[mode]["bytes"]["total"], t, roof)}
+    return out

@@ -1,0 +1,174 @@
+"""Batched decode: B sequences of one arena, each with its own length, attended in the same
+flash dispatches (KvArena(seqs=B), append/read with seq=, attend_batch), against the
+float64 reference per sequence — over the f16, f32 and q8_0 caches and the dict-coded one
+with both kernels over the codes. Every arena here is guarded (conftest.make_arena verifies
+the sentinels after each test), so a sequence's rows or a record written out of place show.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_artifact
+from kvdict_vk import errors as E
+from kvdict_vk import layout as L
+from kvdict_vk.metrics import nmse
+from kvdict_vk.synthetic import random_slots
+from test_vk_attend import reference
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = (300, 1, 129, 77)  # a sequence of one token, one of a single split, unequal others
+
+
+def _fill(arena, rng, art, lengths):
+    """Each sequence b gets lengths[b] random rows / slots (two appends); returns per
+    sequence (K, V, K dict, V dict) as the cache holds them."""
+    lay, stored = arena.layout, []
+    pair = (None, None) if art is None else art.layers[0]
+    for b, n in enumerate(lengths):
+        kv = []
+        for d in pair:
+            if d is None:
+                kv.append(rng.standard_normal((lay.n_kv_heads, n, lay.head_dim), dtype=np.float32))
+            else:
+                kv.append(random_slots(rng, d, (lay.n_kv_heads, n), out_of_range=0.05))
+        cut = n // 2
+        arena.append_codes(0, kv[0][:, :cut], kv[1][:, :cut], seq=b)
+        assert arena.append_codes(0, kv[0][:, cut:], kv[1][:, cut:], seq=b) == n
+        held = [L.held_rows(x, arena.mode) if d is None else x for x, d in zip(kv, pair)]
+        stored.append((*held, *pair))
+    return stored
+
+
+def _check_batch(arena, stored, q, n_used, limit=1e-9):
+    out = arena.attend_batch(0, q, n_used)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    for b, (k, v, kd, vd) in enumerate(stored[:len(n_used)]):
+        err = nmse(reference(q[b], k, v, kd, vd, n_used[b]), out[b])
+        assert err <= limit, f"sequence {b}, n_used {n_used[b]}: NMSE {err:.3g}"
+    return out
+
+
+@pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
+def test_batched_attention_over_rows_equals_reference(cache, make_arena):
+    rng = np.random.default_rng(21)
+    n_kv, g, hd = 2, 3, 64
+    arena = make_arena(1, n_kv, hd, max(LENGTHS), cache=cache, seqs=len(LENGTHS))
+    assert arena.seqs == len(LENGTHS) and arena.seq_ctx == max(LENGTHS)
+    stored = _fill(arena, rng, None, LENGTHS)
+    arena.attention(n_kv * g).path = "flash"  # CPU drivers plan other paths for one sequence
+    q = rng.standard_normal((len(LENGTHS), n_kv * g, hd), dtype=np.float32)
+    _check_batch(arena, stored, q, list(LENGTHS))
+    _check_batch(arena, stored, q, [5, 1, 129, 2])  # fewer tokens than appended
+    _check_batch(arena, stored, q[:2], [300, 1])  # the first sequences only
+
+
+@pytest.mark.parametrize("kernel", ["float", "fixed"])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_batched_attention_over_codes_equals_reference(kernel, per_head, make_arena, activate):
+    rng = np.random.default_rng(22 + per_head)
+    n_kv, g, hd = 2, 4, 64
+    art = random_artifact(rng, hd, 256, [((4, 4), (4, 3))], n_heads=n_kv if per_head else 1)
+    activate(art)
+    arena = make_arena(1, n_kv, hd, max(LENGTHS), seqs=len(LENGTHS))
+    assert arena.mode == "dict"
+    stored = _fill(arena, rng, art, LENGTHS)
+    att = arena.attention(n_kv * g)
+    att.path, att.coded_kernel = "flash", kernel
+    q = rng.standard_normal((len(LENGTHS), n_kv * g, hd), dtype=np.float32)
+    _check_batch(arena, stored, q, list(LENGTHS))
+    _check_batch(arena, stored, q * 40, [300, 1, 100, 77])  # large scores: the references move
+    # the batch's plan: every sequence in one flash dispatch of the chosen kernel
+    p = att.plan(0, 300, seqs=len(LENGTHS))
+    assert p.path == "flash" and p.seqs == len(LENGTHS) and p.kernel == kernel
+
+
+def test_many_short_sequences(make_arena, activate):
+    """64 sequences (the issue's largest batch) of a few tokens each, over the codes."""
+    rng = np.random.default_rng(23)
+    n_kv, g, hd, B = 2, 2, 32, 64
+    art = random_artifact(rng, hd, 64, [((2, 2), (3, 0))], n_heads=n_kv)
+    activate(art)
+    arena = make_arena(1, n_kv, hd, 24, seqs=B)
+    lengths = [1 + (7 * b) % 24 for b in range(B)]
+    stored = _fill(arena, rng, art, lengths)
+    arena.attention(n_kv * g).path = "flash"
+    q = rng.standard_normal((B, n_kv * g, hd), dtype=np.float32)
+    _check_batch(arena, stored, q, lengths)
+
+
+def test_sequences_are_isolated(make_arena):
+    """Appending to one sequence changes no other: reads per sequence return its own rows,
+    token counts move per sequence, and a full sequence refuses more while the others accept."""
+    rng = np.random.default_rng(24)
+    arena = make_arena(1, 2, 32, 16, cache="f32", seqs=3)
+    rows = [rng.standard_normal((2, n, 32), dtype=np.float32) for n in (16, 5, 0)]
+    for b, r in enumerate(rows):
+        arena.append(0, r, r + 1, seq=b)
+    for b, r in enumerate(rows):
+        assert arena.n_tokens(0, seq=b) == r.shape[1]
+        k, v = arena.read(0, seq=b)
+        assert np.array_equal(k, r) and np.array_equal(v, r + 1)
+    with pytest.raises(E.ArenaError, match="exceed n_ctx 16"):
+        arena.append(0, rows[0][:, :1], rows[0][:, :1], seq=0)
+    assert arena.n_tokens(0, seq=0) == 16 and arena.n_tokens(0, seq=2) == 0
+    arena.append(0, rows[0][:, :3], rows[0][:, :3], seq=2)
+    assert np.array_equal(arena.read(0, seq=1)[0], rows[1])
+    assert np.array_equal(arena.read(0, 1, 3, seq=2)[0], rows[0][:, 1:3])
+
+
+def test_batched_attention_equals_one_sequence_arenas(make_arena):
+    """A sequence of a batch attends exactly as the same rows in an arena of their own
+    (the GPU against the GPU: the same kernels and plans, only the batch differs)."""
+    rng = np.random.default_rng(25)
+    n_kv, g, hd, lengths = 2, 2, 64, (200, 90)
+    batch = make_arena(1, n_kv, hd, 200, cache="f16", seqs=2)
+    batch.attention(n_kv * g).path = "flash"
+    q = rng.standard_normal((2, n_kv * g, hd), dtype=np.float32)
+    singles = []
+    for b, n in enumerate(lengths):
+        k, v = (rng.standard_normal((n_kv, n, hd), dtype=np.float32) for _ in range(2))
+        batch.append(0, k, v, seq=b)
+        one = make_arena(1, n_kv, hd, 200, cache="f16")
+        one.attention(n_kv * g).path = "flash"
+        one.append(0, k, v)
+        singles.append(one.attend(0, q[b], n))
+    out = batch.attend_batch(0, q, list(lengths))
+    for b in range(2):
+        assert nmse(singles[b].astype(np.float64), out[b]) <= 1e-12
+
+
+def test_bad_batched_calls_are_refused_and_change_nothing(make_arena):
+    rng = np.random.default_rng(26)
+    arena = make_arena(1, 2, 32, 8, cache="f32", seqs=2)
+    r = rng.standard_normal((2, 4, 32), dtype=np.float32)
+    arena.append(0, r, r, seq=0)
+    arena.append(0, r[:, :2], r[:, :2], seq=1)
+    q = rng.standard_normal((2, 4, 32), dtype=np.float32)
+    with pytest.raises(E.ArenaError, match="attend_batch"):
+        arena.attend(0, q[0], 4)  # one sequence's call on a batched arena
+    with pytest.raises(E.ArenaError, match="attend_batch"):
+        arena.step(0, r[:, :1], r[:, :1], q[0])
+    with pytest.raises(E.ArenaError, match="n_used"):
+        arena.attend_batch(0, q, [4, 3])  # more than sequence 1 holds
+    with pytest.raises(E.ArenaError, match="n_used"):
+        arena.attend_batch(0, q, [4, 0])
+    with pytest.raises(E.ArenaError, match="2 integers"):
+        arena.attend_batch(0, q, [4])
+    with pytest.raises(E.ShapeError, match="B, n_heads, head_dim"):
+        arena.attend_batch(0, np.concatenate([q, q[:1]]), [4, 2, 2])  # three sequences of two
+    with pytest.raises(E.ShapeError):
+        arena.attend_batch(0, q.astype(np.float64), [4, 2])
+    for seq in (2, -1, 1.0, True):
+        with pytest.raises(E.ArenaError, match="seq must be"):
+            arena.append(0, r, r, seq=seq)
+    with pytest.raises(E.ArenaError, match="seqs must be"):
+        make_arena(1, 2, 32, 8, cache="f32", seqs=0)
+    with pytest.raises(E.ArenaError, match="KIVI"):
+        make_arena(1, 2, 32, 8, cache="kivi", seqs=2)
+    assert [arena.n_tokens(0, seq=b) for b in (0, 1)] == [4, 2]
+    att = arena.attention(4)
+    att.path = "flash"
+    out = arena.attend_batch(0, q, [4, 2])
+    assert np.isfinite(out).all()
