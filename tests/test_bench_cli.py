@@ -365,11 +365,15 @@ def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
     a = torch_anchor.Anchor(calls=5)
     assert a.info["cuda_device"] == "Fake GPU"
     seconds = a.seconds(8, 4, 64, 1024)
-    r = a.results[(8, 4, 64, 1024)]
+    r = a.results[(8, 4, 64, 1024, 1)]
     assert r["gqa"].startswith(how) and r["samples"] == [1e-3] * 5 and seconds == 1e-3  # one call per event pair
     q_shape, k_shape = fake.shapes[-1]
     assert q_shape == (1, 32, 1, 64) and k_shape == (1, 8 if has_gqa else 32, 1024, 64)
     assert a.to_dict()["cases"][0]["seconds"] == seconds
+    a.seconds(8, 4, 64, 1024, batch=16)  # batched decode: a query per sequence, the same B of caches
+    q_shape, k_shape = fake.shapes[-1]
+    assert q_shape == (16, 32, 1, 64) and k_shape == (16, 8 if has_gqa else 32, 1024, 64)
+    assert [c["batch"] for c in a.to_dict()["cases"]] == [1, 16]
 
 
 def test_device_anchors_with_and_without_torch(monkeypatch):
@@ -417,3 +421,19 @@ def test_engine_paths_only_drops_the_forced_paths():
     modes = attention._modes(arenas, args, n_heads=4)
     assert set(modes) == {"f16_cache", "f32_cache", "q8_0_cache", "kivi_cache", "dict_k4v3", "recon_k4v3"}
     assert all(path is None for _, _, _, path, _ in modes.values())
+
+
+@pytest.mark.gpu
+def test_attention_batches_give_batch_rows(tmp_path, vk_device):
+    """attention --batches: one row per (mode, B) with ``batch`` = B and n_used per sequence,
+    the f16 / q8_0 caches and each dict format (the kernel named), bytes for B sequences."""
+    out = tmp_path / "a.json"
+    assert attention.main(["--n-used", "256", "--batches", "2", "--batch-n-used", "200", "--shapes", "2x2",
+                           "--head-dims", "32", "--formats", "4/3", "--no-sdpa", "--repeats", "3", "--no-reconstruct",
+                           "--engine-paths-only", "--device", vk_device.name, "--out", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["batch"] == 2]
+    assert {r["cache"] for r in rows} == {"f16", "q8_0", "dict"} and all(r["n_used"] == 200 for r in rows)
+    assert all(r["path"] == "flash" for r in rows) and all(r["gpu_s"] is None or r["gpu_s"] > 0 for r in rows)
+    f16 = next(r for r in rows if r["cache"] == "f16")
+    assert f16["bytes_by_part"]["cache"] == 2 * 2 * 200 * 2 * 16 * 4  # B × n_kv × tokens × (K, V) × f16 words
+    assert next(r for r in rows if r["cache"] == "dict")["kernel"] in ("float", "fixed")
