@@ -36,9 +36,9 @@ OUT_CAP_WORDS = 1 << 24  # … up to 64 MiB (and the device limits); larger read
 ENCODERS = ("cpu", "gpu", "auto")
 ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu", "gpu" or "auto"
 GPU_ENCODE_BATCH = 1024  # vectors per GPU-encoder submission (bounds its work buffers to ~1–2 MiB)
-
-
 MAX_SEQS = 1024  # sequences a batched arena holds at most
+
+
 CACHE_ENV = "KVDICT_VK_CACHE"  # the uncoded cache's row format when the switch is off: f16 / f32
 
 
@@ -485,7 +485,7 @@ class KvArena:
         step = self.read_tokens
         for c0 in range(t0, t1, step):
             c1 = min(t1, c0 + step)
-            k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run_once()  # rows
+            k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(self, i, c0, c1).run_once()  # rows of the heads' slices
         return k, v
 
     def read_plan(self, layer: int, t0: int = 0, t1: int | None = None, seq: int = 0) -> ReadPlan:
