@@ -424,7 +424,7 @@ def test_engine_paths_only_drops_the_forced_paths():
 
 
 @pytest.mark.gpu
-def test_attention_batches_give_batch_rows(tmp_path, vk_device):
+def test_attention_batches_give_batch_rows(tmp_path, restore_env, vk_device):
     """attention --batches: one row per (mode, B) with ``batch`` = B and n_used per sequence,
     the f16 / q8_0 caches and each dict format (the kernel named), bytes for B sequences."""
     out = tmp_path / "a.json"
