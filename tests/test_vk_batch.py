@@ -172,3 +172,45 @@ def test_bad_batched_calls_are_refused_and_change_nothing(make_arena):
     att.path = "flash"
     out = arena.attend_batch(0, q, [4, 2])
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("cache", ["f16", "dict", "dict-gpu-encoder"])
+def test_step_batch_equals_appends_then_attend_batch(cache, make_arena, activate):
+    """step_batch (every sequence's new tokens in one scatter — or, GPU-encoded, a sequence at
+    a time — then attend_batch) equals the same tokens appended sequence by sequence and
+    attend_batch, on a twin arena."""
+    rng = np.random.default_rng(27)
+    n_kv, g, hd, B = 2, 2, 32, 3
+    if cache.startswith("dict"):
+        activate(random_artifact(rng, hd, 64, [((2, 3), (2, 2))], n_heads=n_kv))
+    kw = {"cache": cache} if cache == "f16" else {"encoder": "gpu"} if cache == "dict-gpu-encoder" else {}
+    stepped, twin = (make_arena(1, n_kv, hd, 40, seqs=B, **kw) for _ in range(2))
+    for a in (stepped, twin):
+        a.attention(n_kv * g).path = "flash"
+    for t, n_new in enumerate((5, 1, 1)):  # a prompt of 5 tokens, then two decode steps
+        k, v = (rng.standard_normal((B, n_kv, n_new, hd), dtype=np.float32) for _ in range(2))
+        q = rng.standard_normal((B, n_kv * g, hd), dtype=np.float32)
+        got = stepped.step_batch(0, k, v, q)
+        for b in range(B):
+            twin.append(0, k[b], v[b], seq=b)
+        want = twin.attend_batch(0, q, [twin.n_tokens(0, seq=b) for b in range(B)])
+        assert [stepped.n_tokens(0, seq=b) for b in range(B)] == [5 + t] * B
+        assert got.shape == (B, n_kv * g, hd) and nmse(want.astype(np.float64), got) <= 1e-12
+
+
+def test_step_batch_refuses_before_writing(make_arena):
+    """A sequence without room, or a bad query, refuses the whole step: no sequence gains a token."""
+    rng = np.random.default_rng(28)
+    arena = make_arena(1, 2, 32, 4, cache="f32", seqs=2)
+    arena.append(0, *(rng.standard_normal((2, 4, 32), dtype=np.float32) for _ in range(2)), seq=1)  # full
+    k = rng.standard_normal((2, 2, 1, 32), dtype=np.float32)
+    q = rng.standard_normal((2, 4, 32), dtype=np.float32)
+    with pytest.raises(E.ArenaError, match="exceed n_ctx 4"):
+        arena.step_batch(0, k, k, q)
+    with pytest.raises(E.ShapeError):
+        arena.step_batch(0, k[:, :, :0][:1], k[:, :, :0][:1], q[:1].astype(np.float64))
+    with pytest.raises(E.ShapeError, match="same sequences"):
+        arena.step_batch(0, k, k, q[:1])
+    with pytest.raises(E.ArenaError, match="n_used 0"):  # no tokens at all in sequence 0
+        arena.step_batch(0, k[:1, :, :0], k[:1, :, :0], q[:1])
+    assert [arena.n_tokens(0, seq=b) for b in (0, 1)] == [0, 4]

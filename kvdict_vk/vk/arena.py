@@ -542,6 +542,44 @@ class KvArena:
         scale = check_scale(scale, self.layout.head_dim)
         return self.attention(q.shape[1]).attend_batch(i, q, [int(u) for u in used], scale)
 
+    def step_batch(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray,
+                   scale: float | None = None) -> np.ndarray:
+        """One decode step of a batch: k_rows / v_rows float32 (B, n_kv, T_new, head_dim) —
+        sequence b's new tokens, the same count for each — appended to sequences 0 .. B − 1,
+        then ``attend_batch`` with q (B, n_heads, head_dim) over every sequence's tokens, the
+        new ones included. The appends go up in one submission where the encoder is the CPU
+        codec or the cache is uncoded (every sequence's words in one scatter), one per sequence
+        with the GPU encoder; the attention in one more. Every sequence is checked for room
+        before anything is written; a failure leaves every sequence's visible tokens as they
+        were. Returns (B, n_heads, head_dim) float32."""
+        i = self._layer_index(layer)
+        batches = []
+        for what, a in (("k_rows", k_rows), ("v_rows", v_rows)):
+            if not isinstance(a, np.ndarray) or a.ndim != 4 or not 1 <= a.shape[0] <= self._seqs:
+                raise E.ShapeError(f"step_batch: {what} must be (B, n_kv, T_new, head_dim) with 1 ≤ B ≤ "
+                                   f"{self._seqs}, got {getattr(a, 'shape', type(a).__name__)}")
+            batches.append(a)
+        if k_rows.shape[0] != v_rows.shape[0] or not isinstance(q, np.ndarray) or q.ndim != 3 \
+                or q.shape[0] != k_rows.shape[0]:
+            raise E.ShapeError(f"step_batch: K, V and q must hold the same sequences, got {k_rows.shape[0]}, "
+                               f"{v_rows.shape[0]} and {getattr(q, 'shape', None)}")
+        rows = [self._new_rows(i, k_rows[b], v_rows[b], b) for b in range(k_rows.shape[0])]
+        n_used = [self._n_tokens[i][b] + r[0].shape[1] for b, r in enumerate(rows)]
+        for b in range(len(rows)):  # q, scale and each sequence's tokens checked before anything is written
+            check_query(self.layout, q[b], n_used[b], n_used[b], scale)
+        if self._gpu_encodes(i, rows[0]):
+            for b, r in enumerate(rows):  # the slots are made on the device, a sequence at a time
+                self._append_gpu(i, r, b)
+        else:
+            streams = self.layout.layers[i].streams
+            words = [self._encode(i, r) for r in rows]  # after every check: OMP is the expensive part
+            self._write_blocks(i, [Write(st.region_word + self._row0(i, b) * st.row_words, w,
+                                         self.layout.n_ctx * st.row_words)
+                                   for b, ws in enumerate(words) for w, st in zip(ws, streams)])
+            for b, r in enumerate(rows):
+                self._n_tokens[i][b] += r[0].shape[1]
+        return self.attend_batch(i, q, n_used, scale)
+
     def _one_sequence(self, what: str) -> None:
         if self._seqs > 1:
             raise E.ArenaError(f"{what} serves an arena of one sequence; this one holds {self._seqs}: "
