@@ -316,7 +316,8 @@ class ArenaLayout:
 
 # --- building ------------------------------------------------------------------------------
 
-def _positive(**dims) -> None:
+def check_positive(**dims) -> None:
+    """ArenaError unless every value is a positive integer (Python or NumPy; not a bool)."""
     for name, v in dims.items():
         if type(v) is not int and not isinstance(v, np.integer) or v < 1:
             raise E.ArenaError(f"{name} must be a positive integer, got {v!r}")
@@ -329,7 +330,7 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
     """The arena layout for a model's dims and (optionally) the active dictionary; without
     one, ``cache`` is the row format of the uncoded cache ("f16", "f32", "q8_0"), or "kivi"
     (the KIVI-style cache, settings ``kivi``: a kvdict_vk.kivi.KiviSpec, default KiviSpec())."""
-    _positive(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, n_ctx=n_ctx)
+    check_positive(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, n_ctx=n_ctx)
     n_layers, n_kv_heads, head_dim, n_ctx = map(int, (n_layers, n_kv_heads, head_dim, n_ctx))
     if guard_words < 0:
         raise E.ArenaError(f"guard_words must be ≥ 0, got {guard_words}")

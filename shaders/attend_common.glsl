@@ -52,7 +52,8 @@ uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
 // b*n_kv*GROUP + g*GROUP + hj. A sequence's KV head is a "virtual head" v = b*n_kv + g for
 // the queries, the q·atom table, the records and the output; the dictionary head stays g.
 // The query buffer holds the n_seqs × n_kv × GROUP query vectors, then one word per sequence:
-// its n_used as uint bits (the host writes both; clamped to [1, pc.n_used], the most).
+// its n_used as uint bits (the host writes both — kvdict_vk.vk.attend_specs.lengths_word is
+// this offset's twin; clamped to [1, pc.n_used], the most).
 #define SEQ_USED(qbuf, b) \
     clamp(floatBitsToUint(qbuf[pc.n_seqs * pc.n_kv * GROUP * HEAD_DIM + (b)]), 1u, pc.n_used)
 

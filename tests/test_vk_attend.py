@@ -287,7 +287,7 @@ def test_flash_coded_attention_equals_reference(case, kernel, make_arena, activa
     attend_flash_coded_fixed summing a token's partial scores by subgroup shuffles where the
     device has them and its subgroups hold a token's lanes (its _sg build), and through shared
     memory everywhere."""
-    from kvdict_vk.vk.attend_specs import flash_coded_fixed_lanes, flash_subgroup_fits
+    from kvdict_vk.vk.attend_specs import flash_subgroup_fits, flash_units
     hd, n_kv, g, n_atoms, per_head, pair, n_ctx = case
     rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, n_atoms, [pair], n_heads=n_kv if per_head else 1)
@@ -305,9 +305,9 @@ def test_flash_coded_attention_equals_reference(case, kernel, make_arena, activa
     if att.coded_kernel == "fixed":
         hb, sizes = att.flash_coded_options(0, "fixed")[0]
         assert g % hb == 0 and hb <= 4  # every case's head_dim / 8 is a power of two ≥ 4: the kernel fits
-        fits = flash_subgroup_fits(flash_coded_fixed_lanes(hd), sizes[0], arena.device.shuffle_subgroup_size())
-        assert att.flash_coded_fixed_variant(sizes[0]) == ("attend_flash_coded_fixed_sg" if fits and att.subgroups is None
-                                                           else "attend_flash_coded_fixed")
+        fits = flash_subgroup_fits(flash_units(hd), sizes[0], arena.device.shuffle_subgroup_size())
+        want = "attend_flash_coded_fixed" + ("_sg" if fits and att.subgroups is None else "")
+        assert att.flash_variant(sizes[0], "attend_flash_coded_fixed") == want
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 129, n_ctx // 2 + 1, n_ctx}):
         p = att.plan(0, n_used)

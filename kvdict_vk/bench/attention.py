@@ -77,31 +77,25 @@ def format_name(bits) -> str:
     return f"k{bits[0]}v{bits[1]}"
 
 
-def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng):
+def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
     """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost does
-    not depend on what the codes say; OMP-encoding that many rows would dominate the run);
-    returns (arena, its (K, V) StreamDicts, the (K, V) slots it holds). ``args``: per_head,
-    n_atoms, sparsity."""
+    not depend on what the codes say; OMP-encoding that many rows would dominate the run) —
+    with ``seqs`` sequences, the same slots in each; returns (arena, its (K, V) StreamDicts,
+    the (K, V) slots). ``args``: per_head, n_atoms, sparsity."""
     from kvdict_vk import runtime, synthetic
-    from kvdict_vk.dictionary import KvDictArtifact
+    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
     from kvdict_vk.vk import KvArena
-    na, dicts = args.n_atoms, dict_stream_dicts(bits, n_kv, hd, args, rng)
-    with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
-        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict")
-    slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
-    arena.append_codes(0, *slots)
-    return arena, dicts, slots
-
-
-def dict_stream_dicts(bits, n_kv, hd, args, rng) -> list:
-    """Random (K, V) StreamDicts with ``bits`` residual bits each (per KV head with
-    args.per_head), means and residual scales: the benchmarks' dictionaries."""
-    from kvdict_vk.dictionary import StreamDict
     heads, na = (n_kv if args.per_head else 1), args.n_atoms
-    return [StreamDict(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd),
-                       mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
-                       residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
-            for b in bits]
+    dicts = [StreamDict(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd),
+                        mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
+                        residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
+             for b in bits]
+    with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
+        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict", seqs=seqs)
+    slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
+    for seq in range(seqs):
+        arena.append_codes(0, *slots, seq=seq)
+    return arena, dicts, slots
 
 
 def random_rows(rng, n_kv, n_ctx, hd, block: int = 4096):

@@ -6,7 +6,7 @@ beside torch SDPA over an f16 cache of the same B in the same process (the issue
 
 Every sequence holds the same rows / slots (the cost of an attention does not depend on
 the values, and filling 64 sequences with fresh random rows would dominate the run); the
-dict arenas' dictionaries and slots come from bench.attention.dict_arena's recipe. The f32
+dict arenas are bench.attention.dict_arena's. The f32
 cache is left out: at 64 × 8192 tokens of 8 × 128 f32 a layer buffer passes the 4 GiB a
 storage buffer binds.
 """
@@ -22,10 +22,8 @@ CACHES = ("f16", "q8_0")
 def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:
     """{mode: (arena, cache, format)}: the uncoded caches and one dict arena per format,
     each with ``batch`` sequences of the same n_used tokens."""
-    from kvdict_vk import runtime, synthetic
-    from kvdict_vk.dictionary import KvDictArtifact
     from kvdict_vk.vk import KvArena
-    from .attention import dict_stream_dicts, format_name, random_rows
+    from .attention import dict_arena, format_name, random_rows
     made = {}
     try:
         rows = [random_rows(rng, n_kv, n_used, hd) for _ in "kv"]
@@ -36,14 +34,8 @@ def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:
                 arena[0].append(0, *rows, seq=b)
         del rows
         for bits in args.format_list:
-            dicts = dict_stream_dicts(bits, n_kv, hd, args, rng)
-            with runtime.enabled_with(KvDictArtifact(hd, args.n_atoms, args.sparsity, ((dicts[0], dicts[1]),)),
-                                      allow_uncertified=True):
-                arena = KvArena(1, n_kv, hd, n_used, device=dev, cache="dict", seqs=batch)
-            made[f"dict_{format_name(bits)}"] = (arena, "dict", format_name(bits))
-            slots = [synthetic.random_slots(rng, d, (n_kv, n_used)) for d in dicts]
-            for b in range(batch):
-                arena.append_codes(0, *slots, seq=b)
+            made[f"dict_{format_name(bits)}"] = (dict_arena(bits, n_kv, hd, n_used, args, dev, rng, seqs=batch)[0],
+                                                 "dict", format_name(bits))
     except BaseException:
         for a, _, _ in made.values():
             a.free()

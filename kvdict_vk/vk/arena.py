@@ -79,12 +79,11 @@ class KvArena:
         ``seqs``: sequences the arena holds, each of up to n_ctx tokens, sharing the layers'
         dictionaries (batched decode: append/read with ``seq=``, attend_batch; a KV head's
         slice holds sequence s at rows s·n_ctx .. (s+1)·n_ctx − 1, docs/ARENA.md)."""
-        if isinstance(seqs, (bool, np.bool_)) or not isinstance(seqs, (int, np.integer)) or not 1 <= seqs <= MAX_SEQS:
-            raise E.ArenaError(f"seqs must be an integer in 1..{MAX_SEQS}, got {seqs!r}")
+        L.check_positive(seqs=seqs, n_ctx=n_ctx)  # before n_ctx · seqs rows per head are laid out
+        if seqs > MAX_SEQS:
+            raise E.ArenaError(f"seqs must be at most {MAX_SEQS}, got {seqs}")
         if seqs > 1 and cache == L.KIVI_CACHE:
             raise E.ArenaError("a KIVI cache holds one sequence (its quantisation state is per layer)")
-        if not isinstance(n_ctx, (int, np.integer)) or isinstance(n_ctx, (bool, np.bool_)):
-            raise E.ArenaError(f"n_ctx must be an integer, got {n_ctx!r}")
         self._seqs, self._seq_ctx = int(seqs), int(n_ctx)
         if encoder is None:
             encoder = os.environ.get(ENCODER_ENV, "").strip().lower() or "auto"
@@ -553,32 +552,35 @@ class KvArena:
         before anything is written; a failure leaves every sequence's visible tokens as they
         were. Returns (B, n_heads, head_dim) float32."""
         i = self._layer_index(layer)
-        batches = []
         for what, a in (("k_rows", k_rows), ("v_rows", v_rows)):
             if not isinstance(a, np.ndarray) or a.ndim != 4 or not 1 <= a.shape[0] <= self._seqs:
                 raise E.ShapeError(f"step_batch: {what} must be (B, n_kv, T_new, head_dim) with 1 ≤ B ≤ "
                                    f"{self._seqs}, got {getattr(a, 'shape', type(a).__name__)}")
-            batches.append(a)
         if k_rows.shape[0] != v_rows.shape[0] or not isinstance(q, np.ndarray) or q.ndim != 3 \
                 or q.shape[0] != k_rows.shape[0]:
             raise E.ShapeError(f"step_batch: K, V and q must hold the same sequences, got {k_rows.shape[0]}, "
                                f"{v_rows.shape[0]} and {getattr(q, 'shape', None)}")
-        rows = [self._new_rows(i, k_rows[b], v_rows[b], b) for b in range(k_rows.shape[0])]
-        n_used = [self._n_tokens[i][b] + r[0].shape[1] for b, r in enumerate(rows)]
-        for b in range(len(rows)):  # q, scale and each sequence's tokens checked before anything is written
+        batch = k_rows.shape[0]
+        rows = [self._new_rows(i, k_rows[b], v_rows[b], b) for b in range(batch)]
+        n_new = rows[0][0].shape[1]
+        n_used = [self._n_tokens[i][b] + n_new for b in range(batch)]
+        for b in range(batch):  # q, scale and each sequence's tokens checked before anything is written
             check_query(self.layout, q[b], n_used[b], n_used[b], scale)
         if self._gpu_encodes(i, rows[0]):
-            for b, r in enumerate(rows):  # the slots are made on the device, a sequence at a time
+            # a sequence at a time: the encoder stages its rows for one destination range
+            for b, r in enumerate(rows):
                 self._append_gpu(i, r, b)
         else:
+            # every sequence's rows encoded in one call (a token per sequence is one OMP batch
+            # of B vectors per KV head, not B calls), written in one scatter
             streams = self.layout.layers[i].streams
-            words = [self._encode(i, r) for r in rows]  # after every check: OMP is the expensive part
-            self._write_blocks(i, [Write(st.region_word + self._row0(i, b) * st.row_words, w,
-                                         self.layout.n_ctx * st.row_words)
-                                   for b, ws in enumerate(words) for w, st in zip(ws, streams)])
-            for b, r in enumerate(rows):
-                self._n_tokens[i][b] += r[0].shape[1]
-        return self.attend_batch(i, q, n_used, scale)
+            words = self._encode(i, [np.concatenate([r[s] for r in rows], axis=1) for s in (0, 1)])
+            self._write_blocks(i, [Write(st.region_word + self._row0(i, b) * st.row_words,
+                                         w[:, b * n_new:(b + 1) * n_new], self.layout.n_ctx * st.row_words)
+                                   for b in range(batch) for w, st in zip(words, streams)])
+            for b in range(batch):
+                self._n_tokens[i][b] += n_new
+        return self.attention(q.shape[1]).attend_batch(i, q, n_used, check_scale(scale, self.layout.head_dim))
 
     def _one_sequence(self, what: str) -> None:
         if self._seqs > 1:

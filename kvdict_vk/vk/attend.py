@@ -34,8 +34,8 @@ from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
 from .attend_specs import (FLASH_CODED_FIXED_MAX_HEADS, FLASH_MAX_GROUP, Sizes, flash_coded_fixed_fits,
-                           flash_coded_fixed_lanes, flash_coded_fixed_shared_bytes, flash_coded_shared_bytes,
-                           flash_shared_bytes, flash_subgroup_fits, flash_units)
+                           flash_coded_fixed_shared_bytes, flash_coded_shared_bytes,
+                           flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
@@ -229,15 +229,17 @@ class Attention:
                          and flash_shared_bytes(self.group, n) <= limit)
         return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
 
-    def flash_variant(self, local: int) -> str:
-        """attend_flash's SPIR-V at ``local`` invocations: attend_flash_sg where the device's
-        subgroups can sum a token's partial scores (attend_specs.flash_subgroup_fits) and
-        ``subgroups`` allows, else attend_flash (shared memory, no optional feature). Derived
-        once per (size, setting): planning asks on every step."""
+    def flash_variant(self, local: int, shader: str = "attend_flash") -> str:
+        """The SPIR-V of ``shader`` — attend_flash or attend_flash_coded_fixed, both spreading
+        a token over flash_units(head_dim) invocations — at ``local`` invocations: its _sg
+        build where the device's subgroups can sum a token's partial scores
+        (attend_specs.flash_subgroup_fits) and ``subgroups`` allows, else the plain one
+        (shared memory, no optional feature). Derived once per (shader, size, setting):
+        planning asks on every step."""
         def derive() -> str:
             fits = flash_subgroup_fits(flash_units(self.layout.head_dim), local, self.device.shuffle_subgroup_size())
-            return "attend_flash_sg" if fits and self.subgroups is not False else "attend_flash"
-        return self._per_layer("flash_variant", (local, self.subgroups), derive)
+            return f"{shader}_sg" if fits and self.subgroups is not False else shader
+        return self._per_layer("flash_variant", (shader, local, self.subgroups), derive)
 
     def flash_local(self, layer: int) -> int:
         """attend_flash's default workgroup over an uncoded ``layer`` (0: it cannot)."""
@@ -275,16 +277,6 @@ class Attention:
                     out.append((hb, sizes))
             return tuple(out)
         return [(hb, list(sizes)) for hb, sizes in self._per_layer("flash_coded_options", (layer, kernel), derive)]
-
-    def flash_coded_fixed_variant(self, local: int) -> str:
-        """attend_flash_coded_fixed's SPIR-V at ``local`` invocations: the _sg build where the
-        device's subgroups hold a token's lanes and have shuffles (as flash_variant), else the
-        plain one (shared memory, no optional feature)."""
-        def derive() -> str:
-            fits = flash_subgroup_fits(flash_coded_fixed_lanes(self.layout.head_dim), local,
-                                       self.device.shuffle_subgroup_size())
-            return "attend_flash_coded_fixed_sg" if fits and self.subgroups is not False else "attend_flash_coded_fixed"
-        return self._per_layer("flash_coded_fixed_variant", (local, self.subgroups), derive)
 
     def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
         """The default of flash_coded_options: (query heads per workgroup, workgroup sizes)
@@ -359,7 +351,8 @@ class Attention:
             if not shapes:
                 can = {kern: [hb for hb, _ in self.flash_coded_options(layer, kern)] for kern in CODED_KERNELS}
                 raise E.ArenaError(f"layer {layer}: no kernel over the codes ({self.coded_kernel or 'any'}) serves "
-                                   f"{self.coded_heads} query heads per workgroup here (they can: {can})")
+                                   f"{self.coded_heads or 'any number of'} query heads per workgroup here "
+                                   f"(they can: {can})")
             min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS
             fixed, default = self.coded_workgroups, FLASH_CODED_WORKGROUPS
         else:
@@ -424,7 +417,7 @@ class Attention:
         self._upload_lengths([n_used] if np.ndim(n_used) == 0 else n_used)
 
     def _upload_lengths(self, lengths) -> None:
-        at = len(lengths) * self.n_heads * self.layout.head_dim
+        at = lengths_word(len(lengths), self.n_heads, self.layout.head_dim)
         self.q.host_words()[at:at + len(lengths)] = np.asarray(lengths, np.uint32)
 
     def _eval(self, ops, what: str, seqs: int = 0) -> np.ndarray:

@@ -194,7 +194,7 @@ class PassBuilder:
         options = att.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
         local = plan.local or dict(options)[hb][0]
-        variant = "attend_flash_coded" if plan.kernel == "float" else att.flash_coded_fixed_variant(local)
+        variant = "attend_flash_coded" if plan.kernel == "float" else att.flash_variant(local, "attend_flash_coded_fixed")
         kernel = self._kernel(("flash_coded", variant, layer, local, hb), variant,
                               [buf, buf, att.table, att.q, att.accs, att.stats],
                               att.sizes.seqs * n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,

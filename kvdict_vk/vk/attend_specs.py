@@ -27,7 +27,8 @@ def flash_shared_bytes(group: int, local: int) -> int:
 
 def flash_units(head_dim: int) -> int:
     """Invocations attend_flash spreads a row over, a unit of 8 elements each (a uvec4 of an
-    f16 row, two of an f32 row, two value words of a q8_0 row): the same for every format."""
+    f16 row, two of an f32 row, two value words of a q8_0 row): the same for every format —
+    and attend_flash_coded_fixed spreads a slot over as many (its U)."""
     return head_dim // 8
 
 
@@ -63,11 +64,6 @@ def flash_coded_fixed_heads_padded(hb: int) -> int:
     return 4 if hb > 2 else hb
 
 
-def flash_coded_fixed_lanes(head_dim: int) -> int:
-    """Invocations attend_flash_coded_fixed spreads a token over: 8 elements each (its U)."""
-    return head_dim // 8
-
-
 def flash_coded_fixed_fits(head_dim: int, hb: int, local: int, n_atoms: int) -> bool:
     """Whether attend_flash_coded_fixed runs at ``hb`` query heads and ``local`` invocations
     (shared memory aside): head_dim a multiple of 8 whose lanes per token are a power of two at
@@ -76,7 +72,7 @@ def flash_coded_fixed_fits(head_dim: int, hb: int, local: int, n_atoms: int) -> 
     bins flushed per invocation."""
     if head_dim % 8 or not 1 <= hb <= FLASH_CODED_FIXED_MAX_HEADS:
         return False
-    u, hp = flash_coded_fixed_lanes(head_dim), flash_coded_fixed_heads_padded(hb)
+    u, hp = flash_units(head_dim), flash_coded_fixed_heads_padded(hb)  # its U: 8 elements a lane
     return (u & (u - 1) == 0 and u >= hp and local % u == 0 and local % (head_dim // 4) == 0 and local % 4 == 0
             and -(-n_atoms * hb // local) <= FLASH_CODED_FIXED_MAX_BINS)
 
@@ -88,6 +84,13 @@ def flash_coded_fixed_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: 
     maximum, a flag and a partial sum per invocation each) and the slow path's maxima."""
     m = FLASH_CODED_FIXED_MAX_HEADS
     return 4 * (2 * n_atoms * hb + m * local + m * head_dim + FLASH_CODED_FIXED_CTL * (2 + local) + m)
+
+
+def lengths_word(n_seqs: int, n_q_heads: int, head_dim: int) -> int:
+    """Where the query block's per-sequence n_used words start: after the n_seqs × n_q_heads
+    query vectors (attend_common.glsl's SEQ_USED reads word lengths_word + b). The block is
+    lengths_word + n_seqs words."""
+    return n_seqs * n_q_heads * head_dim
 
 
 def n_blocks(n_atoms: int) -> int:
@@ -149,8 +152,8 @@ class Sizes:
         return self.seqs * self.n_kv * self.group * self.head_dim
 
     @property
-    def query(self) -> int:  # the queries, then each sequence's n_used (attend_common.glsl)
-        return self.out + self.seqs
+    def query(self) -> int:  # the queries, then each sequence's n_used
+        return lengths_word(self.seqs, self.n_kv * self.group, self.head_dim) + self.seqs
 
 
 def _span(start: int, words: int):
@@ -282,7 +285,7 @@ def _flash_extents(p, s):
     rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + last) * row) for w in (p["k_word"], p["v_word"])]
     records = p["n_seqs"] * n_kv * p["n_splits"] * g
     quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
-    queries = p["n_seqs"] * n_kv * g * hd + p["n_seqs"]
+    queries = lengths_word(p["n_seqs"], n_kv * g, hd) + p["n_seqs"]
     return [rows, quads, [_span(0, queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
@@ -305,7 +308,8 @@ def _flash_coded_extents(p, s, fixed: bool = False):
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
     atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
     records = heads * p["n_splits"] * g
-    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(0, heads * g * hd + p["n_seqs"])],
+    queries = lengths_word(p["n_seqs"], n_kv * g, hd) + p["n_seqs"]
+    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(0, queries)],
             [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
