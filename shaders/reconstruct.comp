@@ -14,9 +14,10 @@ layout(local_size_x = WG_SIZE) in;
 
 layout(constant_id = 0) const uint HEAD_DIM = 64u;
 layout(constant_id = 1) const uint SPARSITY = 8u;
-// Output chunks (LANES floats each) per invocation and row: 1 on GPUs (neighbouring
-// invocations write neighbouring chunks: coalesced), a whole row on CPU drivers (the slot
-// of a row is then read exactly once per row).
+// Output chunks (LANES floats each) per invocation and row: on GPUs a few (the host's
+// arena.RECONSTRUCT_GPU_CHUNKS, measured; neighbouring invocations write neighbouring chunks:
+// coalesced, and a row's code words are unpacked by fewer invocations), a whole row on CPU
+// drivers (the slot of a row is then read exactly once per row).
 layout(constant_id = 2) const uint CHUNKS = 1u;
 // Bits per residual level, 0 = no residual stage (the residual code is compiled out).
 layout(constant_id = 3) const uint RES_BITS = 0u;
@@ -28,8 +29,11 @@ const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, HEAD_DIM, RES_BITS);
 const uint RES_MASK = (1u << RES_BITS) - 1u;
 // Whether a chunk's levels can straddle two words (LANES*RES_BITS does not divide 32).
 const bool RES_STRADDLES = RES_BITS > 0u && (32u % (LANES * RES_BITS + (RES_BITS == 0u ? 1u : 0u))) != 0u;
-// Private copy of a row's level words on CPU drivers (>= 1 element: GLSL has no empty arrays).
-const uint LEVEL_COPY = CHUNKS > 1u ? LEVEL_WORDS + 1u : 1u;
+// Whether an invocation writes whole rows (CPU drivers): it then copies a row's level words
+// once into a private array (>= 1 element: GLSL has no empty arrays) instead of reading
+// each chunk's words from the slot.
+const bool WHOLE_ROWS = CHUNKS == ROW_CHUNKS;
+const uint LEVEL_COPY = WHOLE_ROWS ? LEVEL_WORDS + 1u : 1u;
 
 layout(std430, binding = 0) readonly buffer LayerWords { uint layer_words[]; };
 layout(std430, binding = 1) readonly buffer LayerElems { FELEM layer_elems[]; };
@@ -110,7 +114,7 @@ void main() {
         float step_ = 0.0;
         if (RES_BITS > 0u) {
             step_ = uintBitsToFloat(layer_words[slot + SPARSITY + LEVEL_WORDS]);
-            if (CHUNKS > 1u) {  // CPU drivers: every level word of the row read once
+            if (WHOLE_ROWS) {  // CPU drivers: every level word of the row read once
                 [[dont_unroll]] for (uint w = 0u; w < LEVEL_WORDS; ++w)
                     level_copy[w] = layer_words[slot + SPARSITY + w];
                 level_copy[LEVEL_COPY - 1u] = 0u;
@@ -129,7 +133,7 @@ void main() {
             if (RES_BITS > 0u) {
                 uint w = (chunk * LANES * RES_BITS) >> 5u;
                 uint lw0, lw1;
-                if (CHUNKS > 1u) {
+                if (WHOLE_ROWS) {
                     lw0 = level_copy[w];
                     lw1 = level_copy[w + 1u];  // the padding word past the last
                 } else {

@@ -106,6 +106,8 @@ def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate):
     activate(art)
     arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping)
     assert arena.mode == "dict" and arena.layout.n_dict_heads == art.n_heads
+    row_chunks = hd // 4 if hd % 4 == 0 else hd
+    assert row_chunks % arena.reconstruct_chunks == 0  # the shader's invocations tile a row
     stored = _fill(arena, art, rng, n_ctx)
     for layer in range(len(layers)):
         _check_read(arena, art, stored, layer, 0, n_ctx)  # everything

@@ -37,6 +37,11 @@ ENCODERS = ("cpu", "gpu", "auto")
 ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu", "gpu" or "auto"
 GPU_ENCODE_BATCH = 1024  # vectors per GPU-encoder submission (bounds its work buffers to ~1–2 MiB)
 MAX_SEQS = 1024  # sequences a batched arena holds at most
+# GPUs ("chunk" mapping): output chunks of a row one reconstruct invocation writes, when it
+# divides the row. Measured on the H200, certified format, 1 GiB out (GPU time over the copy
+# roofline): 1 → 0.57, 2 → 0.67, 4 → 0.53 (docs/results/h200/probes/
+# reconstruct_chunks_per_invocation.json); the copy_rows read keeps one.
+RECONSTRUCT_GPU_CHUNKS = 2
 
 
 CACHE_ENV = "KVDICT_VK_CACHE"  # the uncoded cache's row format when the switch is off: f16 / f32
@@ -110,7 +115,10 @@ class KvArena:
         if shader_mapping not in ("row", "chunk"):
             raise E.ArenaError(f"shader_mapping must be 'row', 'chunk' or None, got {shader_mapping!r}")
         self.shader_mapping = shader_mapping
-        self._chunks = head_dim // self._lanes if shader_mapping == "row" else 1
+        row_chunks = head_dim // self._lanes
+        self._chunks = row_chunks if shader_mapping == "row" else 1
+        self._reconstruct_chunks = row_chunks if shader_mapping == "row" else \
+            (RECONSTRUCT_GPU_CHUNKS if row_chunks % RECONSTRUCT_GPU_CHUNKS == 0 else 1)
         self._caps = self._check_limits()  # ArenaTooLargeError before anything is allocated
         self._layers: list[Buffer] = []
         self._kernels: dict = {}
@@ -264,8 +272,13 @@ class KvArena:
 
     @property
     def row_chunks(self) -> int:
-        """The read shaders' CHUNKS: chunks of a row one invocation handles."""
+        """copy_rows' CHUNKS (the f32 cache's read): chunks of a row one invocation handles."""
         return self._chunks
+
+    @property
+    def reconstruct_chunks(self) -> int:
+        """reconstruct's CHUNKS: chunks of a row one invocation handles."""
+        return self._reconstruct_chunks
 
     # --- checks -----------------------------------------------------------------------------------
     def check_live(self) -> None:
