@@ -47,6 +47,20 @@ def test_quick_run_of_the_device_benchmarks(tmp_path, restore_env, vk_device):
     _check_gpu_time_inside_wall_time(summary)
     _check_attention(summary, json.loads((tmp_path / "attention.json").read_text()))
     _check_reconstruct_and_fixed(summary, tmp_path)
+    _check_resummarize(summary, tmp_path)
+
+
+def _check_resummarize(summary, out):
+    """--resummarize writes the same rows, fixed costs and headlines from the JSONs alone."""
+    (out / "summary.json").unlink()
+    assert bench.main(["fixed", "attention", "reconstruct", "--quick", "--out-dir", str(out), "--resummarize"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["rows"] == summary["rows"] and again["fixed_costs_us"] == summary["fixed_costs_us"]
+    for name in ("fixed", "attention", "reconstruct"):
+        old, new = summary["benchmarks"][name], again["benchmarks"][name]
+        assert new["headline"] == old["headline"] and new["argv"] == old["argv"] and new["rows"] == old["rows"]
+        assert new["when"] == json.loads((out / f"{name}.json").read_text())["when"]
+    assert any("re-summarised" in n for n in again["notes"])
 
 
 def _check_schema(summary, out, dev):
@@ -121,6 +135,13 @@ def test_omp_summary_rows(tmp_path, capsys, restore_env, vk_device):
 
 
 @pytest.mark.gpu
+def test_resummarize_without_a_benchmark_json_fails_that_entry(tmp_path, capsys):
+    assert bench.main(["omp", "--out-dir", str(tmp_path), "--resummarize", "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert "no " in summary["benchmarks"]["omp"]["failed"] and summary["rows"] == []
+    assert not (tmp_path / "omp.json").exists()
+
+
 def test_unknown_device_exits_2(tmp_path, capsys, restore_env, vk_device):
     assert bench.main(["reconstruct", "--device", "no-such-device", "--out-dir", str(tmp_path)]) == 2
     assert "no usable Vulkan device" in capsys.readouterr().err

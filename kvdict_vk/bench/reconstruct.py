@@ -29,8 +29,8 @@ PRESETS = {"quick": ["--n-ctx", "2048", "--sweep", "", "--repeats", "5"],
            "cpu": [],
            # the certified format (s 4, a 4-bit residual, per-head dictionaries, head_dim 64):
            # 8 KV heads × 64 × 262 144 tokens, 1 GiB of f32 output per read
-           "gpu": ["--n-kv", "8", "--head-dim", "64", "--n-ctx", "262144", "--residual-bits", "4", "--per-head",
-                   "--sweep", "1,2,4,8,16", "--repeats", "10", "--no-numpy"]}
+           "gpu": ["--n-kv", "8", "--head-dim", "64", "--n-ctx", "262144", "--sparsity", "4", "--residual-bits", "4",
+                   "--per-head", "--sweep", "1,2,4,8,16", "--repeats", "10", "--no-numpy"]}
 USES_DEVICE, REQUIRES = True, {}
 CHECK_TOKENS = 256  # tokens read back and compared with NumPy per sparsity
 

@@ -5,6 +5,7 @@ figures in one summary.json.
     kvdict-bench --quick                   # small settings (a minute or so on lavapipe)
     kvdict-bench --out-dir docs/results/h200          # the committed results of a device
     kvdict-bench omp reconstruct --json    # some of them; the summary as JSON on stdout
+    kvdict-bench --out-dir D --resummarize # summary.json again from D's benchmark JSONs
 
 NAME is one of fixed, attention, encode, omp, reconstruct (default: all, in that order).
 Each runs in this process on the same device and writes <out-dir>/<name>.json and .png
@@ -57,6 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default: each benchmark's)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument("--resummarize", action="store_true",
+                    help="write summary.json from the benchmarks' JSONs already in --out-dir (each keeps its "
+                         "own run's rows and 'when') instead of running them; roofline and anchors measured anew")
     a = ap.parse_args(argv)
     unknown = [n for n in a.names if n not in BENCHMARKS]
     if unknown:
@@ -107,6 +111,19 @@ def run_benchmark(name: str, a, preset: str) -> tuple[dict, dict | None]:
     return {"seconds": round(seconds, 1), "argv": args.argv, "json": str(written[0]),
             "png": str(written[1]) if len(written) > 1 else None, "headline": mod.headline(result),
             "rows": len(mod.rows(result))}, result
+
+
+def load_benchmark(name: str, a) -> tuple[dict, dict | None]:
+    """--resummarize: a benchmark's summary entry and result from the JSON a run wrote."""
+    mod, path = BENCHMARKS[name], a.out_dir / f"{name}.json"
+    if not path.is_file():
+        _log(f"{name}: failed: no {path}")
+        return {"failed": f"no {path}"}, None
+    result = json.loads(path.read_text())
+    png = path.with_suffix(".png")
+    return {"seconds": result.get("seconds"), "argv": result.get("argv"), "json": str(path),
+            "png": str(png) if png.is_file() else None, "headline": mod.headline(result),
+            "rows": len(mod.rows(result)), "when": result.get("when")}, result
 
 
 def _values(fig: dict) -> str:
@@ -190,8 +207,11 @@ def main(argv=None) -> int:
                 "rows": results.check(rows), "notes": notes, "tool": "kvdict-bench", "argv": a.argv,
                 "seconds": round(time.perf_counter() - t0, 1), "out_dir": str(a.out_dir),
                 "host": common.host_info(), "benchmarks": entries}
+    if a.resummarize:
+        notes.append("re-summarised (kvdict-bench --resummarize) from the benchmarks' JSONs: each row is from "
+                     "its benchmark's own run (benchmarks[name].when); roofline and anchors from this command")
     for name in a.names:
-        entries[name], result = run_benchmark(name, a, preset)
+        entries[name], result = load_benchmark(name, a) if a.resummarize else run_benchmark(name, a, preset)
         if result is not None:
             rows += BENCHMARKS[name].rows(result)
             notes += getattr(BENCHMARKS[name], "notes", lambda r: [])(result)
