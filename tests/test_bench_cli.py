@@ -51,16 +51,27 @@ def test_quick_run_of_the_device_benchmarks(tmp_path, restore_env, vk_device):
 
 
 def _check_resummarize(summary, out):
-    """--resummarize writes the same rows, fixed costs and headlines from the JSONs alone."""
-    (out / "summary.json").unlink()
-    assert bench.main(["fixed", "attention", "reconstruct", "--quick", "--out-dir", str(out), "--resummarize"]) == 0
+    """--resummarize writes the same rows, fixed costs, headlines and device from the JSONs
+    alone, measuring nothing; anchors carry over only from a summary of the same device."""
+    argv = ["fixed", "attention", "reconstruct", "--quick", "--out-dir", str(out), "--resummarize"]
+    assert bench.main(argv) == 0
     again = json.loads((out / "summary.json").read_text())
     assert again["rows"] == summary["rows"] and again["fixed_costs_us"] == summary["fixed_costs_us"]
+    for key in ("device", "driver", "device_kind", "timestamps", "preset"):
+        assert again[key] == summary[key], key
+    recorded = json.loads((out / "attention.json").read_text())["roofline"]
+    assert again["roofline"] == {k: v for k, v in recorded.items() if k in bench.ROOFLINE_KEYS}
     for name in ("fixed", "attention", "reconstruct"):
         old, new = summary["benchmarks"][name], again["benchmarks"][name]
         assert new["headline"] == old["headline"] and new["argv"] == old["argv"] and new["rows"] == old["rows"]
         assert new["when"] == json.loads((out / f"{name}.json").read_text())["when"]
     assert any("re-summarised" in n for n in again["notes"])
+    anchors = {"available": True, "note": None, "info": None, "cuda_tiny_kernel_sync_us": 20.0,
+               "torch_copy_bytes": 1 << 30, "torch_copy_bytes_per_s": 4e12}
+    for device, kept in ((summary["device"], True), ("another device", False)):
+        (out / "summary.json").write_text(json.dumps({**again, "device": device, "anchors": anchors}))
+        assert bench.main(argv) == 0
+        assert json.loads((out / "summary.json").read_text())["anchors"] == (anchors if kept else None)
 
 
 def _check_schema(summary, out, dev):

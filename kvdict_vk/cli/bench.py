@@ -21,6 +21,12 @@ schema); and per benchmark its headline figures (numerator / denominator = ratio
 the benchmark's medians). Logs and progress go to stderr, the summary table (or --json)
 to stdout.
 
+RESUMMARIZE: --resummarize rebuilds <out-dir>/summary.json from the benchmarks' JSONs there
+(a run the device tool could not return whole, or one benchmark run again alone): rows,
+headlines and fixed costs from them (each entry keeps its run's "when"), the device and the
+roofline from the JSONs' own records, the anchors (a property of the device and torch, not
+of this code) kept from the summary.json it replaces when that names the same device.
+
 Exit status: 0; 1 when a benchmark failed (one line on stderr names it); 2 on bad
 arguments or no usable Vulkan device. A benchmark whose optional dependency is missing
 (scikit-learn for omp) is skipped with a note and recorded as "skipped" in summary.json.
@@ -59,8 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default: each benchmark's)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--resummarize", action="store_true",
-                    help="write summary.json from the benchmarks' JSONs already in --out-dir (each keeps its "
-                         "own run's rows and 'when') instead of running them; roofline and anchors measured anew")
+                    help="write summary.json from the benchmarks' JSONs already in --out-dir instead of running "
+                         "them, measuring nothing (see RESUMMARIZE below)")
     a = ap.parse_args(argv)
     unknown = [n for n in a.names if n not in BENCHMARKS]
     if unknown:
@@ -166,6 +172,31 @@ def summary_table(summary: dict) -> list[str]:
     return lines
 
 
+def _recorded_device(info: dict) -> SimpleNamespace:
+    """A benchmark JSON's device record, shaped as _device_fields reads a Device."""
+    return SimpleNamespace(info=SimpleNamespace(**info), is_cpu=info["device_type"] == "cpu")
+
+
+def _recorded_header(a, results_: dict) -> tuple:
+    """--resummarize: (device, roofline, anchors, notes) from the benchmarks' JSONs and the
+    summary.json they replace; nothing is measured."""
+    recorded = [r for r in results_.values() if r is not None and r.get("device")]
+    dev = _recorded_device(recorded[0]["device"]) if recorded else None
+    roof_from = next((n for n, r in results_.items() if r is not None and isinstance(r.get("roofline"), dict)), None)
+    roof = {k: v for k, v in results_[roof_from]["roofline"].items() if k in ROOFLINE_KEYS} if roof_from else None
+    notes = ["re-summarised (kvdict-bench --resummarize) from the benchmarks' JSONs: each row is from its "
+             "benchmark's own run (benchmarks[name].when)"]
+    if roof_from:
+        notes.append(f"roofline: {roof_from}.json's (measured at the start of that run)")
+    anchors, old = None, a.out_dir / "summary.json"
+    if dev is not None and old.is_file():
+        prev = json.loads(old.read_text())
+        if prev.get("device") == dev.info.name and prev.get("anchors"):
+            anchors = prev["anchors"]
+            notes.append(f"anchors: kept from the summary.json this one replaced (its run: {prev.get('when')})")
+    return dev, roof, anchors, notes
+
+
 def _device_fields(dev) -> dict:
     if dev is None:
         return {"device": None, "driver": None, "device_kind": None, "timestamps": None}
@@ -178,6 +209,11 @@ def _device_fields(dev) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     t0 = time.perf_counter()
+    if a.resummarize:
+        loaded = {name: load_benchmark(name, a) for name in a.names}
+        dev, roof, anchors, notes = _recorded_header(a, {name: r for name, (_, r) in loaded.items()})
+        preset = "quick" if a.quick else a.preset or (common.preset_for(dev) if dev else "cpu")
+        return _summarize(a, t0, dev, preset, roof, anchors, notes, loaded.__getitem__)
     dev = None
     if any(BENCHMARKS[n].USES_DEVICE for n in a.names):
         try:  # once, up front: a wrong --device is an argument error, not five failed benchmarks
@@ -197,8 +233,14 @@ def main(argv=None) -> int:
             _log(f"roofline: failed: {roof['failed']}")
     anchors = torch_anchor.device_anchors(roof["bytes"] if roof and "bytes" in roof else roofline.GPU_BYTES) \
         if dev is not None and common.preset_for(dev) == "gpu" else None
-    entries, rows, fixed_costs, fixed_gpu = {}, [], None, None
     notes = [f"roofline: {roof['note']}"] if roof and roof.get("note") else []
+    return _summarize(a, t0, dev, preset, roof, anchors, notes, lambda name: run_benchmark(name, a, preset))
+
+
+def _summarize(a, t0, dev, preset, roof, anchors, notes, produce) -> int:
+    """summary.json (rewritten after each benchmark: a killed run keeps the rest) from
+    produce(name) → (summary entry, result or None) for each benchmark; the table or JSON."""
+    entries, rows, fixed_costs, fixed_gpu = {}, [], None, None
 
     def current_summary() -> dict:
         return {**_device_fields(dev), "command": "kvdict-bench " + shlex.join(a.argv),
@@ -207,17 +249,14 @@ def main(argv=None) -> int:
                 "rows": results.check(rows), "notes": notes, "tool": "kvdict-bench", "argv": a.argv,
                 "seconds": round(time.perf_counter() - t0, 1), "out_dir": str(a.out_dir),
                 "host": common.host_info(), "benchmarks": entries}
-    if a.resummarize:
-        notes.append("re-summarised (kvdict-bench --resummarize) from the benchmarks' JSONs: each row is from "
-                     "its benchmark's own run (benchmarks[name].when); roofline and anchors from this command")
     for name in a.names:
-        entries[name], result = load_benchmark(name, a) if a.resummarize else run_benchmark(name, a, preset)
+        entries[name], result = produce(name)
         if result is not None:
             rows += BENCHMARKS[name].rows(result)
             notes += getattr(BENCHMARKS[name], "notes", lambda r: [])(result)
             if name == "fixed":
                 fixed_costs, fixed_gpu = fixed.fixed_costs_us(result), fixed.fixed_costs_gpu_us(result)
-        common.write_json(current_summary(), a.out_dir / "summary.json")  # after each: a killed run keeps the rest
+        common.write_json(current_summary(), a.out_dir / "summary.json")
     summary = current_summary()
     common.write_json(summary, a.out_dir / "summary.json")
     print(json.dumps(summary, indent=1) if a.json else "\n".join(summary_table(summary)))
