@@ -145,7 +145,6 @@ def test_omp_summary_rows(tmp_path, capsys, restore_env, vk_device):
     assert [r["device_kind"] for r in rows] == ["cpu", "cpu"] and all(r["vectors_per_s"] > 0 for r in rows)
 
 
-@pytest.mark.gpu
 def test_resummarize_without_a_benchmark_json_fails_that_entry(tmp_path, capsys):
     assert bench.main(["omp", "--out-dir", str(tmp_path), "--resummarize", "--json"]) == 1
     summary = json.loads(capsys.readouterr().out)
@@ -153,6 +152,7 @@ def test_resummarize_without_a_benchmark_json_fails_that_entry(tmp_path, capsys)
     assert not (tmp_path / "omp.json").exists()
 
 
+@pytest.mark.gpu
 def test_unknown_device_exits_2(tmp_path, capsys, restore_env, vk_device):
     assert bench.main(["reconstruct", "--device", "no-such-device", "--out-dir", str(tmp_path)]) == 2
     assert "no usable Vulkan device" in capsys.readouterr().err
