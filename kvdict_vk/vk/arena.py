@@ -483,9 +483,14 @@ class KvArena:
     def _scatter_words(self, layer: int, parts, seq: int = 0) -> None:
         """Words (n_kv, T_new, row_words) of the given streams, [(words, StreamLayout)], to
         the sequence's next tokens in the layer (_write_blocks)."""
+        self._write_blocks(layer, self._seq_writes(layer, parts, seq))
+
+    def _seq_writes(self, layer: int, parts, seq: int) -> list[Write]:
+        """The Writes of words (n_kv, T_new, row_words) of the given streams, [(words,
+        StreamLayout)], to sequence ``seq``'s next tokens in the layer (one per stream: a
+        block of rows in each KV head's slice)."""
         t0, n_ctx = self._row0(layer, seq), self.layout.n_ctx
-        self._write_blocks(layer, [Write(st.region_word + t0 * st.row_words, w, n_ctx * st.row_words)
-                                   for w, st in parts])
+        return [Write(st.region_word + t0 * st.row_words, w, n_ctx * st.row_words) for w, st in parts]
 
     def read(self, layer: int, t0: int = 0, t1: int | None = None, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1) of sequence ``seq``,
@@ -588,9 +593,8 @@ class KvArena:
             # of B vectors per KV head, not B calls), written in one scatter
             streams = self.layout.layers[i].streams
             words = self._encode(i, [np.concatenate([r[s] for r in rows], axis=1) for s in (0, 1)])
-            self._write_blocks(i, [Write(st.region_word + self._row0(i, b) * st.row_words,
-                                         w[:, b * n_new:(b + 1) * n_new], self.layout.n_ctx * st.row_words)
-                                   for b in range(batch) for w, st in zip(words, streams)])
+            self._write_blocks(i, [wr for b in range(batch) for wr in self._seq_writes(
+                i, [(w[:, b * n_new:(b + 1) * n_new], st) for w, st in zip(words, streams)], b)])
             for b in range(batch):
                 self._n_tokens[i][b] += n_new
         return self.attention(q.shape[1]).attend_batch(i, q, n_used, check_scale(scale, self.layout.head_dim))

@@ -88,9 +88,14 @@ def flash_coded_fixed_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: 
 
 def lengths_word(n_seqs: int, n_q_heads: int, head_dim: int) -> int:
     """Where the query block's per-sequence n_used words start: after the n_seqs × n_q_heads
-    query vectors (attend_common.glsl's SEQ_USED reads word lengths_word + b). The block is
-    lengths_word + n_seqs words."""
+    query vectors (attend_common.glsl's SEQ_USED reads word lengths_word + b); the block is
+    query_words long."""
     return n_seqs * n_q_heads * head_dim
+
+
+def query_words(n_seqs: int, n_q_heads: int, head_dim: int) -> int:
+    """Words of the query block: the queries, then one n_used word per sequence."""
+    return lengths_word(n_seqs, n_q_heads, head_dim) + n_seqs
 
 
 def n_blocks(n_atoms: int) -> int:
@@ -153,7 +158,7 @@ class Sizes:
 
     @property
     def query(self) -> int:  # the queries, then each sequence's n_used
-        return lengths_word(self.seqs, self.n_kv * self.group, self.head_dim) + self.seqs
+        return query_words(self.seqs, self.n_kv * self.group, self.head_dim)
 
 
 def _span(start: int, words: int):
@@ -285,7 +290,7 @@ def _flash_extents(p, s):
     rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + last) * row) for w in (p["k_word"], p["v_word"])]
     records = p["n_seqs"] * n_kv * p["n_splits"] * g
     quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
-    queries = lengths_word(p["n_seqs"], n_kv * g, hd) + p["n_seqs"]
+    queries = query_words(p["n_seqs"], n_kv * g, hd)
     return [rows, quads, [_span(0, queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
@@ -308,7 +313,7 @@ def _flash_coded_extents(p, s, fixed: bool = False):
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
     atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
     records = heads * p["n_splits"] * g
-    queries = lengths_word(p["n_seqs"], n_kv * g, hd) + p["n_seqs"]
+    queries = query_words(p["n_seqs"], n_kv * g, hd)
     return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(0, queries)],
             [_span(0, records * hd)], [_span(0, 2 * records)]]
 
