@@ -4,7 +4,7 @@
 // for h < n_kv, i < n_tok, where g = h with per-head dictionaries and g = 0 when one
 // dictionary is shared (the host passes the per-head strides head_atoms / head_vec, 0 when
 // shared). Slots: word(h,t,j) = src_word + (h*n_ctx + t)*SLOT_WORDS + j; a slot is SPARSITY
-// code words then, when RES_BITS > 0, the residual stage (common.glsl). Atoms, means and
+// code words then, when RES_BITS > 0, the residual stage (slot.glsl). Atoms, means and
 // residual scales are read straight from the layer buffer's tail.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require  // [[dont_unroll]]: core SPIR-V LoopControl
@@ -26,18 +26,29 @@ const uint ROW_CHUNKS = HEAD_DIM / LANES;
 const uint GROUPS = ROW_CHUNKS / CHUNKS;  // invocations per row
 const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, RES_BITS);
 const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, HEAD_DIM, RES_BITS);
+const uint STEP_WORD = SLOT_STEP_WORD_OF(SPARSITY, HEAD_DIM, RES_BITS);
 const uint RES_MASK = (1u << RES_BITS) - 1u;
-// Whether a chunk's levels can straddle two words (LANES*RES_BITS does not divide 32).
-const bool RES_STRADDLES = RES_BITS > 0u && (32u % (LANES * RES_BITS + (RES_BITS == 0u ? 1u : 0u))) != 0u;
-// Whether an invocation writes whole rows (CPU drivers): it then copies a row's level words
-// once into a private array (>= 1 element: GLSL has no empty arrays) instead of reading
-// each chunk's words from the slot.
+// Whether a chunk's levels can straddle two words (LANES*RES_BITS does not divide 32;
+// 32 % 1 = 0 without a residual stage). No `&&` in spec-constant expressions: glslang spells
+// it as branches inside whichever function first uses it, which other functions cannot see.
+const bool RES_STRADDLES = (32u % (LANES * RES_BITS + (RES_BITS == 0u ? 1u : 0u))) != 0u;
+// Whether an invocation writes whole rows (CPU drivers, rows_whole) or CHUNKS chunks of a
+// row (GPUs, rows_chunked). Private arrays of the path not taken keep one element (GLSL has
+// no empty arrays).
 const bool WHOLE_ROWS = CHUNKS == ROW_CHUNKS;
 const uint LEVEL_COPY = WHOLE_ROWS ? LEVEL_WORDS + 1u : 1u;
+// rows_chunked's code words and chunks per invocation: 1 on CPU drivers, so llvmpipe, which
+// unrolls the path not taken before it drops it, has nothing to unroll (at head_dim 256 a
+// whole row of chunks unrolled took it a minute to compile).
+const uint NEXT_CODES = WHOLE_ROWS ? 1u : SPARSITY;
+const uint PIECES = WHOLE_ROWS ? 1u : CHUNKS;
 
-layout(std430, binding = 0) readonly buffer LayerWords { uint layer_words[]; };
-layout(std430, binding = 1) readonly buffer LayerElems { FELEM layer_elems[]; };
-layout(std430, binding = 2) writeonly buffer OutElems { FELEM out_elems[]; };
+// restrict: nothing this dispatch writes aliases the layer (the two read-only views of it
+// alias each other, which restrict allows: neither is written). Measured on the H200: no
+// change (docs/results/h200/probes/reconstruct_prefetch.json).
+layout(std430, binding = 0) restrict readonly buffer LayerWords { uint layer_words[]; };
+layout(std430, binding = 1) restrict readonly buffer LayerElems { FELEM layer_elems[]; };
+layout(std430, binding = 2) restrict writeonly buffer OutElems { FELEM out_elems[]; };
 
 layout(push_constant) uniform ReconstructPush {
     uint src_word;    // start of the stream's slot region
@@ -70,39 +81,40 @@ FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
     return r * step_ * scale;
 }
 
-void main() {
-    uint gid = gl_GlobalInvocationID.x;
-    // The host makes grid_stride() a multiple of GROUPS, so an invocation keeps the same
-    // chunk group for every row it visits.
-    uint group = gid % GROUPS;
-    uint row_step = grid_stride() / GROUPS;
-    uint out_elem = pc.out_word / LANES;
+// Row r = h*n_tok + i: its KV head and the first word of its slot.
+uint head_of(uint row) { return row / pc.n_tok; }
+uint slot_of(uint row, uint head) { return pc.src_word + (head * pc.n_ctx + pc.t0 + row - head * pc.n_tok) * SLOT_WORDS; }
 
-    // The invocation's part of its head's mean and residual scale, reloaded only when the
-    // head changes (a register on GPUs; a small private array on CPU drivers — reloading
-    // per row costs llvmpipe one more scalarised load per output chunk, ~30% at s = 1).
+// The first element of head `head`'s mean and of its residual scale. (Loaded into each path's
+// own private arrays: passing them to a function copies them in and out, which llvmpipe
+// unrolled element by element — 75 s to compile at head_dim 256.)
+uint mean_elem(uint head) { return (pc.mean_word + head * pc.head_vec) / LANES; }
+uint scale_elem(uint head) { return (pc.scale_word + head * pc.head_vec) / LANES; }
+
+// CPU drivers: an invocation per row. The row's level words are copied once into a private
+// array; the mean and scale stay in a small private array until the head changes (reloading
+// per row costs llvmpipe one more scalarised load per output chunk, ~30% at s = 1).
+// Loops not unrolled: llvmpipe expands every buffer load into a loop over its SIMD lanes (with
+// a bounds check per component), so unrolled loads make its compile time explode (a minute at
+// s = 32, head_dim 64); rolled, coef / atom_elem become small private arrays, no slower.
+void rows_whole() {
+    uint out_elem = pc.out_word / LANES;
     FELEM mean_part[CHUNKS];
     FELEM scale_part[CHUNKS];
     uint cached_head = 0xFFFFFFFFu;
     uint level_copy[LEVEL_COPY];
-
-    for (uint row = gid / GROUPS; row < pc.n_rows; row += row_step) {
-        uint head = row / pc.n_tok;
-        uint token = pc.t0 + (row - head * pc.n_tok);
-        uint slot = pc.src_word + (head * pc.n_ctx + token) * SLOT_WORDS;
+    for (uint row = gl_GlobalInvocationID.x; row < pc.n_rows; row += grid_stride()) {
+        uint head = head_of(row);
+        uint slot = slot_of(row, head);
         if (head != cached_head) {
             cached_head = head;
-            uint vec_elem = (pc.mean_word + head * pc.head_vec) / LANES;
-            uint scale_elem = (pc.scale_word + head * pc.head_vec) / LANES;
             [[dont_unroll]] for (uint k = 0u; k < CHUNKS; ++k) {
-                mean_part[k] = layer_elems[vec_elem + group + k * GROUPS];
+                mean_part[k] = layer_elems[mean_elem(head) + k];
                 if (RES_BITS > 0u)
-                    scale_part[k] = layer_elems[scale_elem + group + k * GROUPS];
+                    scale_part[k] = layer_elems[scale_elem(head) + k];
             }
         }
         uint atoms_elem = (pc.atoms_word + head * pc.head_atoms) / LANES;
-
-        // Unpack the row's code words once; the inner loop below is branch-free.
         uint atom_elem[SPARSITY];
         float coef[SPARSITY];
         [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j) {
@@ -113,39 +125,117 @@ void main() {
         }
         float step_ = 0.0;
         if (RES_BITS > 0u) {
-            step_ = uintBitsToFloat(layer_words[slot + SPARSITY + LEVEL_WORDS]);
-            if (WHOLE_ROWS) {  // CPU drivers: every level word of the row read once
-                [[dont_unroll]] for (uint w = 0u; w < LEVEL_WORDS; ++w)
-                    level_copy[w] = layer_words[slot + SPARSITY + w];
-                level_copy[LEVEL_COPY - 1u] = 0u;
-            }
+            step_ = uintBitsToFloat(layer_words[slot + STEP_WORD]);
+            [[dont_unroll]] for (uint w = 0u; w < LEVEL_WORDS; ++w)
+                level_copy[w] = layer_words[slot + SPARSITY + w];
+            level_copy[LEVEL_COPY - 1u] = 0u;  // the padding word past the last
         }
-        // Not unrolled: llvmpipe expands every buffer load into a loop over its SIMD lanes
-        // (with a bounds check per component), so unrolled loads make its compile time
-        // explode (a minute at s = 32, head_dim 64). Keeping the SPARSITY loop rolled too
-        // measured no slower (coef/atom_elem become a small private array) and compiles
-        // 2-4x faster; GPU compilers unroll it anyway.
-        [[dont_unroll]] for (uint k = 0u; k < CHUNKS; ++k) {
-            uint chunk = group + k * GROUPS;
-            FELEM acc = mean_part[k];
+        [[dont_unroll]] for (uint chunk = 0u; chunk < CHUNKS; ++chunk) {
+            FELEM acc = mean_part[chunk];
             [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j)
                 acc += coef[j] * layer_elems[atom_elem[j] + chunk];
             if (RES_BITS > 0u) {
                 uint w = (chunk * LANES * RES_BITS) >> 5u;
-                uint lw0, lw1;
-                if (WHOLE_ROWS) {
-                    lw0 = level_copy[w];
-                    lw1 = level_copy[w + 1u];  // the padding word past the last
-                } else {
-                    // GPUs: read the (at most) two words this chunk's levels span; the
-                    // second is inside the slot (a level word or the step) whenever used,
-                    // and not read at all when no chunk straddles
-                    lw0 = layer_words[slot + SPARSITY + w];
-                    lw1 = RES_STRADDLES ? layer_words[slot + SPARSITY + min(w + 1u, LEVEL_WORDS)] : 0u;
-                }
-                acc += residual_chunk(lw0, lw1, chunk, step_, scale_part[k]);
+                acc += residual_chunk(level_copy[w], level_copy[w + 1u], chunk, step_, scale_part[chunk]);
             }
             out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;
         }
     }
+}
+
+// The slot words chunk group `group` reads of the row whose slot starts at `slot`: its code
+// words, its chunks' level words (the second inside the slot — a level word or the step —
+// whenever used, and not read at all when no chunk straddles) and the step.
+void load_slot_words(uint slot, uint group, out uint code[NEXT_CODES], out uint lw0[PIECES],
+                     out uint lw1[PIECES], out uint step_bits) {
+    [[unroll]] for (uint j = 0u; j < NEXT_CODES; ++j)
+        code[j] = layer_words[slot + j];
+    [[unroll]] for (uint k = 0u; k < PIECES; ++k) {
+        uint w = ((group + k * GROUPS) * LANES * RES_BITS) >> 5u;
+        lw0[k] = 0u;
+        lw1[k] = 0u;
+        if (RES_BITS > 0u)
+            lw0[k] = layer_words[slot + SPARSITY + w];
+        if (RES_STRADDLES)
+            lw1[k] = layer_words[slot + SPARSITY + min(w + 1u, LEVEL_WORDS)];
+    }
+    step_bits = RES_BITS > 0u ? layer_words[slot + STEP_WORD] : 0u;
+}
+
+// GPUs: GROUPS invocations per row, invocation g writing chunks g + k*GROUPS (k < CHUNKS), so
+// neighbouring invocations write neighbouring chunks (coalesced). Software-pipelined: the slot
+// words an invocation needs for its next row are loaded before this row's atom gathers, so a
+// row's HBM latency hides under the previous row's work (H200, certified format: 0.667 ->
+// 0.698 of the copy roofline; gathering the next row's atoms early too needed so many
+// registers that it halved it: docs/results/h200/probes/reconstruct_prefetch.json).
+void rows_chunked() {
+    uint gid = gl_GlobalInvocationID.x;
+    // The host makes grid_stride() a multiple of GROUPS, so an invocation keeps the same
+    // chunk group for every row it visits.
+    uint group = gid % GROUPS;
+    uint row_step = grid_stride() / GROUPS;
+    uint out_elem = pc.out_word / LANES;
+    FELEM mean_part[PIECES];
+    FELEM scale_part[PIECES];
+    uint cached_head = 0xFFFFFFFFu;
+    uint next_code[NEXT_CODES];
+    uint next_lw0[PIECES];
+    uint next_lw1[PIECES];
+    uint next_step;
+    uint row = gid / GROUPS;
+    if (row < pc.n_rows)
+        load_slot_words(slot_of(row, head_of(row)), group, next_code, next_lw0, next_lw1, next_step);
+
+    for (; row < pc.n_rows; row += row_step) {
+        uint head = head_of(row);
+        // this row's words (loaded one iteration before), then the next row's loads
+        uint code[NEXT_CODES];
+        uint lw0[PIECES];
+        uint lw1[PIECES];
+        [[unroll]] for (uint j = 0u; j < NEXT_CODES; ++j)
+            code[j] = next_code[j];
+        [[unroll]] for (uint k = 0u; k < PIECES; ++k) {
+            lw0[k] = next_lw0[k];
+            lw1[k] = next_lw1[k];
+        }
+        float step_ = uintBitsToFloat(next_step);
+        uint next_row = row + row_step;
+        if (next_row < pc.n_rows)
+            load_slot_words(slot_of(next_row, head_of(next_row)), group, next_code, next_lw0, next_lw1, next_step);
+
+        if (head != cached_head) {
+            cached_head = head;
+            [[dont_unroll]] for (uint k = 0u; k < PIECES; ++k) {
+                mean_part[k] = layer_elems[mean_elem(head) + group + k * GROUPS];
+                if (RES_BITS > 0u)
+                    scale_part[k] = layer_elems[scale_elem(head) + group + k * GROUPS];
+            }
+        }
+        uint atoms_elem = (pc.atoms_word + head * pc.head_atoms) / LANES;
+        uint atom_elem[NEXT_CODES];
+        float coef[NEXT_CODES];
+        [[dont_unroll]] for (uint j = 0u; j < NEXT_CODES; ++j) {
+            uint atom = code_atom(code[j]);
+            atom_elem[j] = atoms_elem + safe_atom(atom, pc.n_atoms) * ROW_CHUNKS;
+            coef[j] = safe_coef(atom, pc.n_atoms, code_coef(code[j]));
+        }
+        // rolled for llvmpipe's compile time (tests run this path there); GPU compilers
+        // unroll it anyway
+        [[dont_unroll]] for (uint k = 0u; k < PIECES; ++k) {
+            uint chunk = group + k * GROUPS;
+            FELEM acc = mean_part[k];
+            [[dont_unroll]] for (uint j = 0u; j < NEXT_CODES; ++j)
+                acc += coef[j] * layer_elems[atom_elem[j] + chunk];
+            if (RES_BITS > 0u)
+                acc += residual_chunk(lw0[k], lw1[k], chunk, step_, scale_part[k]);
+            out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;
+        }
+    }
+}
+
+void main() {
+    if (WHOLE_ROWS)
+        rows_whole();
+    else
+        rows_chunked();
 }
