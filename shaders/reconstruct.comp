@@ -21,6 +21,9 @@ layout(constant_id = 1) const uint SPARSITY = 8u;
 layout(constant_id = 2) const uint CHUNKS = 1u;
 // Bits per residual level, 0 = no residual stage (the residual code is compiled out).
 layout(constant_id = 3) const uint RES_BITS = 0u;
+// GPUs (rows_chunked): whether an invocation loads its next row's slot words before this
+// row's atom gathers (the host's arena.RECONSTRUCT_GPU_MAPPINGS says per sparsity, measured).
+layout(constant_id = 4) const bool PIPELINED = false;
 
 const uint ROW_CHUNKS = HEAD_DIM / LANES;
 const uint GROUPS = ROW_CHUNKS / CHUNKS;  // invocations per row
@@ -37,10 +40,9 @@ const bool RES_STRADDLES = (32u % (LANES * RES_BITS + (RES_BITS == 0u ? 1u : 0u)
 // no empty arrays).
 const bool WHOLE_ROWS = CHUNKS == ROW_CHUNKS;
 const uint LEVEL_COPY = WHOLE_ROWS ? LEVEL_WORDS + 1u : 1u;
-// rows_chunked's code words and chunks per invocation: 1 on CPU drivers, so llvmpipe, which
-// unrolls the path not taken before it drops it, has nothing to unroll (at head_dim 256 a
-// whole row of chunks unrolled took it a minute to compile).
-const uint NEXT_CODES = WHOLE_ROWS ? 1u : SPARSITY;
+// rows_chunked's code words and chunks per invocation: 1 where rows_whole runs, so the path
+// not taken stays small for compilers that build it before dropping it.
+const uint ROW_CODES = WHOLE_ROWS ? 1u : SPARSITY;
 const uint PIECES = WHOLE_ROWS ? 1u : CHUNKS;
 
 // restrict: nothing this dispatch writes aliases the layer (the two read-only views of it
@@ -146,9 +148,9 @@ void rows_whole() {
 // The slot words chunk group `group` reads of the row whose slot starts at `slot`: its code
 // words, its chunks' level words (the second inside the slot — a level word or the step —
 // whenever used, and not read at all when no chunk straddles) and the step.
-void load_slot_words(uint slot, uint group, out uint code[NEXT_CODES], out uint lw0[PIECES],
+void load_slot_words(uint slot, uint group, out uint code[ROW_CODES], out uint lw0[PIECES],
                      out uint lw1[PIECES], out uint step_bits) {
-    [[unroll]] for (uint j = 0u; j < NEXT_CODES; ++j)
+    [[unroll]] for (uint j = 0u; j < ROW_CODES; ++j)
         code[j] = layer_words[slot + j];
     [[unroll]] for (uint k = 0u; k < PIECES; ++k) {
         uint w = ((group + k * GROUPS) * LANES * RES_BITS) >> 5u;
@@ -163,11 +165,11 @@ void load_slot_words(uint slot, uint group, out uint code[NEXT_CODES], out uint 
 }
 
 // GPUs: GROUPS invocations per row, invocation g writing chunks g + k*GROUPS (k < CHUNKS), so
-// neighbouring invocations write neighbouring chunks (coalesced). Software-pipelined: the slot
-// words an invocation needs for its next row are loaded before this row's atom gathers, so a
-// row's HBM latency hides under the previous row's work (H200, certified format: 0.667 ->
-// 0.698 of the copy roofline; gathering the next row's atoms early too needed so many
-// registers that it halved it: docs/results/h200/probes/reconstruct_prefetch.json).
+// neighbouring invocations write neighbouring chunks (coalesced). PIPELINED: the slot words an
+// invocation needs for its next row are loaded before this row's atom gathers, so a row's HBM
+// latency hides under the previous row's work — H200, 1 GiB out: s 4 0.667 -> 0.69 of the
+// copy roofline, but s 1 and s 8 lose (more registers); gathering the next row's atoms early
+// too halved it (docs/results/h200/probes/reconstruct_prefetch.json).
 void rows_chunked() {
     uint gid = gl_GlobalInvocationID.x;
     // The host makes grid_stride() a multiple of GROUPS, so an invocation keeps the same
@@ -178,30 +180,36 @@ void rows_chunked() {
     FELEM mean_part[PIECES];
     FELEM scale_part[PIECES];
     uint cached_head = 0xFFFFFFFFu;
-    uint next_code[NEXT_CODES];
+    uint next_code[ROW_CODES];
     uint next_lw0[PIECES];
     uint next_lw1[PIECES];
     uint next_step;
     uint row = gid / GROUPS;
-    if (row < pc.n_rows)
+    if (PIPELINED && row < pc.n_rows)
         load_slot_words(slot_of(row, head_of(row)), group, next_code, next_lw0, next_lw1, next_step);
 
     for (; row < pc.n_rows; row += row_step) {
         uint head = head_of(row);
-        // this row's words (loaded one iteration before), then the next row's loads
-        uint code[NEXT_CODES];
+        uint code[ROW_CODES];
         uint lw0[PIECES];
         uint lw1[PIECES];
-        [[unroll]] for (uint j = 0u; j < NEXT_CODES; ++j)
-            code[j] = next_code[j];
-        [[unroll]] for (uint k = 0u; k < PIECES; ++k) {
-            lw0[k] = next_lw0[k];
-            lw1[k] = next_lw1[k];
+        uint step_bits;
+        if (PIPELINED) {
+            // this row's words (loaded one iteration before), then the next row's loads
+            [[unroll]] for (uint j = 0u; j < ROW_CODES; ++j)
+                code[j] = next_code[j];
+            [[unroll]] for (uint k = 0u; k < PIECES; ++k) {
+                lw0[k] = next_lw0[k];
+                lw1[k] = next_lw1[k];
+            }
+            step_bits = next_step;
+            uint next_row = row + row_step;
+            if (next_row < pc.n_rows)
+                load_slot_words(slot_of(next_row, head_of(next_row)), group, next_code, next_lw0, next_lw1, next_step);
+        } else {
+            load_slot_words(slot_of(row, head), group, code, lw0, lw1, step_bits);
         }
-        float step_ = uintBitsToFloat(next_step);
-        uint next_row = row + row_step;
-        if (next_row < pc.n_rows)
-            load_slot_words(slot_of(next_row, head_of(next_row)), group, next_code, next_lw0, next_lw1, next_step);
+        float step_ = uintBitsToFloat(step_bits);
 
         if (head != cached_head) {
             cached_head = head;
@@ -212,9 +220,9 @@ void rows_chunked() {
             }
         }
         uint atoms_elem = (pc.atoms_word + head * pc.head_atoms) / LANES;
-        uint atom_elem[NEXT_CODES];
-        float coef[NEXT_CODES];
-        [[dont_unroll]] for (uint j = 0u; j < NEXT_CODES; ++j) {
+        uint atom_elem[ROW_CODES];
+        float coef[ROW_CODES];
+        [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j) {
             uint atom = code_atom(code[j]);
             atom_elem[j] = atoms_elem + safe_atom(atom, pc.n_atoms) * ROW_CHUNKS;
             coef[j] = safe_coef(atom, pc.n_atoms, code_coef(code[j]));
@@ -224,7 +232,7 @@ void rows_chunked() {
         [[dont_unroll]] for (uint k = 0u; k < PIECES; ++k) {
             uint chunk = group + k * GROUPS;
             FELEM acc = mean_part[k];
-            [[dont_unroll]] for (uint j = 0u; j < NEXT_CODES; ++j)
+            [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j)
                 acc += coef[j] * layer_elems[atom_elem[j] + chunk];
             if (RES_BITS > 0u)
                 acc += residual_chunk(lw0[k], lw1[k], chunk, step_, scale_part[k]);

@@ -16,6 +16,7 @@ from conftest import _stream_entry, random_artifact, stable_seed
 from kvdict_vk import codec
 from kvdict_vk.metrics import nmse
 from kvdict_vk.synthetic import random_codes, random_slots
+from kvdict_vk.vk import arena as arena_module
 
 pytestmark = pytest.mark.gpu
 
@@ -97,17 +98,27 @@ def _case_id(c):
     return f"hd{c[0]}-na{c[1]}-kv{c[2]}-ctx{c[3]}-{'perhead' if c[4] else 'shared'}-{c[5]}"
 
 
-@pytest.mark.parametrize("mapping", ["row", "chunk"])  # CPU-driver and GPU invocation mappings
+# CPU-driver and GPU invocation mappings; on the GPU one, both ways of loading the slots
+# (arena.RECONSTRUCT_GPU_MAPPINGS picks per sparsity; these force one for every stream)
+MAPPINGS = ["row", "chunk-pipelined", "chunk-plain"]
+
+
+@pytest.mark.parametrize("mapping", MAPPINGS)
 @pytest.mark.parametrize("case", CASES + _random_cases(4), ids=_case_id)
-def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate):
+def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate, monkeypatch):
     hd, na, n_kv, n_ctx, per_head, layers = case
     rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1)
     activate(art)
-    arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping)
+    if mapping != "row":  # every sparsity: two chunks a row (one where that does not divide it)
+        monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (2, mapping == "chunk-pipelined")),))
+    arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping.split("-")[0])
     assert arena.mode == "dict" and arena.layout.n_dict_heads == art.n_heads
     row_chunks = hd // 4 if hd % 4 == 0 else hd
-    assert row_chunks % arena.reconstruct_chunks == 0  # the shader's invocations tile a row
+    for s in SPARSITIES:
+        chunks, pipelined = arena.reconstruct_mapping(s)
+        assert row_chunks % chunks == 0  # the shader's invocations tile a row
+        assert pipelined == (mapping == "chunk-pipelined")
     stored = _fill(arena, art, rng, n_ctx)
     for layer in range(len(layers)):
         _check_read(arena, art, stored, layer, 0, n_ctx)  # everything

@@ -37,11 +37,16 @@ ENCODERS = ("cpu", "gpu", "auto")
 ENCODER_ENV = "KVDICT_VK_ENCODER"  # default of KvArena(encoder=None): "cpu", "gpu" or "auto"
 GPU_ENCODE_BATCH = 1024  # vectors per GPU-encoder submission (bounds its work buffers to ~1–2 MiB)
 MAX_SEQS = 1024  # sequences a batched arena holds at most
-# GPUs ("chunk" mapping): output chunks of a row one reconstruct invocation writes, when it
-# divides the row. Measured on the H200, certified format, 1 GiB out (GPU time over the copy
-# roofline): 1 → 0.57, 2 → 0.67, 4 → 0.53 (docs/results/h200/probes/
-# reconstruct_chunks_per_invocation.json); the copy_rows read keeps one.
-RECONSTRUCT_GPU_CHUNKS = 2
+# GPUs ("chunk" mapping): how reconstruct maps a stream of s code words per slot, as
+# (largest s, (output chunks of a row per invocation, pipelined)) in order, the first entry
+# with s <= its bound applying; chunks fall back to 1 where they do not divide the row, and
+# the copy_rows read keeps one. Measured on the H200 (1 GiB of f32 out, per-head
+# dictionaries, 4-bit residual; bandwidth over the copy shader's in the same repeats,
+# docs/results/h200/probes/reconstruct_mapping_per_sparsity.json): s 1 four chunks 1.40
+# (two: 1.17); s 2 and 4 two chunks with the next row's slot words loaded early
+# (reconstruct.comp's PIPELINED) 1.30 / 1.15 (plain: 1.11 / 1.02); s 8 and 16 two chunks
+# plain 0.76 / 0.42 (pipelined: 0.59 / 0.40).
+RECONSTRUCT_GPU_MAPPINGS = ((1, (4, False)), (4, (2, True)), (None, (2, False)))
 
 
 CACHE_ENV = "KVDICT_VK_CACHE"  # the uncoded cache's row format when the switch is off: f16 / f32
@@ -117,8 +122,6 @@ class KvArena:
         self.shader_mapping = shader_mapping
         row_chunks = head_dim // self._lanes
         self._chunks = row_chunks if shader_mapping == "row" else 1
-        self._reconstruct_chunks = row_chunks if shader_mapping == "row" else \
-            (RECONSTRUCT_GPU_CHUNKS if row_chunks % RECONSTRUCT_GPU_CHUNKS == 0 else 1)
         self._caps = self._check_limits()  # ArenaTooLargeError before anything is allocated
         self._layers: list[Buffer] = []
         self._kernels: dict = {}
@@ -275,10 +278,15 @@ class KvArena:
         """copy_rows' CHUNKS (the f32 cache's read): chunks of a row one invocation handles."""
         return self._chunks
 
-    @property
-    def reconstruct_chunks(self) -> int:
-        """reconstruct's CHUNKS: chunks of a row one invocation handles."""
-        return self._reconstruct_chunks
+    def reconstruct_mapping(self, sparsity: int) -> tuple[int, bool]:
+        """reconstruct's (CHUNKS, PIPELINED) for a stream of ``sparsity`` code words: output
+        chunks of a row one invocation writes (a whole row on CPU drivers) and whether it loads
+        its next row's slot words early (RECONSTRUCT_GPU_MAPPINGS)."""
+        row_chunks = self.layout.head_dim // self._lanes
+        if self.shader_mapping == "row":
+            return row_chunks, False
+        chunks, pipelined = next(m for bound, m in RECONSTRUCT_GPU_MAPPINGS if bound is None or sparsity <= bound)
+        return (chunks if row_chunks % chunks == 0 else 1), pipelined
 
     # --- checks -----------------------------------------------------------------------------------
     def check_live(self) -> None:

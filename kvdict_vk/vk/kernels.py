@@ -193,8 +193,9 @@ def _row_groups(s, lanes):
 
 SHADERS = {
     **{f"reconstruct_{v}": ShaderSpec(f"reconstruct_{v}", L.RECONSTRUCT_PUSH, (1, n, n), (False, False, True),
-                                      ("HEAD_DIM", "SPARSITY", "CHUNKS", "RES_BITS"), _reconstruct_extents,
-                                      lambda s, n=n: _row_groups(s, n), (("RES_BITS", 0),))
+                                      ("HEAD_DIM", "SPARSITY", "CHUNKS", "RES_BITS", "PIPELINED"),
+                                      _reconstruct_extents, lambda s, n=n: _row_groups(s, n),
+                                      (("RES_BITS", 0), ("PIPELINED", 0)))
        for v, n in (("vec4", 4), ("scalar", 1))},
     **{f"copy_rows_{v}": ShaderSpec(f"copy_rows_{v}", L.COPY_ROWS_PUSH, (n, n), (False, True),
                                     ("HEAD_DIM", "CHUNKS"), _copy_rows_extents, lambda s, n=n: _row_groups(s, n))

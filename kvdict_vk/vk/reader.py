@@ -74,8 +74,12 @@ class ReadPlan:
                 return Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim, **spec},
                               max_items=buffers[-1].words // per)
             variant = f"{shader}_{'vec4' if a.vec4_rows else 'scalar'}"
-            chunks = a.reconstruct_chunks if shader == "reconstruct" else a.row_chunks
-            return Kernel(a.device, variant, buffers, {"HEAD_DIM": a.layout.head_dim, "CHUNKS": chunks, **spec},
+            if shader == "reconstruct":
+                chunks, pipelined = a.reconstruct_mapping(spec["SPARSITY"])
+                mapping = {"CHUNKS": chunks, "PIPELINED": int(pipelined)}
+            else:
+                mapping = {"CHUNKS": a.row_chunks}
+            return Kernel(a.device, variant, buffers, {"HEAD_DIM": a.layout.head_dim, **mapping, **spec},
                           max_items=buffers[-1].words // a.layout.head_dim)
         return a.cached_kernel(key, make)
 
