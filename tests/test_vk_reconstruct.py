@@ -145,6 +145,19 @@ def test_the_grid_is_covered():
     assert any(None in p and any(e is not None for e in p) for c in CASES for p in c[5])  # mixed
 
 
+def test_gpu_mapping_follows_its_table(make_arena, monkeypatch):
+    """reconstruct_mapping: the first table entry whose bound covers the sparsity; chunks that
+    do not divide a row fall back to one; CPU drivers' row mapping writes whole rows."""
+    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((2, (4, True)), (5, (8, False)), (None, (2, True))))
+    gpu = make_arena(1, 2, 64, 8, shader_mapping="chunk")  # 16 chunks a row
+    assert [gpu.reconstruct_mapping(s) for s in (1, 2, 3, 5, 6, 32)] == \
+        [(4, True), (4, True), (8, False), (8, False), (2, True), (2, True)]
+    narrow = make_arena(1, 2, 12, 8, shader_mapping="chunk")  # 3 chunks a row: none of 4, 8, 2 divides it
+    assert [narrow.reconstruct_mapping(s) for s in (1, 3, 6)] == [(1, True), (1, False), (1, True)]
+    cpu = make_arena(1, 2, 64, 8, shader_mapping="row")
+    assert cpu.reconstruct_mapping(1) == cpu.reconstruct_mapping(32) == (16, False)
+
+
 @pytest.mark.parametrize("mapping", ["row", "chunk"])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_out_of_range_words_contribute_zero_and_read_nothing_outside(mapping, per_head, make_arena, activate):
