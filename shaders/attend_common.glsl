@@ -59,3 +59,14 @@ uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
 
 // The first record of split i of KV head g (add hj for query head hj of the group).
 uint record(uint i, uint g, uint n_kv) { return (i * n_kv + g) * GROUP; }
+
+// An invocation's index in its workgroup, numbered subgroup by subgroup where a kernel uses
+// subgroup operations (its SUBGROUP variants: lanes a subgroup shuffles among are then
+// neighbours whatever order the device gives gl_LocalInvocationID).
+uint lane_index() {
+#if defined(SUBGROUP) && SUBGROUP
+    return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
+#else
+    return gl_LocalInvocationID.x;
+#endif
+}

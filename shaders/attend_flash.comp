@@ -85,14 +85,6 @@ shared float red_sh[GROUP * LOCAL];
 // The invocation's place in the workgroup. With subgroups it is counted through them, so
 // the UNITS invocations of a token are neighbours in one subgroup (the host makes
 // LOCAL a multiple of the subgroup size and UNITS a power of two dividing it).
-uint lane_index() {
-#if SUBGROUP
-    return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
-#else
-    return gl_LocalInvocationID.x;
-#endif
-}
-
 void reduce(uint tid, bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh[h*LOCAL]
     for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
         barrier();

@@ -20,9 +20,7 @@
 // (flag, then a workgroup maximum — the first chunk and rarely after), so a chunk needs no
 // reduction: probabilities stay ≤ e^GROW_MARGIN, each invocation sums its own, and the
 // record's (m, l) are exact for any reference (the merge rescales by exp(m - M)).
-// Levels become floats without an int→float conversion (a quarter-rate instruction on
-// NVIDIA GPUs): the level's bits in the mantissa of 2^22, whose ulp is 0.5, so
-// float(0x4A800000 | level << 1) - (2^22 + half) = level - half exactly.
+// Levels become floats without an int→float conversion (slot.glsl's centred_level).
 // An out-of-range atom index contributes exactly zero.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
@@ -49,7 +47,6 @@ const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms 
 const uint UNROLL = 16u;             // atom rows loaded together at the end (latency)
 const uint TABLE_ROUNDS = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // table words per invocation
 const float GROW_MARGIN = 8.0;       // probabilities stay ≤ e^8 between rescales
-const uint MANTISSA_22 = 0x4A800000u;  // 2^22 as float bits
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, scales
 layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };  // V atoms
@@ -108,16 +105,13 @@ void reduce(bool take_max) {  // ps_sh[h*LOCAL + x] over x → ps_sh[h*LOCAL]
 }
 
 // The centred level of element d of a slot whose level words start at word w0 of `row`.
-#define LEVEL(row, w0, d, BITS, offset) \
-    (uintBitsToFloat(MANTISSA_22 | ((((((d) * BITS) & 31u) + BITS > 32u) \
-        ? ((row[(w0) + (((d) * BITS) >> 5u)] >> (((d) * BITS) & 31u)) | (row[(w0) + (((d) * BITS) >> 5u) + 1u] << (32u - (((d) * BITS) & 31u)))) \
-        : (row[(w0) + (((d) * BITS) >> 5u)] >> (((d) * BITS) & 31u))) & ((1u << BITS) - 1u)) << 1u) - (offset))
+// Level d of the residual stage of a slot copied into `row` (its levels from row[w0]), centred.
+#define LEVEL(row, w0, d, BITS) centred_level(residual_level(row[(w0) + (((d) * BITS) >> 5u)], \
+    row[(w0) + (((d) * BITS) >> 5u) + 1u], ((d) * BITS) & 31u, BITS), BITS)
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint q4 = tid % VQ, vlane = tid / VQ;  // the element quad and token lane of the V passes
-    const float k_offset = 4194304.0 + residual_half(K_BITS);  // 2^22 + half
-    const float v_offset = 4194304.0 + residual_half(V_BITS);
     uint items = pc.n_splits * pc.n_kv * N_HB * pc.n_seqs;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint blk = item % N_HB;
@@ -208,7 +202,7 @@ void main() {
                 [[unroll]] for (uint d4 = 0u; d4 < VQ; ++d4) {
                     vec4 lv;
                     [[unroll]] for (uint k = 0u; k < 4u; ++k)
-                        lv[k] = LEVEL(kc, K_SPARSITY, 4u * d4 + k, K_BITS, k_offset);
+                        lv[k] = LEVEL(kc, K_SPARSITY, 4u * d4 + k, K_BITS);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
                         r[h] += dot(qs_sh[h * VQ + d4], lv);
                 }
@@ -284,12 +278,10 @@ void main() {
                 for (uint x = vlane; x < n; x += VLANES) {
                     uint lo = vlev_sh[x * V_STAGE + w0];
                     uint hi = straddles ? vlev_sh[x * V_STAGE + w0 + 1u] : 0u;
-                    uint bits = off == 0u ? lo : (lo >> off) | (hi << (32u - off));
+                    uint bits = level_window(lo, hi, off);
                     vec4 lv;
-                    [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-                        uint level = (bits >> (k * V_BITS)) & ((1u << V_BITS) - 1u);
-                        lv[k] = uintBitsToFloat(MANTISSA_22 | (level << 1u)) - v_offset;
-                    }
+                    [[unroll]] for (uint k = 0u; k < 4u; ++k)
+                        lv[k] = centred_level((bits >> (k * V_BITS)) & ((1u << V_BITS) - 1u), V_BITS);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
                         res[h] += ps_sh[h * LOCAL + x] * lv;
                 }

@@ -148,14 +148,6 @@ shared vec4 sum4_sh[N_CTL][LOCAL / 4u];  // per round buffer: partial sums of th
 shared uint grow_sh[N_CTL];         // per round buffer: a probability passed e^GROW_MARGIN
 shared uint smax_sh[MAX_HB];        // the slow path: each head's round maximum (ordered bits)
 
-uint lane_index() {
-#if SUBGROUP
-    return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
-#else
-    return gl_LocalInvocationID.x;
-#endif
-}
-
 // floats → uints whose order is the floats' (for atomicMax over signed scores)
 uint ordered(float x) {
     uint b = floatBitsToUint(x);
@@ -166,30 +158,20 @@ float unordered(uint b) { return uintBitsToFloat((b & 0x80000000u) != 0u ? b & 0
 // The largest power of two ≤ y (y > 0 finite; clamped to [2^-100, 2^100]).
 float pow2_floor(float y) { return uintBitsToFloat(floatBitsToUint(clamp(y, 7.9e-31, 1.2e30)) & 0xFF800000u); }
 
-// The 32 bits of the level stream starting `off` bits (a multiple of 8, < 32) into w0, w1.
-uint window(uint w0, uint w1, uint off) { return (w0 >> off) | ((w1 << 1u) << (31u - off)); }
-
-// Level e of a window (element e at bit e*b) as 1 + lvl / 2^b: its bits at the top of 1.0's mantissa.
-float level_float(uint win, uint e, uint b) {
-    uint sh = e * b, top = 23u - b;
-    uint v = sh <= top ? win << (top - sh) : win >> (sh - top);
-    return uintBitsToFloat((v & (((1u << b) - 1u) << top)) | 0x3F800000u);
-}
-
 // The E levels of a lane (elements unit*E .. unit*E+E-1) from its window words.
 void lane_levels(uint w[3], uint unit, uint b, out float f[E]) {
     uint off = (unit * E * b) & 31u;
     if (E * b <= 32u) {
-        uint win = (E * b) % 32u == 0u ? w[0] : window(w[0], w[1], off);
+        uint win = (E * b) % 32u == 0u ? w[0] : level_window(w[0], w[1], off);
         [[unroll]] for (uint e = 0u; e < E; ++e)
-            f[e] = level_float(win, e, b);
+            f[e] = window_unit_level(win, e, b);
     } else {  // 5..8 bits: two windows of E/2 elements
-        uint win0 = (E * b) % 32u == 0u ? w[0] : window(w[0], w[1], off);
+        uint win0 = (E * b) % 32u == 0u ? w[0] : level_window(w[0], w[1], off);
         uint off1 = off + (E / 2u) * b;
-        uint win1 = off1 >= 32u ? window(w[1], w[2], off1 - 32u) : window(w[0], w[1], off1);
+        uint win1 = off1 >= 32u ? level_window(w[1], w[2], off1 - 32u) : level_window(w[0], w[1], off1);
         [[unroll]] for (uint e = 0u; e < E / 2u; ++e) {
-            f[e] = level_float(win0, e, b);
-            f[e + E / 2u] = level_float(win1, e, b);
+            f[e] = window_unit_level(win0, e, b);
+            f[e + E / 2u] = window_unit_level(win1, e, b);
         }
     }
 }
@@ -253,7 +235,7 @@ void main() {
         for (uint x = gl_LocalInvocationID.x; x < N_CTL * (LOCAL / 4u); x += LOCAL)
             sum4_sh[x / (LOCAL / 4u)][x % (LOCAL / 4u)] = vec4(0.0);
         // this lane's elements of the queries: times the score scale, K's residual scale and
-        // 2^K_BITS; kconst = (1 + half/2^b) * their sum (level_float's offset, folded)
+        // 2^K_BITS; kconst = (1 + half/2^b) * their sum (window_unit_level's offset, folded)
         float qk[MAX_HB][E], kconst[MAX_HB];
         float acc[MAX_HB][E];  // the V residual: sum_t p step (lvl - half) / 2^V_BITS, this lane's elements
         float m[MAX_HB];       // the reference (uniform)

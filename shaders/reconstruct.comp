@@ -72,7 +72,7 @@ layout(push_constant) uniform ReconstructPush {
 // are taken as one window of bits, then each level at a constant shift.
 FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
     uint off = (chunk * LANES * RES_BITS) & 31u;
-    uint bits = off == 0u ? lw0 : (lw0 >> off) | (lw1 << (32u - off));
+    uint bits = level_window(lw0, lw1, off);
     FELEM r;
 #if VEC4
     [[unroll]] for (uint i = 0u; i < LANES; ++i)

@@ -34,9 +34,20 @@ uint residual_level(uint w0, uint w1, uint bit, uint bits) {
     return v & ((1u << bits) - 1u);
 }
 float residual_half(uint bits) { return float((1u << bits) - 1u) * 0.5; }
+// The 32 bits of the level stream starting `off` bits (0..31) into word w0, w1 the next word
+// (its bits are taken only when off > 0: pass 0 where no level straddles). No branch: for
+// off = 0, (w1 << 1) << 31 drops every bit of w1.
+uint level_window(uint w0, uint w1, uint off) { return (w0 >> off) | ((w1 << 1u) << (31u - off)); }
 // level - half as a float without an int→float conversion (a quarter-rate instruction on
 // NVIDIA GPUs): the level's bits in the mantissa of 2^22, whose ulp is 0.5, so
 // float(0x4A800000 | level << 1) - (2^22 + half) = level - half exactly (levels < 2^22).
 float centred_level(uint level, uint bits) {
     return uintBitsToFloat(0x4A800000u | (level << 1u)) - (4194304.0 + residual_half(bits));
+}
+// Level e of a window (element e at bit e*bits) as 1 + level / 2^bits, also without a
+// conversion: its bits moved to the top of 1.0's mantissa (one shift, one and, one or).
+float window_unit_level(uint win, uint e, uint bits) {
+    uint sh = e * bits, top = 23u - bits;
+    uint v = sh <= top ? win << (top - sh) : win >> (sh - top);
+    return uintBitsToFloat((v & (((1u << bits) - 1u) << top)) | 0x3F800000u);
 }
