@@ -120,8 +120,7 @@ class KvArena:
         if shader_mapping not in ("row", "chunk"):
             raise E.ArenaError(f"shader_mapping must be 'row', 'chunk' or None, got {shader_mapping!r}")
         self.shader_mapping = shader_mapping
-        row_chunks = head_dim // self._lanes
-        self._chunks = row_chunks if shader_mapping == "row" else 1
+        self._chunks = head_dim // self._lanes if shader_mapping == "row" else 1
         self._caps = self._check_limits()  # ArenaTooLargeError before anything is allocated
         self._layers: list[Buffer] = []
         self._kernels: dict = {}
