@@ -341,10 +341,11 @@ def test_sdpa_column_says_why_without_torch(monkeypatch):
 
 class _FakeTorch(types.SimpleNamespace):
     """Just enough of torch for torch_anchor.time_sdpa: tensors are shapes, the event clock counts
-    SDPA calls (each takes one "ms"), ``enable_gqa`` optional (torch < 2.5 lacks it)."""
+    SDPA calls (each takes one "ms"), ``enable_gqa`` optional (torch < 2.5 lacks it), and
+    ``cuda._sleep`` optional (a private API), its GPU asleep until the next synchronize."""
 
-    def __init__(self, has_gqa: bool):
-        self.calls, self.shapes = 0, []
+    def __init__(self, has_gqa: bool, has_sleep: bool = True):
+        self.calls, self.shapes, self.asleep = 0, [], False
         torch = self
 
         class Event:
@@ -356,6 +357,9 @@ class _FakeTorch(types.SimpleNamespace):
 
             def elapsed_time(self, end):  # ms
                 return float(end.t - self.t)
+
+            def query(self):  # complete unless the GPU is still asleep
+                return not torch.asleep
 
         class Tensor:
             def __init__(self, shape):
@@ -386,8 +390,17 @@ class _FakeTorch(types.SimpleNamespace):
             randn=lambda *shape, **kw: Tensor(shape), zeros=lambda *shape, **kw: Tensor(shape),
             empty=lambda *shape, **kw: Tensor(shape), empty_like=lambda t: Tensor(t.shape),
             nn=types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa)),
-            cuda=types.SimpleNamespace(is_available=lambda: True, synchronize=lambda: None, Event=Event,
+            cuda=types.SimpleNamespace(is_available=lambda: True, synchronize=self._synchronize, Event=Event,
                                        empty_cache=lambda: None, get_device_name=lambda i: "Fake GPU"))
+        if has_sleep:
+            self.cuda._sleep = self._sleep
+
+    def _sleep(self, cycles):
+        assert cycles > 0 and isinstance(cycles, int)
+        self.asleep = True
+
+    def _synchronize(self):
+        self.asleep = False
 
 
 @pytest.mark.parametrize("has_gqa, how", [(True, "enable_gqa"), (False, "repeat_interleave")])
@@ -399,6 +412,7 @@ def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
     seconds = a.seconds(8, 4, 64, 1024)
     r = a.results[(8, 4, 64, 1024, 1)]
     assert r["gqa"].startswith(how) and r["samples"] == [1e-3] * 5 and seconds == 1e-3  # one call per event pair
+    assert r["queued"] and r["unqueued_seconds"] == 1e-3 and r["launch_s"] >= 0
     q_shape, k_shape = fake.shapes[-1]
     assert q_shape == (1, 32, 1, 64) and k_shape == (1, 8 if has_gqa else 32, 1024, 64)
     assert a.to_dict()["cases"][0]["seconds"] == seconds
@@ -406,6 +420,15 @@ def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
     q_shape, k_shape = fake.shapes[-1]
     assert q_shape == (16, 32, 1, 64) and k_shape == (16, 8 if has_gqa else 32, 1024, 64)
     assert [c["batch"] for c in a.to_dict()["cases"]] == [1, 16]
+
+
+def test_sdpa_anchor_says_when_calls_were_not_queued(monkeypatch):
+    """Without torch.cuda._sleep the calls cannot be held back: still timed, marked unqueued."""
+    monkeypatch.setitem(sys.modules, "torch", _FakeTorch(True, has_sleep=False))
+    a = torch_anchor.Anchor(calls=5)
+    assert a.seconds(8, 4, 64, 1024) == 1e-3
+    assert a.results[(8, 4, 64, 1024, 1)]["queued"] is False
+    assert a.to_dict()["cases"][0]["queued"] is False
 
 
 def test_device_anchors_with_and_without_torch(monkeypatch):

@@ -1,0 +1,83 @@
+"""Probe: where a short decode attention's GPU time goes on a GPU — attend_flash over the f16
+cache at each workgroup count (KvArena.attention's ``flash_workgroups``, the tuner's choice
+first), each op's GPU time by timestamps (the query's copy up, the attend pass, the merge,
+the read-back), beside the same timestamps around a tiny copy alone (the floor a recorded op
+costs). Medians over --runs runs of one recording, after a warm-up. One JSON object to stdout.
+
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_floor_probe.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvdict_vk.bench import attention as BA, common  # noqa: E402
+from kvdict_vk.vk import KvArena  # noqa: E402
+from kvdict_vk.vk.submit import Recording  # noqa: E402
+
+
+def op_medians(rec: Recording, runs: int, warm_s: float = 0.2) -> tuple[list[float], float | None]:
+    """(median GPU seconds of each op, median of the core span) over ``runs`` runs."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < warm_s:  # clocks up
+        rec.run()
+    per_op, core = [], []
+    for _ in range(runs):
+        rec.run()
+        per_op.append(rec.op_seconds())
+        core.append(rec.core_seconds())
+    ops = np.median(np.asarray(per_op), axis=0).tolist()
+    return ops, (float(np.median(core)) if None not in core else None)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="3x3x64,8x4x64,8x4x128", help="n_kv x gqa x head_dim, comma-separated")
+    ap.add_argument("--n-used", default="8192,32768,131072")
+    ap.add_argument("--workgroups", default="0,64,128,256,512,1024", help="0: the tuner's choice")
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
+    a = ap.parse_args(argv)
+    dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
+    rng = np.random.default_rng(0)
+    ns = [int(x) for x in a.n_used.split(",")]
+    out = {"argv": sys.argv, "device": dev.name, "cases": []}
+    for shape in a.shapes.split(","):
+        n_kv, gqa, hd = (int(x) for x in shape.split("x"))
+        arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
+        rows = BA.random_rows(rng, n_kv, max(ns), hd)
+        arena.append(0, rows, rows)
+        q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+        # the floor: timestamps around a tiny copy (the query's upload) recorded four times
+        att = arena.attention(n_kv * gqa)
+        if "tiny_copy_op_s" not in out:
+            att.recording(0, q, ns[0]).free()  # makes the attention's buffers and passes
+            floor = Recording(dev, [att.passes.q_upload(att.q)] * 4, timestamps=True, what="floor")
+            out["tiny_copy_op_s"] = op_medians(floor, a.runs)[0]
+            floor.free()
+        for n in ns:
+            for w in (int(x) for x in a.workgroups.split(",")):
+                att = arena.attention(n_kv * gqa)
+                att.flash_workgroups = w or None
+                rec = att.recording(0, q, n, timestamps=True)
+                plan = att.plan(0, n)
+                ops, core = op_medians(rec, a.runs)
+                rec.free()
+                case = {"shape": shape, "n_used": n, "workgroups": w or "tuned", "n_splits": plan.n_splits,
+                        "split_len": plan.split_len, "local": plan.local, "kernel_s": core, "op_s": ops}
+                out["cases"].append(case)
+                print(json.dumps(case), file=sys.stderr, flush=True)
+        arena.free()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
