@@ -412,7 +412,7 @@ def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
     seconds = a.seconds(8, 4, 64, 1024)
     r = a.results[(8, 4, 64, 1024, 1)]
     assert r["gqa"].startswith(how) and r["samples"] == [1e-3] * 5 and seconds == 1e-3  # one call per event pair
-    assert r["queued"] and r["unqueued_seconds"] == 1e-3 and r["launch_s"] >= 0
+    assert r["queued"] and r["unqueued_seconds"] == 1e-3 and r["launch_s"] >= 0 and a.note is None
     q_shape, k_shape = fake.shapes[-1]
     assert q_shape == (1, 32, 1, 64) and k_shape == (1, 8 if has_gqa else 32, 1024, 64)
     assert a.to_dict()["cases"][0]["seconds"] == seconds
@@ -428,7 +428,7 @@ def test_sdpa_anchor_says_when_calls_were_not_queued(monkeypatch):
     a = torch_anchor.Anchor(calls=5)
     assert a.seconds(8, 4, 64, 1024) == 1e-3
     assert a.results[(8, 4, 64, 1024, 1)]["queued"] is False
-    assert a.to_dict()["cases"][0]["queued"] is False
+    assert a.to_dict()["cases"][0]["queued"] is False and "could not be queued" in a.to_dict()["note"]
 
 
 def test_device_anchors_with_and_without_torch(monkeypatch):

@@ -174,6 +174,9 @@ class Anchor:
         if key not in self.results:
             try:
                 self.results[key] = time_sdpa(self.torch, n_kv, gqa, head_dim, n_used, self.calls, batch)
+                if not self.results[key]["queued"]:  # a figure that may include waits for the host
+                    self.note = (f"SDPA at {key}: the calls could not be queued ahead of the GPU (no "
+                                 f"torch.cuda._sleep, or the host fell behind): its time includes launch waits")
             except Exception as e:  # the anchor is optional: a failure is a note, not a failed run
                 self.results[key] = {"seconds": None, "error": f"{type(e).__name__}: {e}"}
                 self.note = f"SDPA failed at {key}: {type(e).__name__}: {e}"
