@@ -24,8 +24,10 @@ from kvdict_vk.vk import KvArena  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 
-def op_medians(rec: Recording, runs: int, warm_s: float = 0.2) -> tuple[list[float], float | None]:
-    """(median GPU seconds of each op, median of the core span) over ``runs`` runs."""
+def op_medians(rec: Recording, runs: int, warm_s: float = 0.5) -> tuple[list[float], float | None]:
+    """(median GPU seconds of each op, median of the core span) over ``runs`` runs. The warm-up
+    is longer than the benchmarks' 0.3 s: the first case after an arena's upload (seconds of
+    host work) measured 2-2.5x its later repeats on the H200 after 0.2 s."""
     t = time.perf_counter()
     while time.perf_counter() - t < warm_s:  # clocks up
         rec.run()
