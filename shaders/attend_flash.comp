@@ -82,9 +82,6 @@ layout(push_constant) uniform AttendFlashPush {
 // partial scores (SUBGROUP 0); the end's reductions and sums
 shared float red_sh[GROUP * LOCAL];
 
-// The invocation's place in the workgroup. With subgroups it is counted through them, so
-// the UNITS invocations of a token are neighbours in one subgroup (the host makes
-// LOCAL a multiple of the subgroup size and UNITS a power of two dividing it).
 void reduce(uint tid, bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh[h*LOCAL]
     for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
         barrier();
@@ -137,6 +134,9 @@ void unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
     }
 
 void main() {
+    // lane_index(): with subgroups the UNITS invocations of a token are neighbours in one
+    // subgroup (the host makes LOCAL a multiple of the subgroup size and UNITS a power of two
+    // dividing it)
     const uint tid = lane_index();
     const uint unit = tid % UNITS, tlane = tid / UNITS;
     uint items = pc.n_kv * pc.n_splits * pc.n_seqs;

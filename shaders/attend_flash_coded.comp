@@ -104,8 +104,9 @@ void reduce(bool take_max) {  // ps_sh[h*LOCAL + x] over x → ps_sh[h*LOCAL]
     barrier();
 }
 
-// The centred level of element d of a slot whose level words start at word w0 of `row`.
 // Level d of the residual stage of a slot copied into `row` (its levels from row[w0]), centred.
+// The word after a level's is always read, and always inside the slot: the step follows the
+// last level word.
 #define LEVEL(row, w0, d, BITS) centred_level(residual_level(row[(w0) + (((d) * BITS) >> 5u)], \
     row[(w0) + (((d) * BITS) >> 5u) + 1u], ((d) * BITS) & 31u, BITS), BITS)
 

@@ -120,7 +120,8 @@ class KvArena:
         if shader_mapping not in ("row", "chunk"):
             raise E.ArenaError(f"shader_mapping must be 'row', 'chunk' or None, got {shader_mapping!r}")
         self.shader_mapping = shader_mapping
-        self._chunks = head_dim // self._lanes if shader_mapping == "row" else 1
+        self._chunks_per_row = head_dim // self._lanes  # vec4 (or scalar) chunks of a row, as the read shaders see it
+        self._chunks = self._chunks_per_row if shader_mapping == "row" else 1
         self._caps = self._check_limits()  # ArenaTooLargeError before anything is allocated
         self._layers: list[Buffer] = []
         self._kernels: dict = {}
@@ -281,11 +282,10 @@ class KvArena:
         """reconstruct's (CHUNKS, PIPELINED) for a stream of ``sparsity`` code words: output
         chunks of a row one invocation writes (a whole row on CPU drivers) and whether it loads
         its next row's slot words early (RECONSTRUCT_GPU_MAPPINGS)."""
-        row_chunks = self.layout.head_dim // self._lanes
         if self.shader_mapping == "row":
-            return row_chunks, False
+            return self._chunks_per_row, False
         chunks, pipelined = next(m for bound, m in RECONSTRUCT_GPU_MAPPINGS if bound is None or sparsity <= bound)
-        return (chunks if row_chunks % chunks == 0 else 1), pipelined
+        return (chunks if self._chunks_per_row % chunks == 0 else 1), pipelined
 
     # --- checks -----------------------------------------------------------------------------------
     def check_live(self) -> None:
