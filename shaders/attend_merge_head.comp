@@ -1,12 +1,15 @@
 #version 450
 // Decode attention, last pass of the flash paths (attend_flash*.comp): merges the splits'
 // records into the output like attend_merge.comp, shaped for GPUs — ONE WORKGROUP per query
-// head h, so a merge over many splits is a few loads per invocation instead of a serial
-// loop per output quad (attend_merge's one invocation per quad walks every split twice: on
-// an H200 that is 15-40 µs of load latency at 64-128 splits, measured):
-//   M = max_i m_i (invocations across splits, a tree in shared memory),
-//   L = sum_i exp(m_i - M) * l_i,   out[h, c] = mean[g', c] + sum_i exp(m_i - M) * acc_i[c] / L
-// with invocations across (split lane, quad c) and the split lanes summed in shared memory.
+// head h, invocations across (split lane, quad c):
+//   M = max_i m_i,  L = sum_i exp(m_i - M) * l_i,
+//   out[h, c] = mean[g', c] + sum_i exp(m_i - M) * acc_i[c] / L
+// Each split lane merges its records online (FlashAttention's running rescale), UNROLL of
+// them loaded together, so the whole pass is ONE round trip to memory at up to
+// SPLIT_LANES * UNROLL splits and one barrier; the lanes' (m, l, acc) then meet in shared
+// memory. (Its predecessor took the maximum first — a load round, a tree of barriers — then
+// loaded the records again: 4.7-7.6 µs at 22-86 splits on an H200, against a 2.1 µs floor for
+// any recorded op; docs/results/h200/probes/attend_floor.json.)
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -14,7 +17,7 @@
 
 const uint LOCAL = gl_WorkGroupSize.x;  // a multiple of Q4 (host)
 const uint SPLIT_LANES = LOCAL / Q4;
-const uint UNROLL = 4u;  // records per split lane loaded together
+const uint UNROLL = 8u;  // records per split lane loaded together
 
 layout(std430, binding = 0) readonly buffer LayerQuads { uvec4 layer_quads[]; };
 layout(std430, binding = 1) readonly buffer Stats { float stats[]; };
@@ -30,8 +33,9 @@ layout(push_constant) uniform AttendMergeHeadPush {
     uint seq_heads;  // KV heads of a sequence: n_kv counts virtual heads (attend_common.glsl)
 } pc;
 
-shared float red_sh[LOCAL];
-shared vec4 part_sh[LOCAL];
+shared float m_sh[SPLIT_LANES];
+shared float l_sh[SPLIT_LANES];
+shared vec4 acc_sh[LOCAL];
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -39,45 +43,62 @@ void main() {
     for (uint h = gl_WorkGroupID.x; h < pc.n_kv * GROUP; h += gl_NumWorkGroups.x) {
         uint g = h / GROUP;
         uint hj = h - g * GROUP;
-        float mx = NEG_INF;
-        for (uint i = tid; i < pc.n_splits; i += LOCAL)
-            mx = max(mx, stats[(record(i, g, pc.n_kv) + hj) * 2u]);
-        red_sh[tid] = mx;
-        for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
-            barrier();
-            if (tid < width)
-                red_sh[tid] = max(red_sh[tid], red_sh[tid + width]);
-        }
-        barrier();
-        float big_m = red_sh[0];
+        // the mean's quad, loaded beside the records (only the first lane uses it)
+        vec4 mean = vec4(0.0);
+        if (pc.use_mean != 0u && lane == 0u)
+            mean = uintBitsToFloat(layer_quads[((pc.mean_word + (g % pc.seq_heads) * pc.head_vec) >> 2u) + c]);
+        // this lane's records i = lane + k * SPLIT_LANES, merged online: (m, l, o) is the
+        // merge of those seen so far, referred to m (-inf while all were empty splits)
+        float m = NEG_INF, l = 0.0;
         vec4 o = vec4(0.0);
-        float big_l = 0.0;
         for (uint i0 = lane; i0 < pc.n_splits; i0 += SPLIT_LANES * UNROLL) {
+            float mi[UNROLL], li[UNROLL];
+            vec4 ai[UNROLL];
             [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
                 uint i = i0 + u * SPLIT_LANES;
+                mi[u] = NEG_INF;
+                li[u] = 0.0;
+                ai[u] = vec4(0.0);
                 if (i < pc.n_splits) {
                     uint rec = record(i, g, pc.n_kv) + hj;
-                    float f = exp(stats[rec * 2u] - big_m);  // 0 for an empty split (m = -inf)
-                    big_l += f * stats[rec * 2u + 1u];
-                    o += f * accs[rec * Q4 + c];
+                    mi[u] = stats[rec * 2u];  // -inf for an empty split
+                    li[u] = stats[rec * 2u + 1u];
+                    ai[u] = accs[rec * Q4 + c];
                 }
             }
-        }
-        barrier();  // everyone has read red_sh[0]
-        part_sh[tid] = o;
-        red_sh[tid] = big_l;  // the same in every quad of a lane
-        barrier();
-        if (tid < Q4) {
-            vec4 sum = vec4(0.0);
-            float l = 0.0;
-            for (uint ln = 0u; ln < SPLIT_LANES; ++ln) {
-                sum += part_sh[ln * Q4 + tid];
-                l += red_sh[ln * Q4];
+            float m_new = m;
+            [[unroll]] for (uint u = 0u; u < UNROLL; ++u)
+                m_new = max(m_new, mi[u]);
+            if (m_new > NEG_INF) {  // else every record so far is an empty split: nothing to add
+                float f = exp(m - m_new);  // 0 while m = -inf
+                l *= f;
+                o *= f;
+                [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
+                    float fu = exp(mi[u] - m_new);  // 0 for an empty split
+                    l += fu * li[u];
+                    o += fu * ai[u];
+                }
+                m = m_new;
             }
-            vec4 mean = vec4(0.0);
-            if (pc.use_mean != 0u)
-                mean = uintBitsToFloat(layer_quads[((pc.mean_word + (g % pc.seq_heads) * pc.head_vec) >> 2u) + tid]);
-            out_quads[h * Q4 + tid] = mean + sum * (1.0 / l);
+        }
+        if (c == 0u) {
+            m_sh[lane] = m;
+            l_sh[lane] = l;
+        }
+        acc_sh[tid] = o;
+        barrier();
+        if (lane == 0u) {
+            float big_m = NEG_INF;
+            [[unroll]] for (uint ln = 0u; ln < SPLIT_LANES; ++ln)
+                big_m = max(big_m, m_sh[ln]);
+            float big_l = 0.0;
+            vec4 sum = vec4(0.0);
+            [[unroll]] for (uint ln = 0u; ln < SPLIT_LANES; ++ln) {
+                float f = m_sh[ln] > NEG_INF ? exp(m_sh[ln] - big_m) : 0.0;  // a lane of empty splits adds nothing
+                big_l += f * l_sh[ln];
+                sum += f * acc_sh[ln * Q4 + c];
+            }
+            out_quads[h * Q4 + c] = mean + sum * (1.0 / big_l);
         }
         barrier();  // shared memory is reused by the next head
     }

@@ -16,6 +16,7 @@ from conftest import _stream_entry, random_artifact, stable_seed
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
 from kvdict_vk.metrics import nmse
+from kvdict_vk.vk.attend_specs import merge_head_local
 from kvdict_vk.synthetic import random_slots
 
 pytestmark = pytest.mark.gpu
@@ -204,6 +205,34 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
         _check(arena, stored, 0, q, n_used)
     _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
+
+
+@pytest.mark.parametrize("workgroups", [1, 5, 1024])
+def test_flash_merge_over_one_few_and_many_splits(workgroups, make_arena):
+    """attend_merge_head merges a query head's records online, each split lane folding
+    several records a round: one split, a few, and more splits than one round holds (split
+    lanes × UNROLL; more than one record a lane in the last round, so lanes of empty splits
+    and partly filled rounds both occur) — against the float64 reference. head_dim 128: 8
+    split lanes of 32 quads, so MAX_SPLITS (128) is two rounds."""
+    rng = np.random.default_rng(workgroups)
+    hd, g, n_kv, n_ctx = 128, 4, 2, 20000
+    # planned as for a GPU (splits up to MAX_SPLITS per KV head) on any device
+    arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64, cache="f16", shader_mapping="chunk")
+    k, v = (rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32) for _ in range(2))
+    arena.append(0, k, v)
+    stored = [(k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32), None, None)]
+    att = arena.attention(n_kv * g)
+    att.path, att.flash_workgroups = "flash", workgroups
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    splits = []
+    for n_used in (1, 129, n_ctx):
+        plan = att.plan(0, n_used)
+        assert plan.path == "flash"
+        splits.append(plan.n_splits)
+        _check(arena, stored, 0, q, n_used)
+    one_round = merge_head_local(hd, att.max_local()) // (hd // 4) * 8  # split lanes × UNROLL
+    assert splits[0] == 1 and (max(splits) > one_round if workgroups == 1024 else True)
+    assert (max(splits) > 1) == (workgroups > n_kv)
 
 
 @pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
