@@ -48,12 +48,17 @@ def describe(torch) -> dict:
             "timing": "CUDA events around each call, the calls queued behind a sleep kernel, median"}
 
 
-def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100, batch: int = 1) -> dict:
+def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100, batch: int = 1,
+              flush_bytes: int = 0) -> dict:
     """{"seconds": median GPU time of a call, "samples", "queued": whether the host stayed
     ahead of the GPU (else "seconds" includes waits for the host), "unqueued_seconds": the
     median timed back to back without a sleep first, "launch_s": the host's time to enqueue
-    a call, "gqa": how the groups were expanded}: one decode query per sequence, ``batch``
-    sequences of n_used tokens."""
+    a call, "gqa": how the groups were expanded, "flush_bytes"}: one decode query per
+    sequence, ``batch`` sequences of n_used tokens. ``flush_bytes`` > 0: a buffer that large
+    is zeroed before each call, outside its events, so every call finds its K/V in memory,
+    not in the L2 (as a decode step does: the other layers' caches pass through between two
+    reads of one layer's); 0: calls back to back on the same tensors (a cache smaller than
+    the L2 then stays there)."""
     F = torch.nn.functional  # imported with torch
     dev, f16 = "cuda", torch.float16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -70,6 +75,9 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     def call():
         F.scaled_dot_product_attention(q, k, v, **kwargs)
 
+    flush = torch.empty(flush_bytes, dtype=torch.uint8, device=dev) if flush_bytes > 0 else None
+    before = flush.zero_ if flush is not None else None
+
     t = time.perf_counter()
     while time.perf_counter() - t < WARM_S:  # the clocks up, as for our kernels (timing.measure)
         for _ in range(WARMUP):
@@ -77,24 +85,28 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
         torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(WARMUP):  # the host's time to enqueue one call, GPU busy: what a sleep must cover
+        if before is not None:
+            before()
         call()
     launch_s = (time.perf_counter() - t) / WARMUP
     torch.cuda.synchronize()
-    unqueued, _ = timed_calls(torch, call, calls, hold_s=0.0)
-    samples, queued = timed_calls(torch, call, calls, hold_s=2.0 * calls * launch_s + 1e-3)
+    unqueued, _ = timed_calls(torch, call, calls, hold_s=0.0, before=before)
+    samples, queued = timed_calls(torch, call, calls, hold_s=2.0 * calls * launch_s + 1e-3, before=before)
     if not queued and getattr(torch.cuda, "_sleep", None) is not None:  # the host was slower this time
-        samples, queued = timed_calls(torch, call, calls, hold_s=8.0 * calls * launch_s + 5e-3)
-    del q, k, v
+        samples, queued = timed_calls(torch, call, calls, hold_s=8.0 * calls * launch_s + 5e-3, before=before)
+    del q, k, v, flush
     torch.cuda.empty_cache()
     return {"seconds": samples[len(samples) // 2], "samples": samples, "queued": queued,
-            "unqueued_seconds": unqueued[len(unqueued) // 2], "launch_s": launch_s, "gqa": how}
+            "unqueued_seconds": unqueued[len(unqueued) // 2], "launch_s": launch_s, "gqa": how,
+            "flush_bytes": flush_bytes}
 
 
-def timed_calls(torch, call, calls: int, hold_s: float) -> tuple[list, bool]:
+def timed_calls(torch, call, calls: int, hold_s: float, before=None) -> tuple[list, bool]:
     """(sorted seconds of each call by its own CUDA events, whether every call was enqueued
     before the GPU reached the first): with ``hold_s`` > 0 the GPU first sleeps that long
     (``torch.cuda._sleep``, where this torch has it), and an event recorded after the sleep
-    not yet complete once the last call is enqueued shows the host stayed ahead."""
+    not yet complete once the last call is enqueued shows the host stayed ahead.
+    ``before()``, where given, is enqueued ahead of each call, outside its events."""
     sleep = getattr(torch.cuda, "_sleep", None) if hold_s > 0 else None
     held = None
     if sleep is not None:
@@ -103,6 +115,8 @@ def timed_calls(torch, call, calls: int, hold_s: float) -> tuple[list, bool]:
         held.record()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
     for start, end in events:
+        if before is not None:
+            before()
         start.record()
         call()
         end.record()

@@ -1,0 +1,94 @@
+"""Probe: how much of a short decode attention's time the L2 hides — our attention over the
+f16 cache (its core passes' GPU time, timestamps) and torch SDPA over an f16 cache of the same
+shape (CUDA events, calls queued behind a sleep: kvdict_vk.bench.torch_anchor.time_sdpa), each
+timed twice: HOT, the same call repeated back to back (a cache smaller than the L2 stays in
+it), and COLD, a --flush-mib buffer written before every call, outside its timing (as in a
+model's decode step, where the other layers' caches pass through the L2 between two reads of
+one layer's). One JSON object to stdout.
+
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/l2_probe.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvdict_vk.bench import attention as BA, common, torch_anchor  # noqa: E402
+from kvdict_vk.vk import KvArena  # noqa: E402
+from kvdict_vk.vk.kernels import Buffer, Kernel  # noqa: E402
+from kvdict_vk.vk.submit import Recording  # noqa: E402
+
+
+def core_median(rec: Recording, runs: int, flush: Recording | None, warm_s: float = 0.5) -> float:
+    """Median GPU seconds of ``rec``'s core ops over ``runs`` runs, ``flush`` run before each."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < warm_s:  # clocks up (bench.timing.measure)
+        if flush is not None:
+            flush.run()
+        rec.run()
+    core = []
+    for _ in range(runs):
+        if flush is not None:
+            flush.run()
+        rec.run()
+        core.append(rec.core_seconds())
+    return float(np.median(core))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="3x3x64,3x3x128,8x4x64,8x4x128", help="n_kv x gqa x head_dim, comma-separated")
+    ap.add_argument("--n-used", default="8192,32768,131072")
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--flush-mib", type=int, default=256, help="the buffer written between calls (MiB)")
+    ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
+    a = ap.parse_args(argv)
+    dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
+    torch, note = torch_anchor.anchor()
+    rng = np.random.default_rng(0)
+    ns = [int(x) for x in a.n_used.split(",")]
+    out = {"argv": sys.argv, "device": dev.name, "flush_mib": a.flush_mib, "sdpa_note": note, "cases": []}
+    # the flush: one copy of flush-mib / 2 between two device-local buffers (reads and writes
+    # flush-mib in all)
+    words = a.flush_mib * (1 << 20) // 8
+    src, dst = Buffer(dev, words, "storage", "l2 flush source"), Buffer(dev, words, "storage", "l2 flush destination")
+    copy = Kernel(dev, "copy_vec4", [src, dst], max_items=words)
+    flush = Recording(dev, [copy.op(src_word=0, dst_word=0, n_words=words)], timestamps=False, what="l2 flush")
+    for shape in a.shapes.split(","):
+        n_kv, gqa, hd = (int(x) for x in shape.split("x"))
+        arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
+        rows = BA.random_rows(rng, n_kv, max(ns), hd)
+        arena.append(0, rows, rows)
+        q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+        for n in ns:
+            att = arena.attention(n_kv * gqa)
+            rec = att.recording(0, q, n, timestamps=True)
+            case = {"shape": shape, "n_used": n, "cache_bytes": 2 * n_kv * n * hd * 2,
+                    "ours_hot_s": core_median(rec, a.runs, None), "ours_cold_s": core_median(rec, a.runs, flush)}
+            rec.free()
+            if torch is not None:
+                hot = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n)
+                cold = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush_bytes=a.flush_mib << 20)
+                case.update(sdpa_hot_s=hot["seconds"], sdpa_cold_s=cold["seconds"], sdpa_queued=[hot["queued"], cold["queued"]])
+                case["ratio_hot"] = case["ours_hot_s"] / case["sdpa_hot_s"]
+                case["ratio_cold"] = case["ours_cold_s"] / case["sdpa_cold_s"]
+            out["cases"].append(case)
+            print(json.dumps(case), file=sys.stderr, flush=True)
+        arena.free()
+    flush.free()
+    copy.destroy()
+    dst.destroy()
+    src.destroy()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
