@@ -1,10 +1,11 @@
 """Probe: how much of a short decode attention's time the L2 hides — our attention over the
 f16 cache (its core passes' GPU time, timestamps) and torch SDPA over an f16 cache of the same
 shape (CUDA events, calls queued behind a sleep: kvdict_vk.bench.torch_anchor.time_sdpa), each
-timed twice: HOT, the same call repeated back to back (a cache smaller than the L2 stays in
-it), and COLD, a --flush-mib buffer written before every call, outside its timing (as in a
-model's decode step, where the other layers' caches pass through the L2 between two reads of
-one layer's). One JSON object to stdout.
+timed HOT, the same call repeated back to back (a cache smaller than the L2 stays in it),
+and FLUSHED, a --flush-mib buffer passed over before every call, outside its timing (as in a
+model's decode step, where the other layers' caches and weights pass through the L2 between
+two reads of one layer's): read (a torch sum, finished before our run; leaves clean lines)
+and written (torch zeroing for SDPA, our copy shader for ours; leaves lines to write back). One JSON object to stdout.
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/l2_probe.py
 """
@@ -27,17 +28,17 @@ from kvdict_vk.vk.kernels import Buffer, Kernel  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 
-def core_median(rec: Recording, runs: int, flush: Recording | None, warm_s: float = 0.5) -> float:
-    """Median GPU seconds of ``rec``'s core ops over ``runs`` runs, ``flush`` run before each."""
+def core_median(rec: Recording, runs: int, flush=None, warm_s: float = 0.5) -> float:
+    """Median GPU seconds of ``rec``'s core ops over ``runs`` runs, ``flush()`` before each."""
     t = time.perf_counter()
     while time.perf_counter() - t < warm_s:  # clocks up (bench.timing.measure)
         if flush is not None:
-            flush.run()
+            flush()
         rec.run()
     core = []
     for _ in range(runs):
         if flush is not None:
-            flush.run()
+            flush()
         rec.run()
         core.append(rec.core_seconds())
     return float(np.median(core))
@@ -62,6 +63,13 @@ def main(argv=None) -> None:
     src, dst = Buffer(dev, words, "storage", "l2 flush source"), Buffer(dev, words, "storage", "l2 flush destination")
     copy = Kernel(dev, "copy_vec4", [src, dst], max_items=words)
     flush = Recording(dev, [copy.op(src_word=0, dst_word=0, n_words=words)], timestamps=False, what="l2 flush")
+    flush_read = None
+    if torch is not None:  # the same read-only pass SDPA's cold calls get, finished before each run
+        torch_read = torch_anchor.l2_flush(torch, a.flush_mib << 20)
+
+        def flush_read():
+            torch_read()
+            torch.cuda.synchronize()
     for shape in a.shapes.split(","):
         n_kv, gqa, hd = (int(x) for x in shape.split("x"))
         arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
@@ -72,14 +80,19 @@ def main(argv=None) -> None:
             att = arena.attention(n_kv * gqa)
             rec = att.recording(0, q, n, timestamps=True)
             case = {"shape": shape, "n_used": n, "cache_bytes": 2 * n_kv * n * hd * 2,
-                    "ours_hot_s": core_median(rec, a.runs, None), "ours_cold_s": core_median(rec, a.runs, flush)}
+                    "ours_hot_s": core_median(rec, a.runs), "ours_copy_flushed_s": core_median(rec, a.runs, flush.run)}
+            if flush_read is not None:
+                case["ours_read_flushed_s"] = core_median(rec, a.runs, flush_read)
             rec.free()
             if torch is not None:
                 hot = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n)
-                cold = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush_bytes=a.flush_mib << 20)
-                case.update(sdpa_hot_s=hot["seconds"], sdpa_cold_s=cold["seconds"], sdpa_queued=[hot["queued"], cold["queued"]])
+                read = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush_bytes=a.flush_mib << 20)
+                write = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush_bytes=a.flush_mib << 20, flush_write=True)
+                case.update(sdpa_hot_s=hot["seconds"], sdpa_read_flushed_s=read["seconds"],
+                            sdpa_write_flushed_s=write["seconds"], sdpa_queued=[hot["queued"], read["queued"], write["queued"]])
                 case["ratio_hot"] = case["ours_hot_s"] / case["sdpa_hot_s"]
-                case["ratio_cold"] = case["ours_cold_s"] / case["sdpa_cold_s"]
+                case["ratio_read_flushed"] = case["ours_read_flushed_s"] / case["sdpa_read_flushed_s"]
+                case["ratio_write_flushed"] = case["ours_copy_flushed_s"] / case["sdpa_write_flushed_s"]
             out["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
         arena.free()

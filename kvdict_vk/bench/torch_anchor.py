@@ -49,16 +49,17 @@ def describe(torch) -> dict:
 
 
 def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100, batch: int = 1,
-              flush_bytes: int = 0) -> dict:
+              flush_bytes: int = 0, flush_write: bool = False) -> dict:
     """{"seconds": median GPU time of a call, "samples", "queued": whether the host stayed
     ahead of the GPU (else "seconds" includes waits for the host), "unqueued_seconds": the
     median timed back to back without a sleep first, "launch_s": the host's time to enqueue
     a call, "gqa": how the groups were expanded, "flush_bytes"}: one decode query per
     sequence, ``batch`` sequences of n_used tokens. ``flush_bytes`` > 0: a buffer that large
-    is zeroed before each call, outside its events, so every call finds its K/V in memory,
-    not in the L2 (as a decode step does: the other layers' caches pass through between two
-    reads of one layer's); 0: calls back to back on the same tensors (a cache smaller than
-    the L2 then stays there)."""
+    is read (summed; ``flush_write``: zeroed, leaving the L2 full of lines still to be written
+    back) before each call, outside its events, so every call finds its K/V in memory, not in
+    the L2 (as a decode step does: the other layers' caches and weights pass through between
+    two reads of one layer's); 0: calls back to back on the same tensors (a cache smaller
+    than the L2 then stays there)."""
     F = torch.nn.functional  # imported with torch
     dev, f16 = "cuda", torch.float16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -75,8 +76,7 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     def call():
         F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    flush = torch.empty(flush_bytes, dtype=torch.uint8, device=dev) if flush_bytes > 0 else None
-    before = flush.zero_ if flush is not None else None
+    before = l2_flush(torch, flush_bytes, flush_write)
 
     t = time.perf_counter()
     while time.perf_counter() - t < WARM_S:  # the clocks up, as for our kernels (timing.measure)
@@ -94,11 +94,20 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     samples, queued = timed_calls(torch, call, calls, hold_s=2.0 * calls * launch_s + 1e-3, before=before)
     if not queued and getattr(torch.cuda, "_sleep", None) is not None:  # the host was slower this time
         samples, queued = timed_calls(torch, call, calls, hold_s=8.0 * calls * launch_s + 5e-3, before=before)
-    del q, k, v, flush
+    del q, k, v, before
     torch.cuda.empty_cache()
     return {"seconds": samples[len(samples) // 2], "samples": samples, "queued": queued,
             "unqueued_seconds": unqueued[len(unqueued) // 2], "launch_s": launch_s, "gqa": how,
             "flush_bytes": flush_bytes}
+
+
+def l2_flush(torch, n_bytes: int, write: bool = False):
+    """A callable that enqueues a pass over an n_bytes buffer — a read (a sum) or, ``write``,
+    a zeroing — pushing whatever the L2 held out of it; None for n_bytes 0."""
+    if n_bytes <= 0:
+        return None
+    buf = torch.ones(n_bytes // 4, dtype=torch.float32, device="cuda")
+    return buf.zero_ if write else buf.sum
 
 
 def timed_calls(torch, call, calls: int, hold_s: float, before=None) -> tuple[list, bool]:
