@@ -79,34 +79,16 @@ layout(push_constant) uniform AttendFlashPush {
     float score_scale;
 } pc;
 
-#ifndef FLASH_END
-#define FLASH_END 2
-#endif
-// partial scores (SUBGROUP 0); the end's reductions and sums. A head's row is padded by UNITS
-// floats past LOCAL, so the end's reads of one element (h, unit) down the token lanes fall
-// in distinct banks for GROUP * UNITS <= 32 (rows LOCAL apart put every head's in one bank).
-#if FLASH_END >= 1
-const uint ROW = LOCAL + UNITS;
-#else
-const uint ROW = LOCAL;
-#endif
-shared float red_sh[GROUP * ROW];
-#if FLASH_END >= 2
-// The end sums an element over the TLANES token lanes with PARTS invocations per (head, unit):
-// each sums every PARTS-th lane, then one sums the PARTS partials (a TLANES-long serial sum
-// by GROUP * UNITS invocations was the end's longest chain).
-const uint OUTS = GROUP * UNITS;
-const uint PARTS = LOCAL / OUTS > 0u ? LOCAL / OUTS : 1u;
-shared float part_sh[OUTS * PARTS];
-#endif
+// partial scores (SUBGROUP 0); the end's reductions and sums
+shared float red_sh[GROUP * LOCAL];
 
-void reduce(uint tid, bool take_max) {  // red_sh[h*ROW + x] over x < LOCAL → red_sh[h*ROW]
+void reduce(uint tid, bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh[h*LOCAL]
     for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
         barrier();
         if (tid < width)
             for (uint h = 0u; h < GROUP; ++h) {
-                float a = red_sh[h * ROW + tid], b = red_sh[h * ROW + tid + width];
-                red_sh[h * ROW + tid] = take_max ? max(a, b) : a + b;
+                float a = red_sh[h * LOCAL + tid], b = red_sh[h * LOCAL + tid + width];
+                red_sh[h * LOCAL + tid] = take_max ? max(a, b) : a + b;
             }
     }
     barrier();
@@ -215,13 +197,13 @@ void main() {
                 barrier();  // the last token's partials are read
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
                     if (h < GROUP)
-                        red_sh[h * ROW + tid] = s[h];
+                        red_sh[h * LOCAL + tid] = s[h];
                 barrier();
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
                     if (h < GROUP) {
                         float a = 0.0;
                         for (uint u = 0u; u < UNITS; ++u)
-                            a += red_sh[h * ROW + tlane * UNITS + u];
+                            a += red_sh[h * LOCAL + tlane * UNITS + u];
                         s[h] = a;
                     }
                 }
@@ -253,12 +235,12 @@ void main() {
         barrier();
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
             if (h < GROUP)
-                red_sh[h * ROW + tid] = m[h];
+                red_sh[h * LOCAL + tid] = m[h];
         reduce(tid, true);
         float m_split[MAX_G];
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
             if (h < GROUP) {
-                m_split[h] = red_sh[h * ROW];
+                m_split[h] = red_sh[h * LOCAL];
                 float f = m[h] > NEG_INF ? exp(m[h] - m_split[h]) : 0.0;
                 l[h] *= f;
                 acc_lo[h] *= f;
@@ -266,35 +248,19 @@ void main() {
             }
         }
         // the token lanes' accumulators, summed through shared memory one element of the unit
-        // at a time (red_sh holds GROUP rows of TLANES × UNITS floats)
+        // at a time (red_sh holds GROUP × LOCAL = GROUP × TLANES × UNITS floats)
         uint rec0 = record(i, vh, pc.n_kv * pc.n_seqs);
         [[unroll]] for (uint e = 0u; e < UNIT_DIMS; ++e) {
             barrier();
             [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
                 if (h < GROUP)
-                    red_sh[h * ROW + tid] = e < 4u ? acc_lo[h][e % 4u] : acc_hi[h][e % 4u];
+                    red_sh[h * LOCAL + tid] = e < 4u ? acc_lo[h][e % 4u] : acc_hi[h][e % 4u];
             barrier();
-#if FLASH_END >= 2
-            for (uint t = tid; t < OUTS * PARTS; t += LOCAL) {  // output x = (h, unit), part p: lanes p, p + PARTS, ...
-                uint x = t % OUTS, p = t / OUTS;
-                uint h = x / UNITS, un = x - h * UNITS;
-                float a = 0.0;
-                for (uint ln = p; ln < TLANES; ln += PARTS)
-                    a += red_sh[h * ROW + ln * UNITS + un];
-                part_sh[t] = a;
-            }
-            barrier();
-#endif
             for (uint x = tid; x < GROUP * UNITS; x += LOCAL) {
                 uint h = x / UNITS, un = x - h * UNITS;
                 float a = 0.0;
-#if FLASH_END >= 2
-                for (uint p = 0u; p < PARTS; ++p)
-                    a += part_sh[p * OUTS + x];
-#else
                 for (uint ln = 0u; ln < TLANES; ++ln)
-                    a += red_sh[h * ROW + ln * UNITS + un];
-#endif
+                    a += red_sh[h * LOCAL + ln * UNITS + un];
                 acc_floats[(rec0 + h) * HEAD_DIM + un * UNIT_DIMS + e] = a;  // record (i, g, h) = rec0 + h
             }
         }
@@ -302,12 +268,12 @@ void main() {
         barrier();
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
             if (h < GROUP)
-                red_sh[h * ROW + tid] = unit == 0u ? l[h] : 0.0;
+                red_sh[h * LOCAL + tid] = unit == 0u ? l[h] : 0.0;
         reduce(tid, false);
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
             if (h < GROUP && tid == h) {
                 stats[(rec0 + h) * 2u] = m_split[h];
-                stats[(rec0 + h) * 2u + 1u] = red_sh[h * ROW];
+                stats[(rec0 + h) * 2u + 1u] = red_sh[h * LOCAL];
             }
         barrier();  // shared memory is reused by the next item
     }

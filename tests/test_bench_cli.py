@@ -346,6 +346,7 @@ class _FakeTorch(types.SimpleNamespace):
 
     def __init__(self, has_gqa: bool, has_sleep: bool = True):
         self.calls, self.shapes, self.asleep = 0, [], False
+        self.flushes = []  # ("read" | "write", SDPA calls before it): the L2 flushes enqueued
         torch = self
 
         class Event:
@@ -375,6 +376,12 @@ class _FakeTorch(types.SimpleNamespace):
                 assert src.shape == self.shape
                 torch.calls += 1
 
+            def sum(self):  # the L2 flush's read: outside any SDPA call's events
+                torch.flushes.append(("read", torch.calls))
+
+            def zero_(self):
+                torch.flushes.append(("write", torch.calls))
+
         def sdpa(q, k, v, **kw):
             if "enable_gqa" in kw and not has_gqa:
                 raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'enable_gqa'")
@@ -389,6 +396,7 @@ class _FakeTorch(types.SimpleNamespace):
             Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None),
             randn=lambda *shape, **kw: Tensor(shape), zeros=lambda *shape, **kw: Tensor(shape),
             empty=lambda *shape, **kw: Tensor(shape), empty_like=lambda t: Tensor(t.shape),
+            ones=lambda *shape, **kw: Tensor(shape),
             nn=types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa)),
             cuda=types.SimpleNamespace(is_available=lambda: True, synchronize=self._synchronize, Event=Event,
                                        empty_cache=lambda: None, get_device_name=lambda i: "Fake GPU"))
@@ -420,6 +428,35 @@ def test_sdpa_anchor_times_grouped_query_attention(monkeypatch, has_gqa, how):
     q_shape, k_shape = fake.shapes[-1]
     assert q_shape == (16, 32, 1, 64) and k_shape == (16, 8 if has_gqa else 32, 1024, 64)
     assert [c["batch"] for c in a.to_dict()["cases"]] == [1, 16]
+
+
+@pytest.mark.parametrize("flush_bytes", [0, 1 << 20])
+def test_sdpa_anchor_flushes_the_l2_before_each_call(monkeypatch, flush_bytes):
+    """With flush_bytes, a read of that buffer is enqueued before every SDPA call whose launch
+    or GPU time is taken, outside its events — the samples stay one call each — and Anchor.l2_flush gives
+    our side the same read, waited for; with 0, none on either side."""
+    fake = _FakeTorch(True)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    a = torch_anchor.Anchor(calls=5, flush_bytes=flush_bytes)
+    assert a.seconds(8, 4, 64, 1024) == 1e-3 and a.results[(8, 4, 64, 1024, 1)]["samples"] == [1e-3] * 5
+    assert a.results[(8, 4, 64, 1024, 1)]["flush_bytes"] == flush_bytes and a.info["l2_flush_bytes"] == flush_bytes
+    if not flush_bytes:
+        assert fake.flushes == [] and a.l2_flush is None
+        return
+    calls_before = [n for kind, n in fake.flushes if kind == "read"]
+    # one read ahead of each call whose launch or GPU time is taken (not the clock warm-up's)
+    assert len(calls_before) == torch_anchor.WARMUP + 2 * 5
+    assert calls_before == list(range(calls_before[0], calls_before[0] + len(calls_before)))
+    fake.asleep, n = True, len(fake.flushes)
+    a.l2_flush()
+    assert fake.flushes[n:] == [("read", fake.calls)] and not fake.asleep  # enqueued, then waited for
+
+
+def test_interleaved_calls_before_outside_the_timing():
+    order = []
+    seconds, _ = common.interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2,
+                                    before=lambda: order.append("flush"))
+    assert order == ["flush", "a", "flush", "b"] * 2 and len(seconds["a"]) == len(seconds["b"]) == 2
 
 
 def test_sdpa_anchor_says_when_calls_were_not_queued(monkeypatch):

@@ -57,6 +57,9 @@ def parse_args(argv=None):
                     help="seconds the repeats of one context length may take (fewer repeats, at least 3, past it)")
     ap.add_argument("--sdpa-calls", type=int, default=100, help="timed torch SDPA calls per case")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA anchor")
+    ap.add_argument("--l2-flush-mib", type=int, default=torch_anchor.L2_FLUSH_BYTES >> 20,
+                    help="with torch + CUDA: a read of this many MiB before every timed call, ours and SDPA's "
+                         "(0: back to back, a small cache then stays in the L2)")
     ap.add_argument("--engine-paths-only", action="store_true",
                     help="only the path each cache's engine plans (no forced direct/table paths beside it)")
     ap.add_argument("--batches", default="", help="batched decode: batch sizes B, comma-separated (default: none)")
@@ -190,7 +193,7 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
                 if m in outputs:
                     checks[f"{m}_vs_dict_{f}_nmse"] = _nmse(outputs[m], outputs[f"dict_{f}"])
         times = timing.measure(candidates, args.repeats, budget_s=args.case_budget_s,
-                               warm_s=timing.warm_for(f32_att.device))
+                               warm_s=timing.warm_for(f32_att.device), before=anchor.l2_flush)
     finally:
         for rec in made:
             rec.free()
@@ -236,7 +239,7 @@ def run(args, progress) -> dict:
     rng = np.random.default_rng(0)
     t0 = time.time()
     roof = roofline.measure(dev)
-    anchor = torch_anchor.Anchor(args.sdpa_calls, enabled=not args.no_sdpa)
+    anchor = torch_anchor.Anchor(args.sdpa_calls, enabled=not args.no_sdpa, flush_bytes=args.l2_flush_mib << 20)
     progress(f"{dev.name}: roofline {roof['bytes_per_s'] / 1e9:.2f} GB/s; SDPA anchor: "
              f"{'torch ' + anchor.info['torch'] if anchor.info else anchor.note}")
     cases = []

@@ -64,7 +64,7 @@ def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
                           "plan": {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len, "local": p.local,
                                    "heads": p.heads, "seqs": p.seqs, **({"kernel": p.kernel} if cache == "dict" else {})}}
         times = timing.measure(recs, args.repeats, budget_s=args.case_budget_s,
-                               warm_s=timing.warm_for(dev))
+                               warm_s=timing.warm_for(dev), before=anchor.l2_flush)
     finally:
         for rec in recs.values():
             rec.free()

@@ -34,13 +34,16 @@ def stats(samples) -> dict:
             "samples": a.tolist()}
 
 
-def interleaved(candidates: dict, repeats: int, after_repeat=None) -> tuple[dict, dict]:
+def interleaved(candidates: dict, repeats: int, after_repeat=None, before=None) -> tuple[dict, dict]:
     """Run every candidate once per repeat, in turn: ({name: [seconds, ...]}, {name: what
-    its last call returned}). ``after_repeat(rep, seconds)`` is called after each repeat."""
+    its last call returned}). ``after_repeat(rep, seconds)`` is called after each repeat;
+    ``before()``, where given, before each call, outside its timing."""
     seconds = {name: [] for name in candidates}
     last = {}
     for rep in range(repeats):
         for name, fn in candidates.items():
+            if before is not None:
+                before()
             t = time.perf_counter()
             last[name] = fn()
             seconds[name].append(time.perf_counter() - t)

@@ -21,14 +21,16 @@ def is_recording(candidate) -> bool:
 
 
 def measure(candidates: dict, repeats: int, after_repeat=None, budget_s: float | None = None,
-            warm_s: float = 0.0) -> dict:
+            warm_s: float = 0.0, before=None) -> dict:
     """{name: timing} for {name: Recording | callable}; see :func:`timing`.
     ``after_repeat(rep, wall_seconds)`` as for common.interleaved. ``budget_s``: one
     untimed round first, and fewer repeats (at least MIN_REPEATS) when ``repeats`` rounds
     of that would take longer — so a slow case cannot stretch a run past its budget.
     ``warm_s``: untimed rounds for that long first — a GPU lowers its clocks within
     milliseconds of idling (the host preparing the case) and raises them only under
-    sustained load: an H200 measured 2-5× slower per kernel without this (warm_for)."""
+    sustained load: an H200 measured 2-5× slower per kernel without this (warm_for).
+    ``before()``: called before each timed call, outside its timing (the attention
+    benchmarks' L2 flush: torch_anchor.Anchor.l2_flush)."""
     recordings = {n: c for n, c in candidates.items() if is_recording(c)}
     gpu = {n: [] for n in recordings}
     core = {n: [] for n in recordings}
@@ -49,7 +51,7 @@ def measure(candidates: dict, repeats: int, after_repeat=None, budget_s: float |
         if after_repeat:
             after_repeat(rep, wall)
     calls = {n: (c.run if n in recordings else c) for n, c in candidates.items()}
-    wall, _ = common.interleaved(calls, repeats, after)
+    wall, _ = common.interleaved(calls, repeats, after, before=before)
     return {n: timing(wall[n], gpu.get(n), recorded=n in recordings, core=core.get(n)) for n in candidates}
 
 

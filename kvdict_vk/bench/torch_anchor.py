@@ -23,6 +23,12 @@ from __future__ import annotations
 import time
 
 WARMUP = 10
+# The L2 flush before each timed call (both sides of the SDPA ratio): a read of this many bytes,
+# over 5x the H200's 50 MiB L2. Decode attention reads a layer's cache once per token with the
+# other layers' caches and weights passing through between, so its K/V come from memory;
+# repeated back to back, a cache smaller than the L2 is read from the L2 instead — on the H200
+# that flattered SDPA by up to 4 µs and our kernels by up to 10 µs (tools/l2_probe.py).
+L2_FLUSH_BYTES = 256 << 20
 WARM_S = 0.3  # = timing.WARM_S
 # torch.cuda._sleep spins for a number of GPU clock cycles; counting them at 2 GHz (above the
 # H200's 1.98 GHz boost) makes a sleep at least as long as asked for on any slower clock.
@@ -45,7 +51,8 @@ def anchor():
 
 def describe(torch) -> dict:
     return {"torch": torch.__version__, "cuda_device": torch.cuda.get_device_name(0),
-            "timing": "CUDA events around each call, the calls queued behind a sleep kernel, median"}
+            "timing": "CUDA events around each call, the calls queued behind a sleep kernel, an L2 flush "
+                      "(a read of l2_flush_bytes) before each call outside its events, median"}
 
 
 def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100, batch: int = 1,
@@ -184,11 +191,27 @@ def device_anchors(n_bytes: int) -> dict:
 class Anchor:
     """The SDPA column of one attention benchmark run: ``seconds(shape...)`` or None, and why."""
 
-    def __init__(self, calls: int = 100, enabled: bool = True):
-        self.calls = calls
+    def __init__(self, calls: int = 100, enabled: bool = True, flush_bytes: int = L2_FLUSH_BYTES):
+        self.calls, self.flush_bytes = calls, flush_bytes
         self.torch, self.note = anchor() if enabled else (None, "not asked for (--no-sdpa)")
         self.info = describe(self.torch) if self.torch is not None else None
+        if self.info is not None:
+            self.info["l2_flush_bytes"] = flush_bytes
         self.results: dict = {}
+        self._flush = l2_flush(self.torch, flush_bytes) if self.torch is not None else None
+
+    @property
+    def l2_flush(self):
+        """A callable that reads flush_bytes through torch and waits for it — run before each
+        of our timed calls so they meet the L2 as SDPA's do — or None (no torch, or
+        flush_bytes 0: every side back to back)."""
+        if self._flush is None:
+            return None
+
+        def flush():
+            self._flush()
+            self.torch.cuda.synchronize()
+        return flush
 
     def seconds(self, n_kv: int, gqa: int, head_dim: int, n_used: int, batch: int = 1) -> float | None:
         if self.torch is None:
@@ -196,7 +219,8 @@ class Anchor:
         key = (n_kv, gqa, head_dim, n_used, batch)
         if key not in self.results:
             try:
-                self.results[key] = time_sdpa(self.torch, n_kv, gqa, head_dim, n_used, self.calls, batch)
+                self.results[key] = time_sdpa(self.torch, n_kv, gqa, head_dim, n_used, self.calls, batch,
+                                              flush_bytes=self.flush_bytes)
                 if not self.results[key]["queued"]:  # a figure that may include waits for the host
                     self.note = (f"SDPA at {key}: the calls could not be queued ahead of the GPU (no "
                                  f"torch.cuda._sleep, or the host fell behind): its time includes launch waits")

@@ -226,7 +226,7 @@ class Attention:
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
             units = flash_units(hd)
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
-                         and flash_shared_bytes(self.group, n, units) <= limit)
+                         and flash_shared_bytes(self.group, n) <= limit)
         return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
 
     def flash_variant(self, local: int, shader: str = "attend_flash") -> str:

@@ -19,13 +19,10 @@ FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8")
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
 
 
-def flash_shared_bytes(group: int, local: int, units: int) -> int:
-    """attend_flash.comp's shared memory: a float per (query head, invocation) and ``units``
-    (flash_units) of padding per head — partial scores without subgroups, the end's
-    reductions — and the end's partial sums, max(1, local // (group * units)) per (query
-    head, unit)."""
-    outs = group * units
-    return 4 * (group * (local + units) + outs * max(1, local // outs))
+def flash_shared_bytes(group: int, local: int) -> int:
+    """attend_flash.comp's shared memory: a float per (query head, invocation) — partial
+    scores without subgroups, the end's reductions."""
+    return 4 * group * local
 
 
 def flash_units(head_dim: int) -> int:
