@@ -9,7 +9,7 @@
 // SPLIT_LANES * UNROLL splits and one barrier; the lanes' (m, l, acc) then meet in shared
 // memory. (Its predecessor took the maximum first — a load round, a tree of barriers — then
 // loaded the records again: 4.7-7.6 µs at 22-86 splits on an H200, against a 2.1 µs floor for
-// any recorded op; docs/results/h200/probes/attend_floor.json.)
+// any recorded op; this pass 4.0-6.4 µs, docs/results/h200/probes/attend_merge_online.json.)
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
