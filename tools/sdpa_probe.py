@@ -1,5 +1,6 @@
 """Probe: torch SDPA's decode time on this GPU, per shape, the way the attention benchmark's
-anchor times it (kvdict_vk.bench.torch_anchor.time_sdpa: calls queued behind a sleep kernel)
+anchor times it (kvdict_vk.bench.torch_anchor.time_sdpa: calls queued behind a sleep kernel, an
+L2 flush before each)
 beside the same calls timed back to back without the sleep (which, for small shapes, times
 the host's launches), and with each of torch's SDPA backends forced, so the anchor is known to
 be the fastest torch offers. One JSON object to stdout.
@@ -18,6 +19,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="8x4x64,8x4x128,3x3x64,3x3x128", help="n_kv x gqa x head_dim, comma-separated")
     ap.add_argument("--n-used", default="8192,32768,131072")
     ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--l2-flush-mib", type=int, default=torch_anchor.L2_FLUSH_BYTES >> 20,
+                    help="a read of this many MiB before each call (0: back to back)")
     args = ap.parse_args()
     torch, note = torch_anchor.anchor()
     if torch is None:
@@ -29,13 +32,14 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n_kv, gqa, hd = (int(x) for x in shape.split("x"))
         for n_used in (int(x) for x in args.n_used.split(",")):
-            r = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls)
-            row = {"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "n_used": n_used, "default_s": r["seconds"],
+            flush = args.l2_flush_mib << 20
+            r = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls, flush_bytes=flush)
+            row = {"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "n_used": n_used, "l2_flush_bytes": flush, "default_s": r["seconds"],
                    "queued": r["queued"], "unqueued_s": r["unqueued_seconds"], "launch_s": r["launch_s"]}
             for name, backend in backends.items():
                 try:
                     with sdpa_kernel(backend):
-                        b = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls)
+                        b = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls, flush_bytes=flush)
                     row[f"{name.lower()}_s"] = b["seconds"]
                 except RuntimeError as e:  # a backend that does not take this shape
                     row[f"{name.lower()}_s"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
