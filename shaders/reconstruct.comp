@@ -67,11 +67,16 @@ layout(push_constant) uniform ReconstructPush {
     uint head_vec;    // words between two KV heads' means / scales (0: shared)
 } pc;
 
+// Chunk `chunk`'s first level: its bit, its level word (counted from the slot's first level
+// word) and its offset in that word — one spelling for both paths.
+#define CHUNK_LEVEL_BIT(chunk) ((chunk) * LANES * RES_BITS)
+#define CHUNK_LEVEL_WORD(chunk) (CHUNK_LEVEL_BIT(chunk) >> 5u)
+
 // The residual of chunk `chunk` of a row: LANES levels starting at element chunk*LANES.
 // A chunk's levels span at most two words (LANES*RES_BITS <= 32 bits, any bit offset): they
 // are taken as one window of bits, then each level at a constant shift.
 FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
-    uint off = (chunk * LANES * RES_BITS) & 31u;
+    uint off = CHUNK_LEVEL_BIT(chunk) & 31u;
     uint bits = level_window(lw0, lw1, off);
     FELEM r;
 #if VEC4
@@ -137,7 +142,7 @@ void rows_whole() {
             [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j)
                 acc += coef[j] * layer_elems[atom_elem[j] + chunk];
             if (RES_BITS > 0u) {
-                uint w = (chunk * LANES * RES_BITS) >> 5u;
+                uint w = CHUNK_LEVEL_WORD(chunk);
                 acc += residual_chunk(level_copy[w], level_copy[w + 1u], chunk, step_, scale_part[chunk]);
             }
             out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;
@@ -153,7 +158,7 @@ void load_slot_words(uint slot, uint group, out uint code[ROW_CODES], out uint l
     [[unroll]] for (uint j = 0u; j < ROW_CODES; ++j)
         code[j] = layer_words[slot + j];
     [[unroll]] for (uint k = 0u; k < PIECES; ++k) {
-        uint w = ((group + k * GROUPS) * LANES * RES_BITS) >> 5u;
+        uint w = CHUNK_LEVEL_WORD(group + k * GROUPS);
         lw0[k] = 0u;
         lw1[k] = 0u;
         if (RES_BITS > 0u)
