@@ -308,7 +308,10 @@ def report(result) -> list[str]:
     lines = [f"{result['device']['name']}: per decode step, median ms (GPU time where there are timestamps, "
              f"else wall); roofline {result['roofline']['bytes_per_s'] / 1e9:.2f} GB/s"]
     sd = result["sdpa"]
-    lines.append(f"  torch SDPA anchor: {'available' if sd['available'] else sd['note']}")
+    flush = (sd.get("info") or {}).get("l2_flush_bytes")
+    lines.append(f"  torch SDPA anchor: {'available' if sd['available'] else sd['note']}"
+                 + (f"; the L2 flushed before every timed call, ours and SDPA's ({flush >> 20} MiB read)"
+                    if flush else "; no L2 flush between calls" if sd["available"] else ""))
     for case in result["cases"]:
         for r in case["by_n_used"]:
             lines.append(f"  {case['n_kv']}x{case['gqa']} d{case['head_dim']} n_used {r['n_used']}:"
