@@ -24,20 +24,35 @@ from kvdict_vk.vk import KvArena  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 
-def op_medians(rec: Recording, runs: int, warm_s: float = 0.5) -> tuple[list[float], float | None]:
-    """(median GPU seconds of each op, median of the core span) over ``runs`` runs. The warm-up
-    is longer than the benchmarks' 0.3 s: the first case after an arena's upload (seconds of
+def op_medians(rec: Recording, runs: int, warm_s: float = 0.5, before=None) -> tuple[list[float], float | None]:
+    """(median GPU seconds of each op, median of the core span) over ``runs`` runs, ``before()``
+    ahead of each run where given (untimed: tools/l2_probe.py's flushes). The warm-up is
+    longer than the benchmarks' 0.3 s: the first case after an arena's upload (seconds of
     host work) measured 2-2.5x its later repeats on the H200 after 0.2 s."""
     t = time.perf_counter()
     while time.perf_counter() - t < warm_s:  # clocks up
+        if before is not None:
+            before()
         rec.run()
     per_op, core = [], []
     for _ in range(runs):
+        if before is not None:
+            before()
         rec.run()
         per_op.append(rec.op_seconds())
         core.append(rec.core_seconds())
     ops = np.median(np.asarray(per_op), axis=0).tolist()
     return ops, (float(np.median(core)) if None not in core else None)
+
+
+def f16_arena(dev, rng, shape: str, n_ctx: int) -> tuple[KvArena, np.ndarray]:
+    """An f16-cache arena of one layer, ``shape`` "n_kv x gqa x head_dim", filled with
+    n_ctx random rows per KV head, and a decode query for it."""
+    n_kv, gqa, hd = (int(x) for x in shape.split("x"))
+    arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="f16")
+    rows = BA.random_rows(rng, n_kv, n_ctx, hd)
+    arena.append(0, rows, rows)
+    return arena, rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
 
 
 def main(argv=None) -> None:
@@ -53,13 +68,9 @@ def main(argv=None) -> None:
     ns = [int(x) for x in a.n_used.split(",")]
     out = {"argv": sys.argv, "device": dev.name, "cases": []}
     for shape in a.shapes.split(","):
-        n_kv, gqa, hd = (int(x) for x in shape.split("x"))
-        arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
-        rows = BA.random_rows(rng, n_kv, max(ns), hd)
-        arena.append(0, rows, rows)
-        q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+        arena, q = f16_arena(dev, rng, shape, max(ns))
         # the floor: timestamps around a tiny copy (the query's upload) recorded four times
-        att = arena.attention(n_kv * gqa)
+        att = arena.attention(q.shape[0])
         if "tiny_copy_op_s" not in out:
             att.recording(0, q, ns[0]).free()  # makes the attention's buffers and passes
             floor = Recording(dev, [att.passes.q_upload(att.q)] * 4, timestamps=True, what="floor")
@@ -67,7 +78,7 @@ def main(argv=None) -> None:
             floor.free()
         for n in ns:
             for w in (int(x) for x in a.workgroups.split(",")):
-                att = arena.attention(n_kv * gqa)
+                att = arena.attention(q.shape[0])
                 att.flash_workgroups = w or None
                 rec = att.recording(0, q, n, timestamps=True)
                 plan = att.plan(0, n)

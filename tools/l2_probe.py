@@ -15,33 +15,16 @@ import argparse
 import json
 import os
 import sys
-import time
 from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvdict_vk.bench import attention as BA, common, torch_anchor  # noqa: E402
-from kvdict_vk.vk import KvArena  # noqa: E402
+from attend_floor_probe import f16_arena, op_medians  # noqa: E402  (this directory)
+from kvdict_vk.bench import common, torch_anchor  # noqa: E402
 from kvdict_vk.vk.kernels import Buffer, Kernel  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
-
-
-def core_median(rec: Recording, runs: int, flush=None, warm_s: float = 0.5) -> float:
-    """Median GPU seconds of ``rec``'s core ops over ``runs`` runs, ``flush()`` before each."""
-    t = time.perf_counter()
-    while time.perf_counter() - t < warm_s:  # clocks up (bench.timing.measure)
-        if flush is not None:
-            flush()
-        rec.run()
-    core = []
-    for _ in range(runs):
-        if flush is not None:
-            flush()
-        rec.run()
-        core.append(rec.core_seconds())
-    return float(np.median(core))
 
 
 def main(argv=None) -> None:
@@ -49,7 +32,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="3x3x64,3x3x128,8x4x64,8x4x128", help="n_kv x gqa x head_dim, comma-separated")
     ap.add_argument("--n-used", default="8192,32768,131072")
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--flush-mib", type=int, default=256, help="the buffer written between calls (MiB)")
+    ap.add_argument("--flush-mib", type=int, default=torch_anchor.L2_FLUSH_BYTES >> 20,
+                    help="the buffer passed over between calls (MiB)")
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
@@ -63,33 +47,26 @@ def main(argv=None) -> None:
     src, dst = Buffer(dev, words, "storage", "l2 flush source"), Buffer(dev, words, "storage", "l2 flush destination")
     copy = Kernel(dev, "copy_vec4", [src, dst], max_items=words)
     flush = Recording(dev, [copy.op(src_word=0, dst_word=0, n_words=words)], timestamps=False, what="l2 flush")
-    flush_read = None
-    if torch is not None:  # the same read-only pass SDPA's cold calls get, finished before each run
-        torch_read = torch_anchor.l2_flush(torch, a.flush_mib << 20)
-
-        def flush_read():
-            torch_read()
-            torch.cuda.synchronize()
+    read, write = (torch_anchor.l2_flush(torch, a.flush_mib << 20, w) if torch is not None else None
+                   for w in (False, True))
     for shape in a.shapes.split(","):
         n_kv, gqa, hd = (int(x) for x in shape.split("x"))
-        arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
-        rows = BA.random_rows(rng, n_kv, max(ns), hd)
-        arena.append(0, rows, rows)
-        q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+        arena, q = f16_arena(dev, rng, shape, max(ns))
         for n in ns:
-            att = arena.attention(n_kv * gqa)
-            rec = att.recording(0, q, n, timestamps=True)
+            rec = arena.attention(q.shape[0]).recording(0, q, n, timestamps=True)
             case = {"shape": shape, "n_used": n, "cache_bytes": 2 * n_kv * n * hd * 2,
-                    "ours_hot_s": core_median(rec, a.runs), "ours_copy_flushed_s": core_median(rec, a.runs, flush.run)}
-            if flush_read is not None:
-                case["ours_read_flushed_s"] = core_median(rec, a.runs, flush_read)
+                    "ours_hot_s": op_medians(rec, a.runs)[1],
+                    "ours_copy_flushed_s": op_medians(rec, a.runs, before=flush.run)[1]}
+            if read is not None:  # the same read SDPA's flushed calls get, waited for before each run
+                case["ours_read_flushed_s"] = op_medians(rec, a.runs, before=torch_anchor.waited(torch, read))[1]
             rec.free()
             if torch is not None:
                 hot = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n)
-                read = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush_bytes=a.flush_mib << 20)
-                write = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush_bytes=a.flush_mib << 20, flush_write=True)
-                case.update(sdpa_hot_s=hot["seconds"], sdpa_read_flushed_s=read["seconds"],
-                            sdpa_write_flushed_s=write["seconds"], sdpa_queued=[hot["queued"], read["queued"], write["queued"]])
+                read_s = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush=read)
+                write_s = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, flush=write)
+                case.update(sdpa_hot_s=hot["seconds"], sdpa_read_flushed_s=read_s["seconds"],
+                            sdpa_write_flushed_s=write_s["seconds"],
+                            sdpa_queued=[hot["queued"], read_s["queued"], write_s["queued"]])
                 case["ratio_hot"] = case["ours_hot_s"] / case["sdpa_hot_s"]
                 case["ratio_read_flushed"] = case["ours_read_flushed_s"] / case["sdpa_read_flushed_s"]
                 case["ratio_write_flushed"] = case["ours_copy_flushed_s"] / case["sdpa_write_flushed_s"]

@@ -28,24 +28,25 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backends = {b: getattr(SDPBackend, b) for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
                 if hasattr(SDPBackend, b)}
+    l2 = torch_anchor.l2_flush(torch, args.l2_flush_mib << 20)
     rows = []
     for shape in args.shapes.split(","):
         n_kv, gqa, hd = (int(x) for x in shape.split("x"))
         for n_used in (int(x) for x in args.n_used.split(",")):
-            flush = args.l2_flush_mib << 20
-            r = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls, flush_bytes=flush)
-            row = {"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "n_used": n_used, "l2_flush_bytes": flush, "default_s": r["seconds"],
+            r = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls, flush=l2)
+            row = {"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "n_used": n_used, "default_s": r["seconds"],
                    "queued": r["queued"], "unqueued_s": r["unqueued_seconds"], "launch_s": r["launch_s"]}
             for name, backend in backends.items():
                 try:
                     with sdpa_kernel(backend):
-                        b = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls, flush_bytes=flush)
+                        b = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls, flush=l2)
                     row[f"{name.lower()}_s"] = b["seconds"]
                 except RuntimeError as e:  # a backend that does not take this shape
                     row[f"{name.lower()}_s"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             rows.append(row)
             print(json.dumps(row), flush=True, file=sys.stderr)
-    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))
+    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                      "l2_flush_bytes": args.l2_flush_mib << 20, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

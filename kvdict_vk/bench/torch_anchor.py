@@ -56,17 +56,16 @@ def describe(torch) -> dict:
 
 
 def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100, batch: int = 1,
-              flush_bytes: int = 0, flush_write: bool = False) -> dict:
+              flush=None) -> dict:
     """{"seconds": median GPU time of a call, "samples", "queued": whether the host stayed
     ahead of the GPU (else "seconds" includes waits for the host), "unqueued_seconds": the
     median timed back to back without a sleep first, "launch_s": the host's time to enqueue
-    a call, "gqa": how the groups were expanded, "flush_bytes"}: one decode query per
-    sequence, ``batch`` sequences of n_used tokens. ``flush_bytes`` > 0: a buffer that large
-    is read (summed; ``flush_write``: zeroed, leaving the L2 full of lines still to be written
-    back) before each call, outside its events, so every call finds its K/V in memory, not in
-    the L2 (as a decode step does: the other layers' caches and weights pass through between
-    two reads of one layer's); 0: calls back to back on the same tensors (a cache smaller
-    than the L2 then stays there)."""
+    a call, "gqa": how the groups were expanded}: one decode query per sequence, ``batch``
+    sequences of n_used tokens. ``flush`` (an :func:`l2_flush`): enqueued before each call,
+    outside its events, so every call finds its K/V in memory, not in the L2 (as a decode
+    step does: the other layers' caches and weights pass through between two reads of one
+    layer's); None: calls back to back on the same tensors (a cache smaller than the L2 then
+    stays there)."""
     F = torch.nn.functional  # imported with torch
     dev, f16 = "cuda", torch.float16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -83,7 +82,7 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     def call():
         F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    before = l2_flush(torch, flush_bytes, flush_write)
+    before = flush
 
     t = time.perf_counter()
     while time.perf_counter() - t < WARM_S:  # the clocks up, as for our kernels (timing.measure)
@@ -101,20 +100,29 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     samples, queued = timed_calls(torch, call, calls, hold_s=2.0 * calls * launch_s + 1e-3, before=before)
     if not queued and getattr(torch.cuda, "_sleep", None) is not None:  # the host was slower this time
         samples, queued = timed_calls(torch, call, calls, hold_s=8.0 * calls * launch_s + 5e-3, before=before)
-    del q, k, v, before
+    del q, k, v
     torch.cuda.empty_cache()
     return {"seconds": samples[len(samples) // 2], "samples": samples, "queued": queued,
-            "unqueued_seconds": unqueued[len(unqueued) // 2], "launch_s": launch_s, "gqa": how,
-            "flush_bytes": flush_bytes}
+            "unqueued_seconds": unqueued[len(unqueued) // 2], "launch_s": launch_s, "gqa": how}
 
 
 def l2_flush(torch, n_bytes: int, write: bool = False):
-    """A callable that enqueues a pass over an n_bytes buffer — a read (a sum) or, ``write``,
-    a zeroing — pushing whatever the L2 held out of it; None for n_bytes 0."""
+    """A callable that enqueues a pass over an n_bytes buffer (allocated once, here) — a read
+    (a sum: clean lines) or, ``write``, a zeroing (leaving the L2 full of lines still to be
+    written back) — pushing whatever the L2 held out of it; None for n_bytes 0."""
     if n_bytes <= 0:
         return None
     buf = torch.ones(n_bytes // 4, dtype=torch.float32, device="cuda")
     return buf.zero_ if write else buf.sum
+
+
+def waited(torch, enqueue):
+    """``enqueue`` followed by a wait for the GPU: how torch work is put before a Vulkan
+    submission (the two APIs share no queue)."""
+    def run():
+        enqueue()
+        torch.cuda.synchronize()
+    return run
 
 
 def timed_calls(torch, call, calls: int, hold_s: float, before=None) -> tuple[list, bool]:
@@ -192,26 +200,16 @@ class Anchor:
     """The SDPA column of one attention benchmark run: ``seconds(shape...)`` or None, and why."""
 
     def __init__(self, calls: int = 100, enabled: bool = True, flush_bytes: int = L2_FLUSH_BYTES):
-        self.calls, self.flush_bytes = calls, flush_bytes
+        self.calls = calls
         self.torch, self.note = anchor() if enabled else (None, "not asked for (--no-sdpa)")
         self.info = describe(self.torch) if self.torch is not None else None
         if self.info is not None:
             self.info["l2_flush_bytes"] = flush_bytes
         self.results: dict = {}
         self._flush = l2_flush(self.torch, flush_bytes) if self.torch is not None else None
-
-    @property
-    def l2_flush(self):
-        """A callable that reads flush_bytes through torch and waits for it — run before each
-        of our timed calls so they meet the L2 as SDPA's do — or None (no torch, or
-        flush_bytes 0: every side back to back)."""
-        if self._flush is None:
-            return None
-
-        def flush():
-            self._flush()
-            self.torch.cuda.synchronize()
-        return flush
+        # run before each of our timed calls, so they meet the L2 as SDPA's do; None without
+        # torch or with flush_bytes 0 (every side back to back)
+        self.l2_flush = waited(self.torch, self._flush) if self._flush is not None else None
 
     def seconds(self, n_kv: int, gqa: int, head_dim: int, n_used: int, batch: int = 1) -> float | None:
         if self.torch is None:
@@ -220,7 +218,7 @@ class Anchor:
         if key not in self.results:
             try:
                 self.results[key] = time_sdpa(self.torch, n_kv, gqa, head_dim, n_used, self.calls, batch,
-                                              flush_bytes=self.flush_bytes)
+                                              flush=self._flush)
                 if not self.results[key]["queued"]:  # a figure that may include waits for the host
                     self.note = (f"SDPA at {key}: the calls could not be queued ahead of the GPU (no "
                                  f"torch.cuda._sleep, or the host fell behind): its time includes launch waits")
