@@ -341,8 +341,8 @@ def merge_head_local(head_dim: int, most: int) -> int:
     """attend_merge_head's workgroup: up to 256 invocations (the device's ``most`` allowing:
     Attention.max_local, maxComputeWorkGroupInvocations and maxComputeWorkGroupSize[0]), a
     multiple of head_dim / 4 — its split lanes × quads, up to 16 split lanes (0: none fits).
-    More split lanes, more records in flight at once: 16 lanes of 8 records each at d64 hold
-    MAX_SPLITS (128) in one round trip to memory; d128 fits 8 lanes, two rounds at 65-128."""
+    More split lanes, more records in flight at once: 16 lanes of 4 records each at d64 take
+    64 splits a round trip to memory, d128's 8 lanes 32."""
     q4 = head_dim // 4
     return max((n * q4 for n in (16, 8, 4, 2, 1) if n * q4 <= min(256, most)), default=0)
 
