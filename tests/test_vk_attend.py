@@ -8,6 +8,8 @@ attention_ref.attend_coded, checked against it on short ones). Every arena is gu
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -207,6 +209,9 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
 
 
+MERGE_HEAD_SOURCE = Path(__file__).resolve().parent.parent / "shaders" / "attend_merge_head.comp"
+
+
 @pytest.mark.parametrize("workgroups", [1, 5, 1024])
 def test_flash_merge_over_one_few_and_many_splits(workgroups, make_arena):
     """attend_merge_head merges a query head's records online, each split lane folding
@@ -230,7 +235,8 @@ def test_flash_merge_over_one_few_and_many_splits(workgroups, make_arena):
         assert plan.path == "flash"
         splits.append(plan.n_splits)
         _check(arena, stored, 0, q, n_used)
-    one_round = merge_head_local(hd, att.max_local()) // (hd // 4) * 4  # split lanes × UNROLL
+    unroll = int(re.search(r"const uint UNROLL = (\d+)u;", MERGE_HEAD_SOURCE.read_text()).group(1))
+    one_round = merge_head_local(hd, att.max_local()) // (hd // 4) * unroll  # split lanes × UNROLL
     assert splits[0] == 1 and (max(splits) > one_round if workgroups == 1024 else True)
     assert (max(splits) > 1) == (workgroups > n_kv)
 

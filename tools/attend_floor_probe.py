@@ -45,10 +45,9 @@ def op_medians(rec: Recording, runs: int, warm_s: float = 0.5, before=None) -> t
     return ops, (float(np.median(core)) if None not in core else None)
 
 
-def f16_arena(dev, rng, shape: str, n_ctx: int) -> tuple[KvArena, np.ndarray]:
-    """An f16-cache arena of one layer, ``shape`` "n_kv x gqa x head_dim", filled with
-    n_ctx random rows per KV head, and a decode query for it."""
-    n_kv, gqa, hd = (int(x) for x in shape.split("x"))
+def f16_arena(dev, rng, n_kv: int, gqa: int, hd: int, n_ctx: int) -> tuple[KvArena, np.ndarray]:
+    """An f16-cache arena of one layer (n_kv KV heads, head_dim hd) filled with n_ctx random
+    rows per KV head, and a decode query for its n_kv × gqa query heads."""
     arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="f16")
     rows = BA.random_rows(rng, n_kv, n_ctx, hd)
     arena.append(0, rows, rows)
@@ -68,7 +67,7 @@ def main(argv=None) -> None:
     ns = [int(x) for x in a.n_used.split(",")]
     out = {"argv": sys.argv, "device": dev.name, "cases": []}
     for shape in a.shapes.split(","):
-        arena, q = f16_arena(dev, rng, shape, max(ns))
+        arena, q = f16_arena(dev, rng, *common.dims(shape), max(ns))
         # the floor: timestamps around a tiny copy (the query's upload) recorded four times
         att = arena.attention(q.shape[0])
         if "tiny_copy_op_s" not in out:

@@ -61,7 +61,7 @@ def main(argv=None):
     ns = [int(x) for x in a.n_used.split(",")]
     bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=4)  # the bench's gpu preset dictionaries
     for shape in a.shapes.split(","):
-        n_kv, gqa = (int(x) for x in shape.split("x"))
+        n_kv, gqa = common.dims(shape)
         for hd in (int(x) for x in a.head_dims.split(",")):
             q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
             f16 = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")

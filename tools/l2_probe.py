@@ -50,8 +50,8 @@ def main(argv=None) -> None:
     read, write = (torch_anchor.l2_flush(torch, a.flush_mib << 20, w) if torch is not None else None
                    for w in (False, True))
     for shape in a.shapes.split(","):
-        n_kv, gqa, hd = (int(x) for x in shape.split("x"))
-        arena, q = f16_arena(dev, rng, shape, max(ns))
+        n_kv, gqa, hd = common.dims(shape)
+        arena, q = f16_arena(dev, rng, n_kv, gqa, hd, max(ns))
         for n in ns:
             rec = arena.attention(q.shape[0]).recording(0, q, n, timestamps=True)
             case = {"shape": shape, "n_used": n, "cache_bytes": 2 * n_kv * n * hd * 2,

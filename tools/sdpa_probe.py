@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from kvdict_vk.bench import torch_anchor
+from kvdict_vk.bench import common, torch_anchor
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     l2 = torch_anchor.l2_flush(torch, args.l2_flush_mib << 20)
     rows = []
     for shape in args.shapes.split(","):
-        n_kv, gqa, hd = (int(x) for x in shape.split("x"))
+        n_kv, gqa, hd = common.dims(shape)
         for n_used in (int(x) for x in args.n_used.split(",")):
             r = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n_used, args.calls, flush=l2)
             row = {"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "n_used": n_used, "default_s": r["seconds"],

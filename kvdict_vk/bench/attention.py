@@ -65,7 +65,7 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="", help="batched decode: batch sizes B, comma-separated (default: none)")
     ap.add_argument("--batch-n-used", type=int, default=8192, help="tokens per sequence of a batch")
     args = common.parse(ap, argv)
-    args.shape_list = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")] \
+    args.shape_list = [common.dims(s) for s in args.shapes.split(",")] \
         if args.shapes else [(args.n_kv, args.gqa)]
     args.head_dim_list = [int(x) for x in args.head_dims.split(",")] if args.head_dims else [args.head_dim]
     args.n_used_list = [int(x) for x in args.n_used.split(",")]

@@ -34,6 +34,12 @@ def stats(samples) -> dict:
             "samples": a.tolist()}
 
 
+def dims(text: str) -> tuple[int, ...]:
+    """A shape written "a x b [x c]" ("8x4x64": n_kv × gqa × head_dim) as a tuple of ints —
+    how the benchmarks and the tools spell one on the command line."""
+    return tuple(int(x) for x in text.lower().split("x"))
+
+
 def interleaved(candidates: dict, repeats: int, after_repeat=None, before=None) -> tuple[dict, dict]:
     """Run every candidate once per repeat, in turn: ({name: [seconds, ...]}, {name: what
     its last call returned}). ``after_repeat(rep, seconds)`` is called after each repeat;

@@ -82,8 +82,6 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     def call():
         F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    before = flush
-
     t = time.perf_counter()
     while time.perf_counter() - t < WARM_S:  # the clocks up, as for our kernels (timing.measure)
         for _ in range(WARMUP):
@@ -91,15 +89,15 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
         torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(WARMUP):  # the host's time to enqueue one call, GPU busy: what a sleep must cover
-        if before is not None:
-            before()
+        if flush is not None:
+            flush()
         call()
     launch_s = (time.perf_counter() - t) / WARMUP
     torch.cuda.synchronize()
-    unqueued, _ = timed_calls(torch, call, calls, hold_s=0.0, before=before)
-    samples, queued = timed_calls(torch, call, calls, hold_s=2.0 * calls * launch_s + 1e-3, before=before)
+    unqueued, _ = timed_calls(torch, call, calls, hold_s=0.0, before=flush)
+    samples, queued = timed_calls(torch, call, calls, hold_s=2.0 * calls * launch_s + 1e-3, before=flush)
     if not queued and getattr(torch.cuda, "_sleep", None) is not None:  # the host was slower this time
-        samples, queued = timed_calls(torch, call, calls, hold_s=8.0 * calls * launch_s + 5e-3, before=before)
+        samples, queued = timed_calls(torch, call, calls, hold_s=8.0 * calls * launch_s + 5e-3, before=flush)
     del q, k, v
     torch.cuda.empty_cache()
     return {"seconds": samples[len(samples) // 2], "samples": samples, "queued": queued,
