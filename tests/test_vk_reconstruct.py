@@ -127,6 +127,26 @@ def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate, m
         _check_read(arena, art, stored, layer, t, t + 1)  # one token
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("cap", [3, 6])
+@pytest.mark.parametrize("hd", [64, 12])
+def test_narrow_grids_walk_rows_across_heads(hd, cap, pipelined, make_arena, activate, monkeypatch):
+    """The GPU mapping with 3 or 6 workgroups: each invocation walks many rows, stepping from
+    one KV head's tokens into the next's part way, over whole and partial token ranges; hd 12
+    has 3 chunks a row (one chunk an invocation, a grid stride of 64·cap / 3 rows)."""
+    from kvdict_vk.vk import kernels
+    rng = np.random.default_rng(7 + hd + cap)
+    art = random_artifact(rng, hd, 256, (((4, 3), (2, 4)),), n_heads=3)
+    activate(art)
+    monkeypatch.setattr(kernels, "MAX_WORKGROUPS", cap)
+    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (2, pipelined)),))
+    n_ctx = 150
+    arena = make_arena(1, 3, hd, n_ctx, guard_words=4 * hd, shader_mapping="chunk")
+    stored = _fill(arena, art, rng, n_ctx)
+    for t0, t1 in ((0, n_ctx), (7, 140), (149, 150), (0, 9)):
+        _check_read(arena, art, stored, 0, t0, t1)
+
+
 def test_the_grid_is_covered():
     """Every value of the brief's grid appears in the hand-picked cases."""
     seen = {"hd": set(), "na": set(), "s": set(), "bits": set(), "heads": set()}
