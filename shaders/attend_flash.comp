@@ -37,6 +37,15 @@
 layout(constant_id = 4) const uint ROW_HALF = 1u;  // 1: f16 rows (two halves a word), 0: f32
 // 1: q8_0 rows (ROW_HALF 0): the block scales (f16 pairs), then the int8 values four to a word
 layout(constant_id = 5) const uint ROW_Q8 = 0u;
+// The split's end: a shared-memory tree per reduction and one element of a unit at a time
+// (WIDE_END 0), or the attend_flash_wide builds' end in a few barriers, END_ELEMS elements of a
+// unit a pass (8 or 4: the host's attend.flash_end_elems). Measured on an H200: the wide end
+// takes ~3 µs off every attention, but the token loop runs up to a third slower beside it at
+// long contexts (the compiler's choices for the whole kernel), so the tuner times both.
+#ifndef WIDE_END
+#define WIDE_END 0
+#endif
+layout(constant_id = 6) const uint END_ELEMS = 1u;
 const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2
 const uint Q8_SCALE_WORDS = (HEAD_DIM / 32u + 1u) / 2u;
 const uint ROW_WORDS = ROW_Q8 > 0u ? Q8_SCALE_WORDS + HEAD_DIM / 4u : (ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM);
@@ -79,6 +88,28 @@ layout(push_constant) uniform AttendFlashPush {
     float score_scale;
 } pc;
 
+#if WIDE_END
+// The split's end: element e of every invocation's unit of every query head h at
+// red_sh[e*END_STRIDE + h*LOCAL + tid], a pass of END_ELEMS elements at a time. The stride's
+// padding puts the elements a warp sums (UNITS lanes an element) in different banks.
+const uint END_STRIDE = GROUP * LOCAL + UNITS % 32u;
+// partial scores (SUBGROUP 0: red_sh[h*LOCAL + tid]); the end's unit elements
+shared float red_sh[END_ELEMS * END_STRIDE];
+// the end: each token lane's reference and sum of p, its factor exp(m - M), the split's M
+shared float lane_m_sh[GROUP * TLANES];
+shared float lane_l_sh[GROUP * TLANES];
+shared float lane_f_sh[GROUP * TLANES];
+shared float split_m_sh[GROUP];
+
+// Elements e0 .. e0 + END_ELEMS - 1 of this invocation's unit of each head's sum of p·v into
+// red_sh (e0 a constant after unrolling: the vectors are indexed by constants only).
+#define END_WRITE(e0) \
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) \
+        if (h < GROUP) \
+            [[unroll]] for (uint e = 0u; e < END_ELEMS; ++e) \
+                red_sh[e * END_STRIDE + h * LOCAL + tid] = (e0) + e < 4u ? acc_lo[h][((e0) + e) % 4u] \
+                                                                         : acc_hi[h][((e0) + e) % 4u];
+#else
 // partial scores (SUBGROUP 0); the end's reductions and sums
 shared float red_sh[GROUP * LOCAL];
 
@@ -93,6 +124,7 @@ void reduce(uint tid, bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh
     }
     barrier();
 }
+#endif
 
 // A row unit's words: f16 a (8 halves); f32 a, b (4 floats each); q8_0 a.x, a.y (the value
 // words) and a.z (the pair of block scales holding its block's).
@@ -230,6 +262,56 @@ void main() {
                 LOAD_ROUND(next);
         }
 
+#if WIDE_END
+        // The split's end, in 3 + 2 × (8 / END_ELEMS - 1) barriers: each token lane's reference
+        // m and sum l (the same in all its invocations: its unit 0 writes them) and the first
+        // pass of the units' elements; the split's reference M per query head (the lanes'
+        // largest) and each lane's factor exp(m - M) (0 for a lane without tokens); then every
+        // record element summed over the token lanes by one invocation, scaled by the factors.
+        barrier();  // the loop's partial scores (SUBGROUP 0) are read
+        if (unit == 0u)
+            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                if (h < GROUP) {
+                    lane_m_sh[h * TLANES + tlane] = m[h];
+                    lane_l_sh[h * TLANES + tlane] = l[h];
+                }
+        END_WRITE(0u);
+        barrier();
+        for (uint x = tid; x < GROUP * TLANES; x += LOCAL) {
+            uint h0 = x - x % TLANES;
+            float big = NEG_INF;
+            for (uint ln = 0u; ln < TLANES; ++ln)
+                big = max(big, lane_m_sh[h0 + ln]);
+            float own = lane_m_sh[x];
+            lane_f_sh[x] = own > NEG_INF ? exp(own - big) : 0.0;
+            if (x == h0)
+                split_m_sh[x / TLANES] = big;
+        }
+        barrier();
+        uint rec0 = record(i, vh, pc.n_kv * pc.n_seqs);  // record (i, g, h) = rec0 + h
+        if (tid < GROUP) {  // the sums of p
+            float sum = 0.0;
+            for (uint ln = 0u; ln < TLANES; ++ln)
+                sum += lane_l_sh[tid * TLANES + ln] * lane_f_sh[tid * TLANES + ln];
+            stats[(rec0 + tid) * 2u] = split_m_sh[tid];
+            stats[(rec0 + tid) * 2u + 1u] = sum;
+        }
+        [[unroll]] for (uint e0 = 0u; e0 < UNIT_DIMS; e0 += END_ELEMS) {
+            if (e0 > 0u) {
+                barrier();  // the last pass's elements are read
+                END_WRITE(e0);
+                barrier();
+            }
+            // x = (h, e, un), un fastest: a warp's lanes read neighbouring words of one element
+            for (uint x = tid; x < GROUP * END_ELEMS * UNITS; x += LOCAL) {
+                uint un = x % UNITS, e = (x / UNITS) % END_ELEMS, h = x / (UNITS * END_ELEMS);
+                float sum = 0.0;
+                for (uint ln = 0u; ln < TLANES; ++ln)
+                    sum += red_sh[e * END_STRIDE + h * LOCAL + ln * UNITS + un] * lane_f_sh[h * TLANES + ln];
+                acc_floats[(rec0 + h) * HEAD_DIM + un * UNIT_DIMS + e0 + e] = sum;
+            }
+        }
+#else
         // the split's reference M: the largest of the token lanes' references; each lane's sums
         // rescaled to it (a lane without tokens, m = -inf, adds nothing)
         barrier();
@@ -275,6 +357,7 @@ void main() {
                 stats[(rec0 + h) * 2u] = m_split[h];
                 stats[(rec0 + h) * 2u + 1u] = red_sh[h * LOCAL];
             }
+#endif
         barrier();  // shared memory is reused by the next item
     }
 }

@@ -184,7 +184,7 @@ def test_the_grid_is_covered():
     assert any(None in p and p != (None, None) for c in CASES for p in c[5])  # a mixed layer
 
 
-@pytest.mark.parametrize("path", ["direct", "flash", "flash-shared"])
+@pytest.mark.parametrize("path", ["direct", "flash", "flash-shared", "flash-wide", "flash-wide-shared"])
 @pytest.mark.parametrize("cache", ["f16", "f32"])
 @pytest.mark.parametrize("hd,g,n_kv,n_ctx", [(64, 3, 3, 32768), (32, 8, 2, 4096), (128, 1, 4, 300)])
 def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, path, make_arena):
@@ -197,16 +197,41 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, cache)
     att = arena.attention(n_kv * g)
     att.path = path.split("-")[0]
-    att.subgroups = False if path == "flash-shared" else None
+    att.subgroups = False if path.endswith("-shared") else None
+    att.flash_kernel = "wide_end" if "wide" in path else None
     assert att.plan(0, n_ctx).path == att.path
     if att.path == "flash":
-        local = att.flash_local(0)
+        local = att.plan(0, n_ctx).local
         fits = flash_subgroup_fits(flash_units(hd), local, arena.device.shuffle_subgroup_size())
-        assert att.flash_variant(local) == ("attend_flash_sg" if fits and path == "flash" else "attend_flash")
+        shader = "attend_flash_wide" if "wide" in path else "attend_flash"
+        assert att.flash_variant(local, shader) == (f"{shader}_sg" if fits and not path.endswith("-shared") else shader)
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
         _check(arena, stored, 0, q, n_used)
     _check(arena, stored, 0, q, n_ctx, scale=0.05)  # an explicit scale
+
+
+@pytest.mark.parametrize("path", ["flash", "flash-shared"])
+@pytest.mark.parametrize("end_elems", [8, 4, 2, 1])
+def test_flash_wide_end_in_any_number_of_passes(end_elems, path, make_arena, monkeypatch):
+    """attend_flash_wide's split end moves a unit's 8 elements through shared memory END_ELEMS
+    at a time (attend.flash_end_elems: the most the device holds of FLASH_END_ELEMS, forced to
+    one value here — 2 and 1 are not offered, being slow, but are correct): every pass count
+    gives the reference, with 3 query heads (not a power of two) and token lanes of which
+    some see no token (n_used 1 and 7)."""
+    from kvdict_vk.vk import attend as attend_module
+    monkeypatch.setattr(attend_module, "FLASH_END_ELEMS", (end_elems,))
+    rng = np.random.default_rng(end_elems)
+    hd, g, n_kv, n_ctx = 64, 3, 2, 3000
+    arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, "f16")
+    att = arena.attention(n_kv * g)
+    att.path, att.flash_kernel = "flash", "wide_end"
+    att.subgroups = False if path == "flash-shared" else None
+    local = att.flash_kernel_locals(0, "wide_end")[0]
+    assert att.flash_end_elems(local) == end_elems and att.plan(0, n_ctx).kernel == "wide_end"
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    for n_used in (1, 7, 1500, n_ctx):
+        _check(arena, stored, 0, q, n_used)
 
 
 MERGE_HEAD_SOURCE = Path(__file__).resolve().parent.parent / "shaders" / "attend_merge_head.comp"
@@ -478,10 +503,12 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
         assert [hb for hb, _ in att.flash_coded_options(0, "fixed")] == [2, 1]
         shapes = T.candidates(att.flash_coded_options(0, "float"), True, "float") + \
             T.candidates(att.flash_coded_options(0, "fixed"), True, "fixed")
-    else:
-        shapes = T.candidates([(0, att.flash_locals(0))], False)
+    else:  # the build (its split's end) is a dimension too
+        assert att.flash_kernel_locals(0, "wide_end") == att.flash_locals(0)
+        shapes = T.candidates([(0, att.flash_locals(0))], False, "float") + \
+            T.candidates([(0, att.flash_kernel_locals(0, "wide_end"))], False, "wide_end")
     assert len(shapes) >= 2
-    favourite = shapes[-1]  # coded: the fixed-point kernel, one query head per workgroup
+    favourite = shapes[-1]  # coded: the fixed-point kernel, one query head per workgroup; else the wide end
     what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
     timed = []
 
@@ -562,8 +589,9 @@ def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     monkeypatch.setattr(att, "time_plan", lambda layer, n_used, plan: 1e-3)
     first = [att.plan(0, n) for n in (100, 300, 700)]
-    assert calls == {"units": 1, "signature": 1}
-    assert [att.plan(0, n) for n in (100, 300, 700)] == first and calls == {"units": 1, "signature": 1}
+    derived = dict(calls)  # units: the sizes, and the wide end per workgroup size
+    assert derived["signature"] == 1 and 1 <= derived["units"] <= 1 + len(att.flash_locals(0))
+    assert [att.plan(0, n) for n in (100, 300, 700)] == first and calls == derived
     assert att.layer_signature(0) + (T.bucket(700),) in T.measured()
     locals_ = att.flash_locals(0)
     locals_.clear()  # the caller's copy: the cached sizes stay

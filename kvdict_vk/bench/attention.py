@@ -172,7 +172,7 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
                 moved = traffic.bytes_moved("attend", arena.layout, 0, n, plan=p, n_heads=q.shape[0])
                 plan = {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len,
                         **({"local": p.local, "heads": p.heads} if p.path == "flash" else {}),
-                        **({"kernel": p.kernel} if p.path == "flash" and cache == "dict" else {})}
+                        **({"kernel": p.kernel} if p.path == "flash" else {})}
             info[mode] = {"cache": cache, "format": fmt, "forced": path, "plan": plan, "bytes": moved}
         outputs = {}
         for mode, c in candidates.items():  # warm-up, and what each mode computes

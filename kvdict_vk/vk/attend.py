@@ -33,7 +33,7 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_CODED_FIXED_MAX_HEADS, FLASH_MAX_GROUP, Sizes, flash_coded_fixed_fits,
+from .attend_specs import (FLASH_CODED_FIXED_MAX_HEADS, FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_fixed_fits,
                            flash_coded_fixed_shared_bytes, flash_coded_shared_bytes,
                            flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
@@ -63,6 +63,11 @@ FLASH_CODED_WORKGROUPS = 256
 # (attend_flash_coded_fixed: as fixed-point integers added by atomicAdd, flushed into
 # registers). Neither wins everywhere on an H200 (docs/DESIGN.md): the tuner times both.
 CODED_KERNELS = ("float", "fixed")
+# attend_flash's builds, the untuned default first: "float" (attend_flash: the split's end as
+# shared-memory trees, one element of a unit at a time) and "wide_end" (attend_flash_wide: the
+# end in a few barriers). The wide end is ~3 µs shorter, but beside it the token loop ran up
+# to a third slower at long contexts on an H200 (docs/DESIGN.md): the tuner times both.
+FLASH_KERNELS = ("float", "wide_end")
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -101,6 +106,9 @@ class Attention:
         # the kernel over the codes (CODED_KERNELS; None: measured with the launch shape on a
         # GPU, the first on a CPU driver). Tests and benchmarks fix it.
         self.coded_kernel: str | None = None
+        # attend_flash's build (FLASH_KERNELS; None: measured with the launch shape on a GPU,
+        # the first on a CPU driver). Tests and benchmarks fix it.
+        self.flash_kernel: str | None = None
         # whether attend_flash sums a token's partial scores by subgroup shuffles
         # (attend_flash_sg) — None: wherever the device has them and they fit the row
         # (flash_variant); False: through shared memory everywhere. Tests fix it.
@@ -226,8 +234,24 @@ class Attention:
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
             units = flash_units(hd)
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
-                         and flash_shared_bytes(self.group, n) <= limit)
+                         and flash_shared_bytes(self.group, n, units) <= limit)
         return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
+
+    def flash_end_elems(self, local: int) -> int:
+        """attend_flash_wide's END_ELEMS at ``local`` invocations: the most elements of a unit
+        its split's end moves through shared memory per pass (FLASH_END_ELEMS) that the device's
+        shared memory holds; 0 where none fits (then attend_flash_wide is no candidate)."""
+        def derive() -> int:
+            limit, units = self.device.limit("max_compute_shared_memory_size"), flash_units(self.layout.head_dim)
+            return next((e for e in FLASH_END_ELEMS if flash_shared_bytes(self.group, local, units, e) <= limit), 0)
+        return self._per_layer("flash_end_elems", (local, FLASH_END_ELEMS), derive)
+
+    def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
+        """attend_flash's workgroup sizes over an uncoded ``layer`` for build ``kernel``
+        (FLASH_KERNELS): flash_locals, and for "wide_end" those whose wide end fits."""
+        if kernel not in FLASH_KERNELS:
+            raise E.ArenaError(f"Attention.flash_kernel must be None or one of {FLASH_KERNELS}, got {kernel!r}")
+        return [n for n in self.flash_locals(layer) if kernel != "wide_end" or self.flash_end_elems(n)]
 
     def flash_variant(self, local: int, shader: str = "attend_flash") -> str:
         """The SPIR-V of ``shader`` — attend_flash or attend_flash_coded_fixed, both spreading
@@ -356,14 +380,19 @@ class Attention:
             min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS
             fixed, default = self.coded_workgroups, FLASH_CODED_WORKGROUPS
         else:
-            shapes = T.candidates([(0, self.flash_locals(layer))], False)
+            shapes = []
+            for kernel in FLASH_KERNELS if self.flash_kernel is None else (self.flash_kernel,):
+                shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))], False, kernel)
+            if not shapes:
+                raise E.ArenaError(f"layer {layer}: attend_flash ({self.flash_kernel}) has no workgroup size here")
             min_tokens = FLASH_MIN_SPLIT_TOKENS
             fixed, default = self.flash_workgroups, FLASH_WORKGROUPS
 
         def shaped(shape: T.Shape) -> P.Plan:
             return self.flash_shaped(n_used, shape, min_tokens, seqs)
         if fixed is None and self.tune and timestamps_usable(self.device):
-            forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None)
+            forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None) if k.coded else \
+                ((self.flash_kernel,) if self.flash_kernel is not None else ())
             forced += (("seqs", seqs),) if seqs > 1 else ()
             shape = T.choose(self.layer_signature(layer) + forced, n_used, shapes,
                              lambda sh: self.time_plan(layer, n_used, shaped(sh)))

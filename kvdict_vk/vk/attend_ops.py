@@ -173,10 +173,11 @@ class PassBuilder:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
         rows per KV head; plan.seqs sequences seq_rows apart), then attend_merge_head."""
         att, lay = self.att, self.layout
-        variant = att.flash_variant(local)
+        wide = plan.kernel == "wide_end"
+        variant = att.flash_variant(local, "attend_flash_wide" if wide else "attend_flash")
         kernel = self._kernel(("flash", variant) + key + (local,), variant, [buf, buf, att.q, att.accs, att.stats],
                               att.sizes.seqs * lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1,
-                              ROW_HALF=half, ROW_Q8=q8)
+                              ROW_HALF=half, ROW_Q8=q8, END_ELEMS=att.flash_end_elems(local) if wide else 1)
         op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
                        n_kv=lay.n_kv_heads, n_seqs=plan.seqs, score_scale=scale)
         return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs)

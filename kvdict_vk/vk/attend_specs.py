@@ -15,14 +15,24 @@ ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
 CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
 DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
-FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8")
+FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
 
 
-def flash_shared_bytes(group: int, local: int) -> int:
-    """attend_flash.comp's shared memory: a float per (query head, invocation) — partial
-    scores without subgroups, the end's reductions."""
-    return 4 * group * local
+# attend_flash_wide's END_ELEMS, preferred first (fewer passes): 2 or 1 would be correct too,
+# but made the whole kernel 3-4x slower on an H200 (the compiler's choices with 4-8 passes)
+FLASH_END_ELEMS = (8, 4)
+
+
+def flash_shared_bytes(group: int, local: int, units: int, end_elems: int = 0) -> int:
+    """attend_flash.comp's shared memory. end_elems 0 (attend_flash): a float per (query head,
+    invocation) — partial scores without subgroups, the end's reductions. Else
+    (attend_flash_wide at END_ELEMS = end_elems): that many floats per (query head, invocation)
+    plus a padding of units % 32 each — partial scores, the end's unit elements —, three floats
+    per (query head, token lane) and one per query head (the end's references, sums, factors)."""
+    if not end_elems:
+        return 4 * group * local
+    return 4 * (end_elems * (group * local + units % 32) + 3 * group * (local // units) + group)
 
 
 def flash_units(head_dim: int) -> int:
@@ -372,9 +382,10 @@ def shader_specs(shader_spec) -> dict:
                     _merge_head_extents),
         # cache words, cache quads, query, accs, stats
         *(shader_spec(name, L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
-                      FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0)),
+                      FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0), ("END_ELEMS", 1)),
                       subgroup_ops=ops)
-          for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")))),
+          for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")),
+                            ("attend_flash_wide", ()), ("attend_flash_wide_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
         shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
                     (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,

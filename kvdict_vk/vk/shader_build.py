@@ -54,6 +54,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                                "attend_flash_coded")},
     # the same kernel summing a token's partial scores by subgroup shuffles (GPUs that have them)
     "attend_flash_sg": ("attend_flash.comp", {"SUBGROUP": 1}),
+    # attend_flash with the split's end in a few barriers (the tuner times it beside attend_flash)
+    "attend_flash_wide": ("attend_flash.comp", {"WIDE_END": 1}),
+    "attend_flash_wide_sg": ("attend_flash.comp", {"WIDE_END": 1, "SUBGROUP": 1}),
     # attend_flash_coded with fixed-point atom weights (the tuner picks it where it is faster)
     "attend_flash_coded_fixed": ("attend_flash_coded_fixed.comp", {}),
     "attend_flash_coded_fixed_sg": ("attend_flash_coded_fixed.comp", {"SUBGROUP": 1}),
