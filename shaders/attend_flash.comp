@@ -40,7 +40,7 @@ layout(constant_id = 5) const uint ROW_Q8 = 0u;
 // The split's end: a shared-memory tree per reduction and one element of a unit at a time
 // (WIDE_END 0), or the attend_flash_wide builds' end in a few barriers, END_ELEMS elements of a
 // unit a pass (8 or 4: the host's attend.flash_end_elems). Measured on an H200: the wide end
-// takes ~3 µs off every attention, but the token loop runs up to a third slower beside it at
+// takes ~3 µs off an attention, but the token loop runs up to a third slower beside it at
 // long contexts (the compiler's choices for the whole kernel), so the tuner times both.
 #ifndef WIDE_END
 #define WIDE_END 0

@@ -35,14 +35,14 @@ def planned_read(args, dev, out, spv_dir: str):
     if spv_dir:
         os.environ[SPV_DIR_ENV] = os.path.abspath(spv_dir)
     try:
-        arena, codes, dicts = reconstruct._coded(args.sparsity, args, dev, np.random.default_rng(0))
+        arena, codes, dicts = reconstruct.coded_arena(args.sparsity, args, dev, np.random.default_rng(0))
         rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
     finally:
         os.environ.pop(SPV_DIR_ENV, None)
         if saved is not None:
             os.environ[SPV_DIR_ENV] = saved
     rec.run()  # warm-up
-    return arena, rec, reconstruct._nmse_check(arena, codes, dicts, args.n_ctx)
+    return arena, rec, reconstruct.nmse_check(arena, codes, dicts, args.n_ctx)
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
     roof = roofline.measure(dev)
     n_words = 2 * args.n_kv * args.n_ctx * args.head_dim
     out = Buffer(dev, n_words, "storage", "reconstructed rows")
-    copy_rec, keep = reconstruct._copy(dev, n_words)
+    copy_rec, keep = reconstruct.copy_recording(dev, n_words)
     copy_rec.run()
     arenas, recs, nmse = [], {}, {}
     try:

@@ -47,7 +47,7 @@ def parse_args(argv=None):
     return common.parse(ap, argv)
 
 
-def _coded(s, args, dev, rng):
+def coded_arena(s, args, dev, rng):
     """A one-layer dict arena of n_ctx tokens of random slots, the slots and dictionaries."""
     from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict
@@ -80,7 +80,7 @@ def _uncoded(args, dev, rng) -> dict:
     return arenas
 
 
-def _copy(dev, n_words):
+def copy_recording(dev, n_words):
     """A recorded copy shader of n_words words between two device-local buffers."""
     from kvdict_vk.vk.kernels import Buffer, Kernel
     from kvdict_vk.vk.submit import Recording
@@ -90,7 +90,7 @@ def _copy(dev, n_words):
     return rec, [kernel, src, dst]
 
 
-def _nmse_check(arena, codes, dicts, n_ctx) -> float:
+def nmse_check(arena, codes, dicts, n_ctx) -> float:
     from kvdict_vk import codec
     n = min(n_ctx, CHECK_TOKENS)
     k, _ = arena.read(0, 0, n)
@@ -103,9 +103,9 @@ def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_t
     (candidate, bytes moved, cache)}); every read writes into ``out``."""
     from kvdict_vk import codec
     from kvdict_vk.vk import ReadPlan
-    arena, codes, dicts = _coded(s, args, dev, rng)
+    arena, codes, dicts = coded_arena(s, args, dev, rng)
     try:
-        nmse = _nmse_check(arena, codes, dicts, args.n_ctx)
+        nmse = nmse_check(arena, codes, dicts, args.n_ctx)
         rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
         rec.run()  # warm-up
         n_words = 2 * args.n_kv * args.n_ctx * args.head_dim
@@ -145,7 +145,7 @@ def run(args, progress) -> dict:
     progress(f"{dev.name}: s {args.sparsity}, {args.n_kv}×{args.n_ctx} rows/stream, "
              f"{4 * n_words / 2**20:.0f} MiB out; roofline {roof['bytes_per_s'] / 1e9:.2f} GB/s")
     out = Buffer(dev, n_words, "storage", "reconstructed rows")
-    copy_rec, keep = _copy(dev, n_words)
+    copy_rec, keep = copy_recording(dev, n_words)
     copy_rec.run()
     uncoded = _uncoded(args, dev, rng)
     base_recs = []
