@@ -447,6 +447,12 @@ def test_typed_errors(make_arena, activate, vk_device):
     for layer in (-1, 2, True, "0"):
         with pytest.raises(E.LayerIndexError):
             arena.attend(layer, q, 5)
+    att = arena.attention(4)
+    att.path, att.flash_kernel = "flash", "fixed"  # a build of the coded kernel, not attend_flash's
+    with pytest.raises(E.ArenaError, match="flash_kernel"):
+        att.plan(1, 4)
+    att.path, att.flash_kernel = None, None
+    assert arena.attend(1, q, 4).shape == (4, 16)  # the attention is usable as before
     arena.free()
     with pytest.raises(E.ArenaError, match="freed"):
         arena.attend(0, q, 5)

@@ -50,14 +50,19 @@ def _check_batch(arena, stored, q, n_used, limit=1e-9):
     return out
 
 
+@pytest.mark.parametrize("kernel", ["float", "wide_end"])
 @pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
-def test_batched_attention_over_rows_equals_reference(cache, make_arena):
+def test_batched_attention_over_rows_equals_reference(cache, kernel, make_arena):
+    """attend_flash over B sequences of rows, in both builds (attend.FLASH_KERNELS: the split's
+    end as trees or in a few barriers)."""
     rng = np.random.default_rng(21)
     n_kv, g, hd = 2, 3, 64
     arena = make_arena(1, n_kv, hd, max(LENGTHS), cache=cache, seqs=len(LENGTHS))
     assert arena.seqs == len(LENGTHS) and arena.seq_ctx == max(LENGTHS)
     stored = _fill(arena, rng, None, LENGTHS)
-    arena.attention(n_kv * g).path = "flash"  # CPU drivers plan other paths for one sequence
+    att = arena.attention(n_kv * g)
+    att.path, att.flash_kernel = "flash", kernel  # CPU drivers plan other paths for one sequence
+    assert att.plan(0, max(LENGTHS), seqs=len(LENGTHS)).kernel == kernel
     q = rng.standard_normal((len(LENGTHS), n_kv * g, hd), dtype=np.float32)
     _check_batch(arena, stored, q, list(LENGTHS))
     _check_batch(arena, stored, q, [5, 1, 129, 2])  # fewer tokens than appended
