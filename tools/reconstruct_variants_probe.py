@@ -73,7 +73,7 @@ def main() -> None:
                 sec = times[name]["gpu_s"]
                 paired = np.asarray(times["copy_shader"]["gpu"]["samples"]) / np.asarray(times[name]["gpu"]["samples"])
                 row[name] = {"gpu_s": sec, "gpu": {k: v for k, v in times[name]["gpu"].items() if k != "samples"},
-                             "roofline_fraction": moved / sec / roof["bytes_per_s"],
+                             "roofline_fraction": roofline.fraction(moved, times[name], roof),
                              "paired_copy_over_reconstruct_median": float(np.median(paired))}
                 print(f"round {r}: {name:12s} {sec * 1e6:8.1f} us  roofline {row[name]['roofline_fraction']:.3f}  "
                       f"paired {row[name]['paired_copy_over_reconstruct_median']:.3f}", file=sys.stderr, flush=True)
