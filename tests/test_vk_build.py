@@ -95,6 +95,25 @@ def test_shipped_spirv_matches_its_contract(name):
     assert L.SHADER_PUSH_BLOCKS[sb.VARIANTS[name][0]] is spec.push
 
 
+def test_spv_dir_override_is_read_at_every_load(tmp_path, monkeypatch):
+    """$KVDICT_VK_SPV_DIR replaces a variant while it is set, and only then — also after the
+    shipped module was loaded in the same process and the other way round (the variants
+    probes switch directories between kernels)."""
+    shipped = spirv.load("scatter")
+    other = spirv.load("copy_scalar")
+    assert other != shipped
+    (tmp_path / "scatter.spv").write_bytes(other)
+    monkeypatch.setenv(spirv.SPV_DIR_ENV, str(tmp_path))
+    assert spirv.load("scatter") == other
+    assert spirv.load("copy_scalar") == other  # not in the directory: the shipped one
+    monkeypatch.delenv(spirv.SPV_DIR_ENV)
+    assert spirv.load("scatter") == shipped
+    (tmp_path / "scatter.spv").write_bytes(b"\x03\x02\x23")
+    monkeypatch.setenv(spirv.SPV_DIR_ENV, str(tmp_path))
+    with pytest.raises(E.ShaderBuildError, match="not a SPIR-V module"):
+        spirv.load("scatter")
+
+
 def test_unknown_variant_is_typed():
     with pytest.raises(E.ShaderBuildError):
         spirv.load("no_such_shader")

@@ -84,7 +84,6 @@ def main(argv=None):
                         os.environ[spirv.SPV_DIR_ENV] = os.path.abspath(spv_dir)
                     else:
                         os.environ.pop(spirv.SPV_DIR_ENV, None)
-                    spirv.load.cache_clear()  # the override is read when a variant is first loaded
                     att = A.Attention(arena, n_kv * gqa)
                     att.path = "flash"
                     try:

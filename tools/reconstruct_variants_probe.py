@@ -15,6 +15,7 @@ looked for, so separate runs cannot rank them. One JSON object to stdout, lines 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -26,23 +27,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvdict_vk.bench import common, reconstruct, roofline, timing, traffic  # noqa: E402
 from kvdict_vk.vk import ReadPlan  # noqa: E402
 from kvdict_vk.vk.kernels import Buffer  # noqa: E402
+from kvdict_vk.vk import spirv  # noqa: E402
 from kvdict_vk.vk.spirv import SPV_DIR_ENV  # noqa: E402
 
 
 def planned_read(args, dev, out, spv_dir: str):
-    """(arena, its recorded read into ``out`` with reconstruct from ``spv_dir``, NMSE vs float64)."""
+    """(arena, its recorded read into ``out`` with reconstruct from ``spv_dir``, NMSE vs float64,
+    the sha256 of the reconstruct SPIR-V it loaded — distinct variants must show distinct ones)."""
     saved = os.environ.pop(SPV_DIR_ENV, None)
     if spv_dir:
         os.environ[SPV_DIR_ENV] = os.path.abspath(spv_dir)
     try:
         arena, codes, dicts = reconstruct.coded_arena(args.sparsity, args, dev, np.random.default_rng(0))
         rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+        digest = hashlib.sha256(spirv.load(f"reconstruct_{'vec4' if args.head_dim % 4 == 0 else 'scalar'}")).hexdigest()
     finally:
         os.environ.pop(SPV_DIR_ENV, None)
         if saved is not None:
             os.environ[SPV_DIR_ENV] = saved
     rec.run()  # warm-up
-    return arena, rec, reconstruct.nmse_check(arena, codes, dicts, args.n_ctx)
+    return arena, rec, reconstruct.nmse_check(arena, codes, dicts, args.n_ctx), digest
 
 
 def main() -> None:
@@ -59,10 +63,10 @@ def main() -> None:
     out = Buffer(dev, n_words, "storage", "reconstructed rows")
     copy_rec, keep = reconstruct.copy_recording(dev, n_words)
     copy_rec.run()
-    arenas, recs, nmse = [], {}, {}
+    arenas, recs, nmse, digests = [], {}, {}, {}
     try:
         for name, spv in variants.items():
-            arena, recs[name], nmse[name] = planned_read(args, dev, out, spv)
+            arena, recs[name], nmse[name], digests[name] = planned_read(args, dev, out, spv)
             arenas.append(arena)
         moved = traffic.bytes_moved("read", arenas[0].layout, 0, args.n_ctx)["total"]
         rounds = []
@@ -88,7 +92,8 @@ def main() -> None:
             x.destroy()
         out.destroy()
     json.dump({"argv": sys.argv, "device": dev.name, "variants": variants, "bytes_moved": moved,
-               "roofline_bytes_per_s": roof["bytes_per_s"], "nmse_vs_float64": nmse, "rounds": rounds},
+               "roofline_bytes_per_s": roof["bytes_per_s"], "spirv_sha256": digests,
+               "nmse_vs_float64": nmse, "rounds": rounds},
               sys.stdout, indent=1)
 
 

@@ -3,9 +3,10 @@
 SPIR-V is package data (``kvdict_vk/spv/*.spv``) read with importlib.resources, so a wheel
 needs no compiler. In a checkout (``shaders/`` next to the package) stale or missing
 variants are rebuilt first, once per process. ``$KVDICT_VK_SPV_DIR`` names a directory
-whose ``<variant>.spv`` files replace the shipped ones (read once per process): how an
-engine author tries a modified shader under kvdict-validate, and how the tests prove that
-kvdict-validate catches a broken one.
+whose ``<variant>.spv`` files replace the shipped ones (read when a kernel is built, so a
+process may time several directories side by side — tools/reconstruct_variants_probe.py):
+how an engine author tries a modified shader under kvdict-validate, and how the tests prove
+that kvdict-validate catches a broken one.
 
 The reflection reads the module itself — descriptor bindings, the push-constant block's
 size, the specialization-constant IDs, the workgroup size, capabilities and extensions —
@@ -60,9 +61,12 @@ def _ensure_built() -> None:
         _built = True
 
 
-@functools.lru_cache(maxsize=None)
 def load(name: str) -> bytes:
-    """The SPIR-V bytes of a shader variant (see shader_build.VARIANTS)."""
+    """The SPIR-V bytes of a shader variant (see shader_build.VARIANTS), from
+    ``$KVDICT_VK_SPV_DIR`` where it holds the variant, else the shipped build."""
+    # Read at every call (a few KiB, beside a pipeline's creation): a cache keyed by the name
+    # kept serving the first directory's module after the override changed, so a variants
+    # probe timed one shader under several names.
     if name not in shader_build.VARIANTS:
         raise E.ShaderBuildError(f"unknown shader variant {name!r}")
     override = os.environ.get(SPV_DIR_ENV)
