@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import codec
-from ..dictionary import StreamDict
+from ..dictionary import StreamDict, round_to_f16
 
 
 @dataclass
@@ -129,5 +129,9 @@ def learn_stream(x: np.ndarray, n_atoms: int, sparsity: int, *, iters: int = 10,
         if progress is not None:
             progress(it, stats.rel_error[-1])
     atoms = d if w is None else np.linalg.solve(w, d.T).T  # back to the data space
-    return StreamDict(atoms.astype(np.float32), None if mean is None else mean.astype(np.float32),
+    # Binary16 values (kept as float32): what the artifact holds is then also what the
+    # arena's f16 copy of the atoms holds, and reconstruct gathers half the bytes
+    # (docs/ARENA.md). Rounding moves an atom by ≤ 2^-11 of itself, far under the codes'
+    # own error; the coefficients, residual scales and the certificate come after it.
+    return StreamDict(round_to_f16(atoms.astype(np.float32)), None if mean is None else mean.astype(np.float32),
                       None if w is None else w.astype(np.float32), sparsity), stats
