@@ -4,6 +4,7 @@ Pure Python/NumPy — no GPU import, no I/O — so the GPU backend (`kvdict_vk.v
 dump tool read the same numbers. One storage buffer per layer:
 
     layer = [K region][V region][K atoms][V atoms][K mean][V mean][K scale][V scale]
+            [K atoms f16][V atoms f16]   (only when every atom is a binary16 value)
 
 * coded region       word(h, t, j) = region + (h·n_ctx + t)·slot_words + j
   a slot (docs/FORMAT.md) is the stream's ``sparsity`` code words, then — residual_bits
@@ -15,7 +16,12 @@ dump tool read the same numbers. One storage buffer per layer:
   tail blocks are packed, each for the G dictionary heads (G = 1: shared by the KV heads,
   G = n_kv_heads: one per KV head): atoms G×n_atoms×head_dim f32 (exactly the layer's
   block of ``atoms_flat()``, zeros for a passthrough stream), then the means G×head_dim
-  and the residual scales G×head_dim (zeros when absent).
+  and the residual scales G×head_dim (zeros when absent). When the artifact's atoms are
+  all binary16 values (``KvDictArtifact.atoms_f16_exact``: the forge rounds them so) and
+  head_dim is even, the tail ends with the same atoms again as binary16 pairs, G×n_atoms×
+  head_dim/2 words per stream (element 2k in the low half of a word, as the f16 rows): the
+  same values in half the bytes, for the shaders whose cost is gathering atoms
+  (reconstruct). Each such block starts on a 4-word boundary.
 * no active dictionary → every stream passthrough and no tail: the uncoded cache, f16 by
   default (``cache="f32"`` keeps f32 rows). Passthrough streams of a dict-coded layout
   (streams the artifact leaves uncoded) keep f32 rows.
@@ -36,7 +42,7 @@ import numpy as np
 
 from . import errors as E
 from . import kivi as K
-from .dictionary import MAX_N_ATOMS, KvDictArtifact
+from .dictionary import MAX_N_ATOMS, KvDictArtifact, is_f16_exact
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words, slot_words
 
 WORD_BYTES = 4
@@ -93,6 +99,7 @@ class DictSpec:
     sparsity: int  # the artifact's maximum
     layers: tuple  # per layer a (K, V) pair of StreamSpec
     n_heads: int = 1  # dictionary heads of every stream (KvDictArtifact.n_heads)
+    atoms_f16: bool = False  # every atom a binary16 value (KvDictArtifact.atoms_f16_exact)
 
     @classmethod
     def from_artifact(cls, art: KvDictArtifact) -> "DictSpec":
@@ -101,7 +108,7 @@ class DictSpec:
                 return StreamSpec(False)
             return StreamSpec(True, d.sparsity, d.mean is not None, d.residual_bits, d.n_heads, d.slot_words)
         return cls(art.head_dim, art.n_atoms, art.sparsity,
-                   tuple((spec(k), spec(v)) for k, v in art.layers), art.n_heads)
+                   tuple((spec(k), spec(v)) for k, v in art.layers), art.n_heads, art.atoms_f16_exact)
 
 
 # --- the layout objects ------------------------------------------------------------------
@@ -138,6 +145,9 @@ class StreamLayout:
     window_word: int | None = None
     window_tokens: int = 0
     state_word: int | None = None
+    # The atoms again as binary16 pairs (n_dict_heads × n_atoms × head_dim/2 words), or None
+    # (atoms that are not all binary16 values, an odd head_dim, no dictionary).
+    atoms16_word: int | None = None
 
     @property
     def row_format(self) -> str:
@@ -184,6 +194,11 @@ class StreamLayout:
         return self.atoms_words // self.n_dict_heads if self.n_dict_heads > 1 else 0
 
     @property
+    def atoms16_words(self) -> int:
+        """Words of the binary16 copy of the atoms (0 without one)."""
+        return 0 if self.atoms16_word is None else self.atoms_words // 2
+
+    @property
     def head_vec_stride(self) -> int:
         """Words from one KV head's mean (or residual scale) to the next's: 0 when shared."""
         return self.head_dim if self.n_dict_heads > 1 else 0
@@ -201,6 +216,7 @@ class StreamLayout:
                 "row_format": self.row_format, "row_words": self.row_words, "slot_words": self.slot_words,
                 "region": _span(self.region_word, self.region_words),
                 "atoms": None if self.atoms_word is None else _span(self.atoms_word, self.atoms_words),
+                "atoms_f16": None if self.atoms16_word is None else _span(self.atoms16_word, self.atoms16_words),
                 "mean": None if self.mean_word is None else _span(self.mean_word, self.mean_words),
                 "residual_scale": None if self.scale_word is None else _span(self.scale_word, self.scale_words),
                 "bytes_per_token": self.bytes_per_token,
@@ -420,7 +436,7 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
                             stats_words=n_stats if j == 0 else 0, window_word=windows[j],
                             window_tokens=kivi.window, state_word=state) for j in range(2)]
     tail_word, tail_words = None, 0
-    atoms, means, scales = [None, None], [None, None], [None, None]
+    atoms, means, scales, atoms16 = [None, None], [None, None], [None, None], [None, None]
     g = 1 if spec is None else spec.n_heads
     if spec is not None:
         atom_words = g * spec.n_atoms * hd
@@ -429,6 +445,8 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
         atoms = [place(atom_words, ALIGN_WORDS), place(atom_words, block_align)]
         means = [place(g * hd, block_align), place(g * hd, block_align)]
         scales = [place(g * hd, block_align), place(g * hd, block_align)]
+        if spec.atoms_f16 and hd % 2 == 0:
+            atoms16 = [place(atom_words // 2, VEC4_WORDS), place(atom_words // 2, VEC4_WORDS)]
         tail_word, tail_words = atoms[0], cursor - atoms[0]
     total = _round_up(cursor + guard, ALIGN_WORDS)
     spans = []
@@ -442,8 +460,9 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
                             n_kv, hd, n_ctx, r, reg, n_kv * n_ctx * r,
                             a, 0 if a is None else g * spec.n_atoms * hd, m, 0 if m is None else g * hd,
                             ss.residual_bits if ss.coded else 0, g, sc, 0 if sc is None else g * hd,
-                            pass_rows, **kf)
-               for ss, name, r, reg, a, m, sc, kf in zip(pair, "kv", rows, regions, atoms, means, scales, kivi_fields)]
+                            pass_rows, **kf, atoms16_word=a16)
+               for ss, name, r, reg, a, m, sc, kf, a16 in zip(pair, "kv", rows, regions, atoms, means, scales,
+                                                               kivi_fields, atoms16)]
     return LayerLayout(index, streams[0], streams[1], tail_word, tail_words, total,
                        tuple(s for s in spans if s[1] > s[0]))
 
@@ -508,7 +527,8 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
                      means: tuple, scales: tuple = (None, None)) -> np.ndarray:
     """The words of one layer's tail (uint32), ready to upload at ``tail_word``: K atoms,
     V atoms, K mean, V mean, K residual scale, V residual scale (zeros for passthrough /
-    absent), guards in between if any.
+    absent), then — when the layout has them — K and V atoms as binary16 pairs; guards in
+    between if any.
 
     ``atoms_flat`` is the runtime's ``atoms_flat()`` array; ``means`` and ``scales`` the
     layer's (K, V) pairs, each None or an array broadcastable to (n_dict_heads, head_dim)."""
@@ -526,6 +546,12 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
     for j, st in enumerate(ll.streams):
         a0 = st.atoms_word - ll.tail_word
         img[a0:a0 + block] = flat[layer, j].view(np.uint32)
+        if st.atoms16_word is not None:
+            if not is_f16_exact(flat[layer, j]):
+                raise E.DictMismatchError(f"layer {layer} {st.stream}: the layout keeps binary16 atoms, "
+                                          "these atoms are not all binary16 values")
+            h0 = st.atoms16_word - ll.tail_word
+            img[h0:h0 + block // 2] = flat[layer, j].astype(np.float16).view(np.uint32)
         for word, vec in ((st.mean_word, means[j]), (st.scale_word, scales[j])):
             v = np.zeros((g, hd), np.float32) if vec is None else np.broadcast_to(np.asarray(vec, np.float32), (g, hd))
             img[word - ll.tail_word:word - ll.tail_word + g * hd] = np.ascontiguousarray(v).reshape(-1).view(np.uint32)
@@ -586,10 +612,13 @@ def _block(name: str, *names: str, defaults: dict | None = None) -> PushBlock:
 # divides, Python checks the alignment. The reconstruct block's last three fields serve
 # per-head dictionaries (KV head h reads atoms at atoms_word + h·head_atoms, its mean and
 # residual scale at mean_word/scale_word + h·head_vec; both strides 0 when shared) and
-# the residual stage (scale_word is read only when the shader's RES_BITS > 0).
+# the residual stage (scale_word is read only when the shader's RES_BITS > 0); atoms16_word
+# is the binary16 copy of the atoms (read only when ATOMS_F16; KV head h's at atoms16_word +
+# h·head_atoms/2).
 RECONSTRUCT_PUSH = _block("ReconstructPush", "src_word", "atoms_word", "mean_word", "n_atoms",
                           "n_ctx", "t0", "n_tok", "n_rows", "out_word", "scale_word", "head_atoms",
-                          "head_vec", defaults=dict(scale_word=0, head_atoms=0, head_vec=0))
+                          "head_vec", "atoms16_word",
+                          defaults=dict(scale_word=0, head_atoms=0, head_vec=0, atoms16_word=0))
 COPY_ROWS_PUSH = _block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
 READ_KIVI_PUSH = _block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word", "stats_word",
                         "window_word", "window", "state_word")

@@ -5,7 +5,8 @@
 // dictionary is shared (the host passes the per-head strides head_atoms / head_vec, 0 when
 // shared). Slots: word(h,t,j) = src_word + (h*n_ctx + t)*SLOT_WORDS + j; a slot is SPARSITY
 // code words then, when RES_BITS > 0, the residual stage (slot.glsl). Atoms, means and
-// residual scales are read straight from the layer buffer's tail.
+// residual scales are read straight from the layer buffer's tail; with ATOMS_F16 the atoms
+// are gathered from the tail's binary16 copy of them (the same values, half the bytes).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require  // [[dont_unroll]]: core SPIR-V LoopControl
 #include "common.glsl"
@@ -24,6 +25,10 @@ layout(constant_id = 3) const uint RES_BITS = 0u;
 // GPUs (rows_chunked): whether an invocation loads its next row's slot words before this
 // row's atom gathers (the host's arena.RECONSTRUCT_GPU_MAPPINGS says per sparsity, measured).
 layout(constant_id = 4) const bool PIPELINED = false;
+// Whether the atoms are gathered from the layout's binary16 copy (pc.atoms16_word; the
+// forge's atoms are binary16 values) instead of the float32 block: the gathers are most of
+// this shader's traffic through the L2 (docs/DESIGN.md, "Reconstruct on the H200").
+layout(constant_id = 5) const bool ATOMS_F16 = false;
 
 const uint ROW_CHUNKS = HEAD_DIM / LANES;
 const uint GROUPS = ROW_CHUNKS / CHUNKS;  // invocations per row
@@ -51,6 +56,13 @@ const uint PIECES = WHOLE_ROWS ? 1u : CHUNKS;
 layout(std430, binding = 0) restrict readonly buffer LayerWords { uint layer_words[]; };
 layout(std430, binding = 1) restrict readonly buffer LayerElems { FELEM layer_elems[]; };
 layout(std430, binding = 2) restrict writeonly buffer OutElems { FELEM out_elems[]; };
+// A third read-only view of the layer: the binary16 atoms, one chunk (4 halves) a uvec2 on
+// the vec4 variant, 2 halves a word on the scalar one.
+#if VEC4
+layout(std430, binding = 3) restrict readonly buffer LayerHalves { uvec2 layer_halves[]; };
+#else
+layout(std430, binding = 3) restrict readonly buffer LayerHalves { uint layer_halves[]; };
+#endif
 
 layout(push_constant) uniform ReconstructPush {
     uint src_word;    // start of the stream's slot region
@@ -65,6 +77,7 @@ layout(push_constant) uniform ReconstructPush {
     uint scale_word;  // start of the stream's residual scales (read only if RES_BITS > 0)
     uint head_atoms;  // words between two KV heads' atoms (0: one shared dictionary)
     uint head_vec;    // words between two KV heads' means / scales (0: shared)
+    uint atoms16_word;  // start of the stream's binary16 atoms (read only if ATOMS_F16)
 } pc;
 
 // Chunk `chunk`'s first level: its bit, its level word (counted from the slot's first level
@@ -86,6 +99,30 @@ FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
     r = centred_level(bits & RES_MASK, RES_BITS);
 #endif
     return r * step_ * scale;
+}
+
+// Where head `head`'s atoms start in the view atom_chunk reads, in its units (chunks of LANES
+// elements; binary16 halves on the scalar variant): atom a's chunk c is atom_chunk(base +
+// a*ROW_CHUNKS + c) either way. (vec4: atoms16_word and head_atoms/2 are even.)
+uint atoms_base(uint head) {
+    if (ATOMS_F16) {
+        uint word = pc.atoms16_word + head * (pc.head_atoms / 2u);
+        return VEC4 != 0 ? word / 2u : 2u * word;
+    }
+    return (pc.atoms_word + head * pc.head_atoms) / LANES;
+}
+
+FELEM atom_chunk(uint i) {
+    if (ATOMS_F16) {
+#if VEC4
+        uvec2 h = layer_halves[i];
+        return vec4(unpackHalf2x16(h.x), unpackHalf2x16(h.y));
+#else
+        vec2 pair = unpackHalf2x16(layer_halves[i >> 1u]);
+        return (i & 1u) == 0u ? pair.x : pair.y;
+#endif
+    }
+    return layer_elems[i];
 }
 
 // Row r = h*n_tok + i: its KV head and the first word of its slot.
@@ -121,7 +158,7 @@ void rows_whole() {
                     scale_part[k] = layer_elems[scale_elem(head) + k];
             }
         }
-        uint atoms_elem = (pc.atoms_word + head * pc.head_atoms) / LANES;
+        uint atoms_elem = atoms_base(head);
         uint atom_elem[SPARSITY];
         float coef[SPARSITY];
         [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j) {
@@ -140,7 +177,7 @@ void rows_whole() {
         [[dont_unroll]] for (uint chunk = 0u; chunk < CHUNKS; ++chunk) {
             FELEM acc = mean_part[chunk];
             [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j)
-                acc += coef[j] * layer_elems[atom_elem[j] + chunk];
+                acc += coef[j] * atom_chunk(atom_elem[j] + chunk);
             if (RES_BITS > 0u) {
                 uint w = CHUNK_LEVEL_WORD(chunk);
                 acc += residual_chunk(level_copy[w], level_copy[w + 1u], chunk, step_, scale_part[chunk]);
@@ -224,7 +261,7 @@ void rows_chunked() {
                     scale_part[k] = layer_elems[scale_elem(head) + group + k * GROUPS];
             }
         }
-        uint atoms_elem = (pc.atoms_word + head * pc.head_atoms) / LANES;
+        uint atoms_elem = atoms_base(head);
         uint atom_elem[ROW_CODES];
         float coef[ROW_CODES];
         [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j) {
@@ -238,7 +275,7 @@ void rows_chunked() {
             uint chunk = group + k * GROUPS;
             FELEM acc = mean_part[k];
             [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j)
-                acc += coef[j] * layer_elems[atom_elem[j] + chunk];
+                acc += coef[j] * atom_chunk(atom_elem[j] + chunk);
             if (RES_BITS > 0u)
                 acc += residual_chunk(lw0[k], lw1[k], chunk, step_, scale_part[k]);
             out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;

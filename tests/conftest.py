@@ -172,13 +172,15 @@ def _stream_entry(e):
     return (None, 0) if e is None else (e if isinstance(e, tuple) else (e, 0))
 
 
-def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_heads: int = 1):
+def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_heads: int = 1,
+                    f16_atoms: bool = False):
     """A KvDictArtifact with random atoms; ``streams`` per layer a (K, V) pair of entries:
     None = passthrough, s = sparsity, or (s, residual_bits). ``n_heads`` dictionary heads
     per stream (1 = shared, else one per KV head). Means on every other coded stream when
-    ``means``; residual scales in [0.5, 1.5)."""
+    ``means``; residual scales in [0.5, 1.5). ``f16_atoms``: atoms rounded to binary16
+    values, as the forge rounds them (the arena then keeps a binary16 copy of them)."""
     import numpy as np
-    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+    from kvdict_vk.dictionary import KvDictArtifact, StreamDict, round_to_f16
     layers, count = [], 0
     for pair in streams:
         out = []
@@ -188,6 +190,7 @@ def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_
                 out.append(None)
                 continue
             atoms = rng.standard_normal((n_heads, n_atoms, head_dim), dtype=np.float32)
+            atoms = round_to_f16(atoms) if f16_atoms else atoms
             mean = (rng.standard_normal((n_heads, head_dim), dtype=np.float32)
                     if means and count % 2 == 0 else None)
             scale = (rng.random((n_heads, head_dim), dtype=np.float32) + 0.5) if bits else None

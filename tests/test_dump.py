@@ -12,6 +12,7 @@ import pytest
 from kvdict_vk import artifact as A
 from kvdict_vk import layout as L
 from kvdict_vk.cli import dump
+from kvdict_vk.dictionary import KvDictArtifact, StreamDict, round_to_f16
 
 from helpers import toy_artifact, toy_cert
 
@@ -22,10 +23,17 @@ def _dump(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", NO_KP, *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def art_path(tmp_path_factory):
+@pytest.fixture(scope="module", params=["f32-atoms", "f16-atoms"])
+def art_path(tmp_path_factory, request):
+    """f16-atoms: the atoms rounded to binary16 values, as the forge makes them (the layout
+    then ends each tail with a binary16 copy of them)."""
     rng = np.random.default_rng(4)
     art = toy_artifact(rng, n_layers=3, n_atoms=40, head_dim=12, s=3, passthrough=((1, 1),))
+    if request.param == "f16-atoms":
+        art = KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity, tuple(tuple(
+            None if d is None else StreamDict(round_to_f16(d.atoms), d.mean, d.metric, d.sparsity)
+            for d in pair) for pair in art.layers))
+        assert art.atoms_f16_exact
     cert = toy_cert(art)
     cert = A.CertInfo(**{**cert.__dict__, "producer": {"name": "evil\x1b[31m\nname", "version": "1"}})
     p = tmp_path_factory.mktemp("dump") / "t.q42art"
@@ -120,6 +128,8 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
         return
     for l in d["layers"]:
         words = arena.layer_words(l["layer"])
+        names = [b["name"] for b in l["blocks"]]
+        assert ("k atoms_f16" in names) == art.atoms_f16_exact
         for b in l["blocks"]:
             stream, what = b["name"].split(" ", 1)
             sd = art.stream(l["layer"], stream == "k")
@@ -128,5 +138,8 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
                 assert not got.any()
             elif what == "atoms":
                 assert np.array_equal(got, sd.atoms.astype(np.float32).reshape(-1))
+            elif what == "atoms_f16":
+                halves = got.view(np.float16).astype(np.float32)
+                assert np.array_equal(halves, sd.atoms.reshape(-1))
             elif what == "mean":
                 assert np.array_equal(got, sd.mean.astype(np.float32).reshape(-1))

@@ -3,6 +3,8 @@ whatever the number of worker processes and BLAS threads (learning pins BLAS to 
 thread, so every reduction runs in one order)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -19,11 +21,27 @@ def _stream(seed: int) -> np.ndarray:
 def _learned_bytes(monkeypatch, workers: int, outer_blas: int) -> bytes:
     monkeypatch.setenv("KVDICT_FORGE_WORKERS", str(workers))
     kv = [(_stream(1), _stream(2)), (_stream(3), _stream(4))]
-    cfg = P.ForgeConfig(n_atoms=48, train_vectors=300, iters=3, k_bits=4, v_bits=3)
+    cfg = P.ForgeConfig(n_atoms=48, train_vectors=300, iters=3, k_bits=4, v_bits=3, f16_atoms=False)
     with parallel.blas_threads(outer_blas):
         art = P.learn_artifact(kv, cfg)
     return b"".join(a.tobytes() for pair in art.layers for d in pair
                     for a in (d.atoms, d.mean, d.residual_scale))
+
+
+def test_the_forge_writes_binary16_atoms(monkeypatch):
+    """By default every learned atom is a binary16 value (so the arena keeps a binary16 copy
+    for reconstruct to gather), within 2^-11 of what the learner found; f16_atoms=False keeps
+    the learner's float32 bits."""
+    from kvdict_vk.layout import build_layout
+    monkeypatch.setenv("KVDICT_FORGE_WORKERS", "1")
+    kv = [(_stream(1), _stream(2))]
+    cfg = P.ForgeConfig(n_atoms=48, train_vectors=300, iters=3, k_bits=4, v_bits=3)
+    art = P.learn_artifact(kv, cfg)
+    raw = P.learn_artifact(kv, dataclasses.replace(cfg, f16_atoms=False))
+    assert art.atoms_f16_exact and not raw.atoms_f16_exact
+    for d, r in zip(art.layers[0], raw.layers[0]):
+        assert np.all(np.abs(d.atoms - r.atoms) <= 2.0 ** -11 * np.abs(r.atoms) + 2.0 ** -25)
+    assert all(st.atoms16_word is not None for st in build_layout(1, 3, 64, 8, art).layers[0].streams)
 
 
 def test_same_bytes_under_any_thread_count(monkeypatch):
@@ -49,7 +67,9 @@ def stream(seed):
     rng = np.random.default_rng(seed)
     basis = rng.standard_normal((40, 64))
     return (rng.standard_normal((3, 3000, 40)) @ basis + 0.1 * rng.standard_normal((3, 3000, 64))).astype(np.float32)
-cfg = P.ForgeConfig(n_atoms=512, train_vectors=2500, iters=3, k_bits=4, v_bits=3)
+# f16_atoms=False: the learner's own float32 bits (rounding to binary16 hides most, not all,
+# of the kernels' differences)
+cfg = P.ForgeConfig(n_atoms=512, train_vectors=2500, iters=3, k_bits=4, v_bits=3, f16_atoms=False)
 art = P.learn_artifact([(stream(1), stream(2))], cfg)
 print(hashlib.sha256(b"".join(a.tobytes() for pair in art.layers for d in pair
                               for a in (d.atoms, d.mean, d.residual_scale))).hexdigest())

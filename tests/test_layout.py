@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvdict_vk import errors as E
 from kvdict_vk import layout as L
-from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+from kvdict_vk.dictionary import KvDictArtifact, StreamDict, is_f16_exact, round_to_f16
 from kvdict_vk.residual import residual_words
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
@@ -144,6 +144,63 @@ def test_tail_image_is_the_atoms_flat_block():
         L.layer_tail_image(L.build_layout(1, 1, 16, 4), 0, None, (None, None))
     with pytest.raises(E.DictMismatchError):
         L.layer_tail_image(lay, 0, flat[:-1], (None, None))
+
+
+def _f16_atoms(art: KvDictArtifact) -> KvDictArtifact:
+    """``art`` with every atom rounded to a binary16 value, as the forge rounds them."""
+    def rounded(d):
+        return None if d is None else StreamDict(round_to_f16(d.atoms), d.mean, d.metric, d.sparsity,
+                                                 d.residual_bits, d.residual_scale)
+    return KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity,
+                          tuple(tuple(rounded(d) for d in p) for p in art.layers))
+
+
+@pytest.mark.parametrize("n_heads", [1, 2])
+def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
+    """Atoms that are all binary16 values: the tail ends with K's and V's atoms again as f16
+    pairs (4-word aligned, after the scales), the same values; other blocks keep their place."""
+    rng = np.random.default_rng(7)
+    plain = _artifact(rng, n_heads=n_heads)
+    art = _f16_atoms(plain)
+    assert art.atoms_f16_exact and not plain.atoms_f16_exact
+    hd, na, g = 16, 8, n_heads
+    lay, lay32 = L.build_layout(3, 2, hd, 5, art), L.build_layout(3, 2, hd, 5, plain)
+    flat = art.atoms_flat()
+    for ll, ll32, pair in zip(lay.layers, lay32.layers, art.layers):
+        k, v = ll.streams
+        assert k.atoms16_word % L.VEC4_WORDS == 0 and v.atoms16_word % L.VEC4_WORDS == 0
+        assert k.atoms16_word >= v.scale_word + v.scale_words and v.atoms16_word >= k.atoms16_word + k.atoms16_words
+        assert k.atoms16_words == v.atoms16_words == g * na * hd // 2
+        assert ll.tail_word + ll.tail_words == v.atoms16_word + v.atoms16_words
+        for s, s32 in zip(ll.streams, ll32.streams):  # the float32 layout's blocks, unmoved
+            assert s32.atoms16_word is None and s32.atoms16_words == 0
+            assert (s.atoms_word, s.mean_word, s.scale_word) == (s32.atoms_word, s32.mean_word, s32.scale_word)
+            assert s.to_dict()["atoms_f16"] == {"word": s.atoms16_word, "words": s.atoms16_words,
+                                                "byte": 4 * s.atoms16_word, "bytes": 4 * s.atoms16_words}
+        img = L.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair))
+        block = g * na * hd
+        for j, s in enumerate(ll.streams):
+            h0 = s.atoms16_word - ll.tail_word
+            halves = img[h0:h0 + block // 2].view(np.float16).astype(np.float32)
+            assert np.array_equal(halves, flat[(2 * ll.index + j) * block:(2 * ll.index + j + 1) * block])
+    with pytest.raises(E.DictMismatchError, match="binary16"):  # the layout wants f16 atoms, these are not
+        L.layer_tail_image(lay, 0, plain.atoms_flat(), (None, None))
+    guarded = L.build_layout(3, 2, hd, 5, art, guard_words=4)
+    for ll in guarded.layers:  # guards before and after each f16 block
+        for s in ll.streams:
+            lo, hi = s.atoms16_word, s.atoms16_word + s.atoms16_words
+            assert any(b == lo for _, b in ll.guard_spans) and any(a == hi for a, _ in ll.guard_spans)
+
+
+def test_binary16_atoms_need_an_even_head_dim_and_finite_halves():
+    rng = np.random.default_rng(8)
+    odd = _f16_atoms(_artifact(rng, hd=15))
+    assert odd.atoms_f16_exact
+    assert all(s.atoms16_word is None for ll in L.build_layout(3, 2, 15, 5, odd).layers for s in ll.streams)
+    big = np.full((4, 8), 70000.0, np.float32)  # beyond binary16's range: left as it is
+    assert np.array_equal(round_to_f16(big), big) and not is_f16_exact(big)
+    x = np.float32([1 + 2 ** -12, -3.0, 2 ** -30])
+    assert np.array_equal(round_to_f16(x), np.float32([1.0, -3.0, 0.0])) and is_f16_exact(round_to_f16(x))
 
 
 def test_per_head_tail_and_residual_slots():

@@ -101,19 +101,19 @@ def test_dispatch_contract_is_checked_before_the_driver(vk_device):
     a = Buffer(vk_device, 256, "storage", "a")
     b = Buffer(vk_device, 256, "device", "b")
     spec = {"HEAD_DIM": 16, "SPARSITY": 2, "CHUNKS": 1}
-    with pytest.raises(E.DispatchError, match="binds 3"):
+    with pytest.raises(E.DispatchError, match="binds 4"):
         Kernel(vk_device, "reconstruct_vec4", [a, b], spec)
     with pytest.raises(E.DispatchError, match="specialization"):
-        Kernel(vk_device, "reconstruct_vec4", [a, a, b], {"HEAD_DIM": 16})
+        Kernel(vk_device, "reconstruct_vec4", [a, a, b, a], {"HEAD_DIM": 16})
     with pytest.raises(E.DispatchError, match="HEAD_DIM"):
-        Kernel(vk_device, "reconstruct_vec4", [a, a, b], {**spec, "HEAD_DIM": 18})
+        Kernel(vk_device, "reconstruct_vec4", [a, a, b, a], {**spec, "HEAD_DIM": 18})
     with pytest.raises(E.DispatchError, match="HEAD_DIM"):
-        Kernel(vk_device, "reconstruct_vec4", [a, a, b], {**spec, "CHUNKS": 3})
+        Kernel(vk_device, "reconstruct_vec4", [a, a, b, a], {**spec, "CHUNKS": 3})
     with pytest.raises(E.DispatchError, match="positive"):
-        Kernel(vk_device, "reconstruct_vec4", [a, a, b], {**spec, "SPARSITY": 0})
+        Kernel(vk_device, "reconstruct_vec4", [a, a, b, a], {**spec, "SPARSITY": 0})
     with pytest.raises(E.DispatchError, match="also bound"):
-        Kernel(vk_device, "reconstruct_vec4", [b, a, b], spec)  # output aliases an input
-    k = Kernel(vk_device, "reconstruct_vec4", [a, a, b], spec)
+        Kernel(vk_device, "reconstruct_vec4", [b, a, b, a], spec)  # output aliases an input
+    k = Kernel(vk_device, "reconstruct_vec4", [a, a, b, a], spec)
     ok = dict(src_word=0, atoms_word=64, mean_word=192, n_atoms=8, n_ctx=4, t0=0, n_tok=2, n_rows=4, out_word=0)
     k.op(**ok)
     for bad, match in [(dict(n_atoms=13), "binding 1"), (dict(out_word=200), "binding 2"),
@@ -121,6 +121,13 @@ def test_dispatch_contract_is_checked_before_the_driver(vk_device):
                        (dict(n_rows=3), "inconsistent"), (dict(n_atoms=0), "n_atoms")]:
         with pytest.raises(E.DispatchError, match=match):
             k.op(**{**ok, **bad})
+    # binary16 atoms (ATOMS_F16): read through binding 3, the float32 block not at all
+    k16 = Kernel(vk_device, "reconstruct_vec4", [a, a, b, a], {**spec, "ATOMS_F16": 1})
+    ok16 = {**ok, "n_atoms": 13, "atoms16_word": 128}  # 13 atoms × 16 halves = 104 words
+    k16.op(**ok16)
+    for bad, match in [(dict(atoms16_word=200), "binding 3"), (dict(atoms16_word=129), "aligned")]:
+        with pytest.raises(E.DispatchError, match=match):
+            k16.op(**{**ok16, **bad})
     with pytest.raises(E.DispatchError):
         k.op(**{n: v for n, v in ok.items() if n != "t0"})
     c = Kernel(vk_device, "copy_vec4", [a, b])

@@ -103,17 +103,22 @@ def _case_id(c):
 MAPPINGS = ["row", "chunk-pipelined", "chunk-plain"]
 
 
+@pytest.mark.parametrize("atoms", ["f32", "f16"])
 @pytest.mark.parametrize("mapping", MAPPINGS)
 @pytest.mark.parametrize("case", CASES + _random_cases(4), ids=_case_id)
-def test_gpu_reconstruct_equals_reference(case, mapping, make_arena, activate, monkeypatch):
+def test_gpu_reconstruct_equals_reference(case, mapping, atoms, make_arena, activate, monkeypatch):
+    """atoms "f16": binary16 values, as the forge makes them — the arena keeps a binary16 copy
+    (even head_dims) and reconstruct gathers from it; "f32": any float32 atoms."""
     hd, na, n_kv, n_ctx, per_head, layers = case
     rng = np.random.default_rng(stable_seed(case))
-    art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1)
+    art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1, f16_atoms=atoms == "f16")
     activate(art)
     if mapping != "row":  # every sparsity: two chunks a row (one where that does not divide it)
         monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (2, mapping == "chunk-pipelined")),))
     arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping.split("-")[0])
     assert arena.mode == "dict" and arena.layout.n_dict_heads == art.n_heads
+    assert all((st.atoms16_word is not None) == (atoms == "f16" and hd % 2 == 0)
+               for ll in arena.layout.layers for st in ll.streams)
     row_chunks = hd // 4 if hd % 4 == 0 else hd
     for s in SPARSITIES:
         chunks, pipelined = arena.reconstruct_mapping(s)

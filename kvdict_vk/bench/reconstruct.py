@@ -44,25 +44,53 @@ def parse_args(argv=None):
     ap.add_argument("--mapping", choices=["row", "chunk"], default=None,
                     help="shader invocation mapping (default: by device type — row on CPU drivers)")
     ap.add_argument("--no-numpy", action="store_true", help="skip the NumPy reconstruct (slow at GPU sizes)")
+    ap.add_argument("--atoms", choices=["f16", "f32"], default="f16",
+                    help="f16: atoms that are binary16 values, as the forge makes them (the arena's binary16 "
+                         "copy is gathered; the main sparsity is timed with f32 atoms beside it); "
+                         "f32: any float32 atoms (the float32 block is gathered)")
     return common.parse(ap, argv)
 
 
-def coded_arena(s, args, dev, rng):
-    """A one-layer dict arena of n_ctx tokens of random slots, the slots and dictionaries."""
-    from kvdict_vk import runtime, synthetic
-    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+def _dicts(s, args, rng, f16_atoms: bool) -> list:
+    """Random K and V dictionaries at sparsity s; f16_atoms: atoms rounded to binary16
+    values, as the forge rounds them (forge.learn)."""
+    from kvdict_vk.dictionary import StreamDict, round_to_f16
+    hd, na, bits = args.head_dim, args.n_atoms, args.residual_bits
+    g = args.n_kv if args.per_head else 1
+    dicts = []
+    for _ in "kv":
+        atoms = rng.standard_normal((g, na, hd), dtype=np.float32)
+        dicts.append(StreamDict(round_to_f16(atoms) if f16_atoms else atoms,
+                                mean=rng.standard_normal((g, hd), dtype=np.float32), sparsity=s, residual_bits=bits,
+                                residual_scale=rng.random((g, hd), dtype=np.float32) + 0.5 if bits else None))
+    return dicts
+
+
+def _coded_arena(dicts, codes, args, dev):
+    """A one-layer dict arena of n_ctx tokens holding ``codes`` over ``dicts``."""
+    from kvdict_vk import runtime
+    from kvdict_vk.dictionary import KvDictArtifact
     from kvdict_vk.vk import KvArena
-    hd, na, n_kv, n_ctx, bits = args.head_dim, args.n_atoms, args.n_kv, args.n_ctx, args.residual_bits
-    g = n_kv if args.per_head else 1
-    dicts = [StreamDict(rng.standard_normal((g, na, hd), dtype=np.float32),
-                        mean=rng.standard_normal((g, hd), dtype=np.float32), sparsity=s, residual_bits=bits,
-                        residual_scale=rng.random((g, hd), dtype=np.float32) + 0.5 if bits else None)
-             for _ in "kv"]
-    with runtime.enabled_with(KvDictArtifact(hd, na, s, ((dicts[0], dicts[1]),)), allow_uncertified=True):
-        arena = KvArena(1, n_kv, hd, n_ctx, device=dev, shader_mapping=args.mapping, cache="dict")
-    codes = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
-    arena.append_codes(0, *codes)
-    return arena, codes, dicts
+    art = KvDictArtifact(args.head_dim, args.n_atoms, dicts[0].sparsity, ((dicts[0], dicts[1]),))
+    with runtime.enabled_with(art, allow_uncertified=True):
+        arena = KvArena(1, args.n_kv, args.head_dim, args.n_ctx, device=dev, shader_mapping=args.mapping,
+                        cache="dict")
+    try:
+        arena.append_codes(0, *codes)
+    except BaseException:
+        arena.free()
+        raise
+    return arena
+
+
+def coded_arena(s, args, dev, rng, f16_atoms: bool | None = None):
+    """A one-layer dict arena of n_ctx tokens of random slots, the slots and dictionaries;
+    f16_atoms None: as ``--atoms`` says."""
+    f16_atoms = args.atoms == "f16" if f16_atoms is None else f16_atoms
+    from kvdict_vk import synthetic
+    dicts = _dicts(s, args, rng, f16_atoms)
+    codes = [synthetic.random_slots(rng, d, (args.n_kv, args.n_ctx)) for d in dicts]
+    return _coded_arena(dicts, codes, args, dev), codes, dicts
 
 
 def _uncoded(args, dev, rng) -> dict:
@@ -98,28 +126,50 @@ def nmse_check(arena, codes, dicts, n_ctx) -> float:
     return float(np.sum((ref - k) ** 2) / np.sum(ref ** 2))
 
 
-def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_too: bool) -> dict:
+def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_too: bool,
+                   f32_atoms_too: bool = False) -> dict:
     """Reconstruct at sparsity ``s`` beside the copy shader (and ``baselines``: {name:
-    (candidate, bytes moved, cache)}); every read writes into ``out``."""
+    (candidate, bytes moved, cache)}); every read writes into ``out``. f32_atoms_too (with
+    --atoms f16): the same codes over the same atoms as arbitrary float32 values too (their
+    unrounded draw), so the binary16 copy's gain is paired in one run."""
     from kvdict_vk import codec
     from kvdict_vk.vk import ReadPlan
-    arena, codes, dicts = coded_arena(s, args, dev, rng)
+    f16 = args.atoms == "f16"
+    nmse_f32 = None
+    arena, codes, dicts = coded_arena(s, args, dev, rng, f16)
+    arenas, recs = [arena], []
     try:
         nmse = nmse_check(arena, codes, dicts, args.n_ctx)
         rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+        recs.append(rec)
         rec.run()  # warm-up
         n_words = 2 * args.n_kv * args.n_ctx * args.head_dim
         cands = {"reconstruct": (rec, traffic.bytes_moved("read", arena.layout, 0, args.n_ctx), "dict"),
                  "copy_shader": (copy_rec, traffic.bytes_moved("copy", n_words=n_words), None), **baselines}
+        if f16 and f32_atoms_too:
+            plain = _dicts(s, args, rng, False)
+            arenas.append(_coded_arena(plain, codes, args, dev))
+            nmse_f32 = nmse_check(arenas[-1], codes, plain, args.n_ctx)
+            rec32 = ReadPlan(arenas[-1], 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+            recs.append(rec32)
+            rec32.run()
+            cands["reconstruct_f32_atoms"] = (rec32, traffic.bytes_moved("read", arenas[-1].layout, 0, args.n_ctx),
+                                              "dict")
         if numpy_too:
             cands["numpy_reconstruct_f32"] = (lambda: [codec.decode_heads(c, d, np.float32)
                                                        for c, d in zip(codes, dicts)], cands["reconstruct"][1], "dict")
         times = timing.measure({n: c[0] for n, c in cands.items()}, args.repeats, warm_s=timing.warm_for(arena.device))
-        rec.free()
     finally:
-        arena.free()
-    res = {"sparsity": s, "shader_mapping": arena.shader_mapping, "output_bytes": 4 * n_words,
+        for r in recs:
+            r.free()
+        for a in arenas:
+            a.free()
+    res = {"sparsity": s, "shader_mapping": arena.shader_mapping, "atoms": args.atoms,
+           "atoms_gathered": "f16" if arena.layout.layers[0].k.atoms16_word is not None else "f32",
+           "output_bytes": 4 * n_words,
            "head_vectors": 2 * args.n_kv * args.n_ctx, "nmse_vs_float64": nmse, "candidates": {}}
+    if nmse_f32 is not None:
+        res["nmse_f32_atoms_vs_float64"] = nmse_f32
     for name, t in times.items():
         moved, cache = cands[name][1], cands[name][2]
         sec = timing.best_seconds(t)
@@ -165,7 +215,7 @@ def run(args, progress) -> dict:
         rb = rb_plan.recording("readback", timestamps=True)
         baselines["readback"] = (rb, traffic.bytes_moved("copy", n_words=rb_plan.out.words), None)
         main_res = bench_sparsity(args.sparsity, args, dev, rng, out, copy_rec, baselines,
-                                  numpy_too=not args.no_numpy)
+                                  numpy_too=not args.no_numpy, f32_atoms_too=True)
         main_res["readback_tokens"] = n_rb
         sweep_res = []
         for s in sweep:
@@ -183,14 +233,15 @@ def run(args, progress) -> dict:
         out.destroy()
     result = {**common.run_header(TOOL, args, dev, t0),
               "config": {k: getattr(args, k) for k in ("n_kv", "head_dim", "n_ctx", "n_atoms", "sparsity", "repeats",
-                                                       "residual_bits", "per_head")},
+                                                       "residual_bits", "per_head", "atoms")},
               "timing": "recorded dispatches run per repeat: GPU time from timestamps, wall time around submit + wait",
               "goal_ratio": GOAL, "roofline": roof, "main": main_res, "sweep": sweep_res}
     result["rows"] = make_rows(result)
     return result
 
 
-ROW_NAMES = {"reconstruct": "reconstruct", "copy_shader": "copy shader", "f32_cache_read": "f32 read",
+ROW_NAMES = {"reconstruct": "reconstruct", "reconstruct_f32_atoms": "reconstruct f32-atoms",
+             "copy_shader": "copy shader", "f32_cache_read": "f32 read",
              "f16_cache_read": "f16 read", "readback": "readback", "numpy_reconstruct_f32": "numpy reconstruct"}
 
 
@@ -208,7 +259,7 @@ def make_rows(result) -> list[dict]:
             t["note"] = "NumPy on the host"
         tokens = main["readback_tokens"] if transfer else c["n_ctx"]
         sparse = ""
-        if name in ("reconstruct", "numpy_reconstruct_f32"):  # the coded format
+        if name in ("reconstruct", "reconstruct_f32_atoms", "numpy_reconstruct_f32"):  # the coded format
             sparse = f" s{res['sparsity']}" + (f" b{c['residual_bits']}" if c["residual_bits"] else "") \
                 + (" per-head" if c["per_head"] else "")
         rows.append(results.row(
@@ -265,7 +316,8 @@ def plot(plt, result):
     main, sweep = result["main"], result["sweep"]
     fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 6.5, 4.5), squeeze=False)
     ax1 = axes[0][0]
-    names = [n for n in ("copy_shader", "f32_cache_read", "f16_cache_read", "reconstruct", "numpy_reconstruct_f32")
+    names = [n for n in ("copy_shader", "f32_cache_read", "f16_cache_read", "reconstruct", "reconstruct_f32_atoms",
+                         "numpy_reconstruct_f32")
              if n in main["candidates"]]
     ax1.bar(names, [main["candidates"][n]["output_gb_per_s"] for n in names])
     ax1.set_ylabel(f"output GB/s (median, {main['timing']} time)")

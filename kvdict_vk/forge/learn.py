@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import codec
-from ..dictionary import StreamDict
+from ..dictionary import StreamDict, round_to_f16
 
 
 @dataclass
@@ -104,8 +104,9 @@ def _reseed(x, d, res, unused, rng):
 
 def learn_stream(x: np.ndarray, n_atoms: int, sparsity: int, *, iters: int = 10,
                  method: str = "ksvd", use_mean: bool = True, metric: np.ndarray | None = None,
-                 seed: int = 0, progress=None) -> tuple[StreamDict, LearnStats]:
-    """Learn one stream's dictionary from training vectors x (N, head_dim)."""
+                 seed: int = 0, progress=None, f16_atoms: bool = True) -> tuple[StreamDict, LearnStats]:
+    """Learn one stream's dictionary from training vectors x (N, head_dim); f16_atoms: its
+    atoms rounded to binary16 values (below)."""
     x = np.asarray(x, np.float64)
     rng = np.random.default_rng(seed)
     mean = x.mean(0) if use_mean else None
@@ -129,5 +130,10 @@ def learn_stream(x: np.ndarray, n_atoms: int, sparsity: int, *, iters: int = 10,
         if progress is not None:
             progress(it, stats.rel_error[-1])
     atoms = d if w is None else np.linalg.solve(w, d.T).T  # back to the data space
-    return StreamDict(atoms.astype(np.float32), None if mean is None else mean.astype(np.float32),
+    # Binary16 values (kept as float32): what the artifact holds is then also what the
+    # arena's f16 copy of the atoms holds, and reconstruct gathers half the bytes
+    # (docs/ARENA.md). Rounding moves an atom by ≤ 2^-11 of itself, far under the codes'
+    # own error; the coefficients, residual scales and the certificate come after it.
+    atoms = atoms.astype(np.float32)
+    return StreamDict(round_to_f16(atoms) if f16_atoms else atoms, None if mean is None else mean.astype(np.float32),
                       None if w is None else w.astype(np.float32), sparsity), stats

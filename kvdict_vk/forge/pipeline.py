@@ -57,6 +57,9 @@ class ForgeConfig:
     calib_files: tuple | None = None  # calibration text files, windows in turn (None: the licenses)
     passthrough: list = field(default_factory=list)  # ["k:3", "v:0", …] streams left f32
     seed: int = 0
+    # atoms rounded to binary16 values (forge.learn): the arena then keeps a binary16 copy
+    # that reconstruct gathers (half the bytes); False keeps the learner's float32 bits
+    f16_atoms: bool = True
 
     def stream_spec(self, k_not_v: bool) -> tuple[int, int]:
         return (self.k_sparsity, self.k_bits) if k_not_v else (self.v_sparsity, self.v_bits)
@@ -161,7 +164,8 @@ def learn_head_stream(x: np.ndarray, cfg: ForgeConfig, k_not_v: bool, seed: int)
     for g, data in enumerate(groups):
         sel = rng.choice(len(data), size=min(len(data), cfg.train_vectors), replace=False)
         train = data[sel]
-        d, _ = learn_stream(train, cfg.n_atoms, s, iters=cfg.iters, method=cfg.method, seed=seed + g)
+        d, _ = learn_stream(train, cfg.n_atoms, s, iters=cfg.iters, method=cfg.method, seed=seed + g,
+                            f16_atoms=cfg.f16_atoms)
         atoms.append(d.atoms[0])
         means.append(d.mean[0])
         if bits:

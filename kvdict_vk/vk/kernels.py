@@ -103,14 +103,21 @@ def _reconstruct_extents(p, s):
     if p["n_atoms"] < 1:
         raise E.DispatchError("n_atoms must be ≥ 1 (out-of-range codes read atom 0)")
     if not p["n_rows"]:
-        return [], [], []
+        return [], [], [], []
     last = p["n_rows"] // p["n_tok"] - 1  # the last KV head read: strides × last
     atoms = (p["atoms_word"], p["atoms_word"] + last * p["head_atoms"] + p["n_atoms"] * hd)
-    elems = [atoms, (p["mean_word"], p["mean_word"] + last * p["head_vec"] + hd)]
+    elems = [] if s["ATOMS_F16"] else [atoms]
+    elems.append((p["mean_word"], p["mean_word"] + last * p["head_vec"] + hd))
     if bits:
         elems.append((p["scale_word"], p["scale_word"] + last * p["head_vec"] + hd))
+    halves = []
+    if s["ATOMS_F16"]:
+        if hd % 2 or p["head_atoms"] % 2:
+            raise E.DispatchError(f"binary16 atoms need an even head_dim and head stride (head_dim {hd}, "
+                                  f"head_atoms {p['head_atoms']})")
+        halves.append((p["atoms16_word"], p["atoms16_word"] + (last * p["head_atoms"] + p["n_atoms"] * hd) // 2))
     return ([_rows_extents(p, slot_words(hd, s["SPARSITY"], bits))], elems,
-            [(p["out_word"], p["out_word"] + p["n_rows"] * hd)])
+            [(p["out_word"], p["out_word"] + p["n_rows"] * hd)], halves)
 
 
 def _copy_rows_extents(p, s):
@@ -192,10 +199,11 @@ def _row_groups(s, lanes):
 
 
 SHADERS = {
-    **{f"reconstruct_{v}": ShaderSpec(f"reconstruct_{v}", L.RECONSTRUCT_PUSH, (1, n, n), (False, False, True),
-                                      ("HEAD_DIM", "SPARSITY", "CHUNKS", "RES_BITS", "PIPELINED"),
+    **{f"reconstruct_{v}": ShaderSpec(f"reconstruct_{v}", L.RECONSTRUCT_PUSH, (1, n, n, max(1, n // 2)),
+                                      (False, False, True, False),
+                                      ("HEAD_DIM", "SPARSITY", "CHUNKS", "RES_BITS", "PIPELINED", "ATOMS_F16"),
                                       _reconstruct_extents, lambda s, n=n: _row_groups(s, n),
-                                      (("RES_BITS", 0), ("PIPELINED", 0)))
+                                      (("RES_BITS", 0), ("PIPELINED", 0), ("ATOMS_F16", 0)))
        for v, n in (("vec4", 4), ("scalar", 1))},
     **{f"copy_rows_{v}": ShaderSpec(f"copy_rows_{v}", L.COPY_ROWS_PUSH, (n, n), (False, True),
                                     ("HEAD_DIM", "CHUNKS"), _copy_rows_extents, lambda s, n=n: _row_groups(s, n))
