@@ -18,10 +18,13 @@ dump tool read the same numbers. One storage buffer per layer:
   block of ``atoms_flat()``, zeros for a passthrough stream), then the means G×head_dim
   and the residual scales G×head_dim (zeros when absent). When the artifact's atoms are
   all binary16 values (``KvDictArtifact.atoms_f16_exact``: the forge rounds them so) and
-  head_dim is even, the tail ends with the same atoms again as binary16 pairs, G×n_atoms×
-  head_dim/2 words per stream (element 2k in the low half of a word, as the f16 rows): the
-  same values in half the bytes, for the shaders whose cost is gathering atoms
-  (reconstruct). Each such block starts on a 4-word boundary.
+  head_dim % 8 == 0, the tail ends with the same atoms again in binary16, G×n_atoms×
+  head_dim/2 words per stream, each atom's elements in chunk-pair order
+  (``atoms_f16_order``: quad p of an atom — 4 words, 8 halves — holds elements 4p … 4p+3,
+  then head_dim/2 + 4p … head_dim/2 + 4p+3; two halves a word, the lower element in the low
+  half): the same values in half the bytes, for the shader whose cost is gathering atoms
+  (reconstruct gathers a quad, two of its output chunks half a row apart, per load). Each
+  such block starts on a 4-word boundary.
 * no active dictionary → every stream passthrough and no tail: the uncoded cache, f16 by
   default (``cache="f32"`` keeps f32 rows). Passthrough streams of a dict-coded layout
   (streams the artifact leaves uncoded) keep f32 rows.
@@ -145,8 +148,9 @@ class StreamLayout:
     window_word: int | None = None
     window_tokens: int = 0
     state_word: int | None = None
-    # The atoms again as binary16 pairs (n_dict_heads × n_atoms × head_dim/2 words), or None
-    # (atoms that are not all binary16 values, an odd head_dim, no dictionary).
+    # The atoms again in binary16, chunk-pair order (n_dict_heads × n_atoms × head_dim/2 words;
+    # atoms_f16_order), or None (atoms that are not all binary16 values, head_dim % 8 != 0, no
+    # dictionary).
     atoms16_word: int | None = None
 
     @property
@@ -445,7 +449,7 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
         atoms = [place(atom_words, ALIGN_WORDS), place(atom_words, block_align)]
         means = [place(g * hd, block_align), place(g * hd, block_align)]
         scales = [place(g * hd, block_align), place(g * hd, block_align)]
-        if spec.atoms_f16 and hd % 2 == 0:
+        if spec.atoms_f16 and hd % ATOMS_F16_ELEMS == 0:
             atoms16 = [place(atom_words // 2, VEC4_WORDS), place(atom_words // 2, VEC4_WORDS)]
         tail_word, tail_words = atoms[0], cursor - atoms[0]
     total = _round_up(cursor + guard, ALIGN_WORDS)
@@ -523,12 +527,27 @@ def q8_0_rows(words: np.ndarray, head_dim: int) -> np.ndarray:
     return (q * d[..., None]).reshape(*w.shape[:-1], head_dim)
 
 
+ATOMS_F16_ELEMS = 8  # elements of an atom in one quad (4 words) of its binary16 copy
+
+
+def atoms_f16_order(head_dim: int) -> np.ndarray:
+    """The element order of an atom in the binary16 copy: quad p (halves 8p … 8p+7) holds
+    elements 4p … 4p+3 and head_dim/2 + 4p … head_dim/2 + 4p+3 — output chunks p and p +
+    head_dim/8 of a row, which reconstruct's invocations write (neighbouring invocations
+    neighbouring chunks, coalesced) from one 16-byte gather. head_dim % 8 == 0."""
+    if head_dim % ATOMS_F16_ELEMS:
+        raise E.ArenaError(f"binary16 atoms need head_dim % {ATOMS_F16_ELEMS} == 0, not {head_dim}")
+    quads = np.arange(head_dim // ATOMS_F16_ELEMS)[:, None]
+    lanes = np.arange(4)[None, :]
+    return np.concatenate([4 * quads + lanes, head_dim // 2 + 4 * quads + lanes], axis=1).reshape(-1)
+
+
 def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | None,
                      means: tuple, scales: tuple = (None, None)) -> np.ndarray:
     """The words of one layer's tail (uint32), ready to upload at ``tail_word``: K atoms,
     V atoms, K mean, V mean, K residual scale, V residual scale (zeros for passthrough /
-    absent), then — when the layout has them — K and V atoms as binary16 pairs; guards in
-    between if any.
+    absent), then — when the layout has them — K and V atoms in binary16 (chunk-pair order,
+    ``atoms_f16_order``); guards in between if any.
 
     ``atoms_flat`` is the runtime's ``atoms_flat()`` array; ``means`` and ``scales`` the
     layer's (K, V) pairs, each None or an array broadcastable to (n_dict_heads, head_dim)."""
@@ -551,7 +570,8 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
                 raise E.DictMismatchError(f"layer {layer} {st.stream}: the layout keeps binary16 atoms, "
                                           "these atoms are not all binary16 values")
             h0 = st.atoms16_word - ll.tail_word
-            img[h0:h0 + block // 2] = flat[layer, j].astype(np.float16).view(np.uint32)
+            atoms = flat[layer, j].reshape(-1, hd)[:, atoms_f16_order(hd)]
+            img[h0:h0 + block // 2] = atoms.astype(np.float16).reshape(-1).view(np.uint32)
         for word, vec in ((st.mean_word, means[j]), (st.scale_word, scales[j])):
             v = np.zeros((g, hd), np.float32) if vec is None else np.broadcast_to(np.asarray(vec, np.float32), (g, hd))
             img[word - ll.tail_word:word - ll.tail_word + g * hd] = np.ascontiguousarray(v).reshape(-1).view(np.uint32)
@@ -614,7 +634,7 @@ def _block(name: str, *names: str, defaults: dict | None = None) -> PushBlock:
 # residual scale at mean_word/scale_word + h·head_vec; both strides 0 when shared) and
 # the residual stage (scale_word is read only when the shader's RES_BITS > 0); atoms16_word
 # is the binary16 copy of the atoms (read only when ATOMS_F16; KV head h's at atoms16_word +
-# h·head_atoms/2).
+# h·head_atoms/2; chunk-pair order, atoms_f16_order).
 RECONSTRUCT_PUSH = _block("ReconstructPush", "src_word", "atoms_word", "mean_word", "n_atoms",
                           "n_ctx", "t0", "n_tok", "n_rows", "out_word", "scale_word", "head_atoms",
                           "head_vec", "atoms16_word",

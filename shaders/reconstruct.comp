@@ -6,7 +6,8 @@
 // shared). Slots: word(h,t,j) = src_word + (h*n_ctx + t)*SLOT_WORDS + j; a slot is SPARSITY
 // code words then, when RES_BITS > 0, the residual stage (slot.glsl). Atoms, means and
 // residual scales are read straight from the layer buffer's tail; with ATOMS_F16 the atoms
-// are gathered from the tail's binary16 copy of them (the same values, half the bytes).
+// are gathered from the tail's binary16 copy of them (the same values, half the bytes, a
+// quad of 8 halves per load: layout.atoms_f16_order).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require  // [[dont_unroll]]: core SPIR-V LoopControl
 #include "common.glsl"
@@ -26,12 +27,16 @@ layout(constant_id = 3) const uint RES_BITS = 0u;
 // row's atom gathers (the host's arena.RECONSTRUCT_GPU_MAPPINGS says per sparsity, measured).
 layout(constant_id = 4) const bool PIPELINED = false;
 // Whether the atoms are gathered from the layout's binary16 copy (pc.atoms16_word; the
-// forge's atoms are binary16 values) instead of the float32 block: the gathers are most of
-// this shader's traffic through the L2 (docs/DESIGN.md, "Reconstruct on the H200").
+// forge's atoms are binary16 values; vec4 variant with HEAD_DIM % 8 == 0 only, the host
+// checks) instead of the float32 block. The gathers' count, not their bytes, is what costs
+// on the H200: a quad of 8 halves per load — two output chunks half a row apart — halves it
+// (docs/DESIGN.md, "Reconstruct on the H200").
 layout(constant_id = 5) const bool ATOMS_F16 = false;
 
 const uint ROW_CHUNKS = HEAD_DIM / LANES;
 const uint GROUPS = ROW_CHUNKS / CHUNKS;  // invocations per row
+// Quads (8 halves) per atom in the binary16 copy: quad p holds chunks p and p + HALF_CHUNKS.
+const uint HALF_CHUNKS = ROW_CHUNKS / 2u;
 const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, RES_BITS);
 const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, HEAD_DIM, RES_BITS);
 const uint STEP_WORD = SLOT_STEP_WORD_OF(SPARSITY, HEAD_DIM, RES_BITS);
@@ -49,6 +54,11 @@ const uint LEVEL_COPY = WHOLE_ROWS ? LEVEL_WORDS + 1u : 1u;
 // not taken stays small for compilers that build it before dropping it.
 const uint ROW_CODES = WHOLE_ROWS ? 1u : SPARSITY;
 const uint PIECES = WHOLE_ROWS ? 1u : CHUNKS;
+// rows_chunked with binary16 atoms and an even number of chunks per invocation: each quad
+// gathered serves two of its chunks (ATOMS_F16 && PIECES even, spelled without `&&`).
+const bool QUAD_PAIRS = (ATOMS_F16 ? PIECES % 2u : 1u) == 0u;
+// rows_whole's steps along a row: a chunk each, or a quad's two chunks (binary16 atoms)
+const uint WHOLE_STEPS = ATOMS_F16 ? HALF_CHUNKS : CHUNKS;
 
 // restrict: nothing this dispatch writes aliases the layer (the two read-only views of it
 // alias each other, which restrict allows: neither is written). Measured on the H200: no
@@ -56,13 +66,9 @@ const uint PIECES = WHOLE_ROWS ? 1u : CHUNKS;
 layout(std430, binding = 0) restrict readonly buffer LayerWords { uint layer_words[]; };
 layout(std430, binding = 1) restrict readonly buffer LayerElems { FELEM layer_elems[]; };
 layout(std430, binding = 2) restrict writeonly buffer OutElems { FELEM out_elems[]; };
-// A third read-only view of the layer: the binary16 atoms, one chunk (4 halves) a uvec2 on
-// the vec4 variant, 2 halves a word on the scalar one.
-#if VEC4
-layout(std430, binding = 3) restrict readonly buffer LayerHalves { uvec2 layer_halves[]; };
-#else
-layout(std430, binding = 3) restrict readonly buffer LayerHalves { uint layer_halves[]; };
-#endif
+// A fourth read-only view of the layer: its binary16 atoms, a quad (8 halves) per element.
+// (Four bindings: Vulkan's minimum of storage buffers per stage.)
+layout(std430, binding = 3) restrict readonly buffer LayerQuads { uvec4 layer_quads[]; };
 
 layout(push_constant) uniform ReconstructPush {
     uint src_word;    // start of the stream's slot region
@@ -101,28 +107,29 @@ FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
     return r * step_ * scale;
 }
 
-// Where head `head`'s atoms start in the view atom_chunk reads, in its units (chunks of LANES
-// elements; binary16 halves on the scalar variant): atom a's chunk c is atom_chunk(base +
-// a*ROW_CHUNKS + c) either way. (vec4: atoms16_word and head_atoms/2 are even.)
+// Where head `head`'s atoms start: in chunks of the float32 block, or in quads of the
+// binary16 copy (ATOMS_F16; the host keeps atoms16_word and head_atoms/2 multiples of 4).
+// Atom a then starts at atoms_base(head) + a * ATOM_STRIDE.
+const uint ATOM_STRIDE = ATOMS_F16 ? HALF_CHUNKS : ROW_CHUNKS;
 uint atoms_base(uint head) {
-    if (ATOMS_F16) {
-        uint word = pc.atoms16_word + head * (pc.head_atoms / 2u);
-        return VEC4 != 0 ? word / 2u : 2u * word;
-    }
+    if (ATOMS_F16)
+        return (pc.atoms16_word + head * (pc.head_atoms / 2u)) / 4u;
     return (pc.atoms_word + head * pc.head_atoms) / LANES;
 }
 
-FELEM atom_chunk(uint i) {
-    if (ATOMS_F16) {
+// The two chunks a binary16 quad holds, as floats (exact: every binary16 value is a float).
+vec4 quad_lo(uvec4 q) { return vec4(unpackHalf2x16(q.x), unpackHalf2x16(q.y)); }
+vec4 quad_hi(uvec4 q) { return vec4(unpackHalf2x16(q.z), unpackHalf2x16(q.w)); }
+
+// Chunk `chunk` of the atom starting at `at` (atoms_base + a * ATOM_STRIDE), one load.
+FELEM atom_chunk(uint at, uint chunk) {
 #if VEC4
-        uvec2 h = layer_halves[i];
-        return vec4(unpackHalf2x16(h.x), unpackHalf2x16(h.y));
-#else
-        vec2 pair = unpackHalf2x16(layer_halves[i >> 1u]);
-        return (i & 1u) == 0u ? pair.x : pair.y;
-#endif
+    if (ATOMS_F16) {
+        uvec4 q = layer_quads[at + chunk % HALF_CHUNKS];
+        return chunk < HALF_CHUNKS ? quad_lo(q) : quad_hi(q);
     }
-    return layer_elems[i];
+#endif
+    return layer_elems[at + chunk];
 }
 
 // Row r = h*n_tok + i: its KV head and the first word of its slot.
@@ -164,7 +171,7 @@ void rows_whole() {
         [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j) {
             uint w = layer_words[slot + j];
             uint atom = code_atom(w);
-            atom_elem[j] = atoms_elem + safe_atom(atom, pc.n_atoms) * ROW_CHUNKS;
+            atom_elem[j] = atoms_elem + safe_atom(atom, pc.n_atoms) * ATOM_STRIDE;
             coef[j] = safe_coef(atom, pc.n_atoms, code_coef(w));
         }
         float step_ = 0.0;
@@ -174,15 +181,32 @@ void rows_whole() {
                 level_copy[w] = layer_words[slot + SPARSITY + w];
             level_copy[LEVEL_COPY - 1u] = 0u;  // the padding word past the last
         }
-        [[dont_unroll]] for (uint chunk = 0u; chunk < CHUNKS; ++chunk) {
-            FELEM acc = mean_part[chunk];
-            [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j)
-                acc += coef[j] * atom_chunk(atom_elem[j] + chunk);
-            if (RES_BITS > 0u) {
-                uint w = CHUNK_LEVEL_WORD(chunk);
-                acc += residual_chunk(level_copy[w], level_copy[w + 1u], chunk, step_, scale_part[chunk]);
+        // A step's chunks: one (float32 atoms), or chunks p and p + HALF_CHUNKS of one quad
+        // gathered per code word (binary16 atoms)
+        [[dont_unroll]] for (uint p = 0u; p < WHOLE_STEPS; ++p) {
+            FELEM pair[2];
+            pair[0] = mean_part[p];
+            pair[1] = mean_part[min(p + HALF_CHUNKS, CHUNKS - 1u)];
+            [[dont_unroll]] for (uint j = 0u; j < SPARSITY; ++j) {
+#if VEC4
+                if (ATOMS_F16) {
+                    uvec4 q = layer_quads[atom_elem[j] + p];
+                    pair[0] += coef[j] * quad_lo(q);
+                    pair[1] += coef[j] * quad_hi(q);
+                    continue;
+                }
+#endif
+                pair[0] += coef[j] * layer_elems[atom_elem[j] + p];
             }
-            out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;
+            [[dont_unroll]] for (uint e = 0u; e < CHUNKS / WHOLE_STEPS; ++e) {
+                uint chunk = p + e * HALF_CHUNKS;
+                FELEM acc = pair[e];
+                if (RES_BITS > 0u) {
+                    uint w = CHUNK_LEVEL_WORD(chunk);
+                    acc += residual_chunk(level_copy[w], level_copy[w + 1u], chunk, step_, scale_part[chunk]);
+                }
+                out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;
+            }
         }
     }
 }
@@ -266,16 +290,35 @@ void rows_chunked() {
         float coef[ROW_CODES];
         [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j) {
             uint atom = code_atom(code[j]);
-            atom_elem[j] = atoms_elem + safe_atom(atom, pc.n_atoms) * ROW_CHUNKS;
+            atom_elem[j] = atoms_elem + safe_atom(atom, pc.n_atoms) * ATOM_STRIDE;
             coef[j] = safe_coef(atom, pc.n_atoms, code_coef(code[j]));
         }
-        // rolled for llvmpipe's compile time (tests run this path there); GPU compilers
-        // unroll it anyway
+        // The sums of the chunks this invocation writes, mean first, atoms in code order (the
+        // reference's order either way). Loops rolled for llvmpipe's compile time (tests run
+        // this path there); GPU compilers unroll them anyway.
+        FELEM sums[PIECES];
+        [[dont_unroll]] for (uint k = 0u; k < PIECES; ++k)
+            sums[k] = mean_part[k];
+        if (QUAD_PAIRS) {
+#if VEC4
+            // chunk k < PIECES/2 lies in the first half of the row, chunk k + PIECES/2 is its
+            // partner half a row on (group + k*GROUPS + HALF_CHUNKS): one quad serves both
+            [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j) {
+                [[dont_unroll]] for (uint k = 0u; k < PIECES / 2u; ++k) {
+                    uvec4 q = layer_quads[atom_elem[j] + group + k * GROUPS];
+                    sums[k] += coef[j] * quad_lo(q);
+                    sums[k + PIECES / 2u] += coef[j] * quad_hi(q);
+                }
+            }
+#endif
+        } else {
+            [[dont_unroll]] for (uint k = 0u; k < PIECES; ++k)
+                [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j)
+                    sums[k] += coef[j] * atom_chunk(atom_elem[j], group + k * GROUPS);
+        }
         [[dont_unroll]] for (uint k = 0u; k < PIECES; ++k) {
             uint chunk = group + k * GROUPS;
-            FELEM acc = mean_part[k];
-            [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j)
-                acc += coef[j] * atom_chunk(atom_elem[j] + chunk);
+            FELEM acc = sums[k];
             if (RES_BITS > 0u)
                 acc += residual_chunk(lw0[k], lw1[k], chunk, step_, scale_part[k]);
             out_elems[out_elem + row * ROW_CHUNKS + chunk] = acc;

@@ -28,7 +28,7 @@ def art_path(tmp_path_factory, request):
     """f16-atoms: the atoms rounded to binary16 values, as the forge makes them (the layout
     then ends each tail with a binary16 copy of them)."""
     rng = np.random.default_rng(4)
-    art = toy_artifact(rng, n_layers=3, n_atoms=40, head_dim=12, s=3, passthrough=((1, 1),))
+    art = toy_artifact(rng, n_layers=3, n_atoms=40, head_dim=16, s=3, passthrough=((1, 1),))
     if request.param == "f16-atoms":
         art = KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity, tuple(tuple(
             None if d is None else StreamDict(round_to_f16(d.atoms), d.mean, d.metric, d.sparsity)
@@ -52,7 +52,7 @@ def test_json_totals_add_up_without_kp(art_path):
     for l in d["layers"]:
         assert sum(b["bytes"] + 4 * b["padding_words"] for b in l["blocks"]) + 4 * l["blocks"][0]["word"] \
             == l["total"]["bytes"]
-    lay = L.build_layout(3, 2, 12, 100, art)
+    lay = L.build_layout(3, 2, 16, 100, art)
     assert t["bytes"] == lay.total_bytes and t["bytes_per_token"] == lay.bytes_per_token
     assert d["certification"]["passed"] and "\x1b" not in out.stdout and "\n" not in d["certification"]["producer"]
     assert d["layers"][1]["v"]["coded"] is False and d["layers"][0]["k"]["sparsity"] == 3
@@ -120,7 +120,7 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
     d = json.loads(out.stdout)
     if not f32:
         activate(art)
-    arena = make_arena(3, 2, 12, 100, guard_words=0, **({"cache": "f32"} if f32 else {}))
+    arena = make_arena(3, 2, 16, 100, guard_words=0, **({"cache": "f32"} if f32 else {}))
     assert arena.mode == d["mode"] == ("f32" if f32 else "dict")
     assert arena.layout.total_bytes == d["totals"]["bytes"]
     assert [4 * arena.layer_buffer(i).words for i in range(3)] == [l["total"]["bytes"] for l in d["layers"]]
@@ -139,7 +139,7 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
             elif what == "atoms":
                 assert np.array_equal(got, sd.atoms.astype(np.float32).reshape(-1))
             elif what == "atoms_f16":
-                halves = got.view(np.float16).astype(np.float32)
-                assert np.array_equal(halves, sd.atoms.reshape(-1))
+                halves = got.view(np.float16).astype(np.float32).reshape(-1, 16)
+                assert np.array_equal(halves, sd.atoms.reshape(-1, 16)[:, L.atoms_f16_order(16)])
             elif what == "mean":
                 assert np.array_equal(got, sd.mean.astype(np.float32).reshape(-1))

@@ -181,8 +181,12 @@ def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
         block = g * na * hd
         for j, s in enumerate(ll.streams):
             h0 = s.atoms16_word - ll.tail_word
-            halves = img[h0:h0 + block // 2].view(np.float16).astype(np.float32)
-            assert np.array_equal(halves, flat[(2 * ll.index + j) * block:(2 * ll.index + j + 1) * block])
+            halves = img[h0:h0 + block // 2].view(np.float16).astype(np.float32).reshape(g * na, hd)
+            atoms = flat[(2 * ll.index + j) * block:(2 * ll.index + j + 1) * block].reshape(g * na, hd)
+            # chunk-pair order: quad p = elements 4p..4p+3, then hd/2 + 4p..hd/2 + 4p+3
+            for p in range(hd // 8):
+                assert np.array_equal(halves[:, 8 * p:8 * p + 4], atoms[:, 4 * p:4 * p + 4])
+                assert np.array_equal(halves[:, 8 * p + 4:8 * p + 8], atoms[:, hd // 2 + 4 * p:hd // 2 + 4 * p + 4])
     with pytest.raises(E.DictMismatchError, match="binary16"):  # the layout wants f16 atoms, these are not
         L.layer_tail_image(lay, 0, plain.atoms_flat(), (None, None))
     guarded = L.build_layout(3, 2, hd, 5, art, guard_words=4)
@@ -192,11 +196,16 @@ def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
             assert any(b == lo for _, b in ll.guard_spans) and any(a == hi for a, _ in ll.guard_spans)
 
 
-def test_binary16_atoms_need_an_even_head_dim_and_finite_halves():
+def test_binary16_atoms_need_head_dim_a_multiple_of_8_and_finite_halves():
     rng = np.random.default_rng(8)
-    odd = _f16_atoms(_artifact(rng, hd=15))
-    assert odd.atoms_f16_exact
-    assert all(s.atoms16_word is None for ll in L.build_layout(3, 2, 15, 5, odd).layers for s in ll.streams)
+    for hd in (15, 12, 20):
+        odd = _f16_atoms(_artifact(rng, hd=hd))
+        assert odd.atoms_f16_exact
+        assert all(s.atoms16_word is None for ll in L.build_layout(3, 2, hd, 5, odd).layers for s in ll.streams)
+        if hd % 2 == 0:
+            with pytest.raises(E.ArenaError, match="head_dim % 8"):
+                L.atoms_f16_order(hd)
+    assert sorted(L.atoms_f16_order(24)) == list(range(24))  # a permutation of the elements
     big = np.full((4, 8), 70000.0, np.float32)  # beyond binary16's range: left as it is
     assert np.array_equal(round_to_f16(big), big) and not is_f16_exact(big)
     x = np.float32([1 + 2 ** -12, -3.0, 2 ** -30])

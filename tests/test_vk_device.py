@@ -128,6 +128,14 @@ def test_dispatch_contract_is_checked_before_the_driver(vk_device):
     for bad, match in [(dict(atoms16_word=200), "binding 3"), (dict(atoms16_word=129), "aligned")]:
         with pytest.raises(E.DispatchError, match=match):
             k16.op(**{**ok16, **bad})
+    # the copy is gathered a quad (8 halves) at a time: the vec4 variant, head_dim % 8 == 0
+    for variant, s16 in (("reconstruct_vec4", {**spec, "HEAD_DIM": 12, "ATOMS_F16": 1}),
+                         ("reconstruct_scalar", {**spec, "ATOMS_F16": 1})):
+        bad16 = Kernel(vk_device, variant, [a, a, b, a], s16)
+        with pytest.raises(E.DispatchError, match="quad"):
+            bad16.op(**{**ok16, "n_atoms": 4})
+        bad16.destroy()
+    k16.destroy()
     with pytest.raises(E.DispatchError):
         k.op(**{n: v for n, v in ok.items() if n != "t0"})
     c = Kernel(vk_device, "copy_vec4", [a, b])

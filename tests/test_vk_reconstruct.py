@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import _stream_entry, random_artifact, stable_seed
+from conftest import _stream_entry, check_guards, random_artifact, stable_seed
 from kvdict_vk import codec
 from kvdict_vk.metrics import nmse
 from kvdict_vk.synthetic import random_codes, random_slots
@@ -108,7 +108,7 @@ MAPPINGS = ["row", "chunk-pipelined", "chunk-plain"]
 @pytest.mark.parametrize("case", CASES + _random_cases(4), ids=_case_id)
 def test_gpu_reconstruct_equals_reference(case, mapping, atoms, make_arena, activate, monkeypatch):
     """atoms "f16": binary16 values, as the forge makes them — the arena keeps a binary16 copy
-    (even head_dims) and reconstruct gathers from it; "f32": any float32 atoms."""
+    (head_dim % 8 == 0) and reconstruct gathers from it; "f32": any float32 atoms."""
     hd, na, n_kv, n_ctx, per_head, layers = case
     rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1, f16_atoms=atoms == "f16")
@@ -117,7 +117,7 @@ def test_gpu_reconstruct_equals_reference(case, mapping, atoms, make_arena, acti
         monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (2, mapping == "chunk-pipelined")),))
     arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping.split("-")[0])
     assert arena.mode == "dict" and arena.layout.n_dict_heads == art.n_heads
-    assert all((st.atoms16_word is not None) == (atoms == "f16" and hd % 2 == 0)
+    assert all((st.atoms16_word is not None) == (atoms == "f16" and hd % 8 == 0)
                for ll in arena.layout.layers for st in ll.streams)
     row_chunks = hd // 4 if hd % 4 == 0 else hd
     for s in SPARSITIES:
@@ -150,6 +150,30 @@ def test_narrow_grids_walk_rows_across_heads(hd, cap, pipelined, make_arena, act
     stored = _fill(arena, art, rng, n_ctx)
     for t0, t1 in ((0, n_ctx), (7, 140), (149, 150), (0, 9)):
         _check_read(arena, art, stored, 0, t0, t1)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("hd", [8, 16, 64, 128])
+def test_binary16_atoms_under_every_chunking(hd, pipelined, make_arena, activate, monkeypatch):
+    """The binary16 copy gathered a quad (8 halves: chunks c and c + hd/8) at a time, under
+    every number of chunks an invocation may write: even counts take both chunks of each quad
+    (QUAD_PAIRS), one chunk takes its half of it, a whole row (the row mapping's path) each
+    chunk's half in turn — per-head and shared dictionaries, out-of-range words, guards."""
+    row_chunks = hd // 4
+    for per_head in (True, False):
+        rng = np.random.default_rng(hd + 2 * pipelined + per_head)
+        art = random_artifact(rng, hd, 64, (((4, 4), (3, 3)),), n_heads=3 if per_head else 1, f16_atoms=True)
+        activate(art)
+        for chunks in (c for c in (1, 2, 4, 8, 16, 32) if row_chunks % c == 0):
+            monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (chunks, pipelined)),))
+            arena = make_arena(1, 3, hd, 77, guard_words=4 * hd, shader_mapping="chunk")
+            assert all(st.atoms16_word is not None for st in arena.layout.layers[0].streams)
+            assert arena.reconstruct_mapping(4) == (chunks, pipelined)
+            stored = _fill(arena, art, rng, 77)
+            for t0, t1 in ((0, 77), (30, 31), (5, 60)):
+                _check_read(arena, art, stored, 0, t0, t1)
+            check_guards(arena)
+            arena.free()
 
 
 def test_the_grid_is_covered():

@@ -97,7 +97,7 @@ def _check_rows(p) -> None:
                               f"n_ctx={p['n_ctx']} is inconsistent")
 
 
-def _reconstruct_extents(p, s):
+def _reconstruct_extents(p, s, lanes: int):
     _check_rows(p)
     hd, bits = s["HEAD_DIM"], s["RES_BITS"]
     if p["n_atoms"] < 1:
@@ -112,9 +112,10 @@ def _reconstruct_extents(p, s):
         elems.append((p["scale_word"], p["scale_word"] + last * p["head_vec"] + hd))
     halves = []
     if s["ATOMS_F16"]:
-        if hd % 2 or p["head_atoms"] % 2:
-            raise E.DispatchError(f"binary16 atoms need an even head_dim and head stride (head_dim {hd}, "
-                                  f"head_atoms {p['head_atoms']})")
+        if lanes != 4 or hd % L.ATOMS_F16_ELEMS:
+            raise E.DispatchError(f"binary16 atoms are gathered a quad (8 halves) at a time: the vec4 variant "
+                                  f"with head_dim % {L.ATOMS_F16_ELEMS} == 0 (head_dim {hd}, "
+                                  f"{'vec4' if lanes == 4 else 'scalar'} variant)")
         halves.append((p["atoms16_word"], p["atoms16_word"] + (last * p["head_atoms"] + p["n_atoms"] * hd) // 2))
     return ([_rows_extents(p, slot_words(hd, s["SPARSITY"], bits))], elems,
             [(p["out_word"], p["out_word"] + p["n_rows"] * hd)], halves)
@@ -199,10 +200,11 @@ def _row_groups(s, lanes):
 
 
 SHADERS = {
-    **{f"reconstruct_{v}": ShaderSpec(f"reconstruct_{v}", L.RECONSTRUCT_PUSH, (1, n, n, max(1, n // 2)),
+    **{f"reconstruct_{v}": ShaderSpec(f"reconstruct_{v}", L.RECONSTRUCT_PUSH, (1, n, n, 4),
                                       (False, False, True, False),
                                       ("HEAD_DIM", "SPARSITY", "CHUNKS", "RES_BITS", "PIPELINED", "ATOMS_F16"),
-                                      _reconstruct_extents, lambda s, n=n: _row_groups(s, n),
+                                      lambda p, s, n=n: _reconstruct_extents(p, s, n),
+                                      lambda s, n=n: _row_groups(s, n),
                                       (("RES_BITS", 0), ("PIPELINED", 0), ("ATOMS_F16", 0)))
        for v, n in (("vec4", 4), ("scalar", 1))},
     **{f"copy_rows_{v}": ShaderSpec(f"copy_rows_{v}", L.COPY_ROWS_PUSH, (n, n), (False, True),
@@ -285,7 +287,8 @@ class Kernel:
                 np.zeros(len(sh.push.fields), np.uint32))
 
     def _check_spec(self) -> None:
-        s, lanes = self.spec, max(self.shader.lanes)
+        # chunks are of the output's elements (the written binding's view)
+        s, lanes = self.spec, max(n for n, w in zip(self.shader.lanes, self.shader.writes) if w)
         may_be_zero = {n for n, _ in self.shader.optional_spec}
         if any(not isinstance(v, (int, np.integer)) or not (0 if n in may_be_zero else 1) <= v < 1 << 32
                for n, v in s.items()):
