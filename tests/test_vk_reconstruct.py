@@ -99,8 +99,14 @@ def _case_id(c):
 
 
 # CPU-driver and GPU invocation mappings; on the GPU one, both ways of loading the slots
-# (arena.RECONSTRUCT_GPU_MAPPINGS picks per sparsity; these force one for every stream)
+# (arena.RECONSTRUCT_GPU_MAPPINGS / _F16 pick per sparsity; these force one for every stream)
 MAPPINGS = ["row", "chunk-pipelined", "chunk-plain"]
+
+
+def _force_mapping(monkeypatch, table, table_f16=None):
+    """The GPU mapping tables for float32 atoms and for the binary16 copy (default: the same)."""
+    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", table)
+    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS_F16", table if table_f16 is None else table_f16)
 
 
 @pytest.mark.parametrize("atoms", ["f32", "f16"])
@@ -114,7 +120,7 @@ def test_gpu_reconstruct_equals_reference(case, mapping, atoms, make_arena, acti
     art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1, f16_atoms=atoms == "f16")
     activate(art)
     if mapping != "row":  # every sparsity: two chunks a row (one where that does not divide it)
-        monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (2, mapping == "chunk-pipelined")),))
+        _force_mapping(monkeypatch, ((None, (2, mapping == "chunk-pipelined")),))
     arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping.split("-")[0])
     assert arena.mode == "dict" and arena.layout.n_dict_heads == art.n_heads
     assert all((st.atoms16_word is not None) == (atoms == "f16" and hd % 8 == 0)
@@ -144,7 +150,7 @@ def test_narrow_grids_walk_rows_across_heads(hd, cap, pipelined, make_arena, act
     art = random_artifact(rng, hd, 256, (((4, 3), (2, 4)),), n_heads=3)
     activate(art)
     monkeypatch.setattr(kernels, "MAX_WORKGROUPS", cap)
-    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (2, pipelined)),))
+    _force_mapping(monkeypatch, ((None, (2, pipelined)),))
     n_ctx = 150
     arena = make_arena(1, 3, hd, n_ctx, guard_words=4 * hd, shader_mapping="chunk")
     stored = _fill(arena, art, rng, n_ctx)
@@ -165,10 +171,10 @@ def test_binary16_atoms_under_every_chunking(hd, pipelined, make_arena, activate
         art = random_artifact(rng, hd, 64, (((4, 4), (3, 3)),), n_heads=3 if per_head else 1, f16_atoms=True)
         activate(art)
         for chunks in (c for c in (1, 2, 4, 8, 16, 32) if row_chunks % c == 0):
-            monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((None, (chunks, pipelined)),))
+            _force_mapping(monkeypatch, ((None, (chunks, pipelined)),))
             arena = make_arena(1, 3, hd, 77, guard_words=4 * hd, shader_mapping="chunk")
             assert all(st.atoms16_word is not None for st in arena.layout.layers[0].streams)
-            assert arena.reconstruct_mapping(4) == (chunks, pipelined)
+            assert arena.reconstruct_mapping(4, atoms_f16=True) == (chunks, pipelined)
             stored = _fill(arena, art, rng, 77)
             for t0, t1 in ((0, 77), (30, 31), (5, 60)):
                 _check_read(arena, art, stored, 0, t0, t1)
@@ -197,10 +203,12 @@ def test_the_grid_is_covered():
 def test_gpu_mapping_follows_its_table(make_arena, monkeypatch):
     """reconstruct_mapping: the first table entry whose bound covers the sparsity; chunks that
     do not divide a row fall back to one; CPU drivers' row mapping writes whole rows."""
-    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", ((2, (4, True)), (5, (8, False)), (None, (2, True))))
+    _force_mapping(monkeypatch, ((2, (4, True)), (5, (8, False)), (None, (2, True))), ((3, (1, False)), (None, (4, True))))
     gpu = make_arena(1, 2, 64, 8, shader_mapping="chunk")  # 16 chunks a row
     assert [gpu.reconstruct_mapping(s) for s in (1, 2, 3, 5, 6, 32)] == \
         [(4, True), (4, True), (8, False), (8, False), (2, True), (2, True)]
+    # the binary16 copy's own table
+    assert [gpu.reconstruct_mapping(s, atoms_f16=True) for s in (1, 3, 4, 32)] == [(1, False), (1, False), (4, True), (4, True)]
     narrow = make_arena(1, 2, 12, 8, shader_mapping="chunk")  # 3 chunks a row: none of 4, 8, 2 divides it
     assert [narrow.reconstruct_mapping(s) for s in (1, 3, 6)] == [(1, True), (1, False), (1, True)]
     cpu = make_arena(1, 2, 64, 8, shader_mapping="row")

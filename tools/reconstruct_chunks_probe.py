@@ -42,7 +42,7 @@ def main() -> None:
         for w in (int(x) for x in args.max_workgroups.split(",")):
             for c in (int(x) for x in args.chunks.split(",")):
                 for p in (bool(int(x)) for x in args.pipelined.split(",")):
-                    KvArena.reconstruct_mapping = lambda self, sparsity, c=c, p=p: (c, p)
+                    KvArena.reconstruct_mapping = lambda self, sparsity, atoms_f16=False, c=c, p=p: (c, p)
                     cap["reconstruct"] = w
                     print(f"CHUNKS {c} PIPELINED {int(p)} MAX_WORKGROUPS {w}", file=sys.stderr, flush=True)
                     reconstruct.main([*rest, "--out", f"{args.out_dir}/chunks{c}_pipe{int(p)}_wg{w}.json"])

@@ -45,8 +45,12 @@ MAX_SEQS = 1024  # sequences a batched arena holds at most
 # docs/results/h200/probes/reconstruct_mapping_per_sparsity.json): s 1 four chunks 1.40
 # (two: 1.17); s 2 and 4 two chunks with the next row's slot words loaded early
 # (reconstruct.comp's PIPELINED) 1.30 / 1.15 (plain: 1.11 / 1.02); s 8 and 16 two chunks
-# plain 0.76 / 0.42 (pipelined: 0.59 / 0.40).
+# plain 0.76 / 0.42 (pipelined: 0.59 / 0.40). This table is for float32 atoms; the next for
+# the binary16 copy (gathered a quad at a time), which moved s 8 to pipelined
+# (docs/results/h200/probes/reconstruct_mapping_binary16_atoms.json: s 8 601.9 µs pipelined,
+# 660.6 plain; s 1 four chunks 373 µs, s 2 / 4 two pipelined 412 / 433; s 16 plain 934 vs 980).
 RECONSTRUCT_GPU_MAPPINGS = ((1, (4, False)), (4, (2, True)), (None, (2, False)))
+RECONSTRUCT_GPU_MAPPINGS_F16 = ((1, (4, False)), (8, (2, True)), (None, (2, False)))
 
 
 CACHE_ENV = "KVDICT_VK_CACHE"  # the uncoded cache's row format when the switch is off: f16 / f32
@@ -278,13 +282,15 @@ class KvArena:
         """copy_rows' CHUNKS (the f32 cache's read): chunks of a row one invocation handles."""
         return self._chunks
 
-    def reconstruct_mapping(self, sparsity: int) -> tuple[int, bool]:
-        """reconstruct's (CHUNKS, PIPELINED) for a stream of ``sparsity`` code words: output
-        chunks of a row one invocation writes (a whole row on CPU drivers) and whether it loads
-        its next row's slot words early (RECONSTRUCT_GPU_MAPPINGS)."""
+    def reconstruct_mapping(self, sparsity: int, atoms_f16: bool = False) -> tuple[int, bool]:
+        """reconstruct's (CHUNKS, PIPELINED) for a stream of ``sparsity`` code words gathering
+        float32 atoms or (``atoms_f16``) the binary16 copy: output chunks of a row one
+        invocation writes (a whole row on CPU drivers) and whether it loads its next row's slot
+        words early (RECONSTRUCT_GPU_MAPPINGS, RECONSTRUCT_GPU_MAPPINGS_F16)."""
         if self.shader_mapping == "row":
             return self._chunks_per_row, False
-        chunks, pipelined = next(m for bound, m in RECONSTRUCT_GPU_MAPPINGS if bound is None or sparsity <= bound)
+        table = RECONSTRUCT_GPU_MAPPINGS_F16 if atoms_f16 else RECONSTRUCT_GPU_MAPPINGS
+        chunks, pipelined = next(m for bound, m in table if bound is None or sparsity <= bound)
         return (chunks if self._chunks_per_row % chunks == 0 else 1), pipelined
 
     # --- checks -----------------------------------------------------------------------------------

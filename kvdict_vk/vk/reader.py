@@ -77,7 +77,7 @@ class ReadPlan:
                               max_items=buffers[-1].words // per)
             variant = f"{shader}_{'vec4' if a.vec4_rows else 'scalar'}"
             if shader == "reconstruct":
-                chunks, pipelined = a.reconstruct_mapping(spec["SPARSITY"])
+                chunks, pipelined = a.reconstruct_mapping(spec["SPARSITY"], bool(spec["ATOMS_F16"]))
                 mapping = {"CHUNKS": chunks, "PIPELINED": int(pipelined)}
             else:
                 mapping = {"CHUNKS": a.row_chunks}
