@@ -58,7 +58,7 @@ class ForgeConfig:
     passthrough: list = field(default_factory=list)  # ["k:3", "v:0", …] streams left f32
     seed: int = 0
     # atoms rounded to binary16 values (forge.learn): the arena then keeps a binary16 copy
-    # that reconstruct gathers (half the bytes); False keeps the learner's float32 bits
+    # that reconstruct gathers (half the loads); False keeps the learner's float32 bits
     f16_atoms: bool = True
 
     def stream_spec(self, k_not_v: bool) -> tuple[int, int]:
