@@ -30,7 +30,7 @@ layout(constant_id = 4) const bool PIPELINED = false;
 // forge's atoms are binary16 values; vec4 variant with HEAD_DIM % 8 == 0 only, the host
 // checks) instead of the float32 block. The gathers' count, not their bytes, is what costs
 // on the H200: a quad of 8 halves per load — two output chunks half a row apart — halves it
-// (docs/DESIGN.md, "Reconstruct on the H200").
+// (docs/DESIGN.md, "Binary16 atoms, gathered a quad at a time").
 layout(constant_id = 5) const bool ATOMS_F16 = false;
 
 const uint ROW_CHUNKS = HEAD_DIM / LANES;
