@@ -157,8 +157,9 @@ def _f16_atoms(art: KvDictArtifact) -> KvDictArtifact:
 
 @pytest.mark.parametrize("n_heads", [1, 2])
 def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
-    """Atoms that are all binary16 values: the tail ends with K's and V's atoms again as f16
-    pairs (4-word aligned, after the scales), the same values; other blocks keep their place."""
+    """Atoms that are all binary16 values: the tail ends with K's and V's atoms again in
+    binary16, chunk-pair order (4-word aligned, after the scales), the same values; other
+    blocks keep their place."""
     rng = np.random.default_rng(7)
     plain = _artifact(rng, n_heads=n_heads)
     art = _f16_atoms(plain)
