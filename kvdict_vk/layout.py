@@ -4,7 +4,7 @@ Pure Python/NumPy — no GPU import, no I/O — so the GPU backend (`kvdict_vk.v
 dump tool read the same numbers. One storage buffer per layer:
 
     layer = [K region][V region][K atoms][V atoms][K mean][V mean][K scale][V scale]
-            [K atoms f16][V atoms f16]   (only when every atom is a binary16 value)
+            [K atoms f16][V atoms f16]   (only when every atom is a binary16 value, head_dim % 8 == 0)
 
 * coded region       word(h, t, j) = region + (h·n_ctx + t)·slot_words + j
   a slot (docs/FORMAT.md) is the stream's ``sparsity`` code words, then — residual_bits
