@@ -7,6 +7,7 @@ the runtime can be shared by every reader without copies or locks.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,6 +219,14 @@ class KvDictArtifact:
             cached = all(is_f16_exact(d.atoms) for pair in self.layers for d in pair if d is not None)
             object.__setattr__(self, "_atoms_f16_exact", cached)
         return cached
+
+    def with_f16_atoms(self) -> "KvDictArtifact":
+        """This artifact with every coded stream's atoms rounded to binary16 values
+        (``round_to_f16``), everything else as it is: what the forge makes
+        (``ForgeConfig.f16_atoms``), for validating and testing the arena's binary16 copy."""
+        return KvDictArtifact(self.head_dim, self.n_atoms, self.sparsity, tuple(
+            tuple(None if d is None else dataclasses.replace(d, atoms=round_to_f16(d.atoms)) for d in pair)
+            for pair in self.layers))
 
     def atoms_flat(self) -> np.ndarray:
         """[layer][K atoms n_heads×n_atoms×head_dim][V atoms …] float32, zeros for

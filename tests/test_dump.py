@@ -12,7 +12,6 @@ import pytest
 from kvdict_vk import artifact as A
 from kvdict_vk import layout as L
 from kvdict_vk.cli import dump
-from kvdict_vk.dictionary import KvDictArtifact, StreamDict, round_to_f16
 
 from helpers import toy_artifact, toy_cert
 
@@ -30,9 +29,7 @@ def art_path(tmp_path_factory, request):
     rng = np.random.default_rng(4)
     art = toy_artifact(rng, n_layers=3, n_atoms=40, head_dim=16, s=3, passthrough=((1, 1),))
     if request.param == "f16-atoms":
-        art = KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity, tuple(tuple(
-            None if d is None else StreamDict(round_to_f16(d.atoms), d.mean, d.metric, d.sparsity)
-            for d in pair) for pair in art.layers))
+        art = art.with_f16_atoms()
         assert art.atoms_f16_exact
     cert = toy_cert(art)
     cert = A.CertInfo(**{**cert.__dict__, "producer": {"name": "evil\x1b[31m\nname", "version": "1"}})

@@ -146,15 +146,6 @@ def test_tail_image_is_the_atoms_flat_block():
         L.layer_tail_image(lay, 0, flat[:-1], (None, None))
 
 
-def _f16_atoms(art: KvDictArtifact) -> KvDictArtifact:
-    """``art`` with every atom rounded to a binary16 value, as the forge rounds them."""
-    def rounded(d):
-        return None if d is None else StreamDict(round_to_f16(d.atoms), d.mean, d.metric, d.sparsity,
-                                                 d.residual_bits, d.residual_scale)
-    return KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity,
-                          tuple(tuple(rounded(d) for d in p) for p in art.layers))
-
-
 @pytest.mark.parametrize("n_heads", [1, 2])
 def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
     """Atoms that are all binary16 values: the tail ends with K's and V's atoms again in
@@ -162,7 +153,7 @@ def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
     blocks keep their place."""
     rng = np.random.default_rng(7)
     plain = _artifact(rng, n_heads=n_heads)
-    art = _f16_atoms(plain)
+    art = plain.with_f16_atoms()
     assert art.atoms_f16_exact and not plain.atoms_f16_exact
     hd, na, g = 16, 8, n_heads
     lay, lay32 = L.build_layout(3, 2, hd, 5, art), L.build_layout(3, 2, hd, 5, plain)
@@ -197,10 +188,26 @@ def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
             assert any(b == lo for _, b in ll.guard_spans) and any(a == hi for a, _ in ll.guard_spans)
 
 
+def test_with_f16_atoms_rounds_the_atoms_and_nothing_else():
+    rng = np.random.default_rng(9)
+    art = _artifact(rng, bits=((3, 0), (0, 0), (0, 4)))
+    f16 = art.with_f16_atoms()
+    assert f16.atoms_f16_exact and not art.atoms_f16_exact
+    for pair, pair16 in zip(art.layers, f16.layers):
+        for d, d16 in zip(pair, pair16):
+            assert (d is None) == (d16 is None)
+            if d is None:
+                continue
+            assert np.array_equal(d16.atoms, round_to_f16(d.atoms))
+            assert (d16.sparsity, d16.residual_bits) == (d.sparsity, d.residual_bits)
+            for a, b in ((d.mean, d16.mean), (d.residual_scale, d16.residual_scale), (d.metric, d16.metric)):
+                assert (a is None and b is None) or np.array_equal(a, b)
+
+
 def test_binary16_atoms_need_head_dim_a_multiple_of_8_and_finite_halves():
     rng = np.random.default_rng(8)
     for hd in (15, 12, 20):
-        odd = _f16_atoms(_artifact(rng, hd=hd))
+        odd = _artifact(rng, hd=hd).with_f16_atoms()
         assert odd.atoms_f16_exact
         assert all(s.atoms16_word is None for ll in L.build_layout(3, 2, hd, 5, odd).layers for s in ll.streams)
         if hd % 2 == 0:

@@ -77,8 +77,9 @@ def engine_workloads(dev, a) -> None:
     for f16_atoms in (True, False):
         arena, _, _ = reconstruct.coded_arena(4, args, dev, rng, f16_atoms)
         arena.read(0, 0, a.coded_tokens)
-        if f16_atoms:
-            arena.attend(0, rng.standard_normal((8 * 4, 64), dtype=np.float32), a.coded_tokens)
+        if f16_atoms:  # 4 query heads per KV head (the 8 x 4 shape)
+            q = rng.standard_normal((4 * args.n_kv, args.head_dim), dtype=np.float32)
+            arena.attend(0, q, a.coded_tokens)
         arena.free()
         print(f"[stats] codes ({'binary16' if f16_atoms else 'float32'} atoms)", file=sys.stderr, flush=True)
 

@@ -25,9 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import common, reconstruct, roofline, timing, traffic  # noqa: E402
-from kvdict_vk.vk import ReadPlan  # noqa: E402
+from kvdict_vk.vk import ReadPlan, spirv  # noqa: E402
 from kvdict_vk.vk.kernels import Buffer  # noqa: E402
-from kvdict_vk.vk import spirv  # noqa: E402
 from kvdict_vk.vk.spirv import SPV_DIR_ENV  # noqa: E402
 
 
@@ -40,7 +39,7 @@ def planned_read(args, dev, out, spv_dir: str):
     try:
         arena, codes, dicts = reconstruct.coded_arena(args.sparsity, args, dev, np.random.default_rng(0))
         rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
-        digest = hashlib.sha256(spirv.load(f"reconstruct_{'vec4' if args.head_dim % 4 == 0 else 'scalar'}")).hexdigest()
+        digest = hashlib.sha256(spirv.load(f"reconstruct_{'vec4' if arena.vec4_rows else 'scalar'}")).hexdigest()
     finally:
         os.environ.pop(SPV_DIR_ENV, None)
         if saved is not None:

@@ -130,8 +130,9 @@ def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_t
                    f32_atoms_too: bool = False) -> dict:
     """Reconstruct at sparsity ``s`` beside the copy shader (and ``baselines``: {name:
     (candidate, bytes moved, cache)}); every read writes into ``out``. f32_atoms_too (with
-    --atoms f16): the same codes over the same atoms as arbitrary float32 values too (their
-    unrounded draw), so the binary16 copy's gain is paired in one run."""
+    --atoms f16): the same codes also over freshly drawn float32 atoms that are not binary16
+    values (so the arena gathers its float32 block), so the binary16 copy's gain is paired in
+    one run."""
     from kvdict_vk import codec
     from kvdict_vk.vk import ReadPlan
     f16 = args.atoms == "f16"

@@ -22,7 +22,7 @@ from .. import attention_ref, codec, runtime
 from .. import kivi as K
 from .. import layout as L
 from .. import errors as E
-from ..dictionary import KvDictArtifact, StreamDict, round_to_f16
+from ..dictionary import KvDictArtifact, StreamDict
 from ..metrics import compare
 
 NMSE_READ = 1e-12  # reconstruct / append: float32 GPU vs float64 reference
@@ -46,16 +46,6 @@ def _artifact(rng, hd, n_atoms, ks, vs, per_head, n_kv) -> KvDictArtifact:
                           None, s, bits, rng.uniform(0.05, 0.3, (g, hd)) if bits else None)
     s_max = max(sp[0] for sp in (ks, vs) if sp)
     return KvDictArtifact(hd, n_atoms, s_max, [(stream(ks), stream(vs))])
-
-
-def _f16_atoms(art: KvDictArtifact) -> KvDictArtifact:
-    """``art`` with its atoms rounded to binary16 values, as the forge makes them: the arena
-    then keeps a binary16 copy of them, which reconstruct gathers."""
-    def rounded(d):
-        return None if d is None else StreamDict(round_to_f16(d.atoms), d.mean, d.metric, d.sparsity,
-                                                 d.residual_bits, d.residual_scale)
-    return KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity,
-                          [tuple(rounded(d) for d in pair) for pair in art.layers])
 
 
 def _shape(hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> str:
@@ -91,7 +81,7 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             ref = attention_ref.attend(q, ref_k, ref_v, n_used)
             rows.append(_row(f"attend dict n_used={n_used}", shape, ref, out, NMSE_ATTEND, time.perf_counter() - t0, arena))
     if hd % L.ATOMS_F16_ELEMS == 0:  # binary16 atoms (as the forge makes them): reconstruct gathers their f16 copy
-        art16 = _f16_atoms(art)
+        art16 = art.with_f16_atoms()
         with runtime.enabled_with(art16, allow_uncertified=True):
             arena16 = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, encoder="cpu")
         with arena16:
