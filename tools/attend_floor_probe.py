@@ -59,13 +59,23 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="3x3x64,8x4x64,8x4x128", help="n_kv x gqa x head_dim, comma-separated")
     ap.add_argument("--n-used", default="8192,32768,131072")
     ap.add_argument("--workgroups", default="0,64,128,256,512,1024", help="0: the tuner's choice")
+    ap.add_argument("--kernels", default="", help="attend_flash builds to pin, comma-separated (attend.FLASH_KERNELS; "
+                    "empty: the tuner's choice among all)")
+    ap.add_argument("--l2-flush-mib", type=int, default=0,
+                    help="read this many MiB through torch before every timed run (bench.torch_anchor's flush, "
+                         "what the attention benchmark does; 0: none, the cache may stay in the L2)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
+    before = None
+    if a.l2_flush_mib:
+        from kvdict_vk.bench import torch_anchor
+        import torch
+        before = torch_anchor.waited(torch, torch_anchor.l2_flush(torch, a.l2_flush_mib << 20))
     rng = np.random.default_rng(0)
     ns = [int(x) for x in a.n_used.split(",")]
-    out = {"argv": sys.argv, "device": dev.name, "cases": []}
+    out = {"argv": sys.argv, "device": dev.name, "l2_flush_mib": a.l2_flush_mib, "cases": []}
     for shape in a.shapes.split(","):
         arena, q = f16_arena(dev, rng, *common.dims(shape), max(ns))
         # the floor: timestamps around a tiny copy (the query's upload) recorded four times
@@ -76,17 +86,20 @@ def main(argv=None) -> None:
             out["tiny_copy_op_s"] = op_medians(floor, a.runs)[0]
             floor.free()
         for n in ns:
-            for w in (int(x) for x in a.workgroups.split(",")):
-                att = arena.attention(q.shape[0])
-                att.flash_workgroups = w or None
-                rec = att.recording(0, q, n, timestamps=True)
-                plan = att.plan(0, n)
-                ops, core = op_medians(rec, a.runs)
-                rec.free()
-                case = {"shape": shape, "n_used": n, "workgroups": w or "tuned", "n_splits": plan.n_splits,
-                        "split_len": plan.split_len, "local": plan.local, "kernel_s": core, "op_s": ops}
-                out["cases"].append(case)
-                print(json.dumps(case), file=sys.stderr, flush=True)
+            for kernel in a.kernels.split(",") if a.kernels else [None]:
+                for w in (int(x) for x in a.workgroups.split(",")):
+                    att = arena.attention(q.shape[0])
+                    att.path, att.flash_workgroups = "flash", w or None  # (CPU drivers plan attend_direct)
+                    att.flash_kernel = kernel
+                    rec = att.recording(0, q, n, timestamps=True)
+                    plan = att.plan(0, n)
+                    ops, core = op_medians(rec, a.runs, before=before)
+                    rec.free()
+                    case = {"shape": shape, "n_used": n, "workgroups": w or "tuned", "n_splits": plan.n_splits,
+                            "split_len": plan.split_len, "local": plan.local, "kernel": plan.kernel,
+                            "kernel_s": core, "op_s": ops}
+                    out["cases"].append(case)
+                    print(json.dumps(case), file=sys.stderr, flush=True)
         arena.free()
     print(json.dumps(out, indent=1))
 

@@ -84,12 +84,14 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
     """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost does
     not depend on what the codes say; OMP-encoding that many rows would dominate the run) —
     with ``seqs`` sequences, the same slots in each; returns (arena, its (K, V) StreamDicts,
-    the (K, V) slots). ``args``: per_head, n_atoms, sparsity."""
+    the (K, V) slots). ``args``: per_head, n_atoms, sparsity. The atoms are binary16 values, as
+    the forge's are (ForgeConfig.f16_atoms), so reconstruct-then-attend takes the path a forged
+    artifact takes (reconstruct gathering the arena's binary16 copy)."""
     from kvdict_vk import runtime, synthetic
-    from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+    from kvdict_vk.dictionary import KvDictArtifact, StreamDict, round_to_f16
     from kvdict_vk.vk import KvArena
     heads, na = (n_kv if args.per_head else 1), args.n_atoms
-    dicts = [StreamDict(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd),
+    dicts = [StreamDict(round_to_f16(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd)),
                         mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
                         residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
              for b in bits]
