@@ -3,6 +3,8 @@ cache at each workgroup count (KvArena.attention's ``flash_workgroups``, the tun
 first), each op's GPU time by timestamps (the query's copy up, the attend pass, the merge,
 the read-back), beside the same timestamps around a tiny copy alone (the floor a recorded op
 costs). Medians over --runs runs of one recording, after a warm-up. One JSON object to stdout.
+--kernels pins attend_flash's builds one after another (else the tuner chooses among them);
+--l2-flush-mib reads a torch buffer before every run, as the attention benchmark does.
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_floor_probe.py
 """
