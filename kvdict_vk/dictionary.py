@@ -8,6 +8,7 @@ the runtime can be shared by every reader without copies or locks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,21 +36,26 @@ def _frozen_f32(a, shape: tuple[int, ...], what: str) -> np.ndarray:
     return out
 
 
-def is_f16_exact(a: np.ndarray) -> bool:
-    """Whether float32 ``a`` holds only binary16 values (finite in f16, no bits lost)."""
+def _f16_rounded(a: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(``a`` as float32, its binary16 rounding back in float32 — None where some value is
+    beyond binary16's range)."""
     a = np.asarray(a, np.float32)
     with np.errstate(over="ignore"):
         h = a.astype(np.float16)
-    return bool(np.isfinite(h).all() and np.array_equal(h.astype(np.float32), a))
+    return a, (h.astype(np.float32) if np.isfinite(h).all() else None)
+
+
+def is_f16_exact(a: np.ndarray) -> bool:
+    """Whether float32 ``a`` holds only binary16 values (finite in f16, no bits lost)."""
+    a, rounded = _f16_rounded(a)
+    return rounded is not None and np.array_equal(rounded, a)
 
 
 def round_to_f16(a: np.ndarray) -> np.ndarray:
     """``a`` (float32) rounded to binary16 values, kept as float32 — unless some value is
     beyond binary16's range, then ``a`` unchanged (such atoms stay float32 only)."""
-    a = np.asarray(a, np.float32)
-    with np.errstate(over="ignore"):
-        h = a.astype(np.float16)
-    return h.astype(np.float32) if np.isfinite(h).all() else a
+    a, rounded = _f16_rounded(a)
+    return a if rounded is None else rounded
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,17 +214,13 @@ class KvDictArtifact:
     def stream(self, layer: int, k_not_v: bool) -> StreamDict | None:
         return self.layers[layer][0 if k_not_v else 1]
 
-    @property
+    @functools.cached_property  # the artifact is immutable: computed once, on first use
     def atoms_f16_exact(self) -> bool:
         """Whether every coded stream's atoms are binary16 values (finite, each equal to its
         f16 rounding): the forge rounds its atoms so (forge.learn), and then the arena keeps a
         binary16 copy of the atoms beside the float32 ones that reconstruct gathers from —
         the same values in half the bytes (docs/ARENA.md)."""
-        cached = self.__dict__.get("_atoms_f16_exact")
-        if cached is None:
-            cached = all(is_f16_exact(d.atoms) for pair in self.layers for d in pair if d is not None)
-            object.__setattr__(self, "_atoms_f16_exact", cached)
-        return cached
+        return all(is_f16_exact(d.atoms) for pair in self.layers for d in pair if d is not None)
 
     def with_f16_atoms(self) -> "KvDictArtifact":
         """This artifact with every coded stream's atoms rounded to binary16 values
