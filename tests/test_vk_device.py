@@ -25,6 +25,14 @@ def test_list_devices_reports_limits(vk_device):
     assert info.device_local_bytes > 0
     d = info.to_dict()
     assert d["name"] == info.name and d["heaps"]
+    # multiprocessors: NVIDIA's and AMD's drivers report them through their extensions, a CPU
+    # driver has neither (0: unknown)
+    cus = vk_device.compute_units()
+    assert cus == lim["compute_units"] and isinstance(cus, int)
+    if info.vendor_id in (0x10DE, 0x1002) and info.device_type == "discrete-gpu":
+        assert cus > 0
+    if info.device_type == "cpu":
+        assert cus == 0
 
 
 def test_expected_driver_is_the_one_used(vk_device):

@@ -94,6 +94,19 @@ class _DriverProps(ctypes.Structure):
                 ("conformanceVersion", _u8 * 4)]
 
 
+class _SmBuiltinsNV(ctypes.Structure):  # VK_NV_shader_sm_builtins
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("shaderSMCount", _u32), ("shaderWarpsPerSM", _u32)]
+
+
+class _ShaderCoreAMD(ctypes.Structure):  # VK_AMD_shader_core_properties (the first three fields used)
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("shaderEngineCount", _u32),
+                ("shaderArraysPerEngineCount", _u32), ("computeUnitsPerShaderArray", _u32), ("rest", _u32 * 11)]
+
+
+class _ExtensionProps(ctypes.Structure):
+    _fields_ = [("extensionName", ctypes.c_char * 256), ("specVersion", _u32)]
+
+
 class _SubgroupProps(ctypes.Structure):
     _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("subgroupSize", _u32), ("supportedStages", _u32),
                 ("supportedOperations", _u32), ("quadOperationsInAllStages", _u32)]
@@ -127,6 +140,7 @@ class _InstanceInfo(ctypes.Structure):
 
 _ST_APP, _ST_INSTANCE = 0, 1
 _ST_PROPS2, _ST_MAINT3, _ST_DRIVER, _ST_SUBGROUP = 1000059001, 1000168000, 1000196000, 1000094000
+_ST_SM_BUILTINS_NV, _ST_SHADER_CORE_AMD = 1000154001, 1000185000
 _STAGE_COMPUTE = 0x20
 # VkSubgroupFeatureFlagBits, bit by bit
 SUBGROUP_OPERATIONS = ("basic", "vote", "arithmetic", "ballot", "shuffle", "shuffle_relative", "clustered", "quad")
@@ -200,6 +214,15 @@ def query_devices() -> list[DeviceInfo]:
         vk.vkDestroyInstance(instance, None)
 
 
+def _extensions(vk, handle) -> set[str]:
+    """The device extensions the driver reports."""
+    count = _u32(0)
+    vk.vkEnumerateDeviceExtensionProperties(ctypes.c_void_p(handle), None, ctypes.byref(count), None)
+    props = (_ExtensionProps * count.value)()
+    vk.vkEnumerateDeviceExtensionProperties(ctypes.c_void_p(handle), None, ctypes.byref(count), props)
+    return {e.extensionName.decode(errors="replace") for e in props[:count.value]}
+
+
 def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
     base = _Properties()
     vk.vkGetPhysicalDeviceProperties(ctypes.c_void_p(handle), ctypes.byref(base))
@@ -212,6 +235,16 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
     have_driver = base.apiVersion >= _make_version(1, 2) and instance_api >= _make_version(1, 2)
     if have_driver:  # a 1.2 device is a 1.1 device: the subgroup properties are chained
         subgroup.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
+    # the multiprocessors (compute units): Vulkan core does not report them; NVIDIA's and AMD's
+    # extensions do (0: unknown) — the flash kernels' workgroup counts are multiples of them
+    exts = _extensions(vk, handle) if base.apiVersion >= _make_version(1, 1) else set()
+    sm_nv = _SmBuiltinsNV(_ST_SM_BUILTINS_NV, None, 0, 0)
+    core_amd = _ShaderCoreAMD(_ST_SHADER_CORE_AMD, None)
+    tail = driver if have_driver else subgroup
+    for ext, struct in (("VK_NV_shader_sm_builtins", sm_nv), ("VK_AMD_shader_core_properties", core_amd)):
+        if ext in exts:
+            tail.pNext = ctypes.cast(ctypes.pointer(struct), ctypes.c_void_p)
+            tail = struct
     props2 = _Properties2(_ST_PROPS2, ctypes.cast(ctypes.pointer(maint3), ctypes.c_void_p))
     vk.vkGetPhysicalDeviceProperties2(ctypes.c_void_p(handle), ctypes.byref(props2))
     mem = _MemoryProps()
@@ -242,6 +275,8 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
         "subgroup_operations": tuple(name for bit, name in enumerate(SUBGROUP_OPERATIONS)
                                      if subgroup.supportedStages & _STAGE_COMPUTE
                                      and subgroup.supportedOperations >> bit & 1),
+        "compute_units": sm_nv.shaderSMCount or (core_amd.shaderEngineCount * core_amd.shaderArraysPerEngineCount
+                                                 * core_amd.computeUnitsPerShaderArray),
     }
     heaps = tuple((int(mem.memoryHeaps[2 * i]), bool(mem.memoryHeaps[2 * i + 1] & _HEAP_DEVICE_LOCAL))
                   for i in range(mem.memoryHeapCount))
