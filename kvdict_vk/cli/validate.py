@@ -216,7 +216,8 @@ def _device_line(d: dict) -> str:
     lim = d.get("limits", {})
     return (f"[{d.get('index')}] {d.get('name')} — {d.get('driver_name', '')} {d.get('driver_info', '')}; "
             f"maxStorageBufferRange {lim.get('max_storage_buffer_range')}, "
-            f"maxComputeWorkGroupInvocations {lim.get('max_compute_work_group_invocations')}")
+            f"maxComputeWorkGroupInvocations {lim.get('max_compute_work_group_invocations')}, "
+            f"subgroup {lim.get('subgroup_size')}, multiprocessors {lim.get('compute_units') or 'not reported'}")
 
 
 if __name__ == "__main__":
