@@ -504,16 +504,15 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
     att = arena.attention(n_kv * g)
     att.path, att.tune = "flash", True
-    cus = arena.device.compute_units()  # the workgroup counts follow the multiprocessors where known
     if coded:  # the kernel and the query heads per workgroup are dimensions of the search
         assert [hb for hb, _ in att.flash_coded_options(0, "float")] == [2, 1]
         assert [hb for hb, _ in att.flash_coded_options(0, "fixed")] == [2, 1]
-        shapes = T.candidates(att.flash_coded_options(0, "float"), True, "float", cus) + \
-            T.candidates(att.flash_coded_options(0, "fixed"), True, "fixed", cus)
+        shapes = T.candidates(att.flash_coded_options(0, "float"), True, "float") + \
+            T.candidates(att.flash_coded_options(0, "fixed"), True, "fixed")
     else:  # the build (its split's end) is a dimension too
         assert att.flash_kernel_locals(0, "wide_end") == att.flash_locals(0)
-        shapes = T.candidates([(0, att.flash_locals(0))], False, "float", cus) + \
-            T.candidates([(0, att.flash_kernel_locals(0, "wide_end"))], False, "wide_end", cus)
+        shapes = T.candidates([(0, att.flash_locals(0))], False, "float") + \
+            T.candidates([(0, att.flash_kernel_locals(0, "wide_end"))], False, "wide_end")
     assert len(shapes) >= 2
     favourite = shapes[-1]  # coded: the fixed-point kernel, one query head per workgroup; else the wide end
     what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
@@ -534,30 +533,6 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     assert len(T.measured()) == 2
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     _check(arena, stored, 0, q, 1500)
-
-
-@pytest.mark.parametrize("units", [0, 20])
-def test_flash_workgroup_candidates_follow_the_multiprocessors(units, make_arena, monkeypatch):
-    """The tuner's workgroup counts are multiples of the device's multiprocessors where it
-    reports them (2, 4 and 8 a multiprocessor for attend_flash), the fixed counts where it
-    does not — the plans timed make those many workgroups over the KV heads."""
-    from kvdict_vk.vk import attend as A
-    from kvdict_vk.vk import attend_tune as T
-    monkeypatch.setattr(T, "_CHOICES", {})
-    monkeypatch.setattr(T, "WARM_S", 0.0)
-    n_kv = 2
-    arena, _ = _filled_arena(make_arena, None, np.random.default_rng(16), 64, n_kv, 40000, None, "f16")
-    monkeypatch.setattr(arena.device, "compute_units", lambda: units)
-    att = arena.attention(n_kv * 2)
-    att.path, att.tune, att.flash_kernel = "flash", True, "float"
-    monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
-    splits = set()
-    monkeypatch.setattr(att, "time_plan", lambda layer, n_used, plan: splits.add(plan.n_splits) or 1e-3)
-    att.plan(0, 40000)
-    counts = T.workgroup_counts(False, units)
-    assert counts == ((40, 80, 160) if units else T.WORKGROUPS)
-    assert splits == {min(att.max_splits, w // n_kv) for w in counts}
-    assert T.workgroup_counts(True, units) == ((20, 40, 80) if units else T.CODED_WORKGROUPS)
 
 
 def test_flash_coded_heads_per_workgroup_fixed_by_the_caller(make_arena, activate):

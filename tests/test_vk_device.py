@@ -27,8 +27,8 @@ def test_list_devices_reports_limits(vk_device):
     assert d["name"] == info.name and d["heaps"]
     # multiprocessors: NVIDIA's and AMD's drivers report them through their extensions, a CPU
     # driver has neither (0: unknown)
-    cus = vk_device.compute_units()
-    assert cus == lim["compute_units"] and isinstance(cus, int)
+    cus = lim["compute_units"]
+    assert isinstance(cus, int) and cus >= 0
     if info.vendor_id in (0x10DE, 0x1002) and info.device_type == "discrete-gpu":
         assert cus > 0
     if info.device_type == "cpu":

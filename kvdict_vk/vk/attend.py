@@ -371,7 +371,7 @@ class Attention:
                 options = self.flash_coded_options(layer, kernel)
                 if self.coded_heads is not None:
                     options = [o for o in options if o[0] == self.coded_heads]
-                shapes += T.candidates(options, True, kernel, self.device.compute_units())
+                shapes += T.candidates(options, True, kernel)
             if not shapes:
                 can = {kern: [hb for hb, _ in self.flash_coded_options(layer, kern)] for kern in CODED_KERNELS}
                 raise E.ArenaError(f"layer {layer}: no kernel over the codes ({self.coded_kernel or 'any'}) serves "
@@ -382,8 +382,7 @@ class Attention:
         else:
             shapes = []
             for kernel in FLASH_KERNELS if self.flash_kernel is None else (self.flash_kernel,):
-                shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))], False, kernel,
-                                        self.device.compute_units())
+                shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))], False, kernel)
             if not shapes:
                 raise E.ArenaError(f"layer {layer}: attend_flash ({self.flash_kernel}) has no workgroup size here")
             min_tokens = FLASH_MIN_SPLIT_TOKENS

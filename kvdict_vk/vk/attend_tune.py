@@ -34,14 +34,8 @@ WARM_S = 0.2  # untimed load before the candidates are timed: a GPU idling lower
 # and the device allow
 FLASH_LOCALS = (256, 128)  # attend_flash
 FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
-# workgroups per attention: so many per multiprocessor (compute unit) where the device reports
-# its multiprocessors (vulkan_info's compute_units: NVIDIA's and AMD's extensions) — on an H200
-# (132) 2 a multiprocessor measured the same as 256 and better than 3 (a wave and a half) or 1
-# (docs/results/h200/probes/attend_flash_workgroups_per_sm.json) —, else the fixed counts
-FLASH_PER_UNIT = (2, 4, 8)  # attend_flash
-CODED_PER_UNIT = (1, 2, 4)  # attend_flash_coded (its fixed cost per workgroup is larger)
-WORKGROUPS = (256, 512, 1024)  # attend_flash without a multiprocessor count
-CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded likewise
+WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
+CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per workgroup is larger)
 
 # (device name, layer signature, n_kv, group, head_dim, n_atoms, bucket) → (local, workgroups, heads, kernel)
 _CHOICES: dict[tuple, tuple[int, int, int, str]] = {}
@@ -81,21 +75,11 @@ def signature(layer_sig: tuple, n_used: int) -> tuple:
     return layer_sig + (bucket(n_used),)
 
 
-def workgroup_counts(coded: bool, compute_units: int = 0) -> tuple[int, ...]:
-    """The candidate workgroups per attention: multiples of the device's multiprocessors where it
-    reports them (compute_units > 0), else the fixed counts."""
-    if compute_units > 0:
-        return tuple(k * compute_units for k in (CODED_PER_UNIT if coded else FLASH_PER_UNIT))
-    return CODED_WORKGROUPS if coded else WORKGROUPS
-
-
-def candidates(options: list[tuple[int, list[int]]], coded: bool, kernel: str = "float",
-               compute_units: int = 0) -> list[Shape]:
+def candidates(options: list[tuple[int, list[int]]], coded: bool, kernel: str = "float") -> list[Shape]:
     """Every shape of ``options`` — [(query heads per workgroup, its workgroup sizes)], the
-    default first (attend_flash: one entry, heads 0) — at every workgroup count
-    (workgroup_counts), for ``kernel``."""
+    default first (attend_flash: one entry, heads 0) — at every workgroup count, for ``kernel``."""
     return [Shape(n, w, heads, kernel) for heads, locals_ in options for n in locals_
-            for w in workgroup_counts(coded, compute_units)]
+            for w in (CODED_WORKGROUPS if coded else WORKGROUPS)]
 
 
 def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Shape:

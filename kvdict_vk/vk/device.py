@@ -105,11 +105,6 @@ class Device:
         ok = {"basic", "shuffle"} <= set(self.subgroup_operations())
         return self.info.limits.get("subgroup_size", 0) if ok else 0
 
-    def compute_units(self) -> int:
-        """The device's multiprocessors (compute units) where its driver reports them
-        (vulkan_info: VK_NV_shader_sm_builtins, VK_AMD_shader_core_properties), else 0."""
-        return int(self.info.limits.get("compute_units", 0))
-
     @contextlib.contextmanager
     def guard(self, what: str):
         """Turn whatever Kompute raises (RuntimeError from Vulkan-Hpp, …) into a

@@ -236,7 +236,8 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
     if have_driver:  # a 1.2 device is a 1.1 device: the subgroup properties are chained
         subgroup.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
     # the multiprocessors (compute units): Vulkan core does not report them; NVIDIA's and AMD's
-    # extensions do (0: unknown) — the flash kernels' workgroup counts are multiples of them
+    # extensions do (0: unknown). Reported (kvdict-validate --list); the flash tuner's workgroup
+    # counts do not use them yet (docs/DESIGN.md, "Launch shapes differ by shape")
     exts = _extensions(vk, handle) if base.apiVersion >= _make_version(1, 1) else set()
     sm_nv = _SmBuiltinsNV(_ST_SM_BUILTINS_NV, None, 0, 0)
     core_amd = _ShaderCoreAMD(_ST_SHADER_CORE_AMD, None)
