@@ -25,8 +25,8 @@ def test_list_devices_reports_limits(vk_device):
     assert info.device_local_bytes > 0
     d = info.to_dict()
     assert d["name"] == info.name and d["heaps"]
-    # multiprocessors: NVIDIA's and AMD's drivers report them through their extensions, a CPU
-    # driver has neither (0: unknown)
+    # multiprocessors: NVIDIA's (Turing on: VK_NV_shader_sm_builtins) and AMD's drivers report
+    # them through their extensions, a CPU driver has neither (0: unknown)
     cus = lim["compute_units"]
     assert isinstance(cus, int) and cus >= 0
     if info.vendor_id in (0x10DE, 0x1002) and info.device_type == "discrete-gpu":

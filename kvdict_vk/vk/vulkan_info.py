@@ -4,7 +4,8 @@ Kompute's Python binding reports a device name and workgroup limits only; the ar
 needs maxStorageBufferRange, maxMemoryAllocationSize, the memory heaps and the device type
 (to refuse arenas before allocating, and to pick a CPU- or GPU-friendly shader mapping), and
 the subgroup size and operations of compute shaders (to pick the kernel variants that use
-subgroup shuffles where the device has them).
+subgroup shuffles where the device has them), and — where NVIDIA's or AMD's extensions report
+it — the multiprocessor count (compute_units; diagnostics for now).
 This module asks the loader through ``ctypes`` (a short-lived instance of its own, no kp),
 enumerating devices in the loader's order — the order ``kp.Manager(index)`` uses.
 """
