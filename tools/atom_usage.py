@@ -6,7 +6,7 @@ atom) for every code word (shared-memory atomics: docs/DESIGN.md). How often two
 the same chunk of tokens hit the same atom decides the atomics' contention, and how evenly the
 code words of a block fall into ranges of atoms decides a design where each warp owns a range
 (DESIGN.md, "The coded target, ranked"). This encodes real K and V (SmolLM2 over a text the
-forge did not calibrate on, GPL-3 by default, windows of 1024 tokens) with a certified artifact's dictionaries — the
+forge did not calibrate on: an evaluation text, GPL-3 by default, in windows of 1024 tokens) with a certified artifact's dictionaries — the
 NumPy codec, as the arena's CPU path does — and reports per stream, over every layer and KV head:
   * the atoms' usage: perplexity of the atom histogram (exp of its entropy; n_atoms when
     uniform) and the share of code words taken by the most used 1 % of atoms;
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk import codec  # noqa: E402
 from kvdict_vk.artifact import read_artifact  # noqa: E402
-from kvdict_vk.forge import llama, texts, tokenizer  # noqa: E402
+from kvdict_vk.forge import llama, pipeline, texts, tokenizer  # noqa: E402
 
 
 def block_stats(atoms: np.ndarray, n_atoms: int, block: int, ranges: int) -> dict:
@@ -64,20 +64,17 @@ def usage(atoms: np.ndarray, n_atoms: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", required=True)
-    ap.add_argument("--text", default=texts.GPL3)
+    ap.add_argument("--text", default="gpl3", choices=sorted(texts.EVAL_TEXTS), help="an evaluation text")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--block", type=int, default=64, help="tokens per block (a chunk, or the grouped layout's block)")
     ap.add_argument("--ranges", type=int, default=8, help="atom ranges (warps of a workgroup)")
     a = ap.parse_args(argv)
     _, art = read_artifact(a.artifact)
-    with open(a.text, encoding="utf-8") as f:
-        windows = llama.eval_windows(tokenizer.encode(f.read()), 1024)[:max(1, a.tokens // 1024)]
-    caps = [llama.capture_kv(w) for w in windows]  # per window, per layer (K, V, K before RoPE)
-    kv = [(np.concatenate([c[li][0] for c in caps], 1), np.concatenate([c[li][1] for c in caps], 1))
-          for li in range(len(caps[0]))]
-    print(f"K/V of {len(windows)} windows of {a.text} captured", file=sys.stderr)
+    text = texts.get([a.text])[0]
+    windows = llama.eval_windows(tokenizer.encode(text.text()), 1024)[:max(1, a.tokens // 1024)]
+    kv = pipeline.capture_windows(windows, lambda m: print(m, file=sys.stderr), what=f"{a.text} window")
     rng = np.random.default_rng(0)
-    out = {"argv": sys.argv, "artifact": os.path.basename(a.artifact), "text": a.text, "tokens": a.tokens,
+    out = {"argv": sys.argv, "artifact": os.path.basename(a.artifact), "text": text.path, "tokens": a.tokens,
            "block": a.block, "ranges": a.ranges, "streams": {}}
     for k_not_v, name in ((True, "K"), (False, "V")):
         real, rand, use = [], [], []
@@ -88,8 +85,7 @@ def main(argv=None) -> None:
             x = k if k_not_v else v
             for h in range(x.shape[0]):
                 slots = codec.encode(x[h], d, h)
-                idx, _ = codec.unpack_codes(slots[:, :d.sparsity])
-                idx = idx.astype(np.int64)
+                idx, _ = codec.unpack_codes(slots[:, :d.sparsity])  # int64 atom indices
                 real.append(block_stats(idx, d.n_atoms, a.block, a.ranges))
                 use.append(usage(idx, d.n_atoms))
                 rand.append(block_stats(rng.integers(0, d.n_atoms, idx.shape), d.n_atoms, a.block, a.ranges))

@@ -139,20 +139,26 @@ def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None 
                 names = ("k", "v", "kp") if pre_rope_keys else ("k", "v")
                 return [tuple(z[f"{n}{i}"] for n in names) for i in range(len(z.files) // len(names))]
     wins = calibration_windows(paths, window, max(1, -(-n_tokens // window)), interleave)
-    # in the learning workers: the forward's float32 matmuls on the same pinned BLAS kernels
-    # as learning (forge.parallel), so the calibration vectors do not depend on the CPU
-    t0 = time.perf_counter()
-    caps = parallel.map_tasks(_capture_task, [(w, pre_rope_keys) for w in wins],
-                              lambda i: log(f"calibration window {i + 1}/{len(wins)} captured "
-                                            f"({time.perf_counter() - t0:.1f} s)"))
-    per_layer = [tuple(np.concatenate([c[li][j] for c in caps], 1) for j in range(len(caps[0][li])))
-                 for li in range(len(caps[0]))]
+    per_layer = capture_windows(wins, log, pre_rope_keys, what="calibration window")
     if cache:
         os.makedirs(cache_dir, exist_ok=True)
         tmp = cache + ".tmp.npz"
         np.savez(tmp, **{f"{n}{i}": a for i, arrays in enumerate(per_layer) for n, a in zip(("k", "v", "kp"), arrays)})
         os.replace(tmp, cache)
     return per_layer
+
+
+def capture_windows(wins: list, log=print, pre_rope_keys: bool = False, what: str = "window") -> list:
+    """Per layer (K, V[, K before RoPE]), each (n_kv, sum of the windows' T, head_dim) float32:
+    the model run over each token window, its K/V concatenated along the tokens. Captured in
+    the learning workers: the forward's float32 matmuls on the same pinned BLAS kernels as
+    learning (forge.parallel), so the vectors do not depend on the CPU."""
+    t0 = time.perf_counter()
+    caps = parallel.map_tasks(_capture_task, [(w, pre_rope_keys) for w in wins],
+                              lambda i: log(f"{what} {i + 1}/{len(wins)} captured "
+                                            f"({time.perf_counter() - t0:.1f} s)"))
+    return [tuple(np.concatenate([c[li][j] for c in caps], 1) for j in range(len(caps[0][li])))
+            for li in range(len(caps[0]))]
 
 
 def learn_head_stream(x: np.ndarray, cfg: ForgeConfig, k_not_v: bool, seed: int) -> StreamDict:
