@@ -7,15 +7,26 @@
 //           with T = q . atom from attend_table.comp (run once per step), kept in shared
 //           memory for the block's heads; q . mean_k is the same for every token (cancels);
 //   values: out = mean_v + sum_a w[h, a] atom[a] + rscale_v * sum_t p_t step_t (lvl_t - half)
-//           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j
-//           accumulated in shared memory — a compare-and-swap loop on the float's bits
-//           (core Vulkan has no float atomics) — and multiplied by the atoms once at the end.
+//           with the per-atom weights w[h, a] = sum over code words selecting a of p_t c_j,
+//           multiplied by the atoms once at the end.
 // The split is walked in chunks of LOCAL tokens, one token per invocation: its K and V slot
 // words are loaded a chunk ahead into registers (all of a slot's words at once: the code
 // word counts are specialization constants), so the next chunk's loads are in flight while
-// this one computes. The invocation scores its key, adds its value's code words to the
-// weights and stages its V levels in shared memory; then invocations across (token lane,
-// element quad) accumulate the V residual from shared memory.
+// this one computes. The invocation scores its key, publishes its probabilities and stages
+// its V levels in shared memory; then invocations across (token lane, element quad)
+// accumulate the V residual from shared memory.
+// The atom weights are OWNED: invocation x holds w[h, a] for the atoms a = x + s*LOCAL in
+// registers (NSUB of them per head). A token's V code word is not added where it lands (a
+// float read-modify-write in shared memory per code word and head needs a compare-and-swap
+// loop in core Vulkan — the old scatter, most of this kernel's time on an H200); it is handed
+// to its atom's owner: one integer atomicAdd on the owner's count gives it a place in the
+// owner's bucket (BUCKET words, a specialization constant the host sizes to the device's
+// shared memory) and the word goes there with its token. After a barrier each owner adds its
+// bucket's words into its registers for every head at once (the token's probabilities are one
+// vec4 load). A bucket that fills up leaves the rest with their tokens, which hand them over
+// in further passes of the same chunk (a flag; rare for spread-out code words, it also keeps
+// a chunk whose tokens all pick one atom exact). At the split's end the weights go to shared
+// memory (the table's place) and are multiplied by the atoms.
 // The softmax reference m moves only when a score exceeds it by more than GROW_MARGIN
 // (flag, then a workgroup maximum — the first chunk and rarely after), so a chunk needs no
 // reduction: probabilities stay ≤ e^GROW_MARGIN, each invocation sums its own, and the
@@ -32,7 +43,8 @@ layout(constant_id = 5) const uint V_BITS = 0u;
 layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary head (shared memory)
 layout(constant_id = 7) const uint K_SPARSITY = 4u;  // code words per K slot
 layout(constant_id = 8) const uint V_SPARSITY = 4u;
-const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk
+layout(constant_id = 9) const uint BUCKET = 16u;    // code words an owner takes per pass (host: fits shared memory)
+const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk (host: <= 256, a token's index is 8 bits)
 const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
 const uint V_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);
 const uint K_ROW = SLOT_WORDS_OF(K_SPARSITY, HEAD_DIM, K_BITS);  // words of a slot
@@ -46,6 +58,8 @@ const uint VQ = HEAD_DIM / 4u;       // element quads of a head vector
 const uint VLANES = LOCAL / VQ;      // token lanes of the V residual and atoms passes (host: >= 1)
 const uint UNROLL = 16u;             // atom rows loaded together at the end (latency)
 const uint TABLE_ROUNDS = (HB * N_ATOMS + LOCAL - 1u) / LOCAL;  // table words per invocation
+const uint NSUB = (N_ATOMS + LOCAL - 1u) / LOCAL;  // atoms an invocation owns (host: NSUB * HB <= 32)
+const uint HB4 = (HB + 3u) / 4u;     // vec4s of a token's probabilities
 const float GROW_MARGIN = 8.0;       // probabilities stay ≤ e^8 between rescales
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };  // slots, scales
@@ -73,32 +87,26 @@ layout(push_constant) uniform AttendFlashCodedPush {
     float score_scale;
 } pc;
 
-shared float tab_sh[HB * N_ATOMS];
-shared uint bins_sh[HB * N_ATOMS];  // float bits: the per-atom value weights
+shared float tab_sh[HB * N_ATOMS];  // q·atom table × score scale; after the split the atom weights
+shared uint bucket_sh[BUCKET * LOCAL];  // [k*LOCAL + owner]: coef bits | token << 16 | atom / LOCAL << 24
+shared uint count_sh[LOCAL];        // code words handed to each owner this pass (may pass BUCKET)
 shared vec4 qs_sh[HB * VQ];         // scale * q * K's residual scale
-shared float ps_sh[HB * LOCAL];     // p * step of the chunk's tokens; reductions; the end's sums
+shared vec4 p4_sh[LOCAL * HB4];     // [x*HB4 + h/4][h%4]: p of the chunk's tokens; reductions; the end's sums
+shared float step_sh[LOCAL];        // V's step of the chunk's tokens
 shared uint vlev_sh[LOCAL * V_STAGE];  // the chunk's V level words, token-major
 shared uint grow_sh;
+shared uint full_sh[2];             // a bucket was full in pass k (k % 2)
 
-void bin_add(uint idx, float v) {
-    uint seen = bins_sh[idx];
-    for (;;) {
-        uint want = floatBitsToUint(uintBitsToFloat(seen) + v);
-        uint was = atomicCompSwap(bins_sh[idx], seen, want);
-        if (was == seen)
-            break;
-        seen = was;
-    }
-}
+#define P_OF(x, h) p4_sh[(x) * HB4 + (h) / 4u][(h) % 4u]
 
-void reduce(bool take_max) {  // ps_sh[h*LOCAL + x] over x → ps_sh[h*LOCAL]
+void reduce(bool take_max) {  // P_OF(x, h) over x → P_OF(0, h), every head at once
     for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
         barrier();
         uint x = gl_LocalInvocationID.x;
         if (x < width)
-            for (uint h = 0u; h < HB; ++h) {
-                float a = ps_sh[h * LOCAL + x], b = ps_sh[h * LOCAL + x + width];
-                ps_sh[h * LOCAL + x] = take_max ? max(a, b) : a + b;
+            [[unroll]] for (uint k = 0u; k < HB4; ++k) {
+                vec4 a = p4_sh[x * HB4 + k], b = p4_sh[(x + width) * HB4 + k];
+                p4_sh[x * HB4 + k] = take_max ? max(a, b) : a + b;
             }
     }
     barrier();
@@ -109,6 +117,41 @@ void reduce(bool take_max) {  // ps_sh[h*LOCAL + x] over x → ps_sh[h*LOCAL]
 // last level word.
 #define LEVEL(row, w0, d, BITS) centred_level(residual_level(row[(w0) + (((d) * BITS) >> 5u)], \
     row[(w0) + (((d) * BITS) >> 5u) + 1u], ((d) * BITS) & 31u, BITS), BITS)
+
+// Hand the code words of this invocation's token still marked in `pending` (bit j: word j) to
+// their owners; those whose owner's bucket is full stay marked and flag pass `pass_no`.
+// The pass before's flag is cleared here: every invocation read it before this pass began.
+#define HAND_OVER(vc, pending, pass_no) { \
+    if (tid == 0u) \
+        full_sh[((pass_no) + 1u) & 1u] = 0u; \
+    [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j) \
+        if ((pending & (1u << j)) != 0u) { \
+            uint a = code_atom(vc[j]); \
+            uint pos = atomicAdd(count_sh[a % LOCAL], 1u); \
+            if (pos < BUCKET) { \
+                bucket_sh[pos * LOCAL + a % LOCAL] = (vc[j] >> 16u) | (tid << 16u) | ((a / LOCAL) << 24u); \
+                pending &= ~(1u << j); \
+            } else \
+                full_sh[(pass_no) & 1u] = 1u; \
+        } }
+
+// The owner adds its bucket's code words into its weights (every head per word) and empties it.
+#define TAKE_OVER(w) { \
+    uint n_mine = min(count_sh[tid], BUCKET); \
+    for (uint e = 0u; e < n_mine; ++e) { \
+        uint word = bucket_sh[e * LOCAL + tid]; \
+        float c = unpackHalf2x16(word & 0xFFFFu).x; \
+        uint x = (word >> 16u) & 0xFFu, sub = word >> 24u; \
+        [[unroll]] for (uint k = 0u; k < HB4; ++k) { \
+            vec4 cp = c * p4_sh[x * HB4 + k]; \
+            [[unroll]] for (uint sb = 0u; sb < NSUB; ++sb) \
+                if (sb == sub) \
+                    [[unroll]] for (uint hh = 0u; hh < 4u; ++hh) \
+                        if (4u * k + hh < HB) \
+                            w[sb][4u * k + hh] += cp[hh]; \
+        } \
+    } \
+    count_sh[tid] = 0u; }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -127,10 +170,8 @@ void main() {
 
         [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
             uint x = tid + r * LOCAL;
-            if (x < HB * N_ATOMS) {
+            if (x < HB * N_ATOMS)
                 tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // rows h0 .. h0+HB-1
-                bins_sh[x] = 0u;
-            }
         }
         for (uint x = tid; x < HB * VQ; x += LOCAL) {
             vec4 qv, rs = vec4(0.0);
@@ -142,15 +183,23 @@ void main() {
             }
             qs_sh[x] = qv * rs * pc.score_scale;
         }
-        if (tid == 0u)
+        count_sh[tid] = 0u;
+        if (tid == 0u) {
             grow_sh = 0u;
+            full_sh[0] = 0u;
+            full_sh[1] = 0u;
+        }
         float m[HB], l[HB];   // the reference (uniform) and this invocation's sum of p
         vec4 res[HB];         // quad q4 of sum_t p_t step_t (lvl - half) over lane vlane's tokens, V
+        float w[NSUB][HB];    // the weights of the atoms tid + sb*LOCAL this invocation owns
         [[unroll]] for (uint h = 0u; h < HB; ++h) {
             m[h] = NEG_INF;
             l[h] = 0.0;
             res[h] = vec4(0.0);
+            [[unroll]] for (uint sb = 0u; sb < NSUB; ++sb)
+                w[sb][h] = 0.0;
         }
+        uint pass_no = 0u;    // hand-over passes so far (uniform)
 
         uint k_base = pc.k_word + (g * pc.n_ctx + seq * pc.seq_rows) * K_ROW;
         uint v_base = pc.v_word + (g * pc.n_ctx + seq * pc.seq_rows) * V_ROW;
@@ -166,7 +215,7 @@ void main() {
             [[unroll]] for (uint r = 0u; r < V_ROW; ++r)
                 vw[r] = cache_words[v_base + t * V_ROW + r];
         }
-        barrier();  // the table, weights and queries are in shared memory
+        barrier();  // the table, counts, flags and queries are in shared memory
 
         for (uint c0 = t0; c0 < t1; c0 += LOCAL) {
             uint n = min(LOCAL, t1 - c0);
@@ -221,58 +270,58 @@ void main() {
             barrier();
             // 2. a score far above the reference: the chunk's maximum becomes it (uniform branch)
             if (grow_sh != 0u) {
-                [[unroll]] for (uint h = 0u; h < HB; ++h)
-                    ps_sh[h * LOCAL + tid] = s[h];
-                reduce(true);
-                float corr[HB];
-                [[unroll]] for (uint h = 0u; h < HB; ++h) {
-                    float m_new = max(m[h], ps_sh[h * LOCAL]);
-                    corr[h] = exp(m[h] - m_new);  // 0 on the first chunk (m = -inf)
-                    m[h] = m_new;
-                    l[h] *= corr[h];
-                    res[h] *= corr[h];
-                    for (uint a = tid; a < N_ATOMS; a += LOCAL)
-                        bins_sh[h * N_ATOMS + a] = floatBitsToUint(uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * corr[h]);
+                [[unroll]] for (uint k = 0u; k < HB4; ++k) {
+                    vec4 sv = vec4(0.0);
+                    [[unroll]] for (uint hh = 0u; hh < 4u; ++hh)
+                        if (4u * k + hh < HB)
+                            sv[hh] = s[4u * k + hh];
+                    p4_sh[tid * HB4 + k] = sv;
                 }
-                barrier();  // all have read the maximum and rescaled their weights
+                reduce(true);
+                [[unroll]] for (uint h = 0u; h < HB; ++h) {
+                    float m_new = max(m[h], P_OF(0u, h));
+                    float corr = exp(m[h] - m_new);  // 0 on the first chunk (m = -inf)
+                    m[h] = m_new;
+                    l[h] *= corr;
+                    res[h] *= corr;
+                    [[unroll]] for (uint sb = 0u; sb < NSUB; ++sb)
+                        w[sb][h] *= corr;
+                }
+                barrier();  // all have read the maximum
                 if (tid == 0u)
                     grow_sh = 0u;
             }
-            // 3. probabilities; the value's code words → the per-atom weights; its levels staged
+            // 3. probabilities (published); the value's code words handed to their atoms'
+            //    owners; its step and levels staged
             float p[HB];
             [[unroll]] for (uint h = 0u; h < HB; ++h) {
                 p[h] = exp(s[h] - m[h]);  // 0 past the split's end
                 l[h] += p[h];
             }
+            [[unroll]] for (uint k = 0u; k < HB4; ++k) {
+                vec4 pv = vec4(0.0);
+                [[unroll]] for (uint hh = 0u; hh < 4u; ++hh)
+                    if (4u * k + hh < HB)
+                        pv[hh] = p[4u * k + hh];
+                p4_sh[tid * HB4 + k] = pv;
+            }
+            uint pending = 0u;  // bit j: V code word j still to hand over
             if (live) {
-                // a code word's HB additions tried together (independent shared-memory round
-                // trips, not one compare-and-swap loop after another); one that lost a race
-                // (another invocation's addition to the same weight) retries
-                [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j) {
-                    uint a = code_atom(vc[j]);
-                    if (a < N_ATOMS) {
-                        float c = code_coef(vc[j]);
-                        uint seen[HB], was[HB];
-                        [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            seen[h] = bins_sh[h * N_ATOMS + a];
-                        [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            was[h] = atomicCompSwap(bins_sh[h * N_ATOMS + a], seen[h],
-                                                    floatBitsToUint(uintBitsToFloat(seen[h]) + p[h] * c));
-                        [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            if (was[h] != seen[h])
-                                bin_add(h * N_ATOMS + a, p[h] * c);
-                    }
-                }
+                [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j)
+                    if (code_atom(vc[j]) < N_ATOMS)
+                        pending |= 1u << j;
                 if (V_BITS > 0u) {
-                    float step_ = uintBitsToFloat(vc[V_SPARSITY + V_LEVEL_WORDS]);
-                    [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        ps_sh[h * LOCAL + tid] = p[h] * step_;
-                    [[unroll]] for (uint w = 0u; w < V_STAGE; ++w)
-                        vlev_sh[tid * V_STAGE + w] = vc[V_SPARSITY + w];
+                    step_sh[tid] = uintBitsToFloat(vc[V_SPARSITY + V_LEVEL_WORDS]);
+                    [[unroll]] for (uint w_ = 0u; w_ < V_STAGE; ++w_)
+                        vlev_sh[tid * V_STAGE + w_] = vc[V_SPARSITY + w_];
                 }
             }
+            HAND_OVER(vc, pending, pass_no)
             barrier();
-            // 4. the values' residual: quad q4 of lane vlane's tokens, levels from shared memory
+            // 4. the owners take their code words; the values' residual: quad q4 of lane vlane's
+            //    tokens, levels from shared memory
+            TAKE_OVER(w)
+            bool again = full_sh[pass_no & 1u] != 0u;
             if (V_BITS > 0u) {
                 uint bit0 = 4u * q4 * V_BITS, w0 = bit0 >> 5u, off = bit0 & 31u;
                 bool straddles = off + 4u * V_BITS > 32u;
@@ -281,17 +330,33 @@ void main() {
                     uint hi = straddles ? vlev_sh[x * V_STAGE + w0 + 1u] : 0u;
                     uint bits = level_window(lo, hi, off);
                     vec4 lv;
+                    float st = step_sh[x];
                     [[unroll]] for (uint k = 0u; k < 4u; ++k)
                         lv[k] = centred_level((bits >> (k * V_BITS)) & ((1u << V_BITS) - 1u), V_BITS);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        res[h] += ps_sh[h * LOCAL + x] * lv;
+                        res[h] += (P_OF(x, h) * st) * lv;
                 }
             }
-            barrier();  // the chunk's staged values are read before the next chunk's
+            barrier();  // the chunk's staged values and buckets are read before they are rewritten
+            ++pass_no;
+            while (again) {  // uniform: every invocation read the same flag
+                HAND_OVER(vc, pending, pass_no)
+                barrier();
+                TAKE_OVER(w)
+                again = full_sh[pass_no & 1u] != 0u;
+                barrier();
+                ++pass_no;
+            }
         }
 
-        // the weights times the atoms (quad q4, lane vlane's atoms) plus the residual part,
-        // then the lanes' sums through shared memory, one quad element at a time
+        // the weights into shared memory (the table is no longer read), then times the atoms
+        // (quad q4, lane vlane's atoms) plus the residual part, then the lanes' sums through
+        // shared memory, one quad element at a time
+        [[unroll]] for (uint sb = 0u; sb < NSUB; ++sb)
+            if (tid + sb * LOCAL < N_ATOMS)
+                [[unroll]] for (uint h = 0u; h < HB; ++h)
+                    tab_sh[h * N_ATOMS + tid + sb * LOCAL] = w[sb][h];
+        barrier();
         vec4 part[HB];
         [[unroll]] for (uint h = 0u; h < HB; ++h)
             part[h] = vec4(0.0);
@@ -305,7 +370,7 @@ void main() {
                     uint a = a0 + u * VLANES;
                     if (a < N_ATOMS)
                         [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            part[h] += uintBitsToFloat(bins_sh[h * N_ATOMS + a]) * av[u];
+                            part[h] += tab_sh[h * N_ATOMS + a] * av[u];
                 }
             }
             if (V_BITS > 0u) {
@@ -320,25 +385,25 @@ void main() {
         [[unroll]] for (uint k = 0u; k < 4u; ++k) {
             barrier();
             [[unroll]] for (uint h = 0u; h < HB; ++h)
-                ps_sh[h * LOCAL + tid] = part[h][k];
+                P_OF(tid, h) = part[h][k];
             barrier();
             for (uint x = tid; x < HB * VQ; x += LOCAL) {
                 uint h = x / VQ, q = x - h * VQ;
                 float a = 0.0;
                 for (uint ln = 0u; ln < VLANES; ++ln)
-                    a += ps_sh[h * LOCAL + ln * VQ + q];
+                    a += P_OF(ln * VQ + q, h);
                 acc_floats[(rec0 + h) * HEAD_DIM + 4u * q + k] = a;  // records are h-major
             }
         }
         // the invocations' sums of p
         barrier();
         [[unroll]] for (uint h = 0u; h < HB; ++h)
-            ps_sh[h * LOCAL + tid] = l[h];
+            P_OF(tid, h) = l[h];
         reduce(false);
         [[unroll]] for (uint h = 0u; h < HB; ++h)
             if (tid == h) {
                 stats[(rec0 + h) * 2u] = m[h];
-                stats[(rec0 + h) * 2u + 1u] = ps_sh[h * LOCAL];
+                stats[(rec0 + h) * 2u + 1u] = P_OF(0u, h);
             }
         barrier();  // shared memory is reused by the next item
     }

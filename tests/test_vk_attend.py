@@ -376,6 +376,48 @@ def test_flash_coded_attention_equals_reference(case, kernel, make_arena, activa
     _check(arena, [(k, v, kd, vd)], 0, q * 40, n_ctx)  # large scores: the running maximum moves
 
 
+@pytest.mark.parametrize("bucket", ["smallest", "largest"])
+@pytest.mark.parametrize("local", [256, 64])
+def test_flash_coded_crowded_atoms_take_more_passes(local, bucket, make_arena, activate, monkeypatch):
+    """attend_flash_coded hands each V code word to the invocation owning its atom, through a
+    bucket of BUCKET words per pass. Code words crowding onto a few atoms fill the buckets and
+    take further passes in the same chunk: every code word of a stretch of tokens on one atom,
+    then on atoms sharing one owner (a, a + LOCAL, …), then on two owners, then spread — the
+    reference's output at the smallest bucket and the largest, at the largest and smallest
+    workgroup (so with the fewest and the most atoms owned per invocation)."""
+    from kvdict_vk.vk import attend as A, attend_specs as S
+    monkeypatch.setattr(A, "FLASH_CODED_LOCALS", (local,))
+    if bucket == "smallest":
+        monkeypatch.setattr(S, "FLASH_CODED_BUCKET", (S.FLASH_CODED_BUCKET[0],) * 2)
+    rng = np.random.default_rng(stable_seed(("crowded", local, bucket)))
+    hd, n_kv, g, n_atoms, n_ctx = 64, 2, 2, 512, 1500
+    art = random_artifact(rng, hd, n_atoms, [((4, 4), (4, 3))], n_heads=n_kv)
+    activate(art)
+    arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64)
+    kd, vd = art.layers[0]
+    k = random_slots(rng, kd, (n_kv, n_ctx))
+    v = random_slots(rng, vd, (n_kv, n_ctx), out_of_range=0.05)
+    idx, coef = codec.unpack_codes(v[..., :vd.sparsity])
+    t = np.arange(n_ctx)[None, :, None]
+    j = np.arange(vd.sparsity)[None, None, :]
+    crowded = np.select([t < 300, t < 600, t < 900],
+                        [np.full_like(idx, 7), 7 + local * (j % (n_atoms // local)), 7 + (t % 2) * 100], idx)
+    idx = np.where(idx < n_atoms, crowded, idx)  # the out-of-range words stay (they contribute zero)
+    v = v.copy()
+    v[..., :vd.sparsity] = codec.pack_codes(idx, coef)
+    arena.append_codes(0, k, v)
+    att = arena.attention(n_kv * g)
+    att.path, att.coded_kernel = "flash", "float"
+    assert att.flash_coded_options(0, "float") == [(2, [local]), (1, [local])]
+    least = S.FLASH_CODED_BUCKET[0]
+    assert (att.flash_coded_bucket(0, 2, local) == least) == (bucket == "smallest")  # else larger
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    for n_used in (299, 700, n_ctx):
+        assert att.plan(0, n_used).local == local
+        _check(arena, [(k, v, kd, vd)], 0, q, n_used)
+    _check(arena, [(k, v, kd, vd)], 0, q * 40, n_ctx)  # the reference moves: owned weights rescale
+
+
 def test_chunked_reference_is_attend_coded(make_arena):
     """The test's reference equals attention_ref.attend_coded where that one fits memory."""
     rng = np.random.default_rng(3)

@@ -3,9 +3,11 @@ workgroup, invocations, workgroups) for each SPIR-V build given (directories hol
 attend_flash_coded*.spv built with other -D knobs, through $KVDICT_VK_SPV_DIR), by GPU time
 of the whole attention (q·atom table, the kernel, the merge), beside attend_flash over the
 f16 cache of the same shape and torch SDPA over f16 (when torch with CUDA is there).
-Every build's output is checked against the first's (NMSE). Writes one JSON file.
+Every build's output is checked against the first's (NMSE) and, at the first n_used, against
+float64. ``--kernels float,fixed`` times both kernels over the codes (attend.CODED_KERNELS) in
+each build. Writes one JSON file.
 
-  python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --out probe.json
+  python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --kernels float,fixed --out probe.json
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def main(argv=None):
     ap.add_argument("--n-used", default="32768,131072")
     ap.add_argument("--formats", default="4/3,0/0")
     ap.add_argument("--workgroups", default="132,264,528,1056")
+    ap.add_argument("--kernels", default="float", help="kernels over the codes to time (attend.CODED_KERNELS), comma-separated")
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -78,27 +81,28 @@ def main(argv=None):
             for fmt in a.formats.split(","):
                 bits = tuple(int(b) for b in fmt.split("/"))
                 arena, dicts, slots = BA.dict_arena(bits, n_kv, hd, max(ns), bargs, dev, rng)
-                first = {}
-                for name, spv_dir in builds:
+                first, ref = {}, None
+                for (name, spv_dir), kernel in ((b, k) for b in builds for k in a.kernels.split(",")):
                     if spv_dir:
                         os.environ[spirv.SPV_DIR_ENV] = os.path.abspath(spv_dir)
                     else:
                         os.environ.pop(spirv.SPV_DIR_ENV, None)
+                    run_name = name if kernel == "float" else f"{name}:{kernel}"
                     att = A.Attention(arena, n_kv * gqa)
-                    att.path = "flash"
+                    att.path, att.coded_kernel = "flash", kernel
                     try:
                         for n in ns:
                             case = next(c for c in out["cases"] if (c["shape"], c["head_dim"], c["n_used"]) == (shape, hd, n))
-                            res = case["formats"].setdefault(fmt, {}).setdefault(name, {"shapes": []})
+                            res = case["formats"].setdefault(fmt, {}).setdefault(run_name, {"shapes": []})
                             check = att.attend(0, q, n, 1.0 / np.sqrt(hd))
-                            if n not in first:
-                                first[n] = check
-                                if n == ns[0]:  # the float64 reference, once per format
+                            first.setdefault(n, check)
+                            if n == ns[0]:  # the float64 reference, once per format, against every run
+                                if ref is None:
                                     ref = attention_ref.attend_coded(q.astype(np.float64), slots[0], slots[1], dicts[0],
                                                                      dicts[1], n, 1.0 / np.sqrt(hd))
-                                    res["nmse_vs_float64"] = float(nmse(ref, check))
+                                res["nmse_vs_float64"] = float(nmse(ref, check))
                             res["nmse_vs_first_build"] = float(nmse(first[n].astype(np.float64), check))
-                            shapes = [T.Shape(local, wg, hb) for hb, locals_ in att.flash_coded_options(0)
+                            shapes = [T.Shape(local, wg, hb, kernel) for hb, locals_ in att.flash_coded_options(0, kernel)
                                       for local in locals_ for wg in (int(w) for w in a.workgroups.split(","))]
                             warm(att, n, att.flash_shaped(n, shapes[0], A.FLASH_CODED_MIN_SPLIT_TOKENS))
                             for sh in shapes:
@@ -107,7 +111,7 @@ def main(argv=None):
                                                       "n_splits": plan.n_splits, "gpu_s": timed(att, n, plan)})
                             best = min(res["shapes"], key=lambda r: r["gpu_s"] or 1e9)
                             res["best"] = best
-                            print(f"{shape} d{hd} n{n} {fmt} {name}: best {best['gpu_s'] * 1e6:.1f} us "
+                            print(f"{shape} d{hd} n{n} {fmt} {run_name}: best {best['gpu_s'] * 1e6:.1f} us "
                                   f"(hb {best['heads']} local {best['local']} wg {best['workgroups']}), "
                                   f"f16 {case['f16_flash_s'] * 1e6:.1f} us, sdpa "
                                   f"{(case['torch_sdpa_f16_s'] or 0) * 1e6:.1f} us, nmse {res['nmse_vs_first_build']:.2g} "

@@ -34,7 +34,7 @@ from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
 from .attend_specs import (FLASH_CODED_FIXED_MAX_HEADS, FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_fixed_fits,
-                           flash_coded_fixed_shared_bytes, flash_coded_shared_bytes,
+                           flash_coded_fixed_shared_bytes, flash_coded_bucket,
                            flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
@@ -291,7 +291,7 @@ class Attention:
 
             def fits(hb: int, n: int) -> bool:
                 if kernel == "float":
-                    return n % (hd // 4) == 0 and flash_coded_shared_bytes(hd, hb, n, na, v.residual_bits) <= limit
+                    return flash_coded_bucket(hd, hb, n, na, (k.sparsity, v.sparsity), v.residual_bits, limit) > 0
                 return flash_coded_fixed_fits(hd, hb, n, na) and flash_coded_fixed_shared_bytes(hd, hb, n, na) <= limit
             out = []
             for hb in sorted((d for d in range(1, min(self.group, max_heads) + 1) if self.group % d == 0),
@@ -301,6 +301,13 @@ class Attention:
                     out.append((hb, sizes))
             return tuple(out)
         return [(hb, list(sizes)) for hb, sizes in self._per_layer("flash_coded_options", (layer, kernel), derive)]
+
+    def flash_coded_bucket(self, layer: int, hb: int, local: int) -> int:
+        """attend_flash_coded's BUCKET over ``layer`` at ``hb`` query heads and ``local``
+        invocations (attend_specs.flash_coded_bucket within the device's shared memory)."""
+        k, v = self.layout.layers[layer].streams
+        return flash_coded_bucket(self.layout.head_dim, hb, local, self.layout.n_atoms, (k.sparsity, v.sparsity),
+                                  v.residual_bits, self.device.limit("max_compute_shared_memory_size"))
 
     def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
         """The default of flash_coded_options: (query heads per workgroup, workgroup sizes)

@@ -51,14 +51,41 @@ def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
 
 
 FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY")
+FLASH_CODED_FLOAT_SPEC = FLASH_CODED_SPEC + ("BUCKET",)  # attend_flash_coded (not the fixed-point one)
 
 
-def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v_bits: int) -> int:
-    """attend_flash_coded.comp's shared memory: the q·atom table and the atom weights of its
-    HB heads, the scaled queries, the chunk's p·step (and reductions), the chunk's staged V
-    level words, the grow flag."""
+FLASH_CODED_BUCKET = (4, 16)  # attend_flash_coded's BUCKET: code words an owner takes per pass, least and most
+FLASH_CODED_MAX_OWNED = 32  # its NSUB * HB: atom weights an invocation keeps in registers
+FLASH_CODED_MAX_LOCAL = 256  # its bucket words carry a token's index in the chunk in 8 bits
+FLASH_CODED_MAX_V_SPARSITY = 32  # a token's V code words still to hand over are bits of one word
+
+
+def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v_bits: int, bucket: int) -> int:
+    """attend_flash_coded.comp's shared memory: the q·atom table of its HB heads (the atom
+    weights at the end), the owners' buckets and counts, the scaled queries, the chunk's
+    probabilities (vec4s of heads; reductions), steps and staged V level words, three flags."""
     v_stage = L.residual_words(head_dim, v_bits) - 1 if v_bits else 1
-    return 4 * (2 * hb * n_atoms + hb * head_dim + hb * local + local * v_stage + 1)
+    hb4 = -(-hb // 4)
+    return 4 * (hb * n_atoms + bucket * local + local + hb * head_dim + 4 * hb4 * local + local
+                + local * v_stage + 3)
+
+
+def flash_coded_bucket(head_dim: int, hb: int, local: int, n_atoms: int, sparsity: tuple[int, int],
+                       v_bits: int, shared_limit: int) -> int:
+    """attend_flash_coded.comp's BUCKET at ``hb`` query heads and ``local`` invocations: the
+    most code words an atom's owner takes per pass (at most FLASH_CODED_BUCKET[1]) that leave its
+    shared memory within ``shared_limit`` — 0 where fewer than FLASH_CODED_BUCKET[0] fit or the
+    kernel cannot run at that shape: head_dim a multiple of 4 whose quads divide ``local``,
+    ``local`` at most FLASH_CODED_MAX_LOCAL, the atoms an invocation owns times ``hb`` at most
+    FLASH_CODED_MAX_OWNED, V's code words per slot (``sparsity`` = (K's, V's)) at most
+    FLASH_CODED_MAX_V_SPARSITY."""
+    if (head_dim % 4 or local % (head_dim // 4) or local > FLASH_CODED_MAX_LOCAL
+            or -(-n_atoms // local) * hb > FLASH_CODED_MAX_OWNED or sparsity[1] > FLASH_CODED_MAX_V_SPARSITY):
+        return 0
+    least, most = FLASH_CODED_BUCKET
+    rest = flash_coded_shared_bytes(head_dim, hb, local, n_atoms, v_bits, 0)
+    fit = min(most, (shared_limit - rest) // (4 * local)) if shared_limit > rest else 0
+    return fit if fit >= least else 0
 
 
 # attend_flash_coded_fixed.comp (the atom weights as fixed-point integers in shared memory;
@@ -312,7 +339,11 @@ def _flash_coded_extents(p, s, fixed: bool = False):
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
-    fits = flash_coded_fixed_fits(hd, hb, local, s["N_ATOMS"]) if fixed else hd % 4 == 0 and local % (hd // 4) == 0
+    if fixed:
+        fits = flash_coded_fixed_fits(hd, hb, local, s["N_ATOMS"])
+    else:  # the bucket's size and the shared memory it takes were checked by the caller
+        fits = (s["BUCKET"] >= 1 and flash_coded_bucket(hd, hb, local, s["N_ATOMS"], (s["K_SPARSITY"], s["V_SPARSITY"]),
+                                                       s["V_BITS"], 1 << 30) > 0)
     _check(g % hb == 0 and fits, "attend_flash_coded (specialization)", s)
     last, heads = _seq_rows(p, "attend_flash_coded"), p["n_seqs"] * n_kv  # virtual heads
     words = []
@@ -388,7 +419,7 @@ def shader_specs(shader_spec) -> dict:
                             ("attend_flash_wide", ()), ("attend_flash_wide_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
         shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
-                    (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
+                    (False, False, False, False, True, True), FLASH_CODED_FLOAT_SPEC, _flash_coded_extents,
                     optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
         # the same bindings, push block and specialization
         *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
