@@ -679,8 +679,7 @@ _ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": A
                   "attend_reduce.comp": ATTEND_REDUCE_PUSH, "attend_direct.comp": ATTEND_DIRECT_PUSH,
                   "attend_merge.comp": ATTEND_MERGE_PUSH, "attend_merge_head.comp": ATTEND_MERGE_HEAD_PUSH,
                   "attend_flash.comp": ATTEND_FLASH_PUSH,
-                  "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH,
-                  "attend_flash_coded_fixed.comp": ATTEND_FLASH_CODED_PUSH}
+                  "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH}
 
 PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, READ_KIVI_PUSH, SCATTER_PUSH, COPY_PUSH,
                                    *_ATTEND_BLOCKS.values())}

@@ -339,15 +339,10 @@ FLASH_CODED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["float", "fixed-sg-where-fits", "fixed-shared"])
 @pytest.mark.parametrize("case", FLASH_CODED_CASES, ids=lambda c: "hd{}-kv{}-g{}-a{}-{}-ctx{}".format(*c[:4], c[5], c[6]))
-def test_flash_coded_attention_equals_reference(case, kernel, make_arena, activate):
-    """The GPUs' kernels over the codes against the float64 reference over the same slots,
-    out-of-range code words included (they contribute zero): attend_flash_coded, and
-    attend_flash_coded_fixed summing a token's partial scores by subgroup shuffles where the
-    device has them and its subgroups hold a token's lanes (its _sg build), and through shared
-    memory everywhere."""
-    from kvdict_vk.vk.attend_specs import flash_subgroup_fits, flash_units
+def test_flash_coded_attention_equals_reference(case, make_arena, activate):
+    """The GPUs' kernel over the codes (attend_flash_coded) against the float64 reference over
+    the same slots, out-of-range code words included (they contribute zero)."""
     hd, n_kv, g, n_atoms, per_head, pair, n_ctx = case
     rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, n_atoms, [pair], n_heads=n_kv if per_head else 1)
@@ -359,19 +354,11 @@ def test_flash_coded_attention_equals_reference(case, kernel, make_arena, activa
     arena.append_codes(0, k, v)
     att = arena.attention(n_kv * g)
     att.path = "flash"
-    att.coded_kernel = kernel.split("-")[0]
-    att.subgroups = False if kernel == "fixed-shared" else None
     assert att.flash_coded_heads(0) >= 1
-    if att.coded_kernel == "fixed":
-        hb, sizes = att.flash_coded_options(0, "fixed")[0]
-        assert g % hb == 0 and hb <= 4  # every case's head_dim / 8 is a power of two ≥ 4: the kernel fits
-        fits = flash_subgroup_fits(flash_units(hd), sizes[0], arena.device.shuffle_subgroup_size())
-        want = "attend_flash_coded_fixed" + ("_sg" if fits and att.subgroups is None else "")
-        assert att.flash_variant(sizes[0], "attend_flash_coded_fixed") == want
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 129, n_ctx // 2 + 1, n_ctx}):
         p = att.plan(0, n_used)
-        assert p.path == "flash" and p.kernel == att.coded_kernel
+        assert p.path == "flash" and p.kernel == "float"
         _check(arena, [(k, v, kd, vd)], 0, q, n_used)
     _check(arena, [(k, v, kd, vd)], 0, q * 40, n_ctx)  # large scores: the running maximum moves
 
@@ -385,8 +372,9 @@ def test_flash_coded_crowded_atoms_take_more_passes(local, bucket, make_arena, a
     then on atoms sharing one owner (a, a + LOCAL, …), then on two owners, then spread — the
     reference's output at the smallest bucket and the largest, at the largest and smallest
     workgroup (so with the fewest and the most atoms owned per invocation)."""
-    from kvdict_vk.vk import attend as A, attend_specs as S
+    from kvdict_vk.vk import attend as A, attend_specs as S, attend_tune as T
     monkeypatch.setattr(A, "FLASH_CODED_LOCALS", (local,))
+    monkeypatch.setattr(T, "_CHOICES", {})  # where the device tunes: no shape measured by another case
     if bucket == "smallest":
         monkeypatch.setattr(S, "FLASH_CODED_BUCKET", (S.FLASH_CODED_BUCKET[0],) * 2)
     rng = np.random.default_rng(stable_seed(("crowded", local, bucket)))
@@ -490,7 +478,7 @@ def test_typed_errors(make_arena, activate, vk_device):
         with pytest.raises(E.LayerIndexError):
             arena.attend(layer, q, 5)
     att = arena.attention(4)
-    att.path, att.flash_kernel = "flash", "fixed"  # a build of the coded kernel, not attend_flash's
+    att.path, att.flash_kernel = "flash", "fixed"  # no build of attend_flash
     with pytest.raises(E.ArenaError, match="flash_kernel"):
         att.plan(1, 4)
     att.path, att.flash_kernel = None, None
@@ -546,17 +534,15 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
     att = arena.attention(n_kv * g)
     att.path, att.tune = "flash", True
-    if coded:  # the kernel and the query heads per workgroup are dimensions of the search
+    if coded:  # the query heads per workgroup are a dimension of the search
         assert [hb for hb, _ in att.flash_coded_options(0, "float")] == [2, 1]
-        assert [hb for hb, _ in att.flash_coded_options(0, "fixed")] == [2, 1]
-        shapes = T.candidates(att.flash_coded_options(0, "float"), True, "float") + \
-            T.candidates(att.flash_coded_options(0, "fixed"), True, "fixed")
+        shapes = T.candidates(att.flash_coded_options(0, "float"), True, "float")
     else:  # the build (its split's end) is a dimension too
         assert att.flash_kernel_locals(0, "wide_end") == att.flash_locals(0)
         shapes = T.candidates([(0, att.flash_locals(0))], False, "float") + \
             T.candidates([(0, att.flash_kernel_locals(0, "wide_end"))], False, "wide_end")
     assert len(shapes) >= 2
-    favourite = shapes[-1]  # coded: the fixed-point kernel, one query head per workgroup; else the wide end
+    favourite = shapes[-1]  # coded: one query head per workgroup, the smallest size; else the wide end
     what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
     timed = []
 

@@ -69,9 +69,8 @@ def test_batched_attention_over_rows_equals_reference(cache, kernel, make_arena)
     _check_batch(arena, stored, q[:2], [300, 1])  # the first sequences only
 
 
-@pytest.mark.parametrize("kernel", ["float", "fixed"])
 @pytest.mark.parametrize("per_head", [True, False])
-def test_batched_attention_over_codes_equals_reference(kernel, per_head, make_arena, activate):
+def test_batched_attention_over_codes_equals_reference(per_head, make_arena, activate):
     rng = np.random.default_rng(22 + per_head)
     n_kv, g, hd = 2, 4, 64
     art = random_artifact(rng, hd, 256, [((4, 4), (4, 3))], n_heads=n_kv if per_head else 1)
@@ -80,13 +79,13 @@ def test_batched_attention_over_codes_equals_reference(kernel, per_head, make_ar
     assert arena.mode == "dict"
     stored = _fill(arena, rng, art, LENGTHS)
     att = arena.attention(n_kv * g)
-    att.path, att.coded_kernel = "flash", kernel
+    att.path = "flash"
     q = rng.standard_normal((len(LENGTHS), n_kv * g, hd), dtype=np.float32)
     _check_batch(arena, stored, q, list(LENGTHS))
     _check_batch(arena, stored, q * 40, [300, 1, 100, 77])  # large scores: the references move
     # the batch's plan: every sequence in one flash dispatch of the chosen kernel
     p = att.plan(0, 300, seqs=len(LENGTHS))
-    assert p.path == "flash" and p.seqs == len(LENGTHS) and p.kernel == kernel
+    assert p.path == "flash" and p.seqs == len(LENGTHS) and p.kernel == "float"
 
 
 def test_many_short_sequences(make_arena, activate):

@@ -4,10 +4,10 @@ attend_flash_coded*.spv built with other -D knobs, through $KVDICT_VK_SPV_DIR), 
 of the whole attention (q·atom table, the kernel, the merge), beside attend_flash over the
 f16 cache of the same shape and torch SDPA over f16 (when torch with CUDA is there).
 Every build's output is checked against the first's (NMSE) and, at the first n_used, against
-float64. ``--kernels float,fixed`` times both kernels over the codes (attend.CODED_KERNELS) in
-each build. Writes one JSON file.
+float64. ``--kernels`` names the kernels over the codes to time in each build
+(attend.CODED_KERNELS; at a commit that had two, both). Writes one JSON file.
 
-  python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --kernels float,fixed --out probe.json
+  python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --out probe.json
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--n-used", default="32768,131072")
     ap.add_argument("--formats", default="4/3,0/0")
+    ap.add_argument("--sparsity", type=int, default=4, help="code words a slot (4: the certified format's)")
     ap.add_argument("--workgroups", default="132,264,528,1056")
     ap.add_argument("--kernels", default="float", help="kernels over the codes to time (attend.CODED_KERNELS), comma-separated")
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
@@ -62,7 +63,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "device": dev.name, "builds": dict(builds), "cases": []}
     ns = [int(x) for x in a.n_used.split(",")]
-    bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=4)  # the bench's gpu preset dictionaries
+    bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=a.sparsity)  # the bench's gpu preset dictionaries
     for shape in a.shapes.split(","):
         n_kv, gqa = common.dims(shape)
         for hd in (int(x) for x in a.head_dims.split(",")):

@@ -35,10 +35,12 @@ NAME, TOOL = "attention", "kvdict_vk.bench.attention"
 PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", "20"],
            "cpu": [],
            # the shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB),
-           # per-head dictionaries of 1024 atoms (the certified format's)
+           # per-head dictionaries of 1024 atoms and 4 code words a slot: the certified format's
+           # (forge.pipeline.ForgeConfig; the parser's default of 8 made every coded row before
+           # 2026-12-03 twice the certified code words)
            "gpu": ["--shapes", "8x4,3x3", "--head-dims", "64,128", "--n-used", "8192,32768,131072",
-                   "--formats", "0/0,4/3,6/4", "--per-head", "--repeats", "20", "--case-budget-s", "10",
-                   "--batches", "8,64"]}
+                   "--formats", "0/0,4/3,6/4", "--per-head", "--sparsity", "4", "--repeats", "20",
+                   "--case-budget-s", "10", "--batches", "8,64"]}
 USES_DEVICE, REQUIRES = True, {}
 UNCODED = ("f16", "f32", "q8_0")
 KIVI = "kivi"  # KvArena(cache="kivi"), default settings

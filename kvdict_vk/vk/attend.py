@@ -33,9 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_CODED_FIXED_MAX_HEADS, FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_fixed_fits,
-                           flash_coded_fixed_shared_bytes, flash_coded_bucket,
-                           flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
+from .attend_specs import (FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket, flash_shared_bytes,
+                           flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer
@@ -58,11 +57,11 @@ FLASH_WORKGROUPS = 1024
 # and few — about two workgroups per multiprocessor of a large GPU.
 FLASH_CODED_MIN_SPLIT_TOKENS = 512
 FLASH_CODED_WORKGROUPS = 256
-# The kernels over the codes, the untuned default first: "float" (attend_flash_coded: the atom
-# weights as floats in shared memory, added by compare-and-swap loops) and "fixed"
-# (attend_flash_coded_fixed: as fixed-point integers added by atomicAdd, flushed into
-# registers). Neither wins everywhere on an H200 (docs/DESIGN.md): the tuner times both.
-CODED_KERNELS = ("float", "fixed")
+# The kernels over the codes, the untuned default first (the tuner times each): "float"
+# (attend_flash_coded). Its fixed-point sibling lost everywhere on an H200 once the float
+# kernel's atom weights became owned (docs/DESIGN.md) and went; a kernel over the codes for
+# another device class would join here.
+CODED_KERNELS = ("float",)
 # attend_flash's builds, the untuned default first: "float" (attend_flash: the split's end as
 # shared-memory trees, one element of a unit at a time) and "wide_end" (attend_flash_wide: the
 # end in a few barriers). The wide end is ~3 µs shorter, but beside it the token loop ran up
@@ -254,8 +253,8 @@ class Attention:
         return [n for n in self.flash_locals(layer) if kernel != "wide_end" or self.flash_end_elems(n)]
 
     def flash_variant(self, local: int, shader: str = "attend_flash") -> str:
-        """The SPIR-V of ``shader`` — attend_flash or attend_flash_coded_fixed, both spreading
-        a token over flash_units(head_dim) invocations — at ``local`` invocations: its _sg
+        """The SPIR-V of ``shader`` — attend_flash or its wide end, spreading a token over
+        flash_units(head_dim) invocations — at ``local`` invocations: its _sg
         build where the device's subgroups can sum a token's partial scores
         (attend_specs.flash_subgroup_fits) and ``subgroups`` allows, else the plain one
         (shared memory, no optional feature). Derived once per (shader, size, setting):
@@ -272,10 +271,9 @@ class Attention:
     def flash_coded_options(self, layer: int, kernel: str = "float") -> list[tuple[int, list[int]]]:
         """[(query heads per workgroup, workgroup sizes preferred first)] of the coded flash
         ``kernel`` (CODED_KERNELS) over ``layer``, most heads first (empty: it cannot): every
-        divisor of the group that the kernel allows — attend_flash_coded: at most
-        FLASH_MAX_GROUP, head_dim a multiple of 4; attend_flash_coded_fixed:
-        attend_specs.flash_coded_fixed_fits — whose shared memory (the q·atom table and atom
-        weights, …) fits the device with some size of FLASH_CODED_LOCALS (attend_tune) the
+        divisor of the group up to FLASH_MAX_GROUP at which attend_flash_coded runs
+        (attend_specs.flash_coded_bucket: the atoms it owns, a bucket in the shared memory left
+        beside the q·atom table, …) with some size of FLASH_CODED_LOCALS (attend_tune) the
         device allows; with it, every such size. The tuner times them all; untuned, the first
         (the most heads: each slot loaded serves them all)."""
         if kernel not in CODED_KERNELS:
@@ -287,14 +285,11 @@ class Attention:
             if not (k.coded and v.coded) or hd % 4:
                 return ()
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
-            max_heads = FLASH_MAX_GROUP if kernel == "float" else FLASH_CODED_FIXED_MAX_HEADS
 
             def fits(hb: int, n: int) -> bool:
-                if kernel == "float":
-                    return flash_coded_bucket(hd, hb, n, na, (k.sparsity, v.sparsity), v.residual_bits, limit) > 0
-                return flash_coded_fixed_fits(hd, hb, n, na) and flash_coded_fixed_shared_bytes(hd, hb, n, na) <= limit
+                return flash_coded_bucket(hd, hb, n, na, (k.sparsity, v.sparsity), v.residual_bits, limit) > 0
             out = []
-            for hb in sorted((d for d in range(1, min(self.group, max_heads) + 1) if self.group % d == 0),
+            for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
                              reverse=True):
                 sizes = tuple(n for n in FLASH_CODED_LOCALS if n <= most and fits(hb, n))
                 if sizes:

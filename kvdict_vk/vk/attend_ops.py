@@ -195,15 +195,13 @@ class PassBuilder:
         options = att.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
         local = plan.local or dict(options)[hb][0]
-        if plan.kernel == "float":
-            variant, extra = "attend_flash_coded", {"BUCKET": att.flash_coded_bucket(layer, hb, local)}
-        else:
-            variant, extra = att.flash_variant(local, "attend_flash_coded_fixed"), {}
+        variant = "attend_flash_coded"  # CODED_KERNELS' one kernel
         kernel = self._kernel(("flash_coded", variant, layer, local, hb), variant,
                               [buf, buf, att.table, att.q, att.accs, att.stats],
                               att.sizes.seqs * n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
-                              K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity, **extra)
+                              K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity,
+                              BUCKET=att.flash_coded_bucket(layer, hb, local))
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                              split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word,
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,

@@ -119,7 +119,7 @@ class Plan:
     fresh_len: int = 0
     local: int = 0  # flash: invocations per workgroup (0: the kernel's default for the layer)
     heads: int = 0  # flash over codes: query heads per workgroup (0: the layer's default)
-    kernel: str = "float"  # flash over codes: attend_flash_coded ("float") or attend_flash_coded_fixed ("fixed")
+    kernel: str = "float"  # flash: the build (attend.FLASH_KERNELS over rows, attend.CODED_KERNELS over codes)
     seqs: int = 1  # flash: sequences attended in one dispatch (batched decode), n_splits each
 
     @property

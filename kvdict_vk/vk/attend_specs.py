@@ -37,8 +37,7 @@ def flash_shared_bytes(group: int, local: int, units: int, end_elems: int = 0) -
 
 def flash_units(head_dim: int) -> int:
     """Invocations attend_flash spreads a row over, a unit of 8 elements each (a uvec4 of an
-    f16 row, two of an f32 row, two value words of a q8_0 row): the same for every format —
-    and attend_flash_coded_fixed spreads a slot over as many (its U)."""
+    f16 row, two of an f32 row, two value words of a q8_0 row): the same for every format."""
     return head_dim // 8
 
 
@@ -50,8 +49,7 @@ def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
     return pow2(units) and pow2(subgroup_size) and units <= subgroup_size and local % subgroup_size == 0
 
 
-FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY")
-FLASH_CODED_FLOAT_SPEC = FLASH_CODED_SPEC + ("BUCKET",)  # attend_flash_coded (not the fixed-point one)
+FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET")
 
 
 FLASH_CODED_BUCKET = (4, 16)  # attend_flash_coded's BUCKET: code words an owner takes per pass, least and most
@@ -86,41 +84,6 @@ def flash_coded_bucket(head_dim: int, hb: int, local: int, n_atoms: int, sparsit
     rest = flash_coded_shared_bytes(head_dim, hb, local, n_atoms, v_bits, 0)
     fit = min(most, (shared_limit - rest) // (4 * local)) if shared_limit > rest else 0
     return fit if fit >= least else 0
-
-
-# attend_flash_coded_fixed.comp (the atom weights as fixed-point integers in shared memory;
-# the tuner times it beside attend_flash_coded and keeps the faster per shape)
-FLASH_CODED_FIXED_MAX_HEADS = 4  # its MAX_HB: query heads per workgroup in registers
-FLASH_CODED_FIXED_MAX_BINS = 32  # its NB: fixed-point atom weights each invocation flushes into registers
-FLASH_CODED_FIXED_CTL = 4  # its N_CTL: round control buffers
-
-
-def flash_coded_fixed_heads_padded(hb: int) -> int:
-    """attend_flash_coded_fixed.comp's HP: a block's query heads padded to a power of two (the
-    row of its table and bins, the heads its reduce-scatter splits a token's lanes among)."""
-    return 4 if hb > 2 else hb
-
-
-def flash_coded_fixed_fits(head_dim: int, hb: int, local: int, n_atoms: int) -> bool:
-    """Whether attend_flash_coded_fixed runs at ``hb`` query heads and ``local`` invocations
-    (shared memory aside): head_dim a multiple of 8 whose lanes per token are a power of two at
-    least the padded heads, the workgroup whole tokens, whole element quads and whole vec4s of
-    partial sums, at most FLASH_CODED_FIXED_MAX_HEADS heads, at most FLASH_CODED_FIXED_MAX_BINS
-    bins flushed per invocation."""
-    if head_dim % 8 or not 1 <= hb <= FLASH_CODED_FIXED_MAX_HEADS:
-        return False
-    u, hp = flash_units(head_dim), flash_coded_fixed_heads_padded(hb)  # its U: 8 elements a lane
-    return (u & (u - 1) == 0 and u >= hp and local % u == 0 and local % (head_dim // 4) == 0 and local % 4 == 0
-            and -(-n_atoms * hb // local) <= FLASH_CODED_FIXED_MAX_BINS)
-
-
-def flash_coded_fixed_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int) -> int:
-    """attend_flash_coded_fixed.comp's shared memory: the q·atom table and the fixed-point atom
-    weights (a row of atoms per head), partial scores and the end's sums (MAX_HB floats per
-    invocation), the end's V residual (MAX_HB head vectors), the round control words (a
-    maximum, a flag and a partial sum per invocation each) and the slow path's maxima."""
-    m = FLASH_CODED_FIXED_MAX_HEADS
-    return 4 * (2 * n_atoms * hb + m * local + m * head_dim + FLASH_CODED_FIXED_CTL * (2 + local) + m)
 
 
 def lengths_word(n_seqs: int, n_q_heads: int, head_dim: int) -> int:
@@ -331,19 +294,16 @@ def _flash_extents(p, s):
     return [rows, quads, [_span(0, queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
-def _flash_coded_extents(p, s, fixed: bool = False):
-    """attend_flash_coded.comp (and its fixed-point sibling): the K and V slots of tokens
-    [0, n_used), both residual scales, V's atoms (as quads), the q·atom table, the queries,
-    records 0 .. n_splits."""
+def _flash_coded_extents(p, s):
+    """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
+    V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
     hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
-    if fixed:
-        fits = flash_coded_fixed_fits(hd, hb, local, s["N_ATOMS"])
-    else:  # the bucket's size and the shared memory it takes were checked by the caller
-        fits = (s["BUCKET"] >= 1 and flash_coded_bucket(hd, hb, local, s["N_ATOMS"], (s["K_SPARSITY"], s["V_SPARSITY"]),
-                                                       s["V_BITS"], 1 << 30) > 0)
+    # the bucket's size against the device's shared memory is the caller's (attend.flash_coded_bucket)
+    fits = s["BUCKET"] >= 1 and flash_coded_bucket(hd, hb, local, s["N_ATOMS"], (s["K_SPARSITY"], s["V_SPARSITY"]),
+                                                   s["V_BITS"], 1 << 30) > 0
     _check(g % hb == 0 and fits, "attend_flash_coded (specialization)", s)
     last, heads = _seq_rows(p, "attend_flash_coded"), p["n_seqs"] * n_kv  # virtual heads
     words = []
@@ -419,13 +379,7 @@ def shader_specs(shader_spec) -> dict:
                             ("attend_flash_wide", ()), ("attend_flash_wide_sg", ("basic", "shuffle")))),
         # layer words, layer quads, q·atom table, query, accs, stats
         shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
-                    (False, False, False, False, True, True), FLASH_CODED_FLOAT_SPEC, _flash_coded_extents,
+                    (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
                     optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
-        # the same bindings, push block and specialization
-        *(shader_spec(name, L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
-                      (False, False, False, False, True, True), FLASH_CODED_SPEC,
-                      lambda p, s: _flash_coded_extents(p, s, fixed=True),
-                      optional_spec=(("K_BITS", 0), ("V_BITS", 0)), subgroup_ops=ops)
-          for name, ops in (("attend_flash_coded_fixed", ()), ("attend_flash_coded_fixed_sg", ("basic", "shuffle")))),
     ]
     return {s.variant: s for s in specs}

@@ -53,7 +53,7 @@ def bucket(n_used: int) -> int:
 class Shape:
     """One flash launch shape: invocations per workgroup, workgroups per attention, and over
     the codes query heads per workgroup (0: attend_flash, one KV head's group) and the kernel
-    ("float": attend_flash_coded, "fixed": attend_flash_coded_fixed; attend.CODED_KERNELS)."""
+    (attend.CODED_KERNELS over the codes, attend.FLASH_KERNELS over rows)."""
     local: int
     workgroups: int
     heads: int = 0

@@ -57,9 +57,6 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # attend_flash with the split's end in a few barriers (the tuner times it beside attend_flash)
     "attend_flash_wide": ("attend_flash.comp", {"WIDE_END": 1}),
     "attend_flash_wide_sg": ("attend_flash.comp", {"WIDE_END": 1, "SUBGROUP": 1}),
-    # attend_flash_coded with fixed-point atom weights (the tuner picks it where it is faster)
-    "attend_flash_coded_fixed": ("attend_flash_coded_fixed.comp", {}),
-    "attend_flash_coded_fixed_sg": ("attend_flash_coded_fixed.comp", {"SUBGROUP": 1}),
     # GPU OMP encoder (kvdict_vk/vk/encoder.py, kvdict_vk/vk/encode_specs.py)
     **{f"omp_encode_{k}_{v}": (f"omp_encode_{k}.comp", {"VEC4": n}) for k in ("corr", "metric")
        for v, n in (("vec4", 1), ("scalar", 0))},
