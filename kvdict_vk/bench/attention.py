@@ -221,6 +221,12 @@ def case_name(mode_info, shape, n) -> str:
     return f"{what} {n_kv}x{gqa} d{hd} n{n}"
 
 
+def _launch(plan: dict) -> dict:
+    """A flash row's launch shape, as its tuner chose it (the kernel's build, invocations and
+    query heads per workgroup, splits): what a row's time depends on besides its bytes."""
+    return {k: plan[k] for k in ("kernel", "local", "heads", "n_splits") if k in plan}
+
+
 def make_rows(result) -> list[dict]:
     kind = "cpu" if result["device"]["device_type"] == "cpu" else "gpu"
     rows = []
@@ -234,7 +240,7 @@ def make_rows(result) -> list[dict]:
                     NAME, name, m["seconds"], cache=m["cache"], n_used=r["n_used"], batch=batch,
                     n_kv=shape[0], gqa=shape[1], head_dim=shape[2], moved=m["bytes"], roofline=result["roofline"],
                     torch_sdpa_f16_s=r["torch_sdpa_f16_s"], mode=mode, path=m["plan"]["path"], format=m["format"],
-                    device_kind=kind, **({"kernel": m["plan"]["kernel"]} if "kernel" in m["plan"] else {})))
+                    device_kind=kind, **_launch(m["plan"])))
     return rows
 
 
