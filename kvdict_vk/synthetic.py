@@ -1,8 +1,11 @@
 """Random but well-formed slots, for the tests and the benchmarks.
 
-Decoding, reconstruction and attention cost the same whatever the codes say, and their
+Decoding, reconstruction and attention cost nearly the same whatever the codes say, and their
 results are checked against the NumPy decode of the very same words, so these stand in
-for OMP-encoded data wherever encoding that many rows would only cost time.
+for OMP-encoded data wherever encoding that many rows would only cost time. The exception is
+how often code words of nearby tokens pick the same atom (attend_flash_coded hands V's to the
+atom's owner): real code words repeat atoms more than uniform ones (tools/atom_usage.py),
+so with_code_words puts captured code words into such slots.
 """
 from __future__ import annotations
 
@@ -36,3 +39,18 @@ def random_slots(rng: np.random.Generator, d: StreamDict, shape, *, out_of_range
     levels = rng.integers(0, 1 << 32, shape + (extra - 1,), dtype=np.uint64).astype(np.uint32)
     step = (np.abs(rng.standard_normal(shape + (1,))) * 0.2 + 1e-3).astype(np.float32).view(np.uint32)
     return np.concatenate([codes, levels, step], axis=-1)
+
+
+def with_code_words(slots: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """``slots`` (n_kv, n_ctx, words) with their first s words replaced by captured code words
+    ``codes`` (streams, tokens, s) uint32: KV head g takes stream g % streams, token t its
+    token t % tokens (a capture tiled to any context keeps its blocks' atom collisions)."""
+    codes = np.asarray(codes)
+    if codes.dtype != np.uint32 or codes.ndim != 3 or codes.shape[2] > slots.shape[2] or 0 in codes.shape:
+        raise ValueError(f"code words must be uint32 (streams, tokens, s ≤ {slots.shape[2]}), "
+                         f"got {codes.dtype} {codes.shape}")
+    n_kv, n_ctx = slots.shape[:2]
+    streams, tokens, s = codes.shape
+    out = slots.copy()
+    out[..., :s] = codes[np.arange(n_kv)[:, None] % streams, np.arange(n_ctx)[None, :] % tokens]
+    return out

@@ -530,3 +530,32 @@ def test_attention_batches_give_batch_rows(tmp_path, restore_env, vk_device):
     assert f16["bytes_by_part"]["cache"] == 2 * 2 * 200 * 2 * 16 * 4  # B × n_kv × tokens × (K, V) × f16 words
     coded = next(r for r in rows if r["cache"] == "dict")
     assert coded["kernel"] == "float" and coded["local"] > 0 and coded["heads"] >= 1 and coded["n_splits"] >= 1
+
+
+def test_attention_takes_captured_code_words(tmp_path, restore_env, vk_device, capsys):
+    """attention --codes: the dict slots carry the captured code words (tiled over tokens and KV
+    heads; here every V code word on two atoms, the crowded case the value weights' hand-over
+    meets), every path over them agrees, the config names the file; a capture of another atom
+    count is refused with the reason."""
+    from kvdict_vk import codec, synthetic
+    rng = np.random.default_rng(1)
+    idx = rng.integers(0, 64, (3, 50, 4))
+    k_codes = codec.pack_codes(idx, rng.standard_normal(idx.shape))
+    v_codes = codec.pack_codes(np.where(idx % 2 == 0, 5, 37), rng.standard_normal(idx.shape))
+    path = tmp_path / "codes.npz"
+    np.savez(path, k_codes=k_codes, v_codes=v_codes, n_atoms=64)
+    slots = synthetic.with_code_words(np.zeros((4, 120, 9), np.uint32), v_codes)
+    assert (slots[3, 110, :4] == v_codes[0, 10]).all() and (slots[..., 4:] == 0).all()
+    out = tmp_path / "a.json"
+    argv = ["--n-used", "100", "--shapes", "2x2", "--head-dims", "32", "--formats", "4/3", "--n-atoms", "64",
+            "--sparsity", "4", "--no-sdpa", "--repeats", "3", "--device", vk_device.name, "--out", str(out)]
+    assert attention.main(argv + ["--codes", str(path)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["codes"] == str(path)
+    checks = result["cases"][0]["by_n_used"][0]["checks"]
+    coded = {k: v for k, v in checks.items() if k.startswith(("dict_", "recon_"))}
+    assert coded and all(v <= 1e-9 for v in coded.values()), coded
+    np.savez(path, k_codes=k_codes, v_codes=v_codes, n_atoms=128)
+    with pytest.raises(SystemExit) as e:
+        attention.main(argv + ["--codes", str(path)])
+    assert e.value.code == 2 and "128 atoms" in capsys.readouterr().err

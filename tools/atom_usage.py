@@ -15,7 +15,9 @@ NumPy codec, as the arena's CPU path does — and reports per stream, over every
   * the same for random uniform code words of the same shape (the benchmark's), as the baseline;
   * with the atoms cut into --ranges equal ranges: the largest range's code words per block
     over the mean (1.0: even).
-One JSON object to stdout, progress to stderr.
+One JSON object to stdout, progress to stderr. --save-codes also writes the code words of
+--codes-streams (layer, KV head) streams spread over the layers to an .npz (k_codes, v_codes:
+(streams, tokens, s) uint32; n_atoms; streams), for `kvdict-bench attention --codes`.
 
     .venv/bin/python tools/atom_usage.py --artifact out/forge/smollm2.q42art > atom_usage.json
 """
@@ -68,6 +70,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--block", type=int, default=64, help="tokens per block (a chunk, or the grouped layout's block)")
     ap.add_argument("--ranges", type=int, default=8, help="atom ranges (warps of a workgroup)")
+    ap.add_argument("--save-codes", default=None, help="an .npz for the code words (kvdict-bench attention --codes)")
+    ap.add_argument("--codes-streams", type=int, default=8, help="(layer, KV head) streams --save-codes keeps")
     a = ap.parse_args(argv)
     _, art = read_artifact(a.artifact)
     text = texts.get([a.text])[0]
@@ -76,6 +80,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "artifact": os.path.basename(a.artifact), "text": text.path, "tokens": a.tokens,
            "block": a.block, "ranges": a.ranges, "streams": {}}
+    captured = {}  # stream name → [(layer, head, atom indices' code words)]
     for k_not_v, name in ((True, "K"), (False, "V")):
         real, rand, use = [], [], []
         for layer, (k, v) in enumerate(kv):
@@ -86,6 +91,7 @@ def main(argv=None) -> None:
             for h in range(x.shape[0]):
                 slots = codec.encode(x[h], d, h)
                 idx, _ = codec.unpack_codes(slots[:, :d.sparsity])  # int64 atom indices
+                captured.setdefault(name, []).append((layer, h, slots[:, :d.sparsity]))
                 real.append(block_stats(idx, d.n_atoms, a.block, a.ranges))
                 use.append(usage(idx, d.n_atoms))
                 rand.append(block_stats(rng.integers(0, d.n_atoms, idx.shape), d.n_atoms, a.block, a.ranges))
@@ -96,6 +102,13 @@ def main(argv=None) -> None:
                     for key in rows[0]}
         out["streams"][name] = {"n_atoms": d.n_atoms, "sparsity": d.sparsity, "heads_and_layers": len(real),
                                 "usage": summary(use), "blocks_real": summary(real), "blocks_uniform": summary(rand)}
+    if a.save_codes:
+        k_all, v_all = captured["K"], captured["V"]
+        pick = np.unique(np.linspace(0, len(k_all) - 1, a.codes_streams).round().astype(int))
+        np.savez_compressed(a.save_codes, k_codes=np.stack([k_all[i][2] for i in pick]).astype(np.uint32),
+                            v_codes=np.stack([v_all[i][2] for i in pick]).astype(np.uint32), n_atoms=d.n_atoms,
+                            streams=np.array([k_all[i][:2] for i in pick]), text=text.path, artifact=os.path.basename(a.artifact))
+        out["saved_codes"] = {"path": a.save_codes, "streams": [list(map(int, k_all[i][:2])) for i in pick]}
     print(json.dumps(out, indent=1))
 
 

@@ -26,6 +26,7 @@ through torch's scaled_dot_product_attention over an f16 cache (kvdict_vk.bench.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -66,7 +67,14 @@ def parse_args(argv=None):
                     help="only the path each cache's engine plans (no forced direct/table paths beside it)")
     ap.add_argument("--batches", default="", help="batched decode: batch sizes B, comma-separated (default: none)")
     ap.add_argument("--batch-n-used", type=int, default=8192, help="tokens per sequence of a batch")
+    ap.add_argument("--codes", type=Path, default=None,
+                    help="an .npz of captured code words (tools/atom_usage.py --save-codes) for the dict "
+                         "slots, tiled over tokens and KV heads, in place of uniformly random ones")
     args = common.parse(ap, argv)
+    try:
+        args.code_words = _load_codes(args.codes, args.n_atoms, args.sparsity) if args.codes else None
+    except (OSError, KeyError, ValueError) as e:  # unreadable, not a capture, or not this run's format
+        ap.error(f"--codes: {e}")
     args.shape_list = [common.dims(s) for s in args.shapes.split(",")] \
         if args.shapes else [(args.n_kv, args.gqa)]
     args.head_dim_list = [int(x) for x in args.head_dims.split(",")] if args.head_dims else [args.head_dim]
@@ -76,6 +84,17 @@ def parse_args(argv=None):
     if any(b < 1 for b in args.batch_list) or args.batch_n_used < 1:
         ap.error("--batches and --batch-n-used take positive integers")
     return args
+
+
+def _load_codes(path: Path, n_atoms: int, sparsity: int) -> tuple[np.ndarray, np.ndarray]:
+    """--codes: the captured (K, V) code words, each (streams, tokens, sparsity) uint32, checked
+    against the benchmark's dictionaries (the same atom count and code words a slot)."""
+    with np.load(path) as f:
+        codes, captured_atoms = (f["k_codes"], f["v_codes"]), int(f["n_atoms"])
+    if captured_atoms != n_atoms or any(c.ndim != 3 or c.shape[2] != sparsity for c in codes):
+        raise ValueError(f"{path}: code words of {captured_atoms} atoms, {codes[1].shape[-1]} a slot; this run's "
+                         f"dictionaries have {n_atoms} atoms, {sparsity} a slot (--n-atoms, --sparsity)")
+    return tuple(c.astype(np.uint32) for c in codes)
 
 
 def format_name(bits) -> str:
@@ -100,6 +119,8 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
     with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict", seqs=seqs)
     slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
+    if getattr(args, "code_words", None) is not None:  # captured (K, V) code words
+        slots = [synthetic.with_code_words(s, c) for s, c in zip(slots, args.code_words)]
     for seq in range(seqs):
         arena.append_codes(0, *slots, seq=seq)
     return arena, dicts, slots
@@ -278,8 +299,9 @@ def run(args, progress) -> dict:
                     + f" (SDPA {1e3 * (by_batch[-1]['torch_sdpa_f16_s'] or float('nan')):.3f} ms)")
             cases.append({"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "by_n_used": by_n, "by_batch": by_batch})
     result = {**common.run_header(TOOL, args, dev, t0),
-              "config": {k: getattr(args, k) for k in ("sparsity", "n_atoms", "per_head", "repeats", "formats",
-                                                       "case_budget_s")},
+              "config": {**{k: getattr(args, k) for k in ("sparsity", "n_atoms", "per_head", "repeats", "formats",
+                                                          "case_budget_s")},
+                         "codes": str(args.codes) if args.codes else "uniform"},
               "timing": "Attention.recording (query upload, passes, read-back) run per repeat: GPU time from "
                         "timestamps, wall time around submit + wait; recon_*: KvArena's two submissions, wall",
               "roofline": roof, "sdpa": anchor.to_dict(), "cases": cases}
