@@ -17,7 +17,7 @@ NumPy codec, as the arena's CPU path does — and reports per stream, over every
     over the mean (1.0: even).
 One JSON object to stdout, progress to stderr. --save-codes also writes the code words of
 --codes-streams (layer, KV head) streams spread over the layers to an .npz (k_codes, v_codes:
-(streams, tokens, s) uint32; n_atoms; streams), for `kvdict-bench attention --codes`.
+(streams, tokens, s) uint32; n_atoms; streams), for `python -m kvdict_vk.bench.attention --codes`.
 
     .venv/bin/python tools/atom_usage.py --artifact out/forge/smollm2.q42art > atom_usage.json
 """
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--block", type=int, default=64, help="tokens per block (a chunk, or the grouped layout's block)")
     ap.add_argument("--ranges", type=int, default=8, help="atom ranges (warps of a workgroup)")
-    ap.add_argument("--save-codes", default=None, help="an .npz for the code words (kvdict-bench attention --codes)")
+    ap.add_argument("--save-codes", default=None, help="an .npz for the code words (python -m kvdict_vk.bench.attention --codes)")
     ap.add_argument("--codes-streams", type=int, default=8, help="(layer, KV head) streams --save-codes keeps")
     a = ap.parse_args(argv)
     _, art = read_artifact(a.artifact)
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "artifact": os.path.basename(a.artifact), "text": text.path, "tokens": a.tokens,
            "block": a.block, "ranges": a.ranges, "streams": {}}
-    captured = {}  # stream name → [(layer, head, atom indices' code words)]
+    captured = {}  # "K" / "V" → [(layer, KV head, its code words)]
     for k_not_v, name in ((True, "K"), (False, "V")):
         real, rand, use = [], [], []
         for layer, (k, v) in enumerate(kv):
