@@ -70,7 +70,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--block", type=int, default=64, help="tokens per block (a chunk, or the grouped layout's block)")
     ap.add_argument("--ranges", type=int, default=8, help="atom ranges (warps of a workgroup)")
-    ap.add_argument("--save-codes", default=None, help="an .npz for the code words (python -m kvdict_vk.bench.attention --codes)")
+    ap.add_argument("--save-codes", default=None,
+                    help="an .npz for the code words (python -m kvdict_vk.bench.attention --codes)")
     ap.add_argument("--codes-streams", type=int, default=8, help="(layer, KV head) streams --save-codes keeps")
     a = ap.parse_args(argv)
     _, art = read_artifact(a.artifact)
@@ -107,7 +108,8 @@ def main(argv=None) -> None:
         pick = np.unique(np.linspace(0, len(k_all) - 1, a.codes_streams).round().astype(int))
         np.savez_compressed(a.save_codes, k_codes=np.stack([k_all[i][2] for i in pick]).astype(np.uint32),
                             v_codes=np.stack([v_all[i][2] for i in pick]).astype(np.uint32), n_atoms=d.n_atoms,
-                            streams=np.array([k_all[i][:2] for i in pick]), text=text.path, artifact=os.path.basename(a.artifact))
+                            streams=np.array([k_all[i][:2] for i in pick]), text=text.path,
+                            artifact=os.path.basename(a.artifact))
         out["saved_codes"] = {"path": a.save_codes, "streams": [list(map(int, k_all[i][:2])) for i in pick]}
     print(json.dumps(out, indent=1))
 
