@@ -549,9 +549,11 @@ def test_attention_takes_captured_code_words(tmp_path, restore_env, vk_device, c
     out = tmp_path / "a.json"
     argv = ["--n-used", "100", "--shapes", "2x2", "--head-dims", "32", "--formats", "4/3", "--n-atoms", "64",
             "--sparsity", "4", "--no-sdpa", "--repeats", "3", "--device", vk_device.name, "--out", str(out)]
-    assert attention.main(argv + ["--codes", str(path)]) == 0
+    from kvdict_vk.vk import attend_tune
+    assert attention.main(argv + ["--codes", str(path), "--tune-flush-mib", "1"]) == 0
     result = json.loads(out.read_text())
-    assert result["config"]["codes"] == str(path)
+    assert result["config"]["codes"] == str(path) and result["config"]["tune_flush_mib"] == 1
+    assert attend_tune.FLUSH_BYTES == 0  # the run's setting does not outlive it
     checks = result["cases"][0]["by_n_used"][0]["checks"]
     coded = {k: v for k, v in checks.items() if k.startswith(("dict_", "recon_"))}
     assert coded and all(v <= 1e-9 for v in coded.values()), coded

@@ -600,6 +600,38 @@ def test_flash_launch_shape_timing_runs_on_the_device(make_arena):
     _check(arena, stored, 0, rng.standard_normal((4, 64), dtype=np.float32), 700)
 
 
+def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
+    """attend_tune.FLUSH_BYTES > 0: time_plan copies that many bytes of scratch ahead of the
+    timed passes (buffers made once per size, freed with the engine) — a time as before, the
+    attention's output untouched; and the tuner remembers its choices per setting."""
+    from kvdict_vk.vk import attend_tune as T
+    rng = np.random.default_rng(16)
+    arena, stored = _filled_arena(make_arena, None, rng, 64, 2, 700, None, "f16")
+    att = arena.attention(4)
+    att.path = "flash"
+    plan = att.plan(0, 700)
+    monkeypatch.setattr(T, "FLUSH_BYTES", 1 << 20)
+    s = att.time_plan(0, 700, plan)
+    assert s is None or s > 0
+    made = att._flush
+    assert made is not None and made[0] == (1 << 20) // 8
+    att.time_plan(0, 700, plan)
+    assert att._flush is made  # not made again
+    _check(arena, stored, 0, rng.standard_normal((4, 64), dtype=np.float32), 700)
+    monkeypatch.setattr(T, "_CHOICES", {})
+    monkeypatch.setattr(T, "WARM_S", 0.0)
+    calls = []
+    shapes = [T.Shape(64, 8), T.Shape(64, 16)]
+    T.choose(("sig",), 700, shapes, lambda sh: calls.append(sh) or 1e-3)
+    T.choose(("sig",), 700, shapes, lambda sh: calls.append(sh) or 1e-3)
+    once = len(calls)
+    monkeypatch.setattr(T, "FLUSH_BYTES", 0)
+    T.choose(("sig",), 700, shapes, lambda sh: calls.append(sh) or 1e-3)
+    assert once == T.ROUNDS * len(shapes) and len(calls) == 2 * once  # remembered per setting
+    att.free()
+    assert att._flush is None
+
+
 def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
     """What planning reads of a layer on every step — the flash kernels' workgroup sizes,
     whether one fits, the tuner's layer signature — depends on the layout, the group and the
@@ -626,7 +658,7 @@ def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
     derived = dict(calls)  # units: the sizes, and the wide end per workgroup size
     assert derived["signature"] == 1 and 1 <= derived["units"] <= 1 + len(att.flash_locals(0))
     assert [att.plan(0, n) for n in (100, 300, 700)] == first and calls == derived
-    assert att.layer_signature(0) + (T.bucket(700),) in T.measured()
+    assert T.signature(att.layer_signature(0), 700) in T.measured()
     locals_ = att.flash_locals(0)
     locals_.clear()  # the caller's copy: the cached sizes stay
     assert att.flash_locals(0) and att.flash_local(0) == first[0].local

@@ -67,6 +67,9 @@ def parse_args(argv=None):
                     help="only the path each cache's engine plans (no forced direct/table paths beside it)")
     ap.add_argument("--batches", default="", help="batched decode: batch sizes B, comma-separated (default: none)")
     ap.add_argument("--batch-n-used", type=int, default=8192, help="tokens per sequence of a batch")
+    ap.add_argument("--tune-flush-mib", type=int, default=0,
+                    help="the tuner copies this many MiB ahead of every candidate it times, pushing the L2's "
+                         "contents out as the timed calls' flush does (attend_tune.FLUSH_BYTES; 0: back to back)")
     ap.add_argument("--codes", type=Path, default=None,
                     help="an .npz of captured code words (tools/atom_usage.py --save-codes) for the dict "
                          "slots, tiled over tokens and KV heads, in place of uniformly random ones")
@@ -266,6 +269,15 @@ def make_rows(result) -> list[dict]:
 
 
 def run(args, progress) -> dict:
+    from kvdict_vk.vk import attend_tune
+    flush_before, attend_tune.FLUSH_BYTES = attend_tune.FLUSH_BYTES, args.tune_flush_mib << 20
+    try:
+        return _run(args, progress)
+    finally:
+        attend_tune.FLUSH_BYTES = flush_before
+
+
+def _run(args, progress) -> dict:
     dev = common.open_device(args)
     rng = np.random.default_rng(0)
     t0 = time.time()
@@ -301,7 +313,8 @@ def run(args, progress) -> dict:
     result = {**common.run_header(TOOL, args, dev, t0),
               "config": {**{k: getattr(args, k) for k in ("sparsity", "n_atoms", "per_head", "repeats", "formats",
                                                           "case_budget_s")},
-                         "codes": str(args.codes) if args.codes else "uniform"},
+                         "codes": str(args.codes) if args.codes else "uniform",
+                         "tune_flush_mib": args.tune_flush_mib},
               "timing": "Attention.recording (query upload, passes, read-back) run per repeat: GPU time from "
                         "timestamps, wall time around submit + wait; recon_*: KvArena's two submissions, wall",
               "roofline": roof, "sdpa": anchor.to_dict(), "cases": cases}

@@ -37,7 +37,7 @@ from .attend_specs import (FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_
                            flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
-from .kernels import Buffer
+from .kernels import Buffer, Kernel, barrier
 from . import attend_tune as T
 from .submit import Recording, timestamps_usable
 
@@ -112,6 +112,7 @@ class Attention:
         # (attend_flash_sg) — None: wherever the device has them and they fit the row
         # (flash_variant); False: through shared memory everywhere. Tests fix it.
         self.subgroups: bool | None = None
+        self._flush: tuple | None = None  # (words, kernel, source, destination): time_plan's L2 flush
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
         # The arena's shader mapping says which machine to plan for: "row" (CPU drivers:
@@ -418,8 +419,9 @@ class Attention:
         every sequence's n_used set to ``n_used``: the flash kernels read those)."""
         ops = self.passes.ops(layer, plan, n_used, n_used, 1.0 / float(np.sqrt(self.layout.head_dim)))
         self._upload_lengths([n_used] * plan.seqs)  # the flash kernels read each sequence's n_used
-        rec = Recording(self.device, [self.passes.q_upload(self.q), *ops], timestamps=True,
-                        what=f"timing a plan of layer {layer}", core=(1, 1 + len(ops)))
+        flush = self._flush_ops()
+        rec = Recording(self.device, [*flush, self.passes.q_upload(self.q), *ops], timestamps=True,
+                        what=f"timing a plan of layer {layer}", core=(len(flush) + 1, len(flush) + 1 + len(ops)))
         try:
             times = []
             for _ in range(T.REPEATS):
@@ -428,6 +430,29 @@ class Attention:
             return None if None in times else min(times)
         finally:
             rec.free()
+
+    def _flush_ops(self) -> list:
+        """What time_plan runs ahead of the timed passes (attend_tune.FLUSH_BYTES; none for 0): a
+        copy of that many bytes between two scratch buffers (made once per size), then a barrier,
+        so the passes start after it with whatever it pushed out of the L2 gone."""
+        words = T.FLUSH_BYTES // 8 // 4 * 4  # each buffer half the bytes, whole vec4s
+        if words <= 0:
+            return []
+        if self._flush is None or self._flush[0] != words:
+            self._free_flush()
+            src = Buffer(self.device, words, "storage", "tuner L2 flush source")
+            dst = Buffer(self.device, words, "storage", "tuner L2 flush destination")
+            self._flush = (words, Kernel(self.device, "copy_vec4", [src, dst], max_items=words), src, dst)
+        words, kernel, _, dst = self._flush
+        return [kernel.op(src_word=0, dst_word=0, n_words=words), barrier(dst)]
+
+    def _free_flush(self) -> None:
+        if self._flush is not None:
+            _, kernel, src, dst = self._flush
+            self._flush = None
+            kernel.destroy()
+            dst.destroy()
+            src.destroy()
 
     def splits(self, n_used: int, layer: int | None) -> tuple[int, int]:
         """(splits per KV head, tokens per split) of an attention over n_used cached tokens."""
@@ -573,6 +598,7 @@ class Attention:
     def free(self) -> None:
         if self.passes is not None:
             self.passes.free()
+        self._free_flush()
         for b in self._buffers:
             b.destroy()
         self._buffers.clear()

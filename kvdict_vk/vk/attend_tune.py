@@ -37,7 +37,15 @@ FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
 WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
 CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per workgroup is larger)
 
-# (device name, layer signature, n_kv, group, head_dim, n_atoms, bucket) → (local, workgroups, heads, kernel)
+# Bytes of scratch copied ahead of every timed run of a candidate (Attention.time_plan; outside
+# the timed passes), pushing the L2's contents out as a decode step's other layers would — 0:
+# the candidates run back to back, so a short context stays in the L2 between runs, which the
+# benchmark (it flushes) does not see (docs/DESIGN.md: SmolLM2's shape at 8 k). Process-wide;
+# part of what a choice is remembered under.
+FLUSH_BYTES = 0
+
+# signature(): (device name, layer format, n_kv, group, head_dim, n_atoms, bucket, FLUSH_BYTES) →
+# (local, workgroups, heads, kernel)
 _CHOICES: dict[tuple, tuple[int, int, int, str]] = {}
 
 
@@ -71,8 +79,9 @@ def layer_signature(att, layer: int) -> tuple:
 
 
 def signature(layer_sig: tuple, n_used: int) -> tuple:
-    """The key of a choice: the layer signature and the context bucket."""
-    return layer_sig + (bucket(n_used),)
+    """The key of a choice: the layer signature, the context bucket and how candidates are
+    timed (FLUSH_BYTES)."""
+    return layer_sig + (bucket(n_used), FLUSH_BYTES)
 
 
 def candidates(options: list[tuple[int, list[int]]], coded: bool, kernel: str = "float") -> list[Shape]:
