@@ -92,7 +92,8 @@ def main(argv=None) -> None:
             for h in range(x.shape[0]):
                 slots = codec.encode(x[h], d, h)
                 idx, _ = codec.unpack_codes(slots[:, :d.sparsity])  # int64 atom indices
-                captured.setdefault(name, []).append((layer, h, slots[:, :d.sparsity]))
+                if a.save_codes:
+                    captured.setdefault(name, []).append((layer, h, slots[:, :d.sparsity]))
                 real.append(block_stats(idx, d.n_atoms, a.block, a.ranges))
                 use.append(usage(idx, d.n_atoms))
                 rand.append(block_stats(rng.integers(0, d.n_atoms, idx.shape), d.n_atoms, a.block, a.ranges))

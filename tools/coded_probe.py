@@ -75,7 +75,8 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "device": dev.name, "builds": dict(builds), "l2_flush_mib": a.l2_flush_mib, "cases": []}
     ns = [int(x) for x in a.n_used.split(",")]
-    bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=a.sparsity)  # the bench's gpu preset dictionaries
+    # the bench's gpu preset dictionaries, uniform code words
+    bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=a.sparsity, code_words=None)
     for shape in a.shapes.split(","):
         n_kv, gqa = common.dims(shape)
         for hd in (int(x) for x in a.head_dims.split(",")):

@@ -105,10 +105,12 @@ def format_name(bits) -> str:
 
 
 def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
-    """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost does
-    not depend on what the codes say; OMP-encoding that many rows would dominate the run) —
-    with ``seqs`` sequences, the same slots in each; returns (arena, its (K, V) StreamDicts,
-    the (K, V) slots). ``args``: per_head, n_atoms, sparsity. The atoms are binary16 values, as
+    """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost depends
+    little on what the codes say — how often nearby code words share an atom is the exception,
+    so ``args.code_words`` can put captured ones in; OMP-encoding that many rows would dominate
+    the run) — with ``seqs`` sequences, the same slots in each; returns (arena, its (K, V)
+    StreamDicts, the (K, V) slots). ``args``: per_head, n_atoms, sparsity, code_words (None:
+    uniformly random code words). The atoms are binary16 values, as
     the forge's are (ForgeConfig.f16_atoms), so reconstruct-then-attend takes the path a forged
     artifact takes (reconstruct gathering the arena's binary16 copy)."""
     from kvdict_vk import runtime, synthetic
@@ -122,7 +124,7 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
     with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict", seqs=seqs)
     slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
-    if getattr(args, "code_words", None) is not None:  # captured (K, V) code words
+    if args.code_words is not None:  # captured (K, V) code words
         slots = [synthetic.with_code_words(s, c) for s, c in zip(slots, args.code_words)]
     for seq in range(seqs):
         arena.append_codes(0, *slots, seq=seq)

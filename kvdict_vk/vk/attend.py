@@ -282,17 +282,13 @@ class Attention:
 
         def derive() -> tuple[tuple[int, tuple[int, ...]], ...]:
             k, v = self.layout.layers[layer].streams
-            hd, na = self.layout.head_dim, self.layout.n_atoms
-            if not (k.coded and v.coded) or hd % 4:
+            if not (k.coded and v.coded) or self.layout.head_dim % 4:
                 return ()
-            most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
-
-            def fits(hb: int, n: int) -> bool:
-                return flash_coded_bucket(hd, hb, n, na, (k.sparsity, v.sparsity), v.residual_bits, limit) > 0
+            most = self.max_local()
             out = []
             for hb in sorted((d for d in range(1, min(self.group, FLASH_MAX_GROUP) + 1) if self.group % d == 0),
                              reverse=True):
-                sizes = tuple(n for n in FLASH_CODED_LOCALS if n <= most and fits(hb, n))
+                sizes = tuple(n for n in FLASH_CODED_LOCALS if n <= most and self.flash_coded_bucket(layer, hb, n))
                 if sizes:
                     out.append((hb, sizes))
             return tuple(out)
@@ -300,10 +296,13 @@ class Attention:
 
     def flash_coded_bucket(self, layer: int, hb: int, local: int) -> int:
         """attend_flash_coded's BUCKET over ``layer`` at ``hb`` query heads and ``local``
-        invocations (attend_specs.flash_coded_bucket within the device's shared memory)."""
-        k, v = self.layout.layers[layer].streams
-        return flash_coded_bucket(self.layout.head_dim, hb, local, self.layout.n_atoms, (k.sparsity, v.sparsity),
-                                  v.residual_bits, self.device.limit("max_compute_shared_memory_size"))
+        invocations (attend_specs.flash_coded_bucket within the device's shared memory), derived
+        once: every coded attention's passes ask."""
+        def derive() -> int:
+            v = self.layout.layers[layer].v
+            return flash_coded_bucket(self.layout.head_dim, hb, local, self.layout.n_atoms, v.sparsity,
+                                      v.residual_bits, self.device.limit("max_compute_shared_memory_size"))
+        return self._per_layer("flash_coded_bucket", (layer, hb, local), derive)
 
     def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:
         """The default of flash_coded_options: (query heads per workgroup, workgroup sizes)

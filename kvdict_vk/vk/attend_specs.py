@@ -68,17 +68,22 @@ def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v
                 + local * v_stage + 3)
 
 
-def flash_coded_bucket(head_dim: int, hb: int, local: int, n_atoms: int, sparsity: tuple[int, int],
-                       v_bits: int, shared_limit: int) -> int:
+def flash_coded_fits(head_dim: int, hb: int, local: int, n_atoms: int, v_sparsity: int) -> bool:
+    """Whether attend_flash_coded.comp runs at ``hb`` query heads and ``local`` invocations
+    (shared memory aside: flash_coded_bucket): head_dim a multiple of 4 whose quads divide
+    ``local``, ``local`` at most FLASH_CODED_MAX_LOCAL, the atoms an invocation owns times ``hb``
+    at most FLASH_CODED_MAX_OWNED, V's code words per slot at most FLASH_CODED_MAX_V_SPARSITY."""
+    return (head_dim % 4 == 0 and local % (head_dim // 4) == 0 and local <= FLASH_CODED_MAX_LOCAL
+            and -(-n_atoms // local) * hb <= FLASH_CODED_MAX_OWNED and v_sparsity <= FLASH_CODED_MAX_V_SPARSITY)
+
+
+def flash_coded_bucket(head_dim: int, hb: int, local: int, n_atoms: int, v_sparsity: int, v_bits: int,
+                       shared_limit: int) -> int:
     """attend_flash_coded.comp's BUCKET at ``hb`` query heads and ``local`` invocations: the
     most code words an atom's owner takes per pass (at most FLASH_CODED_BUCKET[1]) that leave its
     shared memory within ``shared_limit`` — 0 where fewer than FLASH_CODED_BUCKET[0] fit or the
-    kernel cannot run at that shape: head_dim a multiple of 4 whose quads divide ``local``,
-    ``local`` at most FLASH_CODED_MAX_LOCAL, the atoms an invocation owns times ``hb`` at most
-    FLASH_CODED_MAX_OWNED, V's code words per slot (``sparsity`` = (K's, V's)) at most
-    FLASH_CODED_MAX_V_SPARSITY."""
-    if (head_dim % 4 or local % (head_dim // 4) or local > FLASH_CODED_MAX_LOCAL
-            or -(-n_atoms // local) * hb > FLASH_CODED_MAX_OWNED or sparsity[1] > FLASH_CODED_MAX_V_SPARSITY):
+    kernel cannot run at that shape (flash_coded_fits)."""
+    if not flash_coded_fits(head_dim, hb, local, n_atoms, v_sparsity):
         return 0
     least, most = FLASH_CODED_BUCKET
     rest = flash_coded_shared_bytes(head_dim, hb, local, n_atoms, v_bits, 0)
@@ -302,8 +307,7 @@ def _flash_coded_extents(p, s):
            and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
     # the bucket's size against the device's shared memory is the caller's (attend.flash_coded_bucket)
-    fits = s["BUCKET"] >= 1 and flash_coded_bucket(hd, hb, local, s["N_ATOMS"], (s["K_SPARSITY"], s["V_SPARSITY"]),
-                                                   s["V_BITS"], 1 << 30) > 0
+    fits = s["BUCKET"] >= 1 and flash_coded_fits(hd, hb, local, s["N_ATOMS"], s["V_SPARSITY"])
     _check(g % hb == 0 and fits, "attend_flash_coded (specialization)", s)
     last, heads = _seq_rows(p, "attend_flash_coded"), p["n_seqs"] * n_kv  # virtual heads
     words = []
