@@ -5,6 +5,10 @@ the read-back), beside the same timestamps around a tiny copy alone (the floor a
 costs). Medians over --runs runs of one recording, after a warm-up. One JSON object to stdout.
 --kernels pins attend_flash's builds one after another (else the tuner chooses among them);
 --l2-flush-mib reads a torch buffer before every run, as the attention benchmark does.
+--formats adds attention over dict-coded slots (K bits / V bits, the benchmark's gpu preset
+dictionaries: per-head, 1024 atoms, 4 code words a slot) beside the f16 cache; their ops are
+the query's copy up, the q·atom table, the attend pass, the merge, the read-back, and
+--coded-heads pins the query heads a workgroup takes (0: the tuner's choice).
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_floor_probe.py
 """
@@ -66,6 +70,9 @@ def main(argv=None) -> None:
     ap.add_argument("--l2-flush-mib", type=int, default=0,
                     help="read this many MiB through torch before every timed run (bench.torch_anchor's flush, "
                          "what the attention benchmark does; 0: none, the cache may stay in the L2)")
+    ap.add_argument("--formats", default="f16", help="f16 and/or K/V residual bits of dict-coded slots, comma-separated")
+    ap.add_argument("--coded-heads", default="0", help="query heads a workgroup over the codes, comma-separated "
+                    "(0: the tuner's choice)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
@@ -78,8 +85,16 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     ns = [int(x) for x in a.n_used.split(",")]
     out = {"argv": sys.argv, "device": dev.name, "l2_flush_mib": a.l2_flush_mib, "cases": []}
-    for shape in a.shapes.split(","):
-        arena, q = f16_arena(dev, rng, *common.dims(shape), max(ns))
+    for shape, fmt in ((sh, f) for sh in a.shapes.split(",") for f in a.formats.split(",")):
+        n_kv, gqa, hd = common.dims(shape)
+        if fmt == "f16":
+            arena, q = f16_arena(dev, rng, n_kv, gqa, hd, max(ns))
+            heads_list = [None]
+        else:
+            bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=4, code_words=None)
+            arena = BA.dict_arena(tuple(int(b) for b in fmt.split("/")), n_kv, hd, max(ns), bargs, dev, rng)[0]
+            q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+            heads_list = [int(h) or None for h in a.coded_heads.split(",")]
         # the floor: timestamps around a tiny copy (the query's upload) recorded four times
         att = arena.attention(q.shape[0])
         if "tiny_copy_op_s" not in out:
@@ -88,16 +103,18 @@ def main(argv=None) -> None:
             out["tiny_copy_op_s"] = op_medians(floor, a.runs)[0]
             floor.free()
         for n in ns:
-            for kernel in a.kernels.split(",") if a.kernels else [None]:
+            for kernel, heads in ((k, h) for k in (a.kernels.split(",") if a.kernels and fmt == "f16" else [None])
+                                  for h in heads_list):
                 for w in (int(x) for x in a.workgroups.split(",")):
                     att = arena.attention(q.shape[0])
-                    att.path, att.flash_workgroups = "flash", w or None  # (CPU drivers plan attend_direct)
-                    att.flash_kernel = kernel
+                    att.path, att.flash_workgroups, att.coded_workgroups = "flash", w or None, w or None  # (CPU: direct)
+                    att.flash_kernel, att.coded_heads = kernel, heads
                     rec = att.recording(0, q, n, timestamps=True)
                     plan = att.plan(0, n)
                     ops, core = op_medians(rec, a.runs, before=before)
                     rec.free()
-                    case = {"shape": shape, "n_used": n, "workgroups": w or "tuned", "n_splits": plan.n_splits,
+                    case = {"shape": shape, "format": fmt, "n_used": n, "workgroups": w or "tuned",
+                            "heads": plan.heads, "n_splits": plan.n_splits,
                             "split_len": plan.split_len, "local": plan.local, "kernel": plan.kernel,
                             "kernel_s": core, "op_s": ops}
                     out["cases"].append(case)

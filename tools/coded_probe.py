@@ -6,8 +6,9 @@ f16 cache of the same shape and torch SDPA over f16 (when torch with CUDA is the
 Every build's output is checked against the first's (NMSE) and, at the first n_used, against
 float64. ``--kernels`` names the kernels over the codes to time in each build
 (attend.CODED_KERNELS; at a commit that had two, both). ``--l2-flush-mib 256`` times every
-shape with the L2 flushed first, as the attention benchmark times the tuner's choice (the
-tuner itself times back to back). Writes one JSON file.
+shape with the L2 flushed ahead of each timed pass (attend_tune.FLUSH_BYTES: a copy inside each
+of the timing's recorded runs, whose best is kept), as the attention benchmark times the
+tuner's choice; 0 times back to back, the L2 warm. Writes one JSON file.
 
   python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --out probe.json
 """
@@ -32,12 +33,11 @@ from kvdict_vk.vk import attend as A  # noqa: E402
 from kvdict_vk.vk import attend_tune as T  # noqa: E402
 
 
-def timed(att, n, plan, rounds=3, before=None):
-    """The best GPU time of ``rounds`` timings of ``plan`` (``before()`` ahead of each: an L2 flush)."""
+def timed(att, n, plan, rounds=3):
+    """The best GPU time of ``rounds`` timings of ``plan`` (each the best of the tuner's repeats,
+    each repeat after attend_tune.FLUSH_BYTES of L2 flush where that is set)."""
     best = None
     for _ in range(rounds):
-        if before is not None:
-            before()
         t = att.time_plan(0, n, plan)
         best = t if best is None or (t is not None and t < best) else best
     return best
@@ -58,8 +58,8 @@ def main(argv=None):
     ap.add_argument("--formats", default="4/3,0/0")
     ap.add_argument("--sparsity", type=int, default=4, help="code words a slot (4: the certified format's)")
     ap.add_argument("--l2-flush-mib", type=int, default=0,
-                    help="read this many MiB through torch before every timing (the attention benchmark's flush; "
-                         "0: none — the tuner's own timings are back to back, with the L2 warm)")
+                    help="copy this many MiB ahead of every timed pass (attend_tune.FLUSH_BYTES; the attention "
+                         "benchmark reads 256 through torch before every call; 0: back to back, the L2 warm)")
     ap.add_argument("--workgroups", default="132,264,528,1056")
     ap.add_argument("--kernels", default="float", help="kernels over the codes to time (attend.CODED_KERNELS), comma-separated")
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
@@ -68,10 +68,9 @@ def main(argv=None):
     builds = [tuple(b.split("=", 1)) for b in a.builds.split(",")]
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
     anchor = torch_anchor.Anchor(50, enabled=True)
-    before = None
-    if a.l2_flush_mib:
-        import torch
-        before = torch_anchor.waited(torch, torch_anchor.l2_flush(torch, a.l2_flush_mib << 20))
+    # A flush through torch before each timing would leave the L2 warm for all but the first of
+    # time_plan's repeats, whose best is kept: the flush belongs inside each repeat.
+    T.FLUSH_BYTES = a.l2_flush_mib << 20
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "device": dev.name, "builds": dict(builds), "l2_flush_mib": a.l2_flush_mib, "cases": []}
     ns = [int(x) for x in a.n_used.split(",")]
@@ -88,7 +87,7 @@ def main(argv=None):
             for n in ns:
                 plan = f16_att.plan(0, n)
                 warm(f16_att, n, plan)
-                case = {"shape": shape, "head_dim": hd, "n_used": n, "f16_flash_s": timed(f16_att, n, plan, 5, before),
+                case = {"shape": shape, "head_dim": hd, "n_used": n, "f16_flash_s": timed(f16_att, n, plan, 5),
                         "f16_plan": vars(plan), "torch_sdpa_f16_s": anchor.seconds(n_kv, gqa, hd, n), "formats": {}}
                 out["cases"].append(case)
             f16.free()
@@ -122,7 +121,7 @@ def main(argv=None):
                             for sh in shapes:
                                 plan = att.flash_shaped(n, sh, A.FLASH_CODED_MIN_SPLIT_TOKENS)
                                 res["shapes"].append({"heads": sh.heads, "local": sh.local, "workgroups": sh.workgroups,
-                                                      "n_splits": plan.n_splits, "gpu_s": timed(att, n, plan, before=before)})
+                                                      "n_splits": plan.n_splits, "gpu_s": timed(att, n, plan)})
                             best = min(res["shapes"], key=lambda r: r["gpu_s"] or 1e9)
                             res["best"] = best
                             print(f"{shape} d{hd} n{n} {fmt} {run_name}: best {best['gpu_s'] * 1e6:.1f} us "
