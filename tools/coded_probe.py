@@ -8,7 +8,9 @@ float64. ``--kernels`` names the kernels over the codes to time in each build
 (attend.CODED_KERNELS; at a commit that had two, both). ``--l2-flush-mib 256`` times every
 shape with the L2 flushed ahead of each timed pass (attend_tune.FLUSH_BYTES: a copy inside each
 of the timing's recorded runs, whose best is kept), as the attention benchmark times the
-tuner's choice; 0 times back to back, the L2 warm. Writes one JSON file.
+tuner's choice; 0 times back to back, the L2 warm. ``--codes FILE`` times each format over
+captured code words too (``4/3+captured``: how real collisions on an atom cost the hand-over).
+Writes one JSON file.
 
   python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --out probe.json
 """
@@ -57,6 +59,8 @@ def main(argv=None):
     ap.add_argument("--n-used", default="32768,131072")
     ap.add_argument("--formats", default="4/3,0/0")
     ap.add_argument("--sparsity", type=int, default=4, help="code words a slot (4: the certified format's)")
+    ap.add_argument("--codes", default="", help="an .npz of captured code words (tools/atom_usage.py --save-codes): "
+                    "each format is timed over them too, as FORMAT+captured, beside uniformly random ones")
     ap.add_argument("--l2-flush-mib", type=int, default=0,
                     help="copy this many MiB ahead of every timed pass (attend_tune.FLUSH_BYTES; the attention "
                          "benchmark reads 256 through torch before every call; 0: back to back, the L2 warm)")
@@ -74,8 +78,10 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "device": dev.name, "builds": dict(builds), "l2_flush_mib": a.l2_flush_mib, "cases": []}
     ns = [int(x) for x in a.n_used.split(",")]
-    # the bench's gpu preset dictionaries, uniform code words
-    bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=a.sparsity, code_words=None)
+    # the bench's gpu preset dictionaries, uniform code words (and captured ones with --codes)
+    sources = [("", None)]
+    if a.codes:
+        sources.append(("+captured", BA.load_codes(a.codes, 1024, a.sparsity)))
     for shape in a.shapes.split(","):
         n_kv, gqa = common.dims(shape)
         for hd in (int(x) for x in a.head_dims.split(",")):
@@ -91,9 +97,11 @@ def main(argv=None):
                         "f16_plan": vars(plan), "torch_sdpa_f16_s": anchor.seconds(n_kv, gqa, hd, n), "formats": {}}
                 out["cases"].append(case)
             f16.free()
-            for fmt in a.formats.split(","):
+            for (fmt_name, codes), fmt in ((src, f) for f in a.formats.split(",") for src in sources):
                 bits = tuple(int(b) for b in fmt.split("/"))
+                bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=a.sparsity, code_words=codes)
                 arena, dicts, slots = BA.dict_arena(bits, n_kv, hd, max(ns), bargs, dev, rng)
+                fmt = fmt + fmt_name
                 first, ref = {}, None
                 for (name, spv_dir), kernel in ((b, k) for b in builds for k in a.kernels.split(",")):
                     if spv_dir:

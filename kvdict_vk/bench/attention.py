@@ -75,7 +75,7 @@ def parse_args(argv=None):
                          "slots, tiled over tokens and KV heads, in place of uniformly random ones")
     args = common.parse(ap, argv)
     try:
-        args.code_words = _load_codes(args.codes, args.n_atoms, args.sparsity) if args.codes else None
+        args.code_words = load_codes(args.codes, args.n_atoms, args.sparsity) if args.codes else None
     except (OSError, KeyError, ValueError) as e:  # unreadable, not a capture, or not this run's format
         ap.error(f"--codes: {e}")
     args.shape_list = [common.dims(s) for s in args.shapes.split(",")] \
@@ -89,7 +89,7 @@ def parse_args(argv=None):
     return args
 
 
-def _load_codes(path: Path, n_atoms: int, sparsity: int) -> tuple[np.ndarray, np.ndarray]:
+def load_codes(path: Path, n_atoms: int, sparsity: int) -> tuple[np.ndarray, np.ndarray]:
     """--codes: the captured (K, V) code words, each (streams, tokens, sparsity) uint32, checked
     against the benchmark's dictionaries (the same atom count and code words a slot)."""
     with np.load(path) as f:
