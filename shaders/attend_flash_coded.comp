@@ -247,19 +247,22 @@ void main() {
                 }
             }
             if (K_BITS > 0u) {
-                float r[HB];
+                // four partial sums a head (one per element of the quad), added at the end: a
+                // dot() per quad would chain all HEAD_DIM multiply-adds of a head into one
+                // dependent sum (docs/DESIGN.md: the measurement)
+                vec4 r[HB];
                 [[unroll]] for (uint h = 0u; h < HB; ++h)
-                    r[h] = 0.0;
+                    r[h] = vec4(0.0);
                 [[unroll]] for (uint d4 = 0u; d4 < VQ; ++d4) {
                     vec4 lv;
                     [[unroll]] for (uint k = 0u; k < 4u; ++k)
                         lv[k] = LEVEL(kc, K_SPARSITY, 4u * d4 + k, K_BITS);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        r[h] += dot(qs_sh[h * VQ + d4], lv);
+                        r[h] += qs_sh[h * VQ + d4] * lv;
                 }
                 float step_ = uintBitsToFloat(kc[K_SPARSITY + K_LEVEL_WORDS]);
                 [[unroll]] for (uint h = 0u; h < HB; ++h)
-                    s[h] += step_ * r[h];
+                    s[h] += step_ * ((r[h].x + r[h].y) + (r[h].z + r[h].w));
             }
             bool grow = false;
             [[unroll]] for (uint h = 0u; h < HB; ++h) {
