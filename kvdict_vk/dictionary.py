@@ -17,6 +17,9 @@ from . import errors as E
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, slot_words
 
 MAX_N_ATOMS = 1 << 16  # a code word's atom index is 16 bits
+# code words a slot the forge learns by default (forge.pipeline.ForgeConfig, both streams): the
+# certified format's, and the benchmarks' default (bench.common)
+FORGE_SPARSITY = 4
 
 
 def _frozen_f32(a, shape: tuple[int, ...], what: str) -> np.ndarray:

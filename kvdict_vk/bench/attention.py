@@ -33,14 +33,14 @@ import numpy as np
 from . import attention_batch, common, results, roofline, timing, torch_anchor, traffic
 
 NAME, TOOL = "attention", "kvdict_vk.bench.attention"
-PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", "20"],
-           "cpu": [],
-           # the shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB),
-           # per-head dictionaries of 1024 atoms and 4 code words a slot: the certified format's
-           # (forge.pipeline.ForgeConfig; the parser's default of 8 made every coded row before
-           # 2026-12-03 twice the certified code words)
+# every preset: per-head dictionaries and the parser's code words a slot, the certified format's
+# (forge.pipeline.ForgeConfig; the parser's default was 8 until 2026-12-03, which made every coded
+# row before then twice the certified code words)
+PRESETS = {"quick": ["--n-used", "1024,4096", "--per-head", "--repeats", "5", "--sdpa-calls", "20"],
+           "cpu": ["--per-head"],
+           # the shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB)
            "gpu": ["--shapes", "8x4,3x3", "--head-dims", "64,128", "--n-used", "8192,32768,131072",
-                   "--formats", "0/0,4/3,6/4", "--per-head", "--sparsity", "4", "--repeats", "20",
+                   "--formats", "0/0,4/3,6/4", "--per-head", "--repeats", "20",
                    "--case-budget-s", "10", "--batches", "8,64"]}
 USES_DEVICE, REQUIRES = True, {}
 UNCODED = ("f16", "f32", "q8_0")

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dictionary import FORGE_SPARSITY
+
 
 def stats(samples) -> dict:
     """Median, quartiles, min/max and the samples themselves."""
@@ -88,7 +90,8 @@ def parser(doc: str, name: str, repeats: int, gpu: bool = True) -> argparse.Argu
     ap.add_argument("--repeats", type=int, default=repeats, help="interleaved repeats")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--n-atoms", type=int, default=1024)
-    ap.add_argument("--sparsity", type=int, default=8)
+    ap.add_argument("--sparsity", type=int, default=FORGE_SPARSITY,
+                    help="code words a slot (default: the forge's, the certified format's)")
     if gpu:
         ap.add_argument("--n-kv", type=int, default=3, help="KV heads")
         ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")

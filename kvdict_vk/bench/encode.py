@@ -37,7 +37,7 @@ from . import common, results, timing
 NAME, TOOL = "encode", "kvdict_vk.bench.encode"
 CANDIDATES = ("gpu_encode", "gpu_encode_into", "gpu_prefill", "gpu_decode_token", "cpu_codec_encode")
 RECORDED = ("gpu_prefill", "gpu_decode_token")
-PRESETS = {"quick": ["--n-tok", "128", "--repeats", "3"], "cpu": [],
+PRESETS = {"quick": ["--n-tok", "128", "--per-head", "--repeats", "3"], "cpu": ["--per-head"],
            "gpu": ["--n-tok", "4096", "--n-kv", "8", "--sparsity", "4", "--residual-bits", "0,3,4", "--per-head",
                    "--repeats", "5"]}
 WARM_S = 0.3  # untimed GPU work before the recorded candidates' rounds (clocks; timing.measure)

@@ -25,8 +25,8 @@ from . import common, results, roofline, timing, traffic
 
 NAME, TOOL = "reconstruct", "kvdict_vk.bench.reconstruct"
 GOAL = 0.7
-PRESETS = {"quick": ["--n-ctx", "2048", "--sweep", "", "--repeats", "5"],
-           "cpu": [],
+PRESETS = {"quick": ["--n-ctx", "2048", "--per-head", "--sweep", "", "--repeats", "5"],
+           "cpu": ["--per-head"],
            # the certified format (s 4, a 4-bit residual, per-head dictionaries, head_dim 64):
            # 8 KV heads × 64 × 262 144 tokens, 1 GiB of f32 output per read
            "gpu": ["--n-kv", "8", "--head-dim", "64", "--n-ctx", "262144", "--sparsity", "4", "--residual-bits", "4",

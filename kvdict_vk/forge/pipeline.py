@@ -25,7 +25,7 @@ import numpy as np
 from .. import artifact as A
 from .. import errors as E
 from .. import codec, runtime
-from ..dictionary import KvDictArtifact, StreamDict
+from ..dictionary import FORGE_SPARSITY, KvDictArtifact, StreamDict
 from . import certify, llama, parallel, table, texts as T, tokenizer
 from .gguf_model import load_model
 from .learn import learn_stream
@@ -37,8 +37,8 @@ PRODUCER = {"name": "kvdict-forge", "version": "0.1.0"}
 @dataclass
 class ForgeConfig:
     n_atoms: int = 1024
-    k_sparsity: int = 4
-    v_sparsity: int = 4
+    k_sparsity: int = FORGE_SPARSITY
+    v_sparsity: int = FORGE_SPARSITY
     # residual stage bits (0 = atoms only). K 6 / V 4 (60 B a head vector): the smallest
     # measured that passes the gate — upper 95 % bound ≤ +1 % — on every evaluation text
     # (K 4 / V 3 at 48 B and K 5 / V 4 at 56 B fail on pydoc: docs/results/fidelity.json)
