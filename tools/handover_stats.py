@@ -9,8 +9,8 @@ in its first pass (what a spill list of SPILL words would have to hold for the c
 pass: `chunks_over_one_pass_with_spill`), and, per warp of 32 tokens and
 code word j (one integer atomicAdd on count_sh[a % LOCAL] per lane), how many lanes hit the
 same address (same-address atomics serialise) and the busiest shared-memory bank (32 banks of
-4 bytes: count_sh[x] sits in bank x % 32). The uniform rows draw atoms like the attention
-benchmark (synthetic.random_slots). One JSON object to stdout.
+4 bytes: count_sh[x] sits in bank x % 32). The uniform rows draw every atom index with equal
+chance, as the attention benchmark's slots do. One JSON object to stdout.
 
     python tools/handover_stats.py --codes docs/results/captured_codes_gpl3.npz
 """
