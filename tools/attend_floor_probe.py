@@ -5,8 +5,8 @@ the read-back), beside the same timestamps around a tiny copy alone (the floor a
 costs). Medians over --runs runs of one recording, after a warm-up. One JSON object to stdout.
 --kernels pins attend_flash's builds one after another (else the tuner chooses among them);
 --l2-flush-mib reads a torch buffer before every run, as the attention benchmark does.
---formats adds attention over dict-coded slots (K bits / V bits, the benchmark's gpu preset
-dictionaries: per-head, 1024 atoms, 4 code words a slot) beside the f16 cache; their ops are
+--formats adds attention over dict-coded slots (K bits / V bits, the attention benchmark's gpu
+preset dictionaries: bench.attention.dict_args) beside the f16 cache; their ops are
 the query's copy up, the q·atom table, the attend pass, the merge, the read-back, and
 --coded-heads pins the query heads a workgroup takes (0: the tuner's choice).
 
@@ -91,8 +91,8 @@ def main(argv=None) -> None:
             arena, q = f16_arena(dev, rng, n_kv, gqa, hd, max(ns))
             heads_list = [None]
         else:
-            bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=4, code_words=None)
-            arena = BA.dict_arena(tuple(int(b) for b in fmt.split("/")), n_kv, hd, max(ns), bargs, dev, rng)[0]
+            arena = BA.dict_arena(tuple(int(b) for b in fmt.split("/")), n_kv, hd, max(ns), BA.dict_args(), dev,
+                                  rng)[0]
             q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
             heads_list = [int(h) or None for h in a.coded_heads.split(",")]
         # the floor: timestamps around a tiny copy (the query's upload) recorded four times

@@ -58,7 +58,8 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--n-used", default="32768,131072")
     ap.add_argument("--formats", default="4/3,0/0")
-    ap.add_argument("--sparsity", type=int, default=4, help="code words a slot (4: the certified format's)")
+    ap.add_argument("--sparsity", type=int, default=None,
+                    help="code words a slot (default: the attention benchmark's gpu preset's, the certified format's)")
     ap.add_argument("--codes", default="", help="an .npz of captured code words (tools/atom_usage.py --save-codes): "
                     "each format is timed over them too, as FORMAT+captured, beside uniformly random ones")
     ap.add_argument("--l2-flush-mib", type=int, default=0,
@@ -81,7 +82,8 @@ def main(argv=None):
     # the bench's gpu preset dictionaries, uniform code words (and captured ones with --codes)
     sources = [("", None)]
     if a.codes:
-        sources.append(("+captured", BA.load_codes(a.codes, 1024, a.sparsity)))
+        preset = BA.dict_args()
+        sources.append(("+captured", BA.load_codes(a.codes, preset.n_atoms, a.sparsity or preset.sparsity)))
     for shape in a.shapes.split(","):
         n_kv, gqa = common.dims(shape)
         for hd in (int(x) for x in a.head_dims.split(",")):
@@ -99,7 +101,8 @@ def main(argv=None):
             f16.free()
             for (fmt_name, codes), fmt in ((src, f) for f in a.formats.split(",") for src in sources):
                 bits = tuple(int(b) for b in fmt.split("/"))
-                bargs = SimpleNamespace(per_head=True, n_atoms=1024, sparsity=a.sparsity, code_words=codes)
+                bargs = BA.dict_args(code_words=codes)  # the benchmark's gpu preset dictionaries
+                bargs.sparsity = a.sparsity or bargs.sparsity
                 arena, dicts, slots = BA.dict_arena(bits, n_kv, hd, max(ns), bargs, dev, rng)
                 fmt = fmt + fmt_name
                 first, ref = {}, None

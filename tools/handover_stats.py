@@ -64,10 +64,8 @@ def main(argv=None) -> None:
     ap.add_argument("--spill", type=int, default=64, help="a spill list's words (branch wip/coded-spill's SPILL)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    with np.load(a.codes) as f:
-        n_atoms = int(f["n_atoms"])
-        sparsity = int(f["v_codes"].shape[2])
-    _, v_codes = BA.load_codes(a.codes, n_atoms, sparsity)
+    (_, v_codes), n_atoms = BA.read_codes(a.codes)
+    sparsity = v_codes.shape[2]
     captured = (v_codes & 0xFFFF).astype(np.int64)
     uniform = np.random.default_rng(a.seed).integers(0, n_atoms, size=captured.shape)
     out = {"argv": sys.argv, "codes": a.codes, "n_atoms": n_atoms, "sparsity": sparsity, "bucket": a.bucket,

@@ -89,15 +89,29 @@ def parse_args(argv=None):
     return args
 
 
-def load_codes(path: Path, n_atoms: int, sparsity: int) -> tuple[np.ndarray, np.ndarray]:
-    """--codes: the captured (K, V) code words, each (streams, tokens, sparsity) uint32, checked
-    against the benchmark's dictionaries (the same atom count and code words a slot)."""
+def read_codes(path) -> tuple[tuple[np.ndarray, np.ndarray], int]:
+    """A capture of code words (tools/atom_usage.py --save-codes): ((K, V) code words, each
+    (streams, tokens, s) uint32, and the atom count of the dictionaries they index)."""
     with np.load(path) as f:
-        codes, captured_atoms = (f["k_codes"], f["v_codes"]), int(f["n_atoms"])
+        return tuple(f[k].astype(np.uint32) for k in ("k_codes", "v_codes")), int(f["n_atoms"])
+
+
+def load_codes(path: Path, n_atoms: int, sparsity: int) -> tuple[np.ndarray, np.ndarray]:
+    """--codes: the captured (K, V) code words (read_codes), checked against the benchmark's
+    dictionaries (the same atom count and code words a slot)."""
+    codes, captured_atoms = read_codes(path)
     if captured_atoms != n_atoms or any(c.ndim != 3 or c.shape[2] != sparsity for c in codes):
         raise ValueError(f"{path}: code words of {captured_atoms} atoms, {codes[1].shape[-1]} a slot; this run's "
                          f"dictionaries have {n_atoms} atoms, {sparsity} a slot (--n-atoms, --sparsity)")
-    return tuple(c.astype(np.uint32) for c in codes)
+    return codes
+
+
+def dict_args(preset: str = "gpu", code_words=None):
+    """The dictionary settings dict_arena takes (per_head, n_atoms, sparsity) as ``preset``
+    runs them, with ``code_words`` (None: uniform) — for probes timing what the benchmark times."""
+    a = parse_args(PRESETS[preset])
+    a.code_words = code_words
+    return a
 
 
 def format_name(bits) -> str:
