@@ -88,7 +88,9 @@ layout(push_constant) uniform AttendFlashCodedPush {
     float score_scale;
 } pc;
 
-shared float tab_sh[HB * N_ATOMS];  // q·atom table × score scale; after the split the atom weights
+// q·atom table × score scale, atom-major ([a*HB + h]: a code word's heads are adjacent, one wide
+// load); after the split the atom weights, the same way
+shared float tab_sh[HB * N_ATOMS];
 shared uint bucket_sh[BUCKET * LOCAL];  // [k*LOCAL + owner]: coef bits | token << 16 | atom / LOCAL << 24
 shared uint count_sh[LOCAL];        // code words handed to each owner this pass (may pass BUCKET)
 shared vec4 qs_sh[HB * VQ];         // scale * q * K's residual scale
@@ -172,7 +174,7 @@ void main() {
         [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
             uint x = tid + r * LOCAL;
             if (x < HB * N_ATOMS)
-                tab_sh[x] = table[h0 * N_ATOMS + x] * pc.score_scale;  // rows h0 .. h0+HB-1
+                tab_sh[(x % N_ATOMS) * HB + x / N_ATOMS] = table[h0 * N_ATOMS + x] * pc.score_scale;  // row h0 + x / N_ATOMS
         }
         for (uint x = tid; x < HB * VQ; x += LOCAL) {
             vec4 qv, rs = vec4(0.0);
@@ -243,7 +245,7 @@ void main() {
                 if (a < N_ATOMS) {
                     float c = code_coef(kc[j]);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        s[h] += c * tab_sh[h * N_ATOMS + a];
+                        s[h] += c * tab_sh[a * HB + h];
                 }
             }
             if (K_BITS > 0u) {
@@ -359,7 +361,7 @@ void main() {
         [[unroll]] for (uint sb = 0u; sb < NSUB; ++sb)
             if (tid + sb * LOCAL < N_ATOMS)
                 [[unroll]] for (uint h = 0u; h < HB; ++h)
-                    tab_sh[h * N_ATOMS + tid + sb * LOCAL] = w[sb][h];
+                    tab_sh[(tid + sb * LOCAL) * HB + h] = w[sb][h];
         barrier();
         vec4 part[HB];
         [[unroll]] for (uint h = 0u; h < HB; ++h)
@@ -374,7 +376,7 @@ void main() {
                     uint a = a0 + u * VLANES;
                     if (a < N_ATOMS)
                         [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            part[h] += tab_sh[h * N_ATOMS + a] * av[u];
+                            part[h] += tab_sh[a * HB + h] * av[u];
                 }
             }
             if (V_BITS > 0u) {
