@@ -88,9 +88,10 @@ layout(push_constant) uniform AttendFlashCodedPush {
     float score_scale;
 } pc;
 
-// q·atom table × score scale, atom-major ([a*HB + h]: a code word's heads are adjacent, one wide
-// load); after the split the atom weights, the same way
+// q·atom table × score scale, atom-major (TAB: a code word's heads are adjacent, one wide load);
+// after the split the atom weights, the same way
 shared float tab_sh[HB * N_ATOMS];
+#define TAB(a, h) tab_sh[(a) * HB + (h)]
 shared uint bucket_sh[BUCKET * LOCAL];  // [k*LOCAL + owner]: coef bits | token << 16 | atom / LOCAL << 24
 shared uint count_sh[LOCAL];        // code words handed to each owner this pass (may pass BUCKET)
 shared vec4 qs_sh[HB * VQ];         // scale * q * K's residual scale
@@ -174,7 +175,7 @@ void main() {
         [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
             uint x = tid + r * LOCAL;
             if (x < HB * N_ATOMS)
-                tab_sh[(x % N_ATOMS) * HB + x / N_ATOMS] = table[h0 * N_ATOMS + x] * pc.score_scale;  // row h0 + x / N_ATOMS
+                TAB(x % N_ATOMS, x / N_ATOMS) = table[h0 * N_ATOMS + x] * pc.score_scale;  // row h0 + x / N_ATOMS
         }
         for (uint x = tid; x < HB * VQ; x += LOCAL) {
             vec4 qv, rs = vec4(0.0);
@@ -245,7 +246,7 @@ void main() {
                 if (a < N_ATOMS) {
                     float c = code_coef(kc[j]);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
-                        s[h] += c * tab_sh[a * HB + h];
+                        s[h] += c * TAB(a, h);
                 }
             }
             if (K_BITS > 0u) {
@@ -361,7 +362,7 @@ void main() {
         [[unroll]] for (uint sb = 0u; sb < NSUB; ++sb)
             if (tid + sb * LOCAL < N_ATOMS)
                 [[unroll]] for (uint h = 0u; h < HB; ++h)
-                    tab_sh[(tid + sb * LOCAL) * HB + h] = w[sb][h];
+                    TAB(tid + sb * LOCAL, h) = w[sb][h];
         barrier();
         vec4 part[HB];
         [[unroll]] for (uint h = 0u; h < HB; ++h)
@@ -376,7 +377,7 @@ void main() {
                     uint a = a0 + u * VLANES;
                     if (a < N_ATOMS)
                         [[unroll]] for (uint h = 0u; h < HB; ++h)
-                            part[h] += tab_sh[a * HB + h] * av[u];
+                            part[h] += TAB(a, h) * av[u];
                 }
             }
             if (V_BITS > 0u) {

@@ -25,7 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvdict_vk import codec  # noqa: E402
 from kvdict_vk.bench import attention as BA  # noqa: E402
+from kvdict_vk.vk.attend_specs import FLASH_CODED_BUCKET  # noqa: E402
 
 WARP, BANKS = 32, 32
 
@@ -60,13 +62,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--codes", required=True, help=".npz of captured code words (tools/atom_usage.py --save-codes)")
     ap.add_argument("--locals", default="256,128", help="invocations a workgroup (tokens a chunk), comma-separated")
-    ap.add_argument("--bucket", type=int, default=16, help="code words an owner takes a pass (the host's BUCKET)")
+    ap.add_argument("--bucket", type=int, default=FLASH_CODED_BUCKET[1],
+                    help="code words an owner takes a pass (default: the most the host sizes BUCKET to)")
     ap.add_argument("--spill", type=int, default=64, help="a spill list's words (branch wip/coded-spill's SPILL)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     (_, v_codes), n_atoms = BA.read_codes(a.codes)
     sparsity = v_codes.shape[2]
-    captured = (v_codes & 0xFFFF).astype(np.int64)
+    captured, _ = codec.unpack_codes(v_codes)  # int64 atom indices
     uniform = np.random.default_rng(a.seed).integers(0, n_atoms, size=captured.shape)
     out = {"argv": sys.argv, "codes": a.codes, "n_atoms": n_atoms, "sparsity": sparsity, "bucket": a.bucket,
            "spill": a.spill, "cases": []}

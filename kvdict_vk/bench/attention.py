@@ -101,8 +101,9 @@ def load_codes(path: Path, n_atoms: int, sparsity: int) -> tuple[np.ndarray, np.
     dictionaries (the same atom count and code words a slot)."""
     codes, captured_atoms = read_codes(path)
     if captured_atoms != n_atoms or any(c.ndim != 3 or c.shape[2] != sparsity for c in codes):
-        raise ValueError(f"{path}: code words of {captured_atoms} atoms, {codes[1].shape[-1]} a slot; this run's "
-                         f"dictionaries have {n_atoms} atoms, {sparsity} a slot (--n-atoms, --sparsity)")
+        raise ValueError(f"{path}: code words of {captured_atoms} atoms, shaped (K) {codes[0].shape} / (V) "
+                         f"{codes[1].shape}; this run's dictionaries have {n_atoms} atoms, {sparsity} a slot "
+                         f"(--n-atoms, --sparsity)")
     return codes
 
 
