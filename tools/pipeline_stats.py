@@ -35,19 +35,25 @@ from kvdict_vk.vk import KvArena, kernels, spirv  # noqa: E402
 EXTENSION = "VK_KHR_pipeline_executable_properties"
 
 
-def record_kernels(run) -> list[dict]:
-    """Every distinct kernel the engine creates while ``run()`` runs: variant, its
-    specialization (by name and as the driver gets it), bindings, push-block bytes."""
+def record_kernels(run, variant_prefix: str = "") -> list[dict]:
+    """Every distinct kernel the engine creates while ``run()`` runs (of variants named
+    ``variant_prefix``…): variant, its specialization (by name and as the driver gets it),
+    bindings, push-block bytes, the SPIR-V directory it was loaded from ($KVDICT_VK_SPV_DIR,
+    "" for the package's)."""
     seen: dict[tuple, dict] = {}
     plain = kernels.Kernel.__init__
 
     def init(self, *a, **k):
         plain(self, *a, **k)
         sh = self.shader
+        if not sh.variant.startswith(variant_prefix):
+            return
         values = tuple(int(self.spec[n]) for n in sh.spec_names)
-        seen.setdefault((sh.variant, values), {"variant": sh.variant, "spec": {n: int(self.spec[n]) for n in sh.spec_names},
-                                               "spec_values": values, "bindings": len(sh.lanes),
-                                               "push_bytes": sh.push.size_bytes})
+        spv_dir = os.environ.get(spirv.SPV_DIR_ENV, "")
+        seen.setdefault((spv_dir, sh.variant, values),
+                        {"variant": sh.variant, "spec": {n: int(self.spec[n]) for n in sh.spec_names},
+                         "spec_values": values, "bindings": len(sh.lanes), "push_bytes": sh.push.size_bytes,
+                         "spv_dir": spv_dir})
     kernels.Kernel.__init__ = init
     try:
         run()
