@@ -107,7 +107,10 @@ def main(argv=None):
         configs = [(c.split(":", 1)[0], {"FLASH_CODED_" + k: int(v) for k, v in
                                          (kv.split("=") for kv in c.split(":", 1)[1].split("+"))})
                    for c in a.configs.split(",")]
-    shipped = {k: getattr(S, k) for c in configs for k in c[1]}
+    shipped = {k: getattr(S, k, None) for c in configs for k in c[1]}
+    for key, value in shipped.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise SystemExit(f"--configs: attend_specs.{key} is not an integer knob here (it is {value!r})")
     out_configs = {name: config for name, config in configs}
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
     anchor = torch_anchor.Anchor(50, enabled=True)
