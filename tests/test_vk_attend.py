@@ -603,8 +603,8 @@ def test_flash_launch_shape_timing_runs_on_the_device(make_arena):
 def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
     """attend_tune.FLUSH_BYTES > 0: time_plan copies that many bytes of scratch ahead of the
     timed passes (buffers made once per size, freed with the engine) — a time as before, the
-    attention's output untouched; and the tuner remembers its choices per setting, and chooses
-    again where the remembered shape is not among those offered."""
+    attention's output untouched; and the tuner remembers its choices per setting and per set
+    of candidates offered."""
     from kvdict_vk.vk import attend_tune as T
     rng = np.random.default_rng(16)
     arena, stored = _filled_arena(make_arena, None, rng, 64, 2, 700, None, "f16")
@@ -629,7 +629,7 @@ def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
     monkeypatch.setattr(T, "FLUSH_BYTES", 0)
     T.choose(("sig",), 700, shapes, lambda sh: calls.append(sh) or 1e-3)
     assert once == T.ROUNDS * len(shapes) and len(calls) == 2 * once  # remembered per setting
-    other = [T.Shape(128, 8), T.Shape(128, 16)]  # the kernel's build changed: the choice is not among them
+    other = [T.Shape(128, 8), T.Shape(128, 16)]  # the kernel's build changed: other candidates
     assert T.choose(("sig",), 700, other, lambda sh: calls.append(sh) or 1e-3) in other
     assert len(calls) == 3 * once
     att.free()

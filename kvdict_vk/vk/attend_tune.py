@@ -45,8 +45,8 @@ CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per wor
 FLUSH_BYTES = 0
 
 # signature(): (device name, layer format, n_kv, group, head_dim, n_atoms, bucket, FLUSH_BYTES) →
-# (local, workgroups, heads, kernel)
-_CHOICES: dict[tuple, tuple[int, int, int, str]] = {}
+# (the candidate Shapes timed, the chosen (local, workgroups, heads, kernel))
+_CHOICES: dict[tuple, tuple[tuple, tuple[int, int, int, str]]] = {}
 
 
 def bucket(n_used: int) -> int:
@@ -93,12 +93,14 @@ def candidates(options: list[tuple[int, list[int]]], coded: bool, kernel: str = 
 
 def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Shape:
     """The fastest of ``shapes`` (candidates, the default first) for this (layer signature —
-    device included —, bucket), measured on first use: ``time_shape(shape) -> seconds`` runs
-    the attention over the layer at n_used in that shape (None when the device cannot time
-    it: then the first candidate, untimed)."""
-    key = signature(layer_sig, n_used)
-    if key in _CHOICES and Shape(*_CHOICES[key]) in shapes:  # else the kernel's build changed: again
-        return Shape(*_CHOICES[key])
+    device included —, bucket, candidates), measured on first use: ``time_shape(shape) ->
+    seconds`` runs the attention over the layer at n_used in that shape (None when the device
+    cannot time it: then the first candidate, untimed). A choice is remembered with the
+    candidates it was among: other candidates (a kernel build changed within a process) are
+    measured again."""
+    key, offered = signature(layer_sig, n_used), tuple(shapes)
+    if key in _CHOICES and _CHOICES[key][0] == offered:
+        return Shape(*_CHOICES[key][1])
     first = shapes[0]
     t = time.perf_counter()
     while time.perf_counter() - t < WARM_S:  # the clocks up first (bench.timing.measure says why)
@@ -112,10 +114,10 @@ def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Sh
                 return first
             best_s[shape] = min(best_s[shape], seconds)
     best = min(shapes, key=lambda sh: best_s[sh])
-    _CHOICES[key] = (best.local, best.workgroups, best.heads, best.kernel)
+    _CHOICES[key] = (offered, (best.local, best.workgroups, best.heads, best.kernel))
     return best
 
 
 def measured() -> dict:
     """What the tuner chose in this process (for reports): {signature: (local, workgroups, heads, kernel)}."""
-    return dict(_CHOICES)
+    return {key: choice for key, (_, choice) in _CHOICES.items()}
