@@ -8,7 +8,8 @@ costs). Medians over --runs runs of one recording, after a warm-up. One JSON obj
 --formats adds attention over dict-coded slots (K bits / V bits, the attention benchmark's gpu
 preset dictionaries: bench.attention.dict_args) beside the f16 cache; their ops are
 the query's copy up, the q·atom table, the attend pass, the merge, the read-back, and
---coded-heads pins the query heads a workgroup takes (0: the tuner's choice).
+--coded-heads pins the query heads a workgroup takes (0: the tuner's choice). --builds times each
+case with each SPIR-V build (name=dir; an empty dir: the package's), a fresh engine and tuner for each.
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_floor_probe.py
 """
@@ -26,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import attention as BA, common  # noqa: E402
-from kvdict_vk.vk import KvArena  # noqa: E402
+from kvdict_vk.vk import KvArena, attend as A, attend_tune, spirv  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 
@@ -73,6 +74,8 @@ def main(argv=None) -> None:
     ap.add_argument("--formats", default="f16", help="f16 and/or K/V residual bits of dict-coded slots, comma-separated")
     ap.add_argument("--coded-heads", default="0", help="query heads a workgroup over the codes, comma-separated "
                     "(0: the tuner's choice)")
+    ap.add_argument("--builds", default="", help="name=SPIR-V dir (empty: the package's), comma-separated: each "
+                    "case timed with each build, a fresh attention and tuner for each (empty: the package's only)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
@@ -105,18 +108,29 @@ def main(argv=None) -> None:
         for n in ns:
             for kernel, heads in ((k, h) for k in (a.kernels.split(",") if a.kernels and fmt == "f16" else [None])
                                   for h in heads_list):
-                for w in (int(x) for x in a.workgroups.split(",")):
-                    att = arena.attention(q.shape[0])
+                builds = [tuple(b.split("=", 1)) for b in a.builds.split(",")] if a.builds else [None]
+                for w, build in ((int(x), b) for x in a.workgroups.split(",") for b in builds):
+                    if build is None:
+                        att = arena.attention(q.shape[0])
+                    else:  # a fresh engine: its pipelines are made from this build's SPIR-V
+                        if build[1]:
+                            os.environ[spirv.SPV_DIR_ENV] = os.path.abspath(build[1])
+                        else:
+                            os.environ.pop(spirv.SPV_DIR_ENV, None)
+                        attend_tune.forget()  # the launch shapes were timed with another build
+                        att = A.Attention(arena, q.shape[0])
                     att.path, att.flash_workgroups, att.coded_workgroups = "flash", w or None, w or None  # (CPU: direct)
                     att.flash_kernel, att.coded_heads = kernel, heads
                     rec = att.recording(0, q, n, timestamps=True)
                     plan = att.plan(0, n)
                     ops, core = op_medians(rec, a.runs, before=before)
                     rec.free()
+                    if build is not None:
+                        att.free()
                     case = {"shape": shape, "format": fmt, "n_used": n, "workgroups": w or "tuned",
                             "heads": plan.heads, "n_splits": plan.n_splits,
                             "split_len": plan.split_len, "local": plan.local, "kernel": plan.kernel,
-                            "kernel_s": core, "op_s": ops}
+                            "kernel_s": core, "op_s": ops, "build": build[0] if build else None}
                     out["cases"].append(case)
                     print(json.dumps(case), file=sys.stderr, flush=True)
         arena.free()

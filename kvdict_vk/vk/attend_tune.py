@@ -121,3 +121,9 @@ def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Sh
 def measured() -> dict:
     """What the tuner chose in this process (for reports): {signature: (local, workgroups, heads, kernel)}."""
     return {key: choice for key, (_, choice) in _CHOICES.items()}
+
+
+def forget() -> None:
+    """Drop every remembered choice (a probe timing several SPIR-V builds in one process:
+    the candidates are the same, the kernels behind them not — attend_floor_probe --builds)."""
+    _CHOICES.clear()
