@@ -117,6 +117,13 @@ def vk_probe() -> Probe:
 
 
 @pytest.fixture(autouse=True)
+def _no_tuner_store(monkeypatch):
+    """The tuner's choices stay in the test's process: a store named in the environment
+    (kvdict_vk.vk.attend_tune.CACHE_ENV) would answer the tests that count measurements."""
+    monkeypatch.delenv("KVDICT_VK_TUNE_CACHE", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _gpu_gate(request):
     if request.node.get_closest_marker("gpu") is None:
         yield
