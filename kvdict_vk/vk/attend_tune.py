@@ -12,8 +12,9 @@ while 128-invocation ones won over 8 × 4 heads, and the best workgroup count mo
 n_used (one probe run, the session's closing note). So the first attention over a layer in
 each context bucket (n_used rounded up to a power of two) times every candidate pair on
 the device's timestamps and keeps the fastest — per process, for every arena of the same
-device and layer signature, so an engine pays it once per bucket (~0.2 s, most of it
-raising the GPU's clocks before timing). With ``$KVDICT_VK_TUNE_CACHE`` naming a JSON file
+device and layer signature, so an engine pays it once per bucket (0.2-0.5 s on an H200, and
+1.4-3.9 s on a layer's first: every candidate's pipeline is made —
+docs/results/h200/probes/attend_tune_store.json). With ``$KVDICT_VK_TUNE_CACHE`` naming a JSON file
 the choices also outlive the process: a later one on the same device, driver and SPIR-V
 (the layer signature holds all three: build_identity) takes them from the file instead of
 timing again (load_stored / store).

@@ -1,0 +1,66 @@
+"""Probe: what $KVDICT_VK_TUNE_CACHE saves — the first plan of a layer in each context bucket
+(the tuner timing every launch shape) in a process whose store is empty, then the same in a
+second process reading the store. One JSON object to stdout: per (cache, n_used) the wall
+seconds of the first attention in the bucket (the layer's pipelines made on its first, the
+launch shape tuned or read) and of the second, and the launch shape chosen. Run it twice with the same store:
+
+    KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > first.json
+    KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > second.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvdict_vk.bench import attention as BA, common  # noqa: E402
+from kvdict_vk.vk import KvArena, attend_tune  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="3x3x64", help="KV heads x GQA x head_dim")
+    ap.add_argument("--n-used", default="8192,32768,131072")
+    ap.add_argument("--formats", default="f16,4/3", help="f16 and/or K/V residual bits of dict-coded slots")
+    ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
+    a = ap.parse_args(argv)
+    dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
+    n_kv, gqa, hd = common.dims(a.shape)
+    ns = [int(x) for x in a.n_used.split(",")]
+    rng = np.random.default_rng(0)
+    out = {"argv": sys.argv, "device": dev.name, "store": str(attend_tune.store_path()), "cases": []}
+    for fmt in a.formats.split(","):
+        if fmt == "f16":
+            arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
+            rows = BA.random_rows(rng, n_kv, max(ns), hd)
+            arena.append(0, rows, rows)
+        else:
+            arena = BA.dict_arena(tuple(int(b) for b in fmt.split("/")), n_kv, hd, max(ns), BA.dict_args(), dev,
+                                  rng)[0]
+        att = arena.attention(n_kv * gqa)
+        q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+        for n in ns:
+            t = time.perf_counter()
+            att.attend(0, q, n, 1.0 / np.sqrt(hd))  # the first in its bucket: plan (tuned or stored) and run
+            first = time.perf_counter() - t
+            t = time.perf_counter()
+            att.attend(0, q, n, 1.0 / np.sqrt(hd))
+            plan = att.plan(0, n)
+            out["cases"].append({"cache": fmt, "n_used": n, "first_attend_s": first,
+                                 "second_attend_s": time.perf_counter() - t,
+                                 "local": plan.local, "n_splits": plan.n_splits, "heads": plan.heads,
+                                 "kernel": plan.kernel})
+        arena.free()
+    out["choices_in_process"] = len(attend_tune.measured())
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
