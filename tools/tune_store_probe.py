@@ -2,7 +2,9 @@
 (the tuner timing every launch shape) in a process whose store is empty, then the same in a
 second process reading the store. One JSON object to stdout: per (cache, n_used) the wall
 seconds of the first attention in the bucket (the layer's pipelines made on its first, the
-launch shape tuned or read) and of the second, and the launch shape chosen. Run it twice with the same store:
+launch shape tuned or read) and of the second, and the launch shape chosen; for each coded
+format also the first and second append of 1, 16 and 256 tokens with the "auto" encoder (its
+choice measured or read). Run it twice with the same store:
 
     KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > first.json
     KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > second.json
@@ -21,7 +23,31 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import attention as BA, common  # noqa: E402
-from kvdict_vk.vk import KvArena, attend_tune  # noqa: E402
+from kvdict_vk.vk import KvArena, attend_tune, choice_store  # noqa: E402
+
+
+def appends(dev, fmt: str, dicts, n_kv: int, hd: int, rng, sizes=(1, 16, 256)) -> list[dict]:
+    """The encoder's side (encoder "auto": encode_choice): the wall seconds of the first append
+    of each batch size to a fresh arena over ``dicts`` (the GPU encoder and the codec timed, or
+    the stored choice taken) and of a second of the same size."""
+    from kvdict_vk import runtime
+    from kvdict_vk.dictionary import KvDictArtifact
+    from kvdict_vk.vk import encode_choice
+    with runtime.enabled_with(KvDictArtifact(hd, dicts[0].n_atoms, dicts[0].sparsity, ((dicts[0], dicts[1]),)),
+                              allow_uncertified=True):
+        arena = KvArena(1, n_kv, hd, 2 * sum(sizes), device=dev, cache="dict", encoder="auto")
+    cases = []
+    for n in sizes:
+        k, v = (rng.standard_normal((n_kv, n, hd), dtype=np.float32) for _ in range(2))
+        seconds = []
+        for _ in range(2):
+            t = time.perf_counter()
+            arena.append(0, k, v)
+            seconds.append(time.perf_counter() - t)
+        cases.append({"append": fmt, "tokens": n, "first_append_s": seconds[0], "second_append_s": seconds[1],
+                      "encoder": sorted(set(encode_choice.measured().values()))})
+    arena.free()
+    return cases
 
 
 def main(argv=None) -> None:
@@ -35,15 +61,16 @@ def main(argv=None) -> None:
     n_kv, gqa, hd = common.dims(a.shape)
     ns = [int(x) for x in a.n_used.split(",")]
     rng = np.random.default_rng(0)
-    out = {"argv": sys.argv, "device": dev.name, "store": str(attend_tune.store_path()), "cases": []}
+    out = {"argv": sys.argv, "device": dev.name, "store": str(choice_store.path()), "cases": []}
     for fmt in a.formats.split(","):
         if fmt == "f16":
             arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
             rows = BA.random_rows(rng, n_kv, max(ns), hd)
             arena.append(0, rows, rows)
         else:
-            arena = BA.dict_arena(tuple(int(b) for b in fmt.split("/")), n_kv, hd, max(ns), BA.dict_args(), dev,
-                                  rng)[0]
+            arena, dicts, _ = BA.dict_arena(tuple(int(b) for b in fmt.split("/")), n_kv, hd, max(ns),
+                                            BA.dict_args(), dev, rng)
+            out["cases"] += appends(dev, fmt, dicts, n_kv, hd, rng)
         att = arena.attention(n_kv * gqa)
         q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
         for n in ns:
@@ -59,6 +86,8 @@ def main(argv=None) -> None:
                                  "kernel": plan.kernel})
         arena.free()
     out["choices_in_process"] = len(attend_tune.measured())
+    out["store_entries"] = len(json.loads(store.read_text())["choices"]) if (store := choice_store.path()) and \
+        store.is_file() else 0
     print(json.dumps(out, indent=1))
 
 

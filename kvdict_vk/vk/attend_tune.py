@@ -15,9 +15,8 @@ the device's timestamps and keeps the fastest — per process, for every arena o
 device and layer signature, so an engine pays it once per bucket (0.2-0.5 s on an H200, and
 1.4-3.9 s on a layer's first: every candidate's pipeline is made —
 docs/results/h200/probes/attend_tune_store.json). With ``$KVDICT_VK_TUNE_CACHE`` naming a JSON file
-the choices also outlive the process: a later one on the same device, driver and SPIR-V
-(the layer signature holds all three: build_identity) takes them from the file instead of
-timing again (load_stored / store).
+the choices also outlive the process (kvdict_vk.vk.choice_store): a later one on the same
+device, driver and SPIR-V — the layer signature holds all three — takes them from the file.
 
 The candidate workgroup sizes (FLASH_LOCALS, FLASH_CODED_LOCALS) live here with the
 candidate workgroup counts; kvdict_vk.vk.attend keeps those a layer and the device allow.
@@ -26,23 +25,10 @@ their fixed choice (the first size allowed) is what the tests pin.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import logging
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-try:
-    import fcntl  # the store's lock (POSIX); without it, concurrent writers may drop a choice
-except ImportError:  # pragma: no cover
-    fcntl = None
-
-from . import spirv
-
-LOG = logging.getLogger(__name__)
+from . import choice_store
 
 MIN_BUCKET = 1024
 REPEATS = 2  # timed runs per candidate and round (the minimum is kept: noise only adds time)
@@ -63,10 +49,8 @@ CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per wor
 # part of what a choice is remembered under.
 FLUSH_BYTES = 0
 
-# The JSON file choices are kept in across processes (unset or empty: in this process only).
-CACHE_ENV = "KVDICT_VK_TUNE_CACHE"
-STORE_VERSION = 1
-# the SPIR-V whose speed a choice measured (build_identity: a rebuilt shader measures anew)
+STORE_KIND = "attend_launch_shape"  # this tuner's choices in choice_store ($KVDICT_VK_TUNE_CACHE)
+# the SPIR-V whose speed a choice measured (choice_store.device_identity: a rebuilt shader measures anew)
 TUNED_VARIANTS = ("attend_flash", "attend_flash_sg", "attend_flash_wide", "attend_flash_wide_sg",
                   "attend_flash_coded", "attend_merge_head", "attend_table")
 
@@ -94,33 +78,15 @@ class Shape:
     kernel: str = "float"
 
 
-def build_identity(device) -> tuple:
-    """(device name, driver, digest of the tuned kernels' SPIR-V): what else a choice's speed
-    was measured on — a driver update or a rebuilt shader (``$KVDICT_VK_SPV_DIR`` included)
-    is timed anew, in the process and in the store."""
-    info = device.info
-    return (device.name, f"{info.driver_name} {info.driver_info} {info.driver_version}".strip(),
-            _spirv_digest(TUNED_VARIANTS, os.environ.get(spirv.SPV_DIR_ENV, "")))
-
-
-@functools.lru_cache(maxsize=None)
-def _spirv_digest(variants: tuple, spv_dir: str) -> str:
-    """The tuned kernels' SPIR-V digest, read once per override directory (an engine asks once
-    per layer)."""
-    digest = hashlib.sha256()
-    for variant in variants:
-        digest.update(spirv.load(variant))
-    return digest.hexdigest()[:16]
-
-
 def layer_signature(att, layer: int) -> tuple:
-    """What the launch shape of ``layer`` depends on besides the context: build_identity, the
-    streams' format, n_kv, group, head_dim, n_atoms — fixed for an engine's life (Attention
-    caches it per layer)."""
+    """What the launch shape of ``layer`` depends on besides the context: the device, driver
+    and SPIR-V (choice_store.device_identity), the streams' format, n_kv, group, head_dim,
+    n_atoms — fixed for an engine's life (Attention caches it per layer)."""
     lay = att.layout
     k, v = lay.layers[layer].streams
     fmt = tuple((st.coded, st.sparsity, st.residual_bits, st.rows, st.n_dict_heads) for st in (k, v))
-    return build_identity(att.device) + (fmt, lay.n_kv_heads, att.group, lay.head_dim, lay.n_atoms)
+    return choice_store.device_identity(att.device, TUNED_VARIANTS) + (fmt, lay.n_kv_heads, att.group,
+                                                                        lay.head_dim, lay.n_atoms)
 
 
 def signature(layer_sig: tuple, n_used: int) -> tuple:
@@ -146,9 +112,9 @@ def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Sh
     key, offered = signature(layer_sig, n_used), tuple(shapes)
     if key in _CHOICES and _CHOICES[key][0] == offered:
         return Shape(*_CHOICES[key][1])
-    stored = load_stored(key, offered)
+    stored = choice_store.load(STORE_KIND, key, _shape_list(offered))
     if stored is not None:
-        _CHOICES[key] = (offered, stored)
+        _CHOICES[key] = (offered, tuple(stored))
         return Shape(*stored)
     first = shapes[0]
     t = time.perf_counter()
@@ -164,81 +130,12 @@ def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Sh
             best_s[shape] = min(best_s[shape], seconds)
     best = min(shapes, key=lambda sh: best_s[sh])
     _CHOICES[key] = (offered, (best.local, best.workgroups, best.heads, best.kernel))
-    store(key, offered, _CHOICES[key][1])
+    choice_store.save(STORE_KIND, key, _shape_list(offered), list(_CHOICES[key][1]))
     return best
-
-
-# --- the store: choices kept across processes ($KVDICT_VK_TUNE_CACHE) -----------------------
-def store_path() -> Path | None:
-    """The JSON file named by $KVDICT_VK_TUNE_CACHE (None: unset or empty, no store)."""
-    name = os.environ.get(CACHE_ENV, "")
-    return Path(name).expanduser() if name else None
-
-
-def _entry_key(key: tuple) -> str:
-    return json.dumps(key)  # tuples as lists: the signature holds strings, ints, bools and tuples
 
 
 def _shape_list(shapes) -> list:
     return [[sh.local, sh.workgroups, sh.heads, sh.kernel] for sh in shapes]
-
-
-def _read(f) -> dict:
-    """The store's choices from an open file ({} when empty; a file that is not a store of
-    this version is logged and read as empty — it is rewritten on the next store)."""
-    f.seek(0)
-    try:
-        text = f.read()
-        if not text.strip():
-            return {}
-        data = json.loads(text)
-        if data.get("version") != STORE_VERSION or not isinstance(data.get("choices"), dict):
-            raise ValueError(f"not a version-{STORE_VERSION} tuner store")
-        return data["choices"]
-    except (ValueError, AttributeError) as e:
-        LOG.warning("%s: %s; measuring again and rewriting it", f.name, e)
-        return {}
-
-
-def load_stored(key: tuple, offered: tuple) -> tuple | None:
-    """The stored choice for ``key`` if it was made among exactly ``offered`` (else None)."""
-    path = store_path()
-    if path is None or not path.is_file():
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            entry = _read(f).get(_entry_key(key))
-    except OSError as e:
-        LOG.warning("%s: unreadable (%s); measuring", path, e)
-        return None
-    if not isinstance(entry, dict) or entry.get("offered") != _shape_list(offered):
-        return None
-    choice = entry.get("choice")
-    if not (isinstance(choice, list) and choice in _shape_list(offered)):
-        return None  # a choice must be one of its candidates
-    return tuple(choice)
-
-
-def store(key: tuple, offered: tuple, choice: tuple) -> None:
-    """Adds a choice to the store (a no-op without one), under an exclusive lock: read, add,
-    rewrite — other processes' choices kept. A store that cannot be written is logged, not
-    raised: the choice stands in this process."""
-    path = store_path()
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+", encoding="utf-8") as f:
-            if fcntl is not None:
-                fcntl.flock(f, fcntl.LOCK_EX)
-            choices = _read(f)
-            choices[_entry_key(key)] = {"offered": _shape_list(offered), "choice": list(choice)}
-            f.seek(0)
-            f.truncate()
-            json.dump({"version": STORE_VERSION, "choices": choices}, f, indent=1, sort_keys=True)
-            f.write("\n")
-    except OSError as e:
-        LOG.warning("%s: cannot store the tuner's choice (%s)", path, e)
 
 
 def measured() -> dict:

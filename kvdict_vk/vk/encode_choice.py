@@ -9,15 +9,25 @@ encode`). On a GPU it depends on the format and the batch — the committed H200
 the GPU encoder ahead with a residual stage and behind without one — so the first append
 of each (device, stream format, batch-size bucket) times both on a sample of the rows being
 appended — the GPU encoder as the arena runs it, into a device buffer without read-back, once
-untimed first (pipelines, clocks) — and keeps the faster, per process.
+untimed first (pipelines, clocks) — and keeps the faster, per process; with
+$KVDICT_VK_TUNE_CACHE also across processes (choice_store: keyed by the device, driver, the
+encoder's SPIR-V and the host CPU besides the format and bucket).
 """
 from __future__ import annotations
 
 import time
 
-SAMPLE_TOKENS = 256  # tokens per KV head timed (at most: an append of fewer times all it has)
+from . import choice_store
 
-# (device name, format of the layer's coded streams, batch bucket) → "cpu" | "gpu"
+SAMPLE_TOKENS = 256  # tokens per KV head timed (at most: an append of fewer times all it has)
+STORE_KIND = "encoder"  # these choices in choice_store
+ENCODERS = ["cpu", "gpu"]  # the candidates, as stored
+# the GPU encoder's SPIR-V (shader_build.VARIANTS): a rebuilt encoder is timed anew
+ENCODER_VARIANTS = tuple(f"omp_encode_{k}_{v}" for k in ("corr", "metric", "pick", "pick_residual", "tiled",
+                                                         "tiled_residual", "vector", "vector_residual")
+                         for v in ("vec4", "scalar"))
+
+# (device identity, format of the layer's coded streams, head_dim, n_atoms, batch bucket) → "cpu" | "gpu"
 _CHOICES: dict[tuple, str] = {}
 
 
@@ -34,9 +44,17 @@ def choose(arena, layer: int, rows) -> str:
     lay = arena.layout.layers[layer]
     coded = [(st, r) for st, r in zip(lay.streams, rows) if st.coded]
     fmt = tuple((st.stream, st.sparsity, st.residual_bits, st.n_dict_heads) for st, _ in coded)
-    key = (arena.device.name, fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
+    if arena.device.is_cpu:
+        key = (arena.device.name, fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
+        return _CHOICES.setdefault(key, "cpu")  # not measured, not stored
+    key = choice_store.device_identity(arena.device, ENCODER_VARIANTS) + (
+        choice_store.host_cpu(), fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
     if key not in _CHOICES:
-        _CHOICES[key] = "cpu" if arena.device.is_cpu else _measure(arena, layer, coded)
+        stored = choice_store.load(STORE_KIND, key, ENCODERS)
+        if stored is None:
+            stored = _measure(arena, layer, coded)
+            choice_store.save(STORE_KIND, key, ENCODERS, stored)
+        _CHOICES[key] = stored
     return _CHOICES[key]
 
 

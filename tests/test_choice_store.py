@@ -1,7 +1,8 @@
-"""The tuner's store ($KVDICT_VK_TUNE_CACHE, kvdict_vk.vk.attend_tune): launch-shape choices
-kept across processes — taken back only for the same signature and the same candidates,
-several processes' choices kept side by side, a damaged or unwritable store measured around,
-never raised. A new process is simulated by emptying the in-process choices."""
+"""The store of measured choices ($KVDICT_VK_TUNE_CACHE, kvdict_vk.vk.choice_store): the flash
+kernels' launch shapes (attend_tune) and the encoder (encode_choice) kept across processes —
+taken back only for the same key and the same candidates, several processes' choices kept side
+by side, a damaged or unwritable store measured around, never raised. A new process is
+simulated by emptying the in-process choices."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from kvdict_vk.vk import attend_tune as T
+from conftest import random_artifact
+from kvdict_vk.vk import attend_tune as T, choice_store as S, encode_choice as C
 
 
 @pytest.fixture
@@ -17,7 +19,7 @@ def tuner(monkeypatch, tmp_path):
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(T, "WARM_S", 0.0)
     path = tmp_path / "sub" / "tune.json"
-    monkeypatch.setenv(T.CACHE_ENV, str(path))
+    monkeypatch.setenv(S.CACHE_ENV, str(path))
     return path
 
 
@@ -37,7 +39,7 @@ def test_a_choice_outlives_the_process(tuner, monkeypatch):
     assert T.choose(("dev", "drv", "spv", 1), 5000, SHAPES, _timer(TIMES, calls)) == SHAPES[1]
     assert len(calls) == T.ROUNDS * len(SHAPES)
     stored = json.loads(tuner.read_text())
-    assert stored["version"] == T.STORE_VERSION and len(stored["choices"]) == 1
+    assert stored["version"] == S.STORE_VERSION and len(stored["choices"]) == 1
     monkeypatch.setattr(T, "_CHOICES", {})  # a new process
     assert T.choose(("dev", "drv", "spv", 1), 6000, SHAPES, _timer({}, calls)) == SHAPES[1]  # no timing
     assert len(calls) == T.ROUNDS * len(SHAPES) and len(T.measured()) == 1
@@ -48,7 +50,7 @@ def test_a_choice_outlives_the_process(tuner, monkeypatch):
     assert len(calls) == T.ROUNDS * (3 * len(SHAPES) + 2)
     choices = json.loads(tuner.read_text())["choices"]
     assert len(choices) == 3  # kept side by side; the other candidates' choice replaced its key's
-    assert len(choices[json.dumps(T.signature(("dev", "drv", "spv", 1), 5000))]["offered"]) == 2
+    assert len(choices[json.dumps([T.STORE_KIND, *T.signature(("dev", "drv", "spv", 1), 5000)])]["offered"]) == 2
 
 
 def test_a_store_from_another_process_is_kept(tuner, monkeypatch):
@@ -66,20 +68,20 @@ def test_a_damaged_store_is_measured_around_and_rewritten(tuner, content, caplog
     key = ("dev", 1)
     if content == "CHOICE":  # a readable entry whose choice is not among its candidates
         sig = T.signature(key, 5000)
-        content = json.dumps({"version": T.STORE_VERSION, "choices": {json.dumps(sig): {
+        content = json.dumps({"version": S.STORE_VERSION, "choices": {json.dumps([T.STORE_KIND, *sig]): {
             "offered": [[s.local, s.workgroups, s.heads, s.kernel] for s in SHAPES], "choice": [64, 8, 0, "x"]}}})
     tuner.parent.mkdir(parents=True)
     tuner.write_bytes(content if isinstance(content, bytes) else content.encode())
     assert T.choose(key, 5000, SHAPES, _timer(TIMES, calls)) == SHAPES[1]
     assert len(calls) == T.ROUNDS * len(SHAPES)
     stored = json.loads(tuner.read_text())
-    assert stored["version"] == T.STORE_VERSION and len(stored["choices"]) == 1
+    assert stored["version"] == S.STORE_VERSION and len(stored["choices"]) == 1
 
 
 def test_an_unwritable_store_leaves_the_choice_in_the_process(tuner, monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv(T.CACHE_ENV, str(blocker / "tune.json"))  # its parent is a file
+    monkeypatch.setenv(S.CACHE_ENV, str(blocker / "tune.json"))  # its parent is a file
     calls = []
     assert T.choose(("dev",), 5000, SHAPES, _timer(TIMES, calls)) == SHAPES[1]
     assert T.choose(("dev",), 5000, SHAPES, _timer(TIMES, calls)) == SHAPES[1]
@@ -89,10 +91,10 @@ def test_an_unwritable_store_leaves_the_choice_in_the_process(tuner, monkeypatch
 def test_no_store_without_the_variable(monkeypatch, tmp_path):
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(T, "WARM_S", 0.0)
-    monkeypatch.delenv(T.CACHE_ENV, raising=False)
+    monkeypatch.delenv(S.CACHE_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     T.choose(("dev",), 5000, SHAPES, _timer(TIMES, []))
-    assert T.store_path() is None and list(tmp_path.iterdir()) == []
+    assert S.path() is None and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.gpu
@@ -101,7 +103,6 @@ def test_an_engine_takes_its_launch_shape_from_the_store(tuner, make_arena, monk
     engine plans the same from the store without timing; a rebuilt kernel (another SPIR-V
     digest in the layer signature) measures again."""
     import kvdict_vk.vk.attend as A
-    from kvdict_vk.vk import spirv
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     rng = np.random.default_rng(3)
     arena = make_arena(1, 2, 64, 700, guard_words=64, cache="f16")
@@ -127,8 +128,41 @@ def test_an_engine_takes_its_launch_shape_from_the_store(tuner, make_arena, monk
     second.free()
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(T, "TUNED_VARIANTS", T.TUNED_VARIANTS[:-1])  # as if a shader were rebuilt
-    assert spirv.load("attend_table")  # (the digest reads the variants' SPIR-V)
     third = engine()
     third.plan(0, 700)
     assert len(timed) == 2 * n_timed
     third.free()
+
+
+@pytest.mark.gpu
+def test_the_encoder_choice_outlives_the_process(tuner, make_arena, activate, monkeypatch):
+    """encode_choice on a GPU (lavapipe posing as one): the first append of a (format, batch
+    bucket) measures and stores; a new process takes the stored encoder without measuring; a
+    host with another CPU, or a damaged entry, measures again. CPU drivers store nothing."""
+    from kvdict_vk.vk.device import Device
+    monkeypatch.setattr(C, "_CHOICES", {})
+    rng = np.random.default_rng(5)
+    hd, n_kv = 32, 2
+    activate(random_artifact(rng, hd, 64, [((4, 4), (4, 0))], n_heads=n_kv))
+    arena = make_arena(1, n_kv, hd, 400, encoder="auto")
+    rows = [rng.standard_normal((n_kv, 8, hd), dtype=np.float32) for _ in range(2)]
+    if arena.device.is_cpu:
+        arena.append(0, *rows)
+        assert not tuner.exists()  # the codec, unmeasured: nothing to keep
+    monkeypatch.setattr(Device, "is_cpu", property(lambda self: False))
+    calls = []
+    monkeypatch.setattr(C, "_measure", lambda *a: calls.append(a) or "gpu")
+    monkeypatch.setattr(C, "_CHOICES", {})
+    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 1
+    monkeypatch.setattr(C, "_CHOICES", {})  # a new process
+    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 1
+    monkeypatch.setattr(C, "_CHOICES", {})
+    monkeypatch.setattr(S, "host_cpu", lambda: "another CPU x2")
+    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 2
+    stored = json.loads(tuner.read_text())["choices"]
+    assert sum(k.startswith(json.dumps([C.STORE_KIND])[:-1]) for k in stored) == 2
+    for entry in stored.values():
+        entry["choice"] = "tpu"  # not one of its candidates
+    tuner.write_text(json.dumps({"version": S.STORE_VERSION, "choices": stored}))
+    monkeypatch.setattr(C, "_CHOICES", {})
+    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 3
