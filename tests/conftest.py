@@ -117,10 +117,11 @@ def vk_probe() -> Probe:
 
 
 @pytest.fixture(autouse=True)
-def _no_tuner_store(monkeypatch):
-    """The tuner's choices stay in the test's process: a store named in the environment
-    (kvdict_vk.vk.attend_tune.CACHE_ENV) would answer the tests that count measurements."""
-    monkeypatch.delenv("KVDICT_VK_TUNE_CACHE", raising=False)
+def _no_choice_store(monkeypatch):
+    """Measured choices stay in the test's process: a store named in the environment
+    (kvdict_vk.vk.choice_store.CACHE_ENV) would answer the tests that count measurements."""
+    from kvdict_vk.vk import choice_store
+    monkeypatch.delenv(choice_store.CACHE_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True)

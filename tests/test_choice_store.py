@@ -66,14 +66,17 @@ def test_a_store_from_another_process_is_kept(tuner, monkeypatch):
 def test_a_damaged_store_is_measured_around_and_rewritten(tuner, content, caplog):
     calls = []
     key = ("dev", 1)
+    unreadable = content != "CHOICE"  # said in the log; an unusable entry of a readable store is not
     if content == "CHOICE":  # a readable entry whose choice is not among its candidates
         sig = T.signature(key, 5000)
         content = json.dumps({"version": S.STORE_VERSION, "choices": {json.dumps([T.STORE_KIND, *sig]): {
             "offered": [[s.local, s.workgroups, s.heads, s.kernel] for s in SHAPES], "choice": [64, 8, 0, "x"]}}})
     tuner.parent.mkdir(parents=True)
     tuner.write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert T.choose(key, 5000, SHAPES, _timer(TIMES, calls)) == SHAPES[1]
+    with caplog.at_level("WARNING", logger=S.__name__):
+        assert T.choose(key, 5000, SHAPES, _timer(TIMES, calls)) == SHAPES[1]
     assert len(calls) == T.ROUNDS * len(SHAPES)
+    assert any("measuring again" in r.getMessage() for r in caplog.records) == unreadable
     stored = json.loads(tuner.read_text())
     assert stored["version"] == S.STORE_VERSION and len(stored["choices"]) == 1
 
