@@ -9,7 +9,8 @@ costs). Medians over --runs runs of one recording, after a warm-up. One JSON obj
 preset dictionaries: bench.attention.dict_args) beside the f16 cache; their ops are
 the query's copy up, the q·atom table, the attend pass, the merge, the read-back, and
 --coded-heads pins the query heads a workgroup takes (0: the tuner's choice). --builds times each
-case with each SPIR-V build (name=dir; an empty dir: the package's), a fresh engine and tuner for each.
+case with each SPIR-V build (name=dir; an empty dir: the package's), a fresh engine for each (the
+tuner keys its choices by the SPIR-V too: choice_store.device_identity).
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_floor_probe.py
 """
@@ -27,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import attention as BA, common  # noqa: E402
-from kvdict_vk.vk import KvArena, attend as A, attend_tune, spirv  # noqa: E402
+from kvdict_vk.vk import KvArena, attend as A, spirv  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--coded-heads", default="0", help="query heads a workgroup over the codes, comma-separated "
                     "(0: the tuner's choice)")
     ap.add_argument("--builds", default="", help="name=SPIR-V dir (empty: the package's), comma-separated: each "
-                    "case timed with each build, a fresh attention and tuner for each (empty: the package's only)")
+                    "case timed with each build, a fresh attention for each (empty: the package's only)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
@@ -117,7 +118,6 @@ def main(argv=None) -> None:
                             os.environ[spirv.SPV_DIR_ENV] = os.path.abspath(build[1])
                         else:
                             os.environ.pop(spirv.SPV_DIR_ENV, None)
-                        attend_tune.forget()  # the launch shapes were timed with another build
                         att = A.Attention(arena, q.shape[0])
                     att.path, att.flash_workgroups, att.coded_workgroups = "flash", w or None, w or None  # (CPU: direct)
                     att.flash_kernel, att.coded_heads = kernel, heads

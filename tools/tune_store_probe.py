@@ -26,16 +26,12 @@ from kvdict_vk.bench import attention as BA, common  # noqa: E402
 from kvdict_vk.vk import KvArena, attend_tune, choice_store  # noqa: E402
 
 
-def appends(dev, fmt: str, dicts, n_kv: int, hd: int, rng, sizes=(1, 16, 256)) -> list[dict]:
+def appends(dev, bits: tuple, n_kv: int, hd: int, rng, sizes=(1, 16, 256)) -> list[dict]:
     """The encoder's side (encoder "auto": encode_choice): the wall seconds of the first append
-    of each batch size to a fresh arena over ``dicts`` (the GPU encoder and the codec timed, or
+    of each batch size to an empty arena of this format (the GPU encoder and the codec timed, or
     the stored choice taken) and of a second of the same size."""
-    from kvdict_vk import runtime
-    from kvdict_vk.dictionary import KvDictArtifact
     from kvdict_vk.vk import encode_choice
-    with runtime.enabled_with(KvDictArtifact(hd, dicts[0].n_atoms, dicts[0].sparsity, ((dicts[0], dicts[1]),)),
-                              allow_uncertified=True):
-        arena = KvArena(1, n_kv, hd, 2 * sum(sizes), device=dev, cache="dict", encoder="auto")
+    arena = BA.dict_arena(bits, n_kv, hd, 2 * sum(sizes), BA.dict_args(), dev, rng, fill=False)[0]
     cases = []
     for n in sizes:
         k, v = (rng.standard_normal((n_kv, n, hd), dtype=np.float32) for _ in range(2))
@@ -44,8 +40,8 @@ def appends(dev, fmt: str, dicts, n_kv: int, hd: int, rng, sizes=(1, 16, 256)) -
             t = time.perf_counter()
             arena.append(0, k, v)
             seconds.append(time.perf_counter() - t)
-        cases.append({"append": fmt, "tokens": n, "first_append_s": seconds[0], "second_append_s": seconds[1],
-                      "encoder": sorted(set(encode_choice.measured().values()))})
+        cases.append({"append": "/".join(map(str, bits)), "tokens": n, "first_append_s": seconds[0],
+                      "second_append_s": seconds[1], "encoder": sorted(set(encode_choice.measured().values()))})
     arena.free()
     return cases
 
@@ -68,9 +64,9 @@ def main(argv=None) -> None:
             rows = BA.random_rows(rng, n_kv, max(ns), hd)
             arena.append(0, rows, rows)
         else:
-            arena, dicts, _ = BA.dict_arena(tuple(int(b) for b in fmt.split("/")), n_kv, hd, max(ns),
-                                            BA.dict_args(), dev, rng)
-            out["cases"] += appends(dev, fmt, dicts, n_kv, hd, rng)
+            bits = tuple(int(b) for b in fmt.split("/"))
+            arena = BA.dict_arena(bits, n_kv, hd, max(ns), BA.dict_args(), dev, rng)[0]
+            out["cases"] += appends(dev, bits, n_kv, hd, rng)
         att = arena.attention(n_kv * gqa)
         q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
         for n in ns:

@@ -119,7 +119,7 @@ def format_name(bits) -> str:
     return f"k{bits[0]}v{bits[1]}"
 
 
-def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
+def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1, fill: bool = True):
     """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost depends
     little on what the codes say — how often nearby code words share an atom is the exception,
     so ``args.code_words`` can put captured ones in; OMP-encoding that many rows would dominate
@@ -127,7 +127,8 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
     StreamDicts, the (K, V) slots). ``args``: per_head, n_atoms, sparsity, code_words (None:
     uniformly random code words). The atoms are binary16 values, as
     the forge's are (ForgeConfig.f16_atoms), so reconstruct-then-attend takes the path a forged
-    artifact takes (reconstruct gathering the arena's binary16 copy)."""
+    artifact takes (reconstruct gathering the arena's binary16 copy). ``fill`` False: the arena
+    left empty (for appends)."""
     from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict, round_to_f16
     from kvdict_vk.vk import KvArena
@@ -141,7 +142,7 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1):
     slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
     if args.code_words is not None:  # captured (K, V) code words
         slots = [synthetic.with_code_words(s, c) for s, c in zip(slots, args.code_words)]
-    for seq in range(seqs):
+    for seq in range(seqs if fill else 0):
         arena.append_codes(0, *slots, seq=seq)
     return arena, dicts, slots
 

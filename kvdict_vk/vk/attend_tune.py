@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from . import choice_store
+from . import choice_store, shader_build
 
 MIN_BUCKET = 1024
 REPEATS = 2  # timed runs per candidate and round (the minimum is kept: noise only adds time)
@@ -51,8 +51,7 @@ FLUSH_BYTES = 0
 
 STORE_KIND = "attend_launch_shape"  # this tuner's choices in choice_store ($KVDICT_VK_TUNE_CACHE)
 # the SPIR-V whose speed a choice measured (choice_store.device_identity: a rebuilt shader measures anew)
-TUNED_VARIANTS = ("attend_flash", "attend_flash_sg", "attend_flash_wide", "attend_flash_wide_sg",
-                  "attend_flash_coded", "attend_merge_head", "attend_table")
+TUNED_VARIANTS = tuple(v for v in shader_build.VARIANTS if v.startswith("attend_"))
 
 # signature(): (device name, driver, SPIR-V digest, layer format, n_kv, group, head_dim, n_atoms, bucket, FLUSH_BYTES) →
 # (the candidate Shapes timed, the chosen (local, workgroups, heads, kernel))
@@ -142,8 +141,3 @@ def measured() -> dict:
     """What the tuner chose in this process (for reports): {signature: (local, workgroups, heads, kernel)}."""
     return {key: choice for key, (_, choice) in _CHOICES.items()}
 
-
-def forget() -> None:
-    """Drop every remembered choice (a probe timing several SPIR-V builds in one process:
-    the candidates are the same, the kernels behind them not — attend_floor_probe --builds)."""
-    _CHOICES.clear()

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import time
 
-from . import choice_store
+from . import choice_store, shader_build
 
 SAMPLE_TOKENS = 256  # tokens per KV head timed (at most: an append of fewer times all it has)
 STORE_KIND = "encoder"  # these choices in choice_store
 ENCODERS = ["cpu", "gpu"]  # the candidates, as stored
-# the GPU encoder's SPIR-V (shader_build.VARIANTS): a rebuilt encoder is timed anew
-ENCODER_VARIANTS = tuple(f"omp_encode_{k}_{v}" for k in ("corr", "metric", "pick", "pick_residual", "tiled",
-                                                         "tiled_residual", "vector", "vector_residual")
-                         for v in ("vec4", "scalar"))
+# the GPU encoder's SPIR-V: a rebuilt encoder is timed anew
+ENCODER_VARIANTS = tuple(v for v in shader_build.VARIANTS if v.startswith("omp_encode_"))
 
 # (device identity, format of the layer's coded streams, head_dim, n_atoms, batch bucket) → "cpu" | "gpu"
 _CHOICES: dict[tuple, str] = {}
@@ -44,17 +42,16 @@ def choose(arena, layer: int, rows) -> str:
     lay = arena.layout.layers[layer]
     coded = [(st, r) for st, r in zip(lay.streams, rows) if st.coded]
     fmt = tuple((st.stream, st.sparsity, st.residual_bits, st.n_dict_heads) for st, _ in coded)
-    if arena.device.is_cpu:
-        key = (arena.device.name, fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
-        return _CHOICES.setdefault(key, "cpu")  # not measured, not stored
     key = choice_store.device_identity(arena.device, ENCODER_VARIANTS) + (
         choice_store.host_cpu(), fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
     if key not in _CHOICES:
-        stored = choice_store.load(STORE_KIND, key, ENCODERS)
-        if stored is None:
-            stored = _measure(arena, layer, coded)
-            choice_store.save(STORE_KIND, key, ENCODERS, stored)
-        _CHOICES[key] = stored
+        if arena.device.is_cpu:  # not measured, so not stored
+            _CHOICES[key] = "cpu"
+        elif (stored := choice_store.load(STORE_KIND, key, ENCODERS)) is not None:
+            _CHOICES[key] = stored
+        else:
+            _CHOICES[key] = _measure(arena, layer, coded)
+            choice_store.save(STORE_KIND, key, ENCODERS, _CHOICES[key])
     return _CHOICES[key]
 
 
