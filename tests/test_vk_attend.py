@@ -17,6 +17,7 @@ import pytest
 from conftest import _stream_entry, random_artifact, stable_seed
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
+from kvdict_vk.vk import attend
 from kvdict_vk.metrics import nmse
 from kvdict_vk.vk.attend_specs import merge_head_local
 from kvdict_vk.synthetic import random_slots
@@ -263,7 +264,32 @@ def test_flash_merge_over_one_few_and_many_splits(workgroups, make_arena):
     unroll = int(re.search(r"const uint UNROLL = (\d+)u;", MERGE_HEAD_SOURCE.read_text()).group(1))
     one_round = merge_head_local(hd, att.max_local()) // (hd // 4) * unroll  # split lanes × UNROLL
     assert splits[0] == 1 and (max(splits) > one_round if workgroups == 1024 else True)
-    assert (max(splits) > 1) == (workgroups > n_kv)
+    assert (max(splits) > 1) == (workgroups // n_kv > 1)  # splits per KV head rounded down
+
+
+def test_flash_workgroup_counts_come_from_the_multiprocessors(make_arena):
+    """The flash kernels' candidate workgroup counts are multiples of the multiprocessors the
+    device reports (powers of two where it reports none); a count's splits are rounded down,
+    so an attention launches at most that many workgroups; counts whose splits the cap makes
+    equal are one candidate."""
+    from kvdict_vk.vk import attend_tune as T
+    assert T.workgroup_counts(132, False) == (1056, 264, 528) and T.workgroup_counts(132, True) == (264, 132, 528)
+    assert T.workgroup_counts(0, False) == T.WORKGROUPS and T.workgroup_counts(0, True) == T.CODED_WORKGROUPS
+    n_kv, g = 3, 3
+    arena = make_arena(1, n_kv, 64, 40000, cache="f16", shader_mapping="chunk")
+    att = arena.attention(n_kv * g)
+    att.path, att.compute_units = "flash", 132
+    shapes = att.flash_candidates(0)
+    # 3 KV heads: 1 056 and 528 workgroups both reach the 128 splits' cap; 264 make 88 splits
+    assert att.max_splits == attend.MAX_SPLITS
+    for kernel in {sh.kernel for sh in shapes}:
+        for local in {sh.local for sh in shapes if sh.kernel == kernel}:
+            assert sorted(sh.workgroups for sh in shapes if (sh.kernel, sh.local) == (kernel, local)) == [264, 1056]
+    assert [att.splits_wanted(sh) for sh in shapes[:2]] == [128, 88]
+    for workgroups, splits in ((8, 2), (9, 3), (2, 1), (264, 88)):
+        att.flash_workgroups = workgroups
+        plan = att.plan(0, 40000)
+        assert plan.n_splits == splits and plan.n_splits * n_kv <= max(workgroups, n_kv)
 
 
 @pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
@@ -534,20 +560,27 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
     att = arena.attention(n_kv * g)
     att.path, att.tune = "flash", True
+    att.compute_units = 7  # planned as on a GPU of 7 multiprocessors: counts 7 × attend_tune's multiples
+    counts = T.workgroup_counts(7, coded)
     if coded:  # the query heads per workgroup are a dimension of the search
         assert [hb for hb, _ in att.flash_coded_options(0, "float")] == [2, 1]
-        shapes = T.candidates(att.flash_coded_options(0, "float"), True, "float")
+        offered = T.candidates(att.flash_coded_options(0, "float"), counts, "float")
     else:  # the build (its split's end) is a dimension too
         assert att.flash_kernel_locals(0, "wide_end") == att.flash_locals(0)
-        shapes = T.candidates([(0, att.flash_locals(0))], False, "float") + \
-            T.candidates([(0, att.flash_kernel_locals(0, "wide_end"))], False, "wide_end")
-    assert len(shapes) >= 2
-    favourite = shapes[-1]  # coded: one query head per workgroup, the smallest size; else the wide end
+        offered = T.candidates([(0, att.flash_locals(0))], counts, "float") + \
+            T.candidates([(0, att.flash_kernel_locals(0, "wide_end"))], counts, "wide_end")
     what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
+    shapes = att.flash_candidates(0)  # offered, less counts whose splits come out alike
+    assert shapes[0] == offered[0] and set(shapes) <= set(offered) and all(sh.workgroups % 7 == 0 for sh in shapes)
+    assert {what(sh) for sh in shapes} == {what(sh) for sh in offered}
+    assert len({(what(sh), att.splits_wanted(sh)) for sh in shapes}) == len(shapes) >= 2
+    favourite = shapes[-1]  # coded: one query head per workgroup, the smallest size; else the wide end
     timed = []
 
     def fake_time(layer, n_used, plan):  # the device's "measurement": the favourite is fastest
         timed.append((what(plan), plan.n_splits))
+        blocks = n_kv * (g // plan.heads if plan.heads else 1)
+        assert plan.n_splits * blocks <= max(counts)  # splits rounded down: never past a count
         return 1e-3 - 1e-7 * plan.n_splits if what(plan) == what(favourite) else 2e-3
     monkeypatch.setattr(att, "time_plan", fake_time)
     import kvdict_vk.vk.attend as A

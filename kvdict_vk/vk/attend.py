@@ -49,14 +49,10 @@ HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps fo
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
 PATHS = (None, "direct", "table", "flash")
 FLASH_MIN_SPLIT_TOKENS = 128  # attend_flash: a split's fixed costs (queries, record, merge) stay small
-# attend_flash's workgroups per attention (splits × KV heads): several per multiprocessor of
-# a large GPU, so the last wave of workgroups is a small part of the time
-FLASH_WORKGROUPS = 1024
 # attend_flash_coded: each workgroup loads its heads' q·atom table and multiplies its atom
 # weights by every atom at the end (n_atoms × head_dim words from the L2): splits stay long
-# and few — about two workgroups per multiprocessor of a large GPU.
+# (and few: attend_tune.workgroup_counts)
 FLASH_CODED_MIN_SPLIT_TOKENS = 512
-FLASH_CODED_WORKGROUPS = 256
 # The kernels over the codes, the untuned default first (the tuner times each): "float"
 # (attend_flash_coded). Its fixed-point sibling lost everywhere on an H200 once the float
 # kernel's atom weights became owned (docs/DESIGN.md) and went; a kernel over the codes for
@@ -95,8 +91,8 @@ class Attention:
         self.units = n_kv * (g // self.hb)  # (KV head, head block) pairs
         self.path = None  # None: the cost model chooses; "direct" / "table" forces a path
         # attend_flash_coded's workgroups per attention (splits × KV heads × head blocks), the
-        # aim of its split count (None: measured on a GPU, attend_tune; FLASH_CODED_WORKGROUPS
-        # on a CPU driver); attend_flash's likewise. Benchmarks fix them to sweep them.
+        # aim of its split count (None: measured on a GPU among attend_tune.workgroup_counts, the
+        # first of them on a CPU driver); attend_flash's likewise. Benchmarks fix them to sweep them.
         self.coded_workgroups: int | None = None
         self.flash_workgroups: int | None = None
         # attend_flash_coded's query heads per workgroup (None: measured with the launch
@@ -119,6 +115,9 @@ class Attention:
         # a workgroup per SIMD row, a few splits per thread) or "chunk" (GPUs).
         cpu = arena.shader_mapping == "row"
         self.tune = not cpu  # measure the flash kernels' launch shape (attend_tune)
+        # the candidate workgroup counts (attend_tune.workgroup_counts: from the multiprocessors
+        # the device reports); tests fix the count to plan as on another GPU
+        self.compute_units = self.device.limit("compute_units") or 0
         self.local = CPU_SIMD_LANES if cpu else GPU_LOCAL
         # Preferred splits per KV head: enough to give every hardware thread a full SIMD row
         # (CPU drivers) or to fill a GPU. Capacity (records per KV head): what any plan of
@@ -128,8 +127,8 @@ class Attention:
         # a batched arena: arena.seqs sequences of arena.seq_ctx tokens each (n_ctx rows per head in all)
         self.seqs, seq_ctx = arena.seqs, arena.seq_ctx
         needed = max(P.max_records(ll.k, ll.v, seq_ctx, self.preferred_splits) for ll in lay.layers)
-        if not cpu:  # attend_flash's splits: FLASH_WORKGROUPS over the KV heads
-            needed = max(needed, min(MAX_SPLITS, -(-FLASH_WORKGROUPS // n_kv)))
+        if not cpu:  # attend_flash's splits: its most workgroups over the KV heads
+            needed = max(needed, min(MAX_SPLITS, max(T.workgroup_counts(self.compute_units, False)) // n_kv))
         if needed > MAX_SPLITS + 1:
             raise E.ArenaTooLargeError(f"attention over {seq_ctx} tokens needs {needed} splits per KV head "
                                        f"(at most {MAX_SPLITS}); use a shorter context or a lower sparsity")
@@ -359,58 +358,74 @@ class Attention:
                                f"{self.max_splits}")
         return p
 
-    def _flash_plan(self, layer: int, n_used: int, seqs: int = 1) -> P.Plan:
-        """The flash kernel's plan: a launch shape (workgroup size, workgroups) measured on
-        the device (attend_tune) unless fixed by ``flash_workgroups`` / ``coded_workgroups``
-        or on a CPU driver, and the splits that make that many workgroups."""
-        k = self.layout.layers[layer].k
-        if k.coded:
+    def flash_candidates(self, layer: int, seqs: int = 1) -> list[T.Shape]:
+        """The launch shapes of ``layer``'s flash kernel the tuner times, the untuned one first:
+        every kernel build, query heads per workgroup (over the codes) and workgroup size the
+        layer and device allow (or the attributes force), at every workgroup count of
+        attend_tune.workgroup_counts — counts whose splits the cap makes equal (3 KV heads: 528
+        and 1 056 workgroups both 128 splits) once."""
+        shapes = []
+        if self.layout.layers[layer].k.coded:
             if self.coded_kernel is not None and self.coded_kernel not in CODED_KERNELS:
                 raise E.ArenaError(f"Attention.coded_kernel must be None or one of {CODED_KERNELS}, "
                                    f"got {self.coded_kernel!r}")
-            shapes = []
             for kernel in CODED_KERNELS if self.coded_kernel is None else (self.coded_kernel,):
                 options = self.flash_coded_options(layer, kernel)
                 if self.coded_heads is not None:
                     options = [o for o in options if o[0] == self.coded_heads]
-                shapes += T.candidates(options, True, kernel)
+                shapes += T.candidates(options, T.workgroup_counts(self.compute_units, True), kernel)
             if not shapes:
                 can = {kern: [hb for hb, _ in self.flash_coded_options(layer, kern)] for kern in CODED_KERNELS}
                 raise E.ArenaError(f"layer {layer}: no kernel over the codes ({self.coded_kernel or 'any'}) serves "
                                    f"{self.coded_heads or 'any number of'} query heads per workgroup here "
                                    f"(they can: {can})")
-            min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS
-            fixed, default = self.coded_workgroups, FLASH_CODED_WORKGROUPS
         else:
-            shapes = []
             for kernel in FLASH_KERNELS if self.flash_kernel is None else (self.flash_kernel,):
-                shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))], False, kernel)
+                shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))],
+                                       T.workgroup_counts(self.compute_units, False), kernel)
             if not shapes:
                 raise E.ArenaError(f"layer {layer}: attend_flash ({self.flash_kernel}) has no workgroup size here")
-            min_tokens = FLASH_MIN_SPLIT_TOKENS
-            fixed, default = self.flash_workgroups, FLASH_WORKGROUPS
+        distinct = {}
+        for sh in shapes:
+            distinct.setdefault((sh.local, sh.heads, sh.kernel, self.splits_wanted(sh, seqs)), sh)
+        return list(distinct.values())
+
+    def _flash_plan(self, layer: int, n_used: int, seqs: int = 1) -> P.Plan:
+        """The flash kernel's plan: a launch shape (workgroup size, workgroups) measured on
+        the device (attend_tune) unless fixed by ``flash_workgroups`` / ``coded_workgroups``
+        or on a CPU driver, and the splits that make that many workgroups."""
+        coded = self.layout.layers[layer].k.coded
+        shapes = self.flash_candidates(layer, seqs)
+        min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS if coded else FLASH_MIN_SPLIT_TOKENS
+        fixed = self.coded_workgroups if coded else self.flash_workgroups
 
         def shaped(shape: T.Shape) -> P.Plan:
             return self.flash_shaped(n_used, shape, min_tokens, seqs)
         if fixed is None and self.tune and timestamps_usable(self.device):
-            forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None) if k.coded else \
+            forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None) if coded else \
                 ((self.flash_kernel,) if self.flash_kernel is not None else ())
             forced += (("seqs", seqs),) if seqs > 1 else ()
             shape = T.choose(self.layer_signature(layer) + forced, n_used, shapes,
                              lambda sh: self.time_plan(layer, n_used, shaped(sh)))
         else:
             first = shapes[0]
-            shape = T.Shape(first.local, fixed or default, first.heads, first.kernel)
+            shape = T.Shape(first.local, fixed or first.workgroups, first.heads, first.kernel)
         return shaped(shape)
 
     def flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int, seqs: int = 1) -> P.Plan:
         """The flash plan of a launch shape: the splits that make ``shape.workgroups``
         workgroups over the KV heads (and head blocks) of ``seqs`` sequences, each at least
         min_tokens long."""
-        blocks = seqs * self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
-        want = min(self.max_splits, max(1, -(-shape.workgroups // blocks)))
-        n, split_len = P.split_count(n_used, want, min_tokens, n_used)
+        n, split_len = P.split_count(n_used, self.splits_wanted(shape, seqs), min_tokens, n_used)
         return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel, seqs=seqs)
+
+    def splits_wanted(self, shape: T.Shape, seqs: int = 1) -> int:
+        """Splits per virtual head (sequence × KV head) that make at most ``shape.workgroups``
+        workgroups over the virtual heads and head blocks — rounded down, so a count of whole
+        waves stays whole (rounded up, 264 workgroups over 64 virtual heads became 320: a wave
+        and a fifth, 25 % slower at B = 8 on an H200, docs/DESIGN.md) — within the capacity."""
+        blocks = seqs * self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
+        return min(self.max_splits, max(1, shape.workgroups // blocks))
 
     def time_plan(self, layer: int, n_used: int, plan: P.Plan) -> float | None:
         """GPU seconds of one attention over ``layer`` in ``plan`` (the best of a few runs;
@@ -589,7 +604,7 @@ class Attention:
         """The plan of an attention over n_used reconstructed f32 rows (attend_reconstructed)."""
         locals_ = self.flash_locals_of("f32")
         if locals_ and self.path != "direct" and (self.local == GPU_LOCAL or self.path == "flash"):
-            shape = T.Shape(locals_[0], self.flash_workgroups or FLASH_WORKGROUPS)
+            shape = T.Shape(locals_[0], self.flash_workgroups or T.workgroup_counts(self.compute_units, False)[0])
             return self.flash_shaped(n_used, shape, FLASH_MIN_SPLIT_TOKENS)
         return P.Plan("direct", *P.split_count(n_used, self.preferred_splits, P.MIN_DIRECT_SPLIT_TOKENS,
                                                P.max_split_tokens("direct", 0, 0)))

@@ -19,7 +19,9 @@ the choices also outlive the process (kvdict_vk.vk.choice_store): a later one on
 device, driver and SPIR-V — the layer signature holds all three — takes them from the file.
 
 The candidate workgroup sizes (FLASH_LOCALS, FLASH_CODED_LOCALS) live here with the
-candidate workgroup counts; kvdict_vk.vk.attend keeps those a layer and the device allow.
+candidate workgroup counts (workgroup_counts: whole multiples of the device's multiprocessors
+where it reports them); kvdict_vk.vk.attend keeps those a layer and the device allow, and
+rounds a count's splits down, so an attention never launches more workgroups than its count.
 CPU drivers (llvmpipe) do not tune: they do not plan the flash kernels by default, and
 their fixed choice (the first size allowed) is what the tests pin.
 """
@@ -39,8 +41,16 @@ WARM_S = 0.2  # untimed load before the candidates are timed: a GPU idling lower
 # and the device allow
 FLASH_LOCALS = (256, 128)  # attend_flash
 FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
-WORKGROUPS = (256, 512, 1024)  # attend_flash: workgroups per attention
-CODED_WORKGROUPS = (132, 264, 528)  # attend_flash_coded (its fixed cost per workgroup is larger)
+# Workgroups per attention, preferred (untuned) first: multiples of the multiprocessors where the
+# device reports them (vulkan_info's compute_units), so no count leaves a multiprocessor a
+# workgroup short of the others; else an H200's (132 multiprocessors) as powers of two. Measured
+# there: attend_flash 256 (2 a multiprocessor) beside 264 tied, 4 and 8 won at some shapes;
+# attend_flash_coded (a larger fixed cost a workgroup: the q·atom table, the weights × atoms
+# product) 1 / 2 / 4 (docs/DESIGN.md, "Launch shapes differ by shape").
+WORKGROUPS_PER_UNIT = (8, 2, 4)  # attend_flash
+CODED_WORKGROUPS_PER_UNIT = (2, 1, 4)  # attend_flash_coded
+WORKGROUPS = (1024, 256, 512)  # the same without a multiprocessor count
+CODED_WORKGROUPS = (256, 132, 528)
 
 # Bytes of scratch copied ahead of every timed run of a candidate (Attention.time_plan; outside
 # the timed passes), pushing the L2's contents out as a decode step's other layers would — 0:
@@ -94,11 +104,19 @@ def signature(layer_sig: tuple, n_used: int) -> tuple:
     return layer_sig + (bucket(n_used), FLUSH_BYTES)
 
 
-def candidates(options: list[tuple[int, list[int]]], coded: bool, kernel: str = "float") -> list[Shape]:
+def workgroup_counts(compute_units: int, coded: bool) -> tuple[int, ...]:
+    """The candidate workgroups per attention of attend_flash (or attend_flash_coded) on a
+    device with ``compute_units`` multiprocessors (0: not reported), the untuned one first."""
+    if compute_units > 0:
+        return tuple(compute_units * m for m in (CODED_WORKGROUPS_PER_UNIT if coded else WORKGROUPS_PER_UNIT))
+    return CODED_WORKGROUPS if coded else WORKGROUPS
+
+
+def candidates(options: list[tuple[int, list[int]]], counts: tuple[int, ...], kernel: str = "float") -> list[Shape]:
     """Every shape of ``options`` — [(query heads per workgroup, its workgroup sizes)], the
-    default first (attend_flash: one entry, heads 0) — at every workgroup count, for ``kernel``."""
-    return [Shape(n, w, heads, kernel) for heads, locals_ in options for n in locals_
-            for w in (CODED_WORKGROUPS if coded else WORKGROUPS)]
+    default first (attend_flash: one entry, heads 0) — at every workgroup count of ``counts``
+    (workgroup_counts), for ``kernel``."""
+    return [Shape(n, w, heads, kernel) for heads, locals_ in options for n in locals_ for w in counts]
 
 
 def choose(layer_sig: tuple, n_used: int, shapes: list[Shape], time_shape) -> Shape:
