@@ -42,11 +42,11 @@ WARM_S = 0.2  # untimed load before the candidates are timed: a GPU idling lower
 FLASH_LOCALS = (256, 128)  # attend_flash
 FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
 # Workgroups per attention, preferred (untuned) first: multiples of the multiprocessors where the
-# device reports them (vulkan_info's compute_units), so no count leaves a multiprocessor a
-# workgroup short of the others; else an H200's (132 multiprocessors) as powers of two. Measured
-# there: attend_flash 256 (2 a multiprocessor) beside 264 tied, 4 and 8 won at some shapes;
-# attend_flash_coded (a larger fixed cost a workgroup: the q·atom table, the weights × atoms
-# product) 1 / 2 / 4 (docs/DESIGN.md, "Launch shapes differ by shape").
+# device reports them (vulkan_info's compute_units), so a count is whole waves of whole
+# workgroups a multiprocessor; else about an H200's (132 multiprocessors) as powers of two.
+# attend_flash_coded takes fewer (a larger fixed cost a workgroup: the q·atom table, the
+# weights × atoms product). docs/DESIGN.md: "Launch shapes differ by shape", "Workgroup counts
+# from the multiprocessors".
 WORKGROUPS_PER_UNIT = (8, 2, 4)  # attend_flash
 CODED_WORKGROUPS_PER_UNIT = (2, 1, 4)  # attend_flash_coded
 WORKGROUPS = (1024, 256, 512)  # the same without a multiprocessor count
