@@ -180,6 +180,11 @@ def _stream_entry(e):
     return (None, 0) if e is None else (e if isinstance(e, tuple) else (e, 0))
 
 
+# encode_choice._measure's answer (seconds by part) where the GPU encoder is the faster: tests
+# that fake the measurement return it
+GPU_FASTER = {"cpu_s": 2e-3, "gpu_s": 1e-3, "gpu_first_s": 5e-3}
+
+
 def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_heads: int = 1,
                     f16_atoms: bool = False):
     """A KvDictArtifact with random atoms; ``streams`` per layer a (K, V) pair of entries:

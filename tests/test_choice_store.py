@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import random_artifact
+from conftest import GPU_FASTER, random_artifact
 from kvdict_vk.vk import attend_tune as T, choice_store as S, encode_choice as C
 
 
@@ -154,7 +154,7 @@ def test_the_encoder_choice_outlives_the_process(tuner, make_arena, activate, mo
         assert not tuner.exists()  # the codec, unmeasured: nothing to keep
     monkeypatch.setattr(Device, "is_cpu", property(lambda self: False))
     calls = []
-    monkeypatch.setattr(C, "_measure", lambda *a: calls.append(a) or "gpu")
+    monkeypatch.setattr(C, "_measure", lambda *a: calls.append(a) or GPU_FASTER)
     monkeypatch.setattr(C, "_CHOICES", {})
     assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 1
     monkeypatch.setattr(C, "_CHOICES", {})  # a new process

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import random_artifact
+from conftest import GPU_FASTER, random_artifact
 from kvdict_vk import codec
 from kvdict_vk.metrics import nmse
 from test_vk_attend import CASES, _case_id, _check, _filled_arena, reference
@@ -209,7 +209,7 @@ def test_auto_encoder_is_measured_once_per_format_and_batch(make_arena, activate
     monkeypatch.setattr(C, "_CHOICES", {})
     monkeypatch.setattr(Device, "is_cpu", property(lambda self: False))
     calls = []
-    monkeypatch.setattr(C, "_measure", lambda *a: calls.append(a) or "gpu")
+    monkeypatch.setattr(C, "_measure", lambda *a: calls.append(a) or GPU_FASTER)
     arena.append(0, k, v)
     arena.append(0, k[:, :90], v[:, :90])  # the same bucket (≤ 128 tokens): no measurement
     arena.append(0, k[:, :1], v[:, :1])    # a decode-sized append: measured for its bucket
@@ -217,8 +217,12 @@ def test_auto_encoder_is_measured_once_per_format_and_batch(make_arena, activate
     monkeypatch.undo()
     monkeypatch.setattr(C, "_CHOICES", {})
     monkeypatch.setattr(Device, "is_cpu", property(lambda self: False))
+    monkeypatch.setattr(C, "_SECONDS", {})
     choice = C.choose(arena, 0, (k, v))  # the real measurement: both encoders run
     assert choice in ("cpu", "gpu") and len(C.measured()) == 1
+    (parts,) = C.measurements().values()  # what it timed, and the choice follows it
+    assert all(parts[p] > 0 for p in ("cpu_s", "gpu_s", "gpu_first_s"))
+    assert choice == ("gpu" if parts["gpu_s"] < parts["cpu_s"] else "cpu")
     monkeypatch.undo()
     want = np.concatenate([k, k, k[:, :90], k[:, :1]], 1)
     got, _ = arena.read(0)

@@ -41,7 +41,8 @@ def appends(dev, bits: tuple, n_kv: int, hd: int, rng, sizes=(1, 16, 256)) -> li
             arena.append(0, k, v)
             seconds.append(time.perf_counter() - t)
         cases.append({"append": "/".join(map(str, bits)), "tokens": n, "first_append_s": seconds[0],
-                      "second_append_s": seconds[1], "encoder": sorted(set(encode_choice.measured().values()))})
+                      "second_append_s": seconds[1], "encoder": sorted(set(encode_choice.measured().values())),
+                      "choice_measurements": list(encode_choice.measurements().values())})
     arena.free()
     return cases
 

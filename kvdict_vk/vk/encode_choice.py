@@ -27,6 +27,8 @@ ENCODER_VARIANTS = tuple(v for v in shader_build.VARIANTS if v.startswith("omp_e
 
 # (device identity, format of the layer's coded streams, head_dim, n_atoms, batch bucket) → "cpu" | "gpu"
 _CHOICES: dict[tuple, str] = {}
+# the same key → the seconds a measurement took, by part (for reports: measurements())
+_SECONDS: dict[tuple, dict] = {}
 
 
 def _bucket(n_tokens: int) -> int:
@@ -50,17 +52,20 @@ def choose(arena, layer: int, rows) -> str:
         elif (stored := choice_store.load(STORE_KIND, key, ENCODERS)) is not None:
             _CHOICES[key] = stored
         else:
-            _CHOICES[key] = _measure(arena, layer, coded)
+            _SECONDS[key] = _measure(arena, layer, coded)
+            _CHOICES[key] = "gpu" if _SECONDS[key]["gpu_s"] < _SECONDS[key]["cpu_s"] else "cpu"
             choice_store.save(STORE_KIND, key, ENCODERS, _CHOICES[key])
     return _CHOICES[key]
 
 
-def _measure(arena, layer: int, coded) -> str:
+def _measure(arena, layer: int, coded) -> dict:
     """Both on a sample: the codec, and the GPU encoder as the arena runs it (encode_into a
-    device buffer, no read-back) into a scratch buffer of the sample's slots."""
+    device buffer, no read-back) into a scratch buffer of the sample's slots — their seconds
+    over the layer's coded streams ("cpu_s", "gpu_s"), and the untimed first GPU run's
+    ("gpu_first_s": pipelines made, clocks up)."""
     from .. import codec
     from .kernels import Buffer
-    cpu = gpu = 0.0
+    cpu = gpu = gpu_first = 0.0
     for st, r in coded:
         sample = r[:, :SAMPLE_TOKENS]
         d, enc = arena.stream_dict(layer, st.stream), arena.gpu_encoder(layer, st)
@@ -70,15 +75,23 @@ def _measure(arena, layer: int, coded) -> str:
         n_kv, n_tok = sample.shape[:2]
         scratch = Buffer(arena.device, n_kv * n_tok * enc.slot_words, "storage", "encoder choice scratch")
         try:
-            enc.encode_into(scratch, sample, 0, n_tok, 0)  # untimed: pipelines made, clocks up
+            t = time.perf_counter()
+            enc.encode_into(scratch, sample, 0, n_tok, 0)  # not compared: pipelines made, clocks up
+            gpu_first += time.perf_counter() - t
             t = time.perf_counter()
             enc.encode_into(scratch, sample, 0, n_tok, 0)
             gpu += time.perf_counter() - t
         finally:
             scratch.destroy()
-    return "gpu" if gpu < cpu else "cpu"
+    return {"cpu_s": cpu, "gpu_s": gpu, "gpu_first_s": gpu_first}
 
 
 def measured() -> dict:
     """What was chosen in this process, CPU drivers' unmeasured answers included (for reports)."""
     return dict(_CHOICES)
+
+
+def measurements() -> dict:
+    """What the choices measured in this process (not those read from the store or
+    unmeasured): {key: {"cpu_s", "gpu_s", "gpu_first_s"}}."""
+    return {key: dict(parts) for key, parts in _SECONDS.items()}
