@@ -8,6 +8,11 @@ choice measured or read). Run it twice with the same store:
 
     KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > first.json
     KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > second.json
+
+The second process also finds the driver's own shader cache warm where it has one; to tell the
+two apart give each run its own (NVIDIA: __GL_SHADER_DISK_CACHE_PATH=<empty dir>) —
+docs/results/h200/probes/choice_store_driver_cache.json. The appends' entries hold the auto
+encoder's measurements by part (encode_choice.measurements()).
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ n_used (one probe run, the session's closing note). So the first attention over 
 each context bucket (n_used rounded up to a power of two) times every candidate pair on
 the device's timestamps and keeps the fastest — per process, for every arena of the same
 device and layer signature, so an engine pays it once per bucket (0.2-0.5 s on an H200, and
-1.4-3.9 s on a layer's first: every candidate's pipeline is made —
-docs/results/h200/probes/choice_store.json). With ``$KVDICT_VK_TUNE_CACHE`` naming a JSON file
+1.4-3.9 s on a layer's first: every candidate's pipeline is compiled, unless the driver's
+own shader cache holds it from an earlier process — docs/results/h200/probes/choice_store.json,
+choice_store_driver_cache.json). With ``$KVDICT_VK_TUNE_CACHE`` naming a JSON file
 the choices also outlive the process (kvdict_vk.vk.choice_store): a later one on the same
 device, driver and SPIR-V — the layer signature holds all three — takes them from the file.
 
