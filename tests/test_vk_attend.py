@@ -17,8 +17,8 @@ import pytest
 from conftest import _stream_entry, random_artifact, stable_seed
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
-from kvdict_vk.vk import attend
 from kvdict_vk.metrics import nmse
+from kvdict_vk.vk import attend
 from kvdict_vk.vk.attend_specs import merge_head_local
 from kvdict_vk.synthetic import random_slots
 
