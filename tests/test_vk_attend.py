@@ -276,7 +276,7 @@ def test_flash_workgroup_counts_come_from_the_multiprocessors(make_arena):
     assert T.workgroup_counts(132, False) == (1056, 264, 528) and T.workgroup_counts(132, True) == (264, 132, 528)
     assert T.workgroup_counts(0, False) == T.WORKGROUPS and T.workgroup_counts(0, True) == T.CODED_WORKGROUPS
     n_kv, g = 3, 3
-    arena = make_arena(1, n_kv, 64, 40000, cache="f16", shader_mapping="chunk")
+    arena = make_arena(1, n_kv, 64, 45056, cache="f16", shader_mapping="chunk")
     att = arena.attention(n_kv * g)
     att.path, att.compute_units = "flash", 132
     shapes = att.flash_candidates(0)
@@ -288,8 +288,28 @@ def test_flash_workgroup_counts_come_from_the_multiprocessors(make_arena):
     assert [att.splits_wanted(sh) for sh in shapes[:2]] == [128, 88]
     for workgroups, splits in ((8, 2), (9, 3), (2, 1), (264, 88)):
         att.flash_workgroups = workgroups
-        plan = att.plan(0, 40000)
+        plan = att.plan(0, 45056)  # 88 splits of 512 tokens: whole rounds of 64 (test_flash_splits_are_whole_rounds)
         assert plan.n_splits == splits and plan.n_splits * n_kv <= max(workgroups, n_kv)
+
+
+def test_flash_splits_are_whole_rounds(make_arena):
+    """A flash split is a whole number of its kernel's rounds (attend_specs.flash_round_tokens;
+    its tokens per lane the shader's): 32 768 tokens wanted in 33 splits of 993 would each run
+    a last round of 32 whole, so they become 32 of 1 024; a length that is not a multiple leaves
+    only the last split short."""
+    from kvdict_vk.vk import attend_specs as S
+    from kvdict_vk.vk import attend_tune as T
+    flash_src = (MERGE_HEAD_SOURCE.parent / "attend_flash.comp").read_text()
+    assert int(re.search(r"#define TOKENS_PER_LANE (\d+)u", flash_src).group(1)) == S.FLASH_TOKENS_PER_LANE
+    assert S.flash_round_tokens(128, 256, coded=False) == 256 // 16 * S.FLASH_TOKENS_PER_LANE == 32
+    assert S.flash_round_tokens(64, 256, coded=True) == 256
+    n_kv, g, hd = 2, 4, 128
+    arena = make_arena(1, n_kv, hd, 40000, cache="f16", shader_mapping="chunk")
+    att = arena.attention(n_kv * g)
+    for n_used, n_splits, split_len in ((32768, 32, 1024), (39000, 33, 1184), (1000, 8, 128), (100, 1, 100)):
+        plan = att.flash_shaped(n_used, T.Shape(256, 66), attend.FLASH_MIN_SPLIT_TOKENS)  # 33 splits wanted
+        assert (plan.n_splits, plan.split_len) == (n_splits, split_len)
+        assert (plan.n_splits - 1) * plan.split_len < n_used <= plan.n_splits * plan.split_len
 
 
 @pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])

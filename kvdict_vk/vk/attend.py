@@ -33,8 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket, flash_shared_bytes,
-                           flash_subgroup_fits, flash_units, lengths_word)
+from .attend_specs import (FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket, flash_round_tokens,
+                           flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer, Kernel, barrier
@@ -415,8 +415,9 @@ class Attention:
     def flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int, seqs: int = 1) -> P.Plan:
         """The flash plan of a launch shape: the splits that make ``shape.workgroups``
         workgroups over the KV heads (and head blocks) of ``seqs`` sequences, each at least
-        min_tokens long."""
-        n, split_len = P.split_count(n_used, self.splits_wanted(shape, seqs), min_tokens, n_used)
+        min_tokens long and a whole number of the kernel's rounds (attend_specs.flash_round_tokens)."""
+        rounds = flash_round_tokens(self.layout.head_dim, shape.local, coded=shape.heads > 0)
+        n, split_len = P.split_count(n_used, self.splits_wanted(shape, seqs), min_tokens, n_used, rounds)
         return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel, seqs=seqs)
 
     def splits_wanted(self, shape: T.Shape, seqs: int = 1) -> int:

@@ -65,11 +65,18 @@ def max_split_tokens(path: str, k_sparsity: int, v_sparsity: int) -> int:
     return LOOP_BUDGET // loop_iterations(k_sparsity, v_sparsity)
 
 
-def split_count(n_tokens: int, preferred: int, min_tokens: int, max_tokens: int) -> tuple[int, int]:
+def split_count(n_tokens: int, preferred: int, min_tokens: int, max_tokens: int,
+                round_tokens: int = 1) -> tuple[int, int]:
     """(splits, tokens per split) for n_tokens ≥ 1: as many as preferred while each keeps
-    min_tokens, as many as the loop budget needs, then evened out."""
+    min_tokens, as many as the loop budget needs, then evened out — and the split length made
+    a whole number of the kernel's rounds of ``round_tokens`` where that stays within
+    max_tokens (a split runs its last round whole, so 993 tokens in rounds of 32 cost what 1 024
+    do: fewer splits of the same rounds each)."""
     n = max(1, min(preferred, -(-n_tokens // min_tokens)), -(-n_tokens // max_tokens))
     split_len = -(-n_tokens // n)
+    whole = -(-split_len // round_tokens) * round_tokens
+    if whole <= max_tokens:
+        split_len = min(whole, n_tokens)
     return -(-n_tokens // split_len), split_len
 
 

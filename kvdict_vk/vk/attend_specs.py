@@ -41,6 +41,16 @@ def flash_units(head_dim: int) -> int:
     return head_dim // 8
 
 
+FLASH_TOKENS_PER_LANE = 2  # attend_flash.comp's TOKENS_PER_LANE (its default; a test reads the shader's)
+
+
+def flash_round_tokens(head_dim: int, local: int, coded: bool) -> int:
+    """Tokens a flash workgroup takes in one round of its token loop (a split shorter than a
+    whole number of rounds still runs its last round whole): attend_flash_coded a chunk of
+    ``local`` tokens (one an invocation), attend_flash its token lanes × TOKENS_PER_LANE."""
+    return local if coded else local // flash_units(head_dim) * FLASH_TOKENS_PER_LANE
+
+
 def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
     """Whether attend_flash_sg can sum a token's partial scores by subgroup shuffles: its
     ``units`` invocations a power of two within one subgroup, the workgroup whole subgroups
