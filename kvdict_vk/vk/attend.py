@@ -363,32 +363,36 @@ class Attention:
         every kernel build, query heads per workgroup (over the codes) and workgroup size the
         layer and device allow (or the attributes force), at every workgroup count of
         attend_tune.workgroup_counts — counts whose splits the cap makes equal (3 KV heads: 528
-        and 1 056 workgroups both 128 splits) once."""
-        shapes = []
-        if self.layout.layers[layer].k.coded:
-            if self.coded_kernel is not None and self.coded_kernel not in CODED_KERNELS:
-                raise E.ArenaError(f"Attention.coded_kernel must be None or one of {CODED_KERNELS}, "
-                                   f"got {self.coded_kernel!r}")
-            for kernel in CODED_KERNELS if self.coded_kernel is None else (self.coded_kernel,):
-                options = self.flash_coded_options(layer, kernel)
-                if self.coded_heads is not None:
-                    options = [o for o in options if o[0] == self.coded_heads]
-                shapes += T.candidates(options, T.workgroup_counts(self.compute_units, True), kernel)
-            if not shapes:
-                can = {kern: [hb for hb, _ in self.flash_coded_options(layer, kern)] for kern in CODED_KERNELS}
-                raise E.ArenaError(f"layer {layer}: no kernel over the codes ({self.coded_kernel or 'any'}) serves "
-                                   f"{self.coded_heads or 'any number of'} query heads per workgroup here "
-                                   f"(they can: {can})")
-        else:
-            for kernel in FLASH_KERNELS if self.flash_kernel is None else (self.flash_kernel,):
-                shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))],
-                                       T.workgroup_counts(self.compute_units, False), kernel)
-            if not shapes:
-                raise E.ArenaError(f"layer {layer}: attend_flash ({self.flash_kernel}) has no workgroup size here")
-        distinct = {}
-        for sh in shapes:
-            distinct.setdefault((sh.local, sh.heads, sh.kernel, self.splits_wanted(sh, seqs)), sh)
-        return list(distinct.values())
+        and 1 056 workgroups both 128 splits) once. Derived once per setting of the attributes
+        it reads: planning asks on every step."""
+        def derive() -> tuple[T.Shape, ...]:
+            shapes = []
+            if self.layout.layers[layer].k.coded:
+                if self.coded_kernel is not None and self.coded_kernel not in CODED_KERNELS:
+                    raise E.ArenaError(f"Attention.coded_kernel must be None or one of {CODED_KERNELS}, "
+                                       f"got {self.coded_kernel!r}")
+                for kernel in CODED_KERNELS if self.coded_kernel is None else (self.coded_kernel,):
+                    options = self.flash_coded_options(layer, kernel)
+                    if self.coded_heads is not None:
+                        options = [o for o in options if o[0] == self.coded_heads]
+                    shapes += T.candidates(options, T.workgroup_counts(self.compute_units, True), kernel)
+                if not shapes:
+                    can = {kern: [hb for hb, _ in self.flash_coded_options(layer, kern)] for kern in CODED_KERNELS}
+                    raise E.ArenaError(f"layer {layer}: no kernel over the codes ({self.coded_kernel or 'any'}) "
+                                       f"serves {self.coded_heads or 'any number of'} query heads per workgroup "
+                                       f"here (they can: {can})")
+            else:
+                for kernel in FLASH_KERNELS if self.flash_kernel is None else (self.flash_kernel,):
+                    shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))],
+                                           T.workgroup_counts(self.compute_units, False), kernel)
+                if not shapes:
+                    raise E.ArenaError(f"layer {layer}: attend_flash ({self.flash_kernel}) has no workgroup size here")
+            distinct = {}
+            for sh in shapes:
+                distinct.setdefault((sh.local, sh.heads, sh.kernel, self.splits_wanted(sh, seqs)), sh)
+            return tuple(distinct.values())
+        setting = (seqs, self.coded_kernel, self.coded_heads, self.flash_kernel, self.compute_units)
+        return list(self._per_layer(("flash_candidates",) + setting, layer, derive))
 
     def _flash_plan(self, layer: int, n_used: int, seqs: int = 1) -> P.Plan:
         """The flash kernel's plan: a launch shape (workgroup size, workgroups) measured on
