@@ -274,7 +274,7 @@ def test_flash_workgroup_counts_come_from_the_multiprocessors(make_arena):
     equal are one candidate."""
     from kvdict_vk.vk import attend_tune as T
     assert T.workgroup_counts(132, False) == (1056, 264, 528) and T.workgroup_counts(132, True) == (264, 132, 528)
-    assert T.workgroup_counts(0, False) == T.WORKGROUPS and T.workgroup_counts(0, True) == T.CODED_WORKGROUPS
+    assert T.workgroup_counts(0, False) == (1024, 256, 512) and T.workgroup_counts(0, True) == (256, 128, 512)
     n_kv, g = 3, 3
     arena = make_arena(1, n_kv, 64, 45056, cache="f16", shader_mapping="chunk")
     att = arena.attention(n_kv * g)
@@ -307,7 +307,7 @@ def test_flash_splits_are_whole_rounds(make_arena):
     arena = make_arena(1, n_kv, hd, 40000, cache="f16", shader_mapping="chunk")
     att = arena.attention(n_kv * g)
     for n_used, n_splits, split_len in ((32768, 32, 1024), (39000, 33, 1184), (1000, 8, 128), (100, 1, 100)):
-        plan = att.flash_shaped(n_used, T.Shape(256, 66), attend.FLASH_MIN_SPLIT_TOKENS)  # 33 splits wanted
+        plan = att.flash_shaped(n_used, T.Shape(256, 66))  # 33 splits wanted
         assert (plan.n_splits, plan.split_len) == (n_splits, split_len)
         assert (plan.n_splits - 1) * plan.split_len < n_used <= plan.n_splits * plan.split_len
 

@@ -175,9 +175,9 @@ def main(argv=None):
                                 res["nmse_vs_first_build"] = float(nmse(first[n].astype(np.float64), check))
                                 shapes = [T.Shape(local, wg, hb, kernel) for hb, locals_ in att.flash_coded_options(0, kernel)
                                           for local in locals_ for wg in (int(w) for w in a.workgroups.split(","))]
-                                warm(att, n, att.flash_shaped(n, shapes[0], A.FLASH_CODED_MIN_SPLIT_TOKENS))
+                                warm(att, n, att.flash_shaped(n, shapes[0]))
                                 for sh in shapes:
-                                    plan = att.flash_shaped(n, sh, A.FLASH_CODED_MIN_SPLIT_TOKENS)
+                                    plan = att.flash_shaped(n, sh)
                                     res["shapes"].append({"heads": sh.heads, "local": sh.local, "workgroups": sh.workgroups,
                                                           "n_splits": plan.n_splits, "gpu_s": timed(att, n, plan)})
                                 best = min(res["shapes"], key=lambda r: r["gpu_s"] or 1e9)

@@ -400,11 +400,10 @@ class Attention:
         or on a CPU driver, and the splits that make that many workgroups."""
         coded = self.layout.layers[layer].k.coded
         shapes = self.flash_candidates(layer, seqs)
-        min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS if coded else FLASH_MIN_SPLIT_TOKENS
         fixed = self.coded_workgroups if coded else self.flash_workgroups
 
         def shaped(shape: T.Shape) -> P.Plan:
-            return self.flash_shaped(n_used, shape, min_tokens, seqs)
+            return self.flash_shaped(n_used, shape, seqs)
         if fixed is None and self.tune and timestamps_usable(self.device):
             forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None) if coded else \
                 ((self.flash_kernel,) if self.flash_kernel is not None else ())
@@ -416,11 +415,14 @@ class Attention:
             shape = T.Shape(first.local, fixed or first.workgroups, first.heads, first.kernel)
         return shaped(shape)
 
-    def flash_shaped(self, n_used: int, shape: T.Shape, min_tokens: int, seqs: int = 1) -> P.Plan:
-        """The flash plan of a launch shape: the splits that make ``shape.workgroups``
-        workgroups over the KV heads (and head blocks) of ``seqs`` sequences, each at least
-        min_tokens long and a whole number of the kernel's rounds (attend_specs.flash_round_tokens)."""
-        rounds = flash_round_tokens(self.layout.head_dim, shape.local, coded=shape.heads > 0)
+    def flash_shaped(self, n_used: int, shape: T.Shape, seqs: int = 1) -> P.Plan:
+        """The flash plan of a launch shape (over the codes where ``shape.heads`` is set): the
+        splits that make ``shape.workgroups`` workgroups over the KV heads (and head blocks) of
+        ``seqs`` sequences, each at least FLASH_(CODED_)MIN_SPLIT_TOKENS long and a whole number
+        of the kernel's rounds (attend_specs.flash_round_tokens)."""
+        coded = shape.heads > 0
+        rounds = flash_round_tokens(self.layout.head_dim, shape.local, coded)
+        min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS if coded else FLASH_MIN_SPLIT_TOKENS
         n, split_len = P.split_count(n_used, self.splits_wanted(shape, seqs), min_tokens, n_used, rounds)
         return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel, seqs=seqs)
 
@@ -610,7 +612,7 @@ class Attention:
         locals_ = self.flash_locals_of("f32")
         if locals_ and self.path != "direct" and (self.local == GPU_LOCAL or self.path == "flash"):
             shape = T.Shape(locals_[0], self.flash_workgroups or T.workgroup_counts(self.compute_units, False)[0])
-            return self.flash_shaped(n_used, shape, FLASH_MIN_SPLIT_TOKENS)
+            return self.flash_shaped(n_used, shape)
         return P.Plan("direct", *P.split_count(n_used, self.preferred_splits, P.MIN_DIRECT_SPLIT_TOKENS,
                                                P.max_split_tokens("direct", 0, 0)))
 

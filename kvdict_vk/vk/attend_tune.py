@@ -42,16 +42,15 @@ WARM_S = 0.2  # untimed load before the candidates are timed: a GPU idling lower
 # and the device allow
 FLASH_LOCALS = (256, 128)  # attend_flash
 FLASH_CODED_LOCALS = (256, 128, 64)  # attend_flash_coded
-# Workgroups per attention, preferred (untuned) first: multiples of the multiprocessors where the
-# device reports them (vulkan_info's compute_units), so a count is whole waves of whole
-# workgroups a multiprocessor; else about an H200's (132 multiprocessors) as powers of two.
-# attend_flash_coded takes fewer (a larger fixed cost a workgroup: the q·atom table, the
+# Workgroups per attention, preferred (untuned) first: multiples of the multiprocessors the
+# device reports (vulkan_info's compute_units), so a count is whole waves of whole workgroups a
+# multiprocessor; where it reports none, of UNREPORTED_UNITS (about a large GPU's: an H200 has
+# 132). attend_flash_coded takes fewer (a larger fixed cost a workgroup: the q·atom table, the
 # weights × atoms product). docs/DESIGN.md: "Launch shapes differ by shape", "Workgroup counts
 # from the multiprocessors".
 WORKGROUPS_PER_UNIT = (8, 2, 4)  # attend_flash
 CODED_WORKGROUPS_PER_UNIT = (2, 1, 4)  # attend_flash_coded
-WORKGROUPS = (1024, 256, 512)  # the same without a multiprocessor count
-CODED_WORKGROUPS = (256, 132, 528)
+UNREPORTED_UNITS = 128
 
 # Bytes of scratch copied ahead of every timed run of a candidate (Attention.time_plan; outside
 # the timed passes), pushing the L2's contents out as a decode step's other layers would — 0:
@@ -108,9 +107,8 @@ def signature(layer_sig: tuple, n_used: int) -> tuple:
 def workgroup_counts(compute_units: int, coded: bool) -> tuple[int, ...]:
     """The candidate workgroups per attention of attend_flash (or attend_flash_coded) on a
     device with ``compute_units`` multiprocessors (0: not reported), the untuned one first."""
-    if compute_units > 0:
-        return tuple(compute_units * m for m in (CODED_WORKGROUPS_PER_UNIT if coded else WORKGROUPS_PER_UNIT))
-    return CODED_WORKGROUPS if coded else WORKGROUPS
+    units = compute_units if compute_units > 0 else UNREPORTED_UNITS
+    return tuple(units * m for m in (CODED_WORKGROUPS_PER_UNIT if coded else WORKGROUPS_PER_UNIT))
 
 
 def candidates(options: list[tuple[int, list[int]]], counts: tuple[int, ...], kernel: str = "float") -> list[Shape]:
@@ -159,4 +157,3 @@ def _shape_list(shapes) -> list:
 def measured() -> dict:
     """What the tuner chose in this process (for reports): {signature: (local, workgroups, heads, kernel)}."""
     return {key: choice for key, (_, choice) in _CHOICES.items()}
-
