@@ -123,3 +123,10 @@ class ShaderBuildError(KvDictError):
 class DictMismatchError(ArenaError):
     """The active dictionary does not fit the arena's model dims (n_layers, head_dim,
     n_atoms, per-stream sparsity); refused before anything is allocated."""
+
+
+# --- benchmarks -----------------------------------------------------------------------
+
+class AnchorError(KvDictError):
+    """An outside program a benchmark compares against (llama.cpp's test-backend-ops) is
+    missing, failed, or printed what was not expected; the message quotes it."""

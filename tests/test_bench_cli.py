@@ -241,7 +241,7 @@ def test_presets_and_repeats_become_the_benchmarks_options(tmp_path):
     assert (args.n_used, args.repeats, args.device) == ("1024,4096", 4, "llvmpipe")
     assert args.out == tmp_path / "attention.json"
     assert "--device" not in bench.bench_argv("omp", a, "quick")  # CPU only: takes no --device
-    assert bench.parse_args([]).names == ["fixed", "attention", "encode", "omp", "reconstruct"]
+    assert bench.parse_args([]).names == ["fixed", "attention", "encode", "omp", "reconstruct", "llama_fa"]
     for name, mod in bench.BENCHMARKS.items():
         assert set(mod.PRESETS) == set(common.PRESETS), name
         mod.parse_args(bench.bench_argv(name, bench.parse_args([]), "gpu"))  # every preset parses

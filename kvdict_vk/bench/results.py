@@ -2,7 +2,7 @@
 every benchmark writes and the README quotes (tests/test_readme_figures.py).
 
 A row: benchmark, case (unique within the benchmark: ``rows[<benchmark>/<case>]`` names
-it), cache ("f16" | "f32" | "dict" | None for what has no cache: the copy, encoders),
+it), cache (one of CACHES; None for what has no cache: the copy, encoders),
 n_used, n_kv, gqa, head_dim, batch, gpu_s (median, timestamps; None with a note where
 the driver has none or the work spans submissions), wall_s (median), bytes (from
 :func:`kvdict_vk.bench.traffic.bytes_moved`, None where nothing is counted), bytes_per_s,
@@ -18,7 +18,7 @@ from . import timing as T
 
 REQUIRED = ("benchmark", "case", "cache", "n_used", "n_kv", "gqa", "head_dim", "batch", "gpu_s", "wall_s",
             "bytes", "roofline_fraction", "torch_sdpa_f16_s")
-CACHES = ("f16", "f32", "q8_0", "kivi", "dict", None)
+CACHES = ("f16", "f32", "q8_0", "q4_0", "kivi", "dict", None)  # q4_0: llama.cpp's rows (llama_fa)
 
 
 def row(benchmark: str, case: str, t: dict, *, cache=None, n_used=None, n_kv=None, gqa=None, head_dim=None,

@@ -7,7 +7,9 @@ figures in one summary.json.
     kvdict-bench omp reconstruct --json    # some of them; the summary as JSON on stdout
     kvdict-bench --out-dir D --resummarize # summary.json again from D's benchmark JSONs
 
-NAME is one of fixed, attention, encode, omp, reconstruct (default: all, in that order).
+NAME is one of fixed, attention, encode, omp, reconstruct, llama_fa (default: all, in that order;
+llama_fa — llama.cpp's Vulkan flash attention on the same device — where a test-backend-ops
+binary is given: kvdict_vk.bench.llama_fa).
 Each runs in this process on the same device and writes <out-dir>/<name>.json and .png
 (the PNG only when matplotlib is installed). Sizes come from each benchmark's presets:
 "gpu" (working sets well past a GPU's L2) on a GPU, "cpu" on a software driver, or what
@@ -29,7 +31,8 @@ of this code) kept from the summary.json it replaces when that names the same de
 
 Exit status: 0; 1 when a benchmark failed (one line on stderr names it); 2 on bad
 arguments or no usable Vulkan device. A benchmark whose optional dependency is missing
-(scikit-learn for omp) is skipped with a note and recorded as "skipped" in summary.json.
+(scikit-learn for omp, a test-backend-ops binary for llama_fa) is skipped with a note and
+recorded as "skipped" in summary.json; --resummarize skips llama_fa where its JSON is absent.
 """
 from __future__ import annotations
 
@@ -43,9 +46,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .. import errors as E
-from ..bench import attention, common, encode, fixed, omp, reconstruct, results, roofline, torch_anchor
+from ..bench import attention, common, encode, fixed, llama_fa, omp, reconstruct, results, roofline, torch_anchor
 
-BENCHMARKS = {"fixed": fixed, "attention": attention, "encode": encode, "omp": omp, "reconstruct": reconstruct}
+BENCHMARKS = {"fixed": fixed, "attention": attention, "encode": encode, "omp": omp, "reconstruct": reconstruct,
+              "llama_fa": llama_fa}
 ROOFLINE_KEYS = ("bytes", "bytes_per_s", "kernel", "timing", "gpu_s", "wall_s", "repeats", "note")
 
 
@@ -95,7 +99,7 @@ def bench_argv(name: str, a, preset: str) -> list[str]:
 def run_benchmark(name: str, a, preset: str) -> tuple[dict, dict | None]:
     """Run one benchmark, write its JSON + PNG: (its summary entry, its result or None)."""
     mod = BENCHMARKS[name]
-    reason = common.missing_modules(mod.REQUIRES)
+    reason = common.missing_modules(mod.REQUIRES) or getattr(mod, "missing", lambda: None)()
     if reason:
         _log(f"{name}: skipped: {reason}")
         return {"skipped": reason}, None
@@ -122,6 +126,9 @@ def run_benchmark(name: str, a, preset: str) -> tuple[dict, dict | None]:
 def load_benchmark(name: str, a) -> tuple[dict, dict | None]:
     """--resummarize: a benchmark's summary entry and result from the JSON a run wrote."""
     mod, path = BENCHMARKS[name], a.out_dir / f"{name}.json"
+    if not path.is_file() and getattr(mod, "OPTIONAL", False):  # an anchor this device was not measured against
+        _log(f"{name}: skipped: no {path}")
+        return {"skipped": f"no {path}"}, None
     if not path.is_file():
         _log(f"{name}: failed: no {path}")
         return {"failed": f"no {path}"}, None

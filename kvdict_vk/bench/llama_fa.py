@@ -1,0 +1,235 @@
+"""llama.cpp's Vulkan flash attention on the same device: the anchor our decode attention is
+for (ggml-vulkan's FLASH_ATTN_EXT, through its test-backend-ops in perf mode).
+
+It runs a test-backend-ops binary built with GGML_VULKAN (``tools/build_llama_anchor.sh``
+builds one from the llama.cpp inside PyPI's llama-cpp-python sdist and adds the decode cases
+timed here: one query row, no mask, K and V of one type, 8 KV heads × GQA 4 and 3 × 3, head_dim
+64 / 128, 8 192 / 32 768 / 131 072 tokens, f16 / q8_0 / q4_0), one process per case and repeat,
+with ggml-vulkan's GGML_VK_PERF_LOGGER, which brackets every graph node with timestamp
+queries. A row's ``gpu_s`` is the median over the timed graphs of the FLASH_ATTN_EXT nodes'
+mean GPU time (its split-k reduce included, as our kernel_s includes the merge pass);
+``wall_s`` is test-backend-ops' own figure, a graph of n copies of the op timed on the host
+and divided by n. Cases are named as the attention benchmark's (``f16 8x4 d64 n32768``), so
+``rows[attention/CASE].kernel_s / rows[llama_fa/CASE].gpu_s`` compares the two.
+
+    KVDICT_LLAMA_TEST_BACKEND_OPS=/path/test-backend-ops python -m kvdict_vk.bench.llama_fa
+
+Skipped (kvdict-bench) where no binary is given; needs a Vulkan device the binary can open.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .. import errors as E
+from . import common, results, timing
+
+NAME = "llama_fa"
+ENV_BIN = "KVDICT_LLAMA_TEST_BACKEND_OPS"
+# quick/cpu: the attention benchmark's quick shape (SmolLM2's heads, short contexts: a software
+# driver takes ~50 s for one 8 k case); gpu: the attention benchmark's gpu cases
+_SMALL = ["--shapes", "3x3", "--head-dims", "64", "--n-used", "1024,4096", "--types", "f16,q8_0"]
+PRESETS = {"quick": _SMALL, "cpu": _SMALL, "gpu": []}
+USES_DEVICE, REQUIRES = False, {}
+OPTIONAL = True  # --resummarize: a directory without its JSON skips it
+# bytes a row of head_dim elements takes in each cache type (ggml's blocks of 32: q8_0 a f16
+# scale + 32 int8, q4_0 a f16 scale + 16 bytes of nibbles)
+ROW_BYTES = {"f16": lambda d: 2 * d, "q8_0": lambda d: d // 32 * 34, "q4_0": lambda d: d // 32 * 18}
+# one perf-logger line: "<name>: <count> x <mean> us = <total> us"
+_LOGGER = re.compile(r"^(?P<name>FLASH_ATTN_EXT[^:]*): (?P<n>\d+) x (?P<us>[0-9.eE+-]+) us")
+# ggml-vulkan's line for the device it opened: its name and the shader paths it has ("int dot:
+# 1 | matrix cores: NV_coopmat2"); the first device is test-backend-ops' Vulkan0
+_DEVICE = re.compile(r"^ggml_vulkan: 0 = (?P<line>.*)$")
+_SQL = re.compile(r"^INSERT INTO test_backend_ops \((?P<fields>[^)]*)\) VALUES \('(?P<values>.*)'\);$")
+
+
+def default_bin() -> str | None:
+    """The binary: $KVDICT_LLAMA_TEST_BACKEND_OPS, else test-backend-ops on PATH."""
+    return os.environ.get(ENV_BIN) or shutil.which("test-backend-ops")
+
+
+def missing() -> str | None:
+    """Why this benchmark cannot run here, or None (kvdict-bench skips it then)."""
+    path = default_bin()
+    if not path:
+        return f"needs llama.cpp's test-backend-ops built with Vulkan (set {ENV_BIN}; tools/build_llama_anchor.sh)"
+    if not os.access(path, os.X_OK):
+        return f"{ENV_BIN}={path} is not an executable file"
+    return None
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(f"out/bench_{NAME}.json"))
+    ap.add_argument("--repeats", type=int, default=2, help="processes per case, interleaved over the cases")
+    ap.add_argument("--bin", default=None, help=f"test-backend-ops (default: ${ENV_BIN}, else on PATH)")
+    ap.add_argument("--backend", default="Vulkan0", help="test-backend-ops' -b")
+    ap.add_argument("--shapes", default="8x4,3x3", help="KV heads x GQA, comma-separated")
+    ap.add_argument("--head-dims", type=_ints, default=[64, 128])
+    ap.add_argument("--n-used", type=_ints, default=[8192, 32768, 131072])
+    ap.add_argument("--types", default="f16,q8_0,q4_0", help="K and V type, comma-separated")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="per process")
+    args = common.parse(ap, argv)
+    args.bin = args.bin or default_bin()  # none: run() says so (kvdict-bench skips before)
+    args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    args.types = args.types.split(",")
+    unknown = [t for t in args.types if t not in ROW_BYTES]
+    if unknown or args.repeats < 1:
+        ap.error(f"types among {', '.join(ROW_BYTES)}; --repeats at least 1")
+    return args
+
+
+def case_name(cache: str, n_kv: int, gqa: int, head_dim: int, n_used: int) -> str:
+    """The attention benchmark's case name of the same shape."""
+    return f"{cache} {n_kv}x{gqa} d{head_dim} n{n_used}"
+
+
+def params_regex(cache: str, n_kv: int, gqa: int, head_dim: int, n_used: int) -> str:
+    """test-backend-ops' -p for exactly one of the added decode cases (its vars() string)."""
+    return (rf"^hsk={head_dim},hsv={head_dim},nh={n_kv},nr23=\[{gqa},1\],kv={n_used},nb=1,mask=0,sinks=0,"
+            rf".*,type_K={cache},type_V={cache},")
+
+
+def parse_output(text: str) -> dict:
+    """One process's output: its test result (SQL), ggml-vulkan's line for the device, and the
+    FLASH_ATTN_EXT means the perf logger printed after each graph (the first graph is
+    test-backend-ops' warm-up)."""
+    sql, means, device = [], [], None
+    for line in text.splitlines():
+        m = _DEVICE.match(line.strip())
+        if m:
+            device = m.group("line")
+            continue
+        m = _SQL.match(line.strip())
+        if m:
+            fields = [f.strip() for f in m.group("fields").split(",")]
+            sql.append(dict(zip(fields, m.group("values").split("', '"))))
+            continue
+        m = _LOGGER.match(line.strip())
+        if m:
+            means.append(float(m.group("us")) * 1e-6)
+    perf = [r for r in sql if r.get("op_name") == "FLASH_ATTN_EXT" and r.get("test_mode") == "perf"]
+    if len(perf) != 1:
+        raise E.AnchorError(f"expected one FLASH_ATTN_EXT perf result, found {len(perf)}")
+    r = perf[0]
+    out = {"supported": r.get("supported") in ("1", "true", "yes"), "params": r.get("op_params"),
+           "device_description": r.get("device_description"), "backend": r.get("backend_name"),
+           "build_commit": r.get("build_commit"), "vulkan_device": device, "graph_means_s": means[1:]}
+    if out["supported"]:
+        try:
+            out["wall_per_op_s"] = float(r["time_us"]) * 1e-6
+            out["n_runs"] = int(r["n_runs"])
+        except (KeyError, ValueError) as e:
+            raise E.AnchorError(f"a perf result without its time_us / n_runs: {e!r}") from None
+    return out
+
+
+def _run_case(args, case: tuple) -> dict:
+    cmd = [args.bin, "perf", "-b", args.backend, "-o", "FLASH_ATTN_EXT", "-p", params_regex(*case),
+           "--output", "sql"]
+    env = dict(os.environ, GGML_VK_PERF_LOGGER="1")
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise E.AnchorError(f"{' '.join(cmd)}: {e}") from e
+    if p.returncode != 0:
+        raise E.AnchorError(f"{' '.join(cmd)} exited {p.returncode}: {(p.stderr or p.stdout)[-400:]}")
+    try:
+        return parse_output(p.stdout + "\n" + p.stderr)
+    except E.AnchorError as e:
+        raise E.AnchorError(f"{' '.join(cmd)}: {e}") from None
+
+
+def run(args, progress) -> dict:
+    if not args.bin:
+        raise E.AnchorError(missing())
+    cases = [(c, n_kv, gqa, d, n) for (n_kv, gqa) in args.shapes for d in args.head_dims
+             for n in args.n_used for c in args.types]
+    runs = {case: [] for case in cases}
+    t0 = time.perf_counter()
+    for rep in range(args.repeats):
+        for k, case in enumerate(cases):
+            runs[case].append(_run_case(args, case))
+            progress(f"repeat {rep + 1}/{args.repeats}, case {k + 1}/{len(cases)}: {case_name(*case)}")
+    first = runs[cases[0]][0]
+    result = {"benchmark": NAME, "argv": args.argv, "bin": str(args.bin), "backend": first["backend"],
+              "device_description": first["device_description"], "build_commit": first["build_commit"],
+              "vulkan_device": first.get("vulkan_device"),
+              "seconds": round(time.perf_counter() - t0, 1),
+              "cases": [{"cache": c, "n_kv": n_kv, "gqa": gqa, "head_dim": d, "n_used": n, "runs": runs[(c, n_kv, gqa, d, n)]}
+                        for (c, n_kv, gqa, d, n) in cases]}
+    result["rows"] = make_rows(result)
+    return result
+
+
+def make_rows(result) -> list[dict]:
+    rows = []
+    for c in result["cases"]:
+        if not all(r["supported"] for r in c["runs"]):
+            continue
+        gpu = [s for r in c["runs"] for s in r["graph_means_s"]]
+        t = timing.timing([r["wall_per_op_s"] for r in c["runs"]], gpu or None, recorded=bool(gpu))
+        kv_bytes = 2 * c["n_kv"] * c["n_used"] * ROW_BYTES[c["cache"]](c["head_dim"])
+        moved = {"total": kv_bytes, "cache": kv_bytes}
+        rows.append(results.row(NAME, case_name(c["cache"], c["n_kv"], c["gqa"], c["head_dim"], c["n_used"]), t,
+                                cache=c["cache"], n_used=c["n_used"], n_kv=c["n_kv"], gqa=c["gqa"],
+                                head_dim=c["head_dim"], moved=moved, device_kind="gpu",
+                                path="llama.cpp ggml-vulkan FLASH_ATTN_EXT"))
+    return rows
+
+
+def rows(result) -> list[dict]:
+    return result["rows"]
+
+
+def headline(result) -> list[dict]:
+    """llama.cpp's f16 flash attention at the longest context of each shape: GPU time."""
+    out = []
+    for r in result["rows"]:
+        if r["cache"] == "f16" and r["gpu_s"] is not None and r["n_used"] == max(
+                x["n_used"] for x in result["rows"] if x["cache"] == "f16"):
+            out.append({"figure": "llama.cpp Vulkan flash attention, f16 cache", "case": r["case"],
+                        "numerator": r["gpu_s"], "denominator": r["wall_s"], "unit": "s",
+                        "ratio": r["gpu_s"] / r["wall_s"]})
+    return out
+
+
+def report(result) -> list[str]:
+    return [f"{r['case']:24s} gpu {1e6 * r['gpu_s']:8.1f} us  wall/op {1e6 * r['wall_s']:8.1f} us"
+            if r["gpu_s"] is not None else f"{r['case']:24s} wall/op {1e6 * r['wall_s']:8.1f} us"
+            for r in result["rows"]]
+
+
+def plot(plt, r: dict):
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for cache, colour in (("f16", "#27a"), ("q8_0", "#a72"), ("q4_0", "#7a2")):
+        sel = [x for x in r["rows"] if x["cache"] == cache]
+        if sel:
+            ax.bar([x["case"].split(" ", 1)[1] + f"\n{cache}" for x in sel],
+                   [1e6 * timing.best_seconds(x) for x in sel], color=colour, label=cache)
+    ax.set_ylabel("µs (GPU, median)")
+    ax.set_yscale("log")
+    ax.tick_params(axis="x", labelsize=5, rotation=90)
+    ax.set_title("llama.cpp Vulkan FLASH_ATTN_EXT, one query row")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None) -> int:
+    return common.standalone(NAME, parse_args(argv), run, plot, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
