@@ -24,8 +24,9 @@ REAL_PARAMS = ("hsk=64,hsv=64,nh=8,nr23=[4,1],kv=32768,nb=1,mask=0,sinks=0,max_b
                "logit_softcap=0.000000,prec=f32,type_K=f16,type_V=f16,permute=[0,1,2,3],kv_view=0,"
                "v_is_view_of_k=0,n_kv_max=0")
 
-# The stand-in: the case from -p, GPU means of (kv / 1024) µs plus 0.1 µs per graph after a
-# 1000 µs warm-up graph, time_us twice the first timed mean; $FAKE_UNSUPPORTED names a type it
+# The stand-in: the case from -p, GPU means of (kv / 1024) µs (three times that with ggml's
+# cooperative-matrix and integer-dot switches off) plus 0.1 µs per graph after a 1000 µs
+# warm-up graph, time_us twice the first timed mean; $FAKE_UNSUPPORTED names a type it
 # reports unsupported, $FAKE_EXIT an exit status.
 FAKE = textwrap.dedent('''\
     import os, re, sys
@@ -40,8 +41,10 @@ FAKE = textwrap.dedent('''\
         sys.exit(int(os.environ["FAKE_EXIT"]))
     d, nh, kv, t = (re.search(k + r"=\\\\?\\[?(\\w+)", p).group(1) for k in ("hsk", "nh", "kv", "type_K"))
     kv = int(kv)
-    print("ggml_vulkan: 0 = Fake GPU (Fake) | int dot: 1 | matrix cores: NV_coopmat2", file=sys.stderr)
-    means = [1000.0] + [kv / 1024 + 0.1 * i for i in range(5)]
+    scalar = all(os.environ.get("GGML_VK_DISABLE_" + f) for f in ("COOPMAT", "COOPMAT2", "INTEGER_DOT_PRODUCT"))
+    cores = "none" if scalar else "NV_coopmat2"
+    print(f"ggml_vulkan: 0 = Fake GPU (Fake) | int dot: {int(not scalar)} | matrix cores: {cores}", file=sys.stderr)
+    means = [1000.0] + [(3 if scalar else 1) * kv / 1024 + 0.1 * i for i in range(5)]
     supported = "0" if t == os.environ.get("FAKE_UNSUPPORTED") else "1"
     if supported == "1":
         for m in means:
@@ -138,3 +141,16 @@ def test_no_binary_skips_in_a_run_and_in_resummarize(tmp_path, monkeypatch, caps
     args = llama_fa.parse_args(["--out", str(tmp_path / "x.json")])
     with pytest.raises(E.AnchorError, match="test-backend-ops"):
         llama_fa.run(args, print)
+
+
+def test_the_scalar_path_runs_with_ggmls_switches_off(tmp_path, fake_bin):
+    args = llama_fa.parse_args(["--shapes", "3x3", "--head-dims", "64", "--n-used", "1024", "--types", "f16",
+                                "--paths", "default,scalar", "--repeats", "1", "--out", str(tmp_path / "x.json")])
+    result = llama_fa.run(args, lambda line: None)
+    default, scalar = result["rows"]
+    assert (default["case"], scalar["case"]) == ("f16 3x3 d64 n1024", "f16 scalar 3x3 d64 n1024")
+    assert default["gpu_s"] == pytest.approx(1.2e-6) and scalar["gpu_s"] == pytest.approx(3.2e-6)
+    assert [c["runs"][0]["vulkan_device"].endswith(cores) for c, cores in
+            zip(result["cases"], ("NV_coopmat2", "none"))] == [True, True]
+    with pytest.raises(SystemExit):
+        llama_fa.parse_args(["--paths", "coopmat9"])

@@ -6,11 +6,17 @@ builds one from the llama.cpp inside PyPI's llama-cpp-python sdist and adds the 
 timed here: one query row, no mask, K and V of one type, 8 KV heads × GQA 4 and 3 × 3, head_dim
 64 / 128, 8 192 / 32 768 / 131 072 tokens, f16 / q8_0 / q4_0), one process per case and repeat,
 with ggml-vulkan's GGML_VK_PERF_LOGGER, which brackets every graph node with timestamp
-queries. A row's ``gpu_s`` is the median over the timed graphs of the FLASH_ATTN_EXT nodes'
-mean GPU time (its split-k reduce included, as our kernel_s includes the merge pass);
-``wall_s`` is test-backend-ops' own figure, a graph of n copies of the op timed on the host
-and divided by n. Cases are named as the attention benchmark's (``f16 8x4 d64 n32768``), so
-``rows[attention/CASE].kernel_s / rows[llama_fa/CASE].gpu_s`` compares the two.
+queries. Each case runs on ggml-vulkan's "default" path — what it picks on the device, with
+cooperative matrices where device and build have them — and, with --paths, on its "scalar"
+path (ggml's switches turn cooperative matrices and integer dot products off: the features
+our kernels use); each process's device line ("matrix cores: …") is kept in the JSON.
+
+A row's ``gpu_s`` is the median over the timed graphs of the FLASH_ATTN_EXT nodes' mean GPU
+time (its split-k reduce included, as our kernel_s includes the merge pass); ``wall_s`` is
+test-backend-ops' own figure, a graph of n copies of the op timed on the host and divided by
+n. Cases are named as the attention benchmark's (``f16 8x4 d64 n32768``; the scalar path's
+``f16 scalar 8x4 d64 n32768``), so ``rows[attention/CASE].kernel_s / rows[llama_fa/CASE].gpu_s``
+compares the two.
 
     KVDICT_LLAMA_TEST_BACKEND_OPS=/path/test-backend-ops python -m kvdict_vk.bench.llama_fa
 
@@ -36,7 +42,12 @@ ENV_BIN = "KVDICT_LLAMA_TEST_BACKEND_OPS"
 # quick/cpu: the attention benchmark's quick shape (SmolLM2's heads, short contexts: a software
 # driver takes ~50 s for one 8 k case); gpu: the attention benchmark's gpu cases
 _SMALL = ["--shapes", "3x3", "--head-dims", "64", "--n-used", "1024,4096", "--types", "f16,q8_0"]
-PRESETS = {"quick": _SMALL, "cpu": _SMALL, "gpu": []}
+PRESETS = {"quick": _SMALL, "cpu": _SMALL, "gpu": ["--paths", "default,scalar", "--repeats", "1"]}
+# ggml-vulkan's shader paths: what it picks on the device (cooperative matrices where the device
+# and the build have them), and its scalar path — the features our kernels use — by turning the
+# others off with ggml's own switches
+PATHS = {"default": {}, "scalar": {"GGML_VK_DISABLE_COOPMAT": "1", "GGML_VK_DISABLE_COOPMAT2": "1",
+                                   "GGML_VK_DISABLE_INTEGER_DOT_PRODUCT": "1"}}
 USES_DEVICE, REQUIRES = False, {}
 OPTIONAL = True  # --resummarize: a directory without its JSON skips it
 # bytes a row of head_dim elements takes in each cache type (ggml's blocks of 32: q8_0 a f16
@@ -79,20 +90,22 @@ def parse_args(argv=None):
     ap.add_argument("--head-dims", type=_ints, default=[64, 128])
     ap.add_argument("--n-used", type=_ints, default=[8192, 32768, 131072])
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="K and V type, comma-separated")
+    ap.add_argument("--paths", default="default", help=f"comma-separated among {', '.join(PATHS)}")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="per process")
     args = common.parse(ap, argv)
     args.bin = args.bin or default_bin()  # none: run() says so (kvdict-bench skips before)
     args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     args.types = args.types.split(",")
-    unknown = [t for t in args.types if t not in ROW_BYTES]
-    if unknown or args.repeats < 1:
-        ap.error(f"types among {', '.join(ROW_BYTES)}; --repeats at least 1")
+    args.paths = args.paths.split(",")
+    if any(t not in ROW_BYTES for t in args.types) or any(p not in PATHS for p in args.paths) or args.repeats < 1:
+        ap.error(f"types among {', '.join(ROW_BYTES)}, paths among {', '.join(PATHS)}; --repeats at least 1")
     return args
 
 
-def case_name(cache: str, n_kv: int, gqa: int, head_dim: int, n_used: int) -> str:
-    """The attention benchmark's case name of the same shape."""
-    return f"{cache} {n_kv}x{gqa} d{head_dim} n{n_used}"
+def case_name(cache: str, n_kv: int, gqa: int, head_dim: int, n_used: int, path: str = "default") -> str:
+    """The attention benchmark's case name of the same shape (``f16 8x4 d64 n32768``); the
+    scalar path's as the attention benchmark names a forced kernel (``f16 scalar 8x4 …``)."""
+    return f"{cache}{'' if path == 'default' else ' ' + path} {n_kv}x{gqa} d{head_dim} n{n_used}"
 
 
 def params_regex(cache: str, n_kv: int, gqa: int, head_dim: int, n_used: int) -> str:
@@ -135,10 +148,11 @@ def parse_output(text: str) -> dict:
     return out
 
 
-def _run_case(args, case: tuple) -> dict:
-    cmd = [args.bin, "perf", "-b", args.backend, "-o", "FLASH_ATTN_EXT", "-p", params_regex(*case),
+def _run_case(args, case: dict) -> dict:
+    shape = (case["cache"], case["n_kv"], case["gqa"], case["head_dim"], case["n_used"])
+    cmd = [args.bin, "perf", "-b", args.backend, "-o", "FLASH_ATTN_EXT", "-p", params_regex(*shape),
            "--output", "sql"]
-    env = dict(os.environ, GGML_VK_PERF_LOGGER="1")
+    env = dict(os.environ, GGML_VK_PERF_LOGGER="1", **PATHS[case["path"]])
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -154,23 +168,27 @@ def _run_case(args, case: tuple) -> dict:
 def run(args, progress) -> dict:
     if not args.bin:
         raise E.AnchorError(missing())
-    cases = [(c, n_kv, gqa, d, n) for (n_kv, gqa) in args.shapes for d in args.head_dims
-             for n in args.n_used for c in args.types]
-    runs = {case: [] for case in cases}
+    cases = [{"cache": c, "n_kv": n_kv, "gqa": gqa, "head_dim": d, "n_used": n, "path": path, "runs": []}
+             for (n_kv, gqa) in args.shapes for d in args.head_dims for n in args.n_used
+             for path in args.paths for c in args.types]
     t0 = time.perf_counter()
     for rep in range(args.repeats):
         for k, case in enumerate(cases):
-            runs[case].append(_run_case(args, case))
-            progress(f"repeat {rep + 1}/{args.repeats}, case {k + 1}/{len(cases)}: {case_name(*case)}")
-    first = runs[cases[0]][0]
+            case["runs"].append(_run_case(args, case))
+            progress(f"repeat {rep + 1}/{args.repeats}, case {k + 1}/{len(cases)}: {_name(case)}")
+    first = cases[0]["runs"][0]
     result = {"benchmark": NAME, "argv": args.argv, "bin": str(args.bin), "backend": first["backend"],
               "device_description": first["device_description"], "build_commit": first["build_commit"],
               "vulkan_device": first.get("vulkan_device"),
               "seconds": round(time.perf_counter() - t0, 1),
-              "cases": [{"cache": c, "n_kv": n_kv, "gqa": gqa, "head_dim": d, "n_used": n, "runs": runs[(c, n_kv, gqa, d, n)]}
-                        for (c, n_kv, gqa, d, n) in cases]}
+              "paths_env": {p: PATHS[p] for p in args.paths}, "cases": cases}
     result["rows"] = make_rows(result)
     return result
+
+
+def _name(case: dict) -> str:
+    return case_name(case["cache"], case["n_kv"], case["gqa"], case["head_dim"], case["n_used"],
+                     case.get("path", "default"))  # the first committed run had one path
 
 
 def make_rows(result) -> list[dict]:
@@ -182,10 +200,10 @@ def make_rows(result) -> list[dict]:
         t = timing.timing([r["wall_per_op_s"] for r in c["runs"]], gpu or None, recorded=bool(gpu))
         kv_bytes = 2 * c["n_kv"] * c["n_used"] * ROW_BYTES[c["cache"]](c["head_dim"])
         moved = {"total": kv_bytes, "cache": kv_bytes}
-        rows.append(results.row(NAME, case_name(c["cache"], c["n_kv"], c["gqa"], c["head_dim"], c["n_used"]), t,
+        rows.append(results.row(NAME, _name(c), t,
                                 cache=c["cache"], n_used=c["n_used"], n_kv=c["n_kv"], gqa=c["gqa"],
                                 head_dim=c["head_dim"], moved=moved, device_kind="gpu",
-                                path="llama.cpp ggml-vulkan FLASH_ATTN_EXT"))
+                                path=f"llama.cpp ggml-vulkan FLASH_ATTN_EXT, {c.get('path', 'default')} path"))
     return rows
 
 
