@@ -132,7 +132,6 @@ def test_output_without_one_timed_result_is_refused(text):
 
 def test_no_binary_skips_in_a_run_and_in_resummarize(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv(llama_fa.ENV_BIN, raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no test-backend-ops on it
     assert bench.main(["llama_fa", "--out-dir", str(tmp_path)]) == 0
     assert "test-backend-ops" in _summary(tmp_path)["benchmarks"]["llama_fa"]["skipped"]
     assert bench.main(["llama_fa", "--out-dir", str(tmp_path), "--resummarize"]) == 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,9 @@ PRESETS = {"quick": _SMALL, "cpu": _SMALL, "gpu": ["--paths", "default,scalar", 
 # ggml-vulkan's shader paths: what it picks on the device (cooperative matrices where the device
 # and the build have them), and its scalar path — the features our kernels use — by turning the
 # others off with ggml's own switches
-PATHS = {"default": {}, "scalar": {"GGML_VK_DISABLE_COOPMAT": "1", "GGML_VK_DISABLE_COOPMAT2": "1",
-                                   "GGML_VK_DISABLE_INTEGER_DOT_PRODUCT": "1"}}
+SHADER_PATHS = {"default": {},
+                "scalar": {"GGML_VK_DISABLE_COOPMAT": "1", "GGML_VK_DISABLE_COOPMAT2": "1",
+                           "GGML_VK_DISABLE_INTEGER_DOT_PRODUCT": "1"}}
 USES_DEVICE, REQUIRES = False, {}
 OPTIONAL = True  # --resummarize: a directory without its JSON skips it
 # bytes a row of head_dim elements takes in each cache type (ggml's blocks of 32: q8_0 a f16
@@ -62,8 +62,9 @@ _SQL = re.compile(r"^INSERT INTO test_backend_ops \((?P<fields>[^)]*)\) VALUES \
 
 
 def default_bin() -> str | None:
-    """The binary: $KVDICT_LLAMA_TEST_BACKEND_OPS, else test-backend-ops on PATH."""
-    return os.environ.get(ENV_BIN) or shutil.which("test-backend-ops")
+    """The binary: $KVDICT_LLAMA_TEST_BACKEND_OPS. Never one found on PATH: a default
+    kvdict-bench run must not fail on a llama.cpp build that cannot open this device."""
+    return os.environ.get(ENV_BIN) or None
 
 
 def missing() -> str | None:
@@ -84,21 +85,22 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(f"out/bench_{NAME}.json"))
     ap.add_argument("--repeats", type=int, default=2, help="processes per case, interleaved over the cases")
-    ap.add_argument("--bin", default=None, help=f"test-backend-ops (default: ${ENV_BIN}, else on PATH)")
+    ap.add_argument("--bin", default=None, help=f"test-backend-ops (default: ${ENV_BIN})")
     ap.add_argument("--backend", default="Vulkan0", help="test-backend-ops' -b")
     ap.add_argument("--shapes", default="8x4,3x3", help="KV heads x GQA, comma-separated")
     ap.add_argument("--head-dims", type=_ints, default=[64, 128])
     ap.add_argument("--n-used", type=_ints, default=[8192, 32768, 131072])
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="K and V type, comma-separated")
-    ap.add_argument("--paths", default="default", help=f"comma-separated among {', '.join(PATHS)}")
+    ap.add_argument("--paths", default="default", help=f"comma-separated among {', '.join(SHADER_PATHS)}")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="per process")
     args = common.parse(ap, argv)
     args.bin = args.bin or default_bin()  # none: run() says so (kvdict-bench skips before)
     args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     args.types = args.types.split(",")
     args.paths = args.paths.split(",")
-    if any(t not in ROW_BYTES for t in args.types) or any(p not in PATHS for p in args.paths) or args.repeats < 1:
-        ap.error(f"types among {', '.join(ROW_BYTES)}, paths among {', '.join(PATHS)}; --repeats at least 1")
+    bad = [t for t in args.types if t not in ROW_BYTES] + [p for p in args.paths if p not in SHADER_PATHS]
+    if bad or args.repeats < 1:
+        ap.error(f"types among {', '.join(ROW_BYTES)}, paths among {', '.join(SHADER_PATHS)}; --repeats at least 1")
     return args
 
 
@@ -152,7 +154,7 @@ def _run_case(args, case: dict) -> dict:
     shape = (case["cache"], case["n_kv"], case["gqa"], case["head_dim"], case["n_used"])
     cmd = [args.bin, "perf", "-b", args.backend, "-o", "FLASH_ATTN_EXT", "-p", params_regex(*shape),
            "--output", "sql"]
-    env = dict(os.environ, GGML_VK_PERF_LOGGER="1", **PATHS[case["path"]])
+    env = dict(os.environ, GGML_VK_PERF_LOGGER="1", **SHADER_PATHS[case["path"]])
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -181,7 +183,7 @@ def run(args, progress) -> dict:
               "device_description": first["device_description"], "build_commit": first["build_commit"],
               "vulkan_device": first.get("vulkan_device"),
               "seconds": round(time.perf_counter() - t0, 1),
-              "paths_env": {p: PATHS[p] for p in args.paths}, "cases": cases}
+              "paths_env": {p: SHADER_PATHS[p] for p in args.paths}, "cases": cases}
     result["rows"] = make_rows(result)
     return result
 
