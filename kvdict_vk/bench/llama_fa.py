@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -214,7 +213,8 @@ def rows(result) -> list[dict]:
 
 
 def headline(result) -> list[dict]:
-    """llama.cpp's f16 flash attention at the longest context of each shape: GPU time."""
+    """llama.cpp's f16 flash attention at the longest context measured, per shape and path:
+    GPU time over test-backend-ops' wall time per op."""
     out = []
     for r in result["rows"]:
         if r["cache"] == "f16" and r["gpu_s"] is not None and r["n_used"] == max(
