@@ -232,17 +232,22 @@ def report(result) -> list[str]:
 
 
 def plot(plt, r: dict):
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for cache, colour in (("f16", "#27a"), ("q8_0", "#a72"), ("q4_0", "#7a2")):
-        sel = [x for x in r["rows"] if x["cache"] == cache]
-        if sel:
-            ax.bar([x["case"].split(" ", 1)[1] + f"\n{cache}" for x in sel],
-                   [1e6 * timing.best_seconds(x) for x in sel], color=colour, label=cache)
+    """One bar per row, coloured by cache; the scalar path's hatched beside the default's."""
+    fig, ax = plt.subplots(figsize=(11, 4))
+    colours = {"f16": "#27a", "q8_0": "#a72", "q4_0": "#7a2"}
+    rows = [x for x in r["rows"] if x["gpu_s"] is not None]
+    for k, x in enumerate(rows):
+        scalar = " scalar " in x["case"]
+        ax.bar(k, 1e6 * x["gpu_s"], color=colours.get(x["cache"], "#888"), hatch="///" if scalar else None,
+               edgecolor="white", label=f"{x['cache']}{' scalar' if scalar else ''}")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([x["case"].split(" ", 1)[1].replace("scalar ", "") for x in rows], fontsize=5, rotation=90)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, ncol=2)
     ax.set_ylabel("µs (GPU, median)")
     ax.set_yscale("log")
-    ax.tick_params(axis="x", labelsize=5, rotation=90)
-    ax.set_title("llama.cpp Vulkan FLASH_ATTN_EXT, one query row")
-    ax.legend(fontsize=7)
+    ax.set_title("llama.cpp Vulkan FLASH_ATTN_EXT, one query row (hatched: scalar path)")
     fig.tight_layout()
     return fig
 
