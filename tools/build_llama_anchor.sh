@@ -10,7 +10,7 @@
 # loader (the H200's: carry OUT_DIR beside .bundle). Two edits, both applied here:
 #  * test-backend-ops' perf cases get the attention benchmark's decode shapes (one query row,
 #    no mask, K and V of one type: f16, q8_0, q4_0; 8 × 4 and 3 × 3 heads; d64 / d128;
-#    8 192 / 32 768 / 131 072 tokens) — kvdict_vk.bench.llama_fa selects them by mask=0;
+#    1 024 / 4 096 / 8 192 / 32 768 / 131 072 tokens) — kvdict_vk.bench.llama_fa selects them by mask=0;
 #  * with the system's headers on Debian 12 (1.3.239), ggml-vulkan's instance creation drops
 #    VK_EXT_layer_settings' structure (only used with its validation option), undeclared there.
 # Debian 12's glslc (shaderc 2023.2) compiles none of ggml-vulkan's cooperative-matrix or
@@ -61,13 +61,14 @@ src = Path(sys.argv[1])
 ops = src / "tests" / "test-backend-ops.cpp"
 s = ops.read_text()
 mark = "// kvdict_vk's decode shapes"
-if mark not in s:
-    anchor = "    for (int col : {8192, 16384, 32768, 65536, 131072, 262144, 524288}) {"
-    assert s.count(anchor) == 1, "test-backend-ops.cpp changed: find make_test_cases_perf's place again"
-    cases = f"""    {mark} (one query row, no mask: kvdict_vk.bench.llama_fa selects them by mask=0)
+anchor = "    for (int col : {8192, 16384, 32768, 65536, 131072, 262144, 524288}) {"
+assert s.count(anchor) == 1, "test-backend-ops.cpp changed: find make_test_cases_perf's place again"
+if mark in s:  # an earlier run's cases: replaced by this script's
+    s = s[:s.index("    " + mark)] + s[s.index(anchor):]
+cases = f"""    {mark} (one query row, no mask: kvdict_vk.bench.llama_fa selects them by mask=0)
     for (auto kvh : {{ std::array<int64_t, 2>{{8, 4}}, std::array<int64_t, 2>{{3, 3}} }}) {{
         for (int hs : {{ 64, 128 }}) {{
-            for (int kv : {{ 8192, 32768, 131072 }}) {{
+            for (int kv : {{ 1024, 4096, 8192, 32768, 131072 }}) {{
                 for (ggml_type t : {{ GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0 }}) {{
                     test_cases.emplace_back(new test_flash_attn_ext(hs, hs, kvh[0], {{kvh[1], 1}}, kv, 1, false, false, 0, 0,
                         GGML_PREC_F32, t, t, {{0, 1, 2, 3}}, false, false));
@@ -77,7 +78,7 @@ if mark not in s:
     }}
 
 """
-    ops.write_text(s.replace(anchor, cases + anchor))
+ops.write_text(s.replace(anchor, cases + anchor))
 vk = src / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"
 s = vk.read_text()
 head = "    VkBool32 enable_best_practice = layer_settings;"

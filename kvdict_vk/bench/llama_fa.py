@@ -4,7 +4,7 @@ for (ggml-vulkan's FLASH_ATTN_EXT, through its test-backend-ops in perf mode).
 It runs a test-backend-ops binary built with GGML_VULKAN (``tools/build_llama_anchor.sh``
 builds one from the llama.cpp inside PyPI's llama-cpp-python sdist and adds the decode cases
 timed here: one query row, no mask, K and V of one type, 8 KV heads × GQA 4 and 3 × 3, head_dim
-64 / 128, 8 192 / 32 768 / 131 072 tokens, f16 / q8_0 / q4_0), one process per case and repeat,
+64 / 128, 1 024 to 131 072 tokens, f16 / q8_0 / q4_0), one process per case and repeat,
 with ggml-vulkan's GGML_VK_PERF_LOGGER, which brackets every graph node with timestamp
 queries. Each case runs on ggml-vulkan's "default" path — what it picks on the device, with
 cooperative matrices where device and build have them — and, with --paths, on its "scalar"
