@@ -152,6 +152,13 @@ def test_resummarize_without_a_benchmark_json_fails_that_entry(tmp_path, capsys)
     assert not (tmp_path / "omp.json").exists()
 
 
+def test_resummarize_skips_an_absent_json_of_a_benchmark_that_could_not_run_here(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(omp, "REQUIRES", {"kvdict_no_such_module": "no-such-package"})
+    assert bench.main(["omp", "--out-dir", str(tmp_path), "--resummarize", "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)["benchmarks"]["omp"]
+    assert entry == {"skipped": f"no {tmp_path / 'omp.json'} (needs no-such-package (not installed))"}
+
+
 @pytest.mark.gpu
 def test_unknown_device_exits_2(tmp_path, capsys, restore_env, vk_device):
     assert bench.main(["reconstruct", "--device", "no-such-device", "--out-dir", str(tmp_path)]) == 2

@@ -153,3 +153,11 @@ def test_the_scalar_path_runs_with_ggmls_switches_off(tmp_path, fake_bin):
             zip(result["cases"], ("NV_coopmat2", "none"))] == [True, True]
     with pytest.raises(SystemExit):
         llama_fa.parse_args(["--paths", "coopmat9"])
+
+
+def test_the_anchor_build_adds_every_case_a_preset_times():
+    built = llama_fa.decode_cases()  # what tools/build_llama_anchor.sh writes into test-backend-ops
+    assert len(built) == len(set(built))
+    for preset in llama_fa.PRESETS.values():
+        assert set(llama_fa.case_shapes(llama_fa.parse_args(preset))) <= set(built)
+    assert ("q4_0", 8, 4, 128, 131072) in built and ("f16", 3, 3, 64, 1024) in built

@@ -210,6 +210,7 @@ def test_readme_speed_figures_come_from_committed_results():
 
 
 def test_committed_results_have_the_schema():
+    from kvdict_vk.bench import attention
     from kvdict_vk.bench.results import CACHES, REQUIRED
     files = sorted(RESULTS.glob("*/summary.json"))
     assert files, "no docs/results/<device>/summary.json committed"
@@ -223,10 +224,10 @@ def test_committed_results_have_the_schema():
         for r in s["rows"]:
             assert all(k in r for k in REQUIRED), (path, r.get("case"))
             assert r["cache"] in CACHES, (path, r["case"])
-        # every cache the attention bench knows (q4_0 is llama.cpp's, llama_fa rows only); the
-        # KIVI cache joined it after the committed runs, so it is required once a run has it
+        # every cache the attention bench knows; the KIVI cache joined it after the committed
+        # runs, so it is required once a run has it (the next bench run on each device)
         caches = {r["cache"] for r in s["rows"] if r["benchmark"] == "attention"}
-        required = set(CACHES) - {None, "q4_0"} - ({"kivi"} if "kivi" not in caches else set())
+        required = {*attention.UNCODED, "dict"} | ({attention.KIVI} & caches)
         assert caches == required, path
 
 

@@ -8,9 +8,8 @@
 # built on Debian 12 (apt-get install cmake g++ glslc spirv-headers libvulkan-dev) into one
 # stripped binary with libstdc++ linked in, so it runs on a machine that has only a Vulkan
 # loader (the H200's: carry OUT_DIR beside .bundle). Two edits, both applied here:
-#  * test-backend-ops' perf cases get the attention benchmark's decode shapes (one query row,
-#    no mask, K and V of one type: f16, q8_0, q4_0; 8 × 4 and 3 × 3 heads; d64 / d128;
-#    1 024 / 4 096 / 8 192 / 32 768 / 131 072 tokens) — kvdict_vk.bench.llama_fa selects them by mask=0;
+#  * test-backend-ops' perf cases get the decode cases kvdict_vk.bench.llama_fa's presets time
+#    (its decode_cases(): one query row, no mask, K and V of one type), which it selects by mask=0;
 #  * with the system's headers on Debian 12 (1.3.239), ggml-vulkan's instance creation drops
 #    VK_EXT_layer_settings' structure (only used with its validation option), undeclared there.
 # Debian 12's glslc (shaderc 2023.2) compiles none of ggml-vulkan's cooperative-matrix or
@@ -28,7 +27,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$(mkdir -p "${1:-$root/.llama}" && cd "${1:-$root/.llama}" && pwd)
 work=${LLAMA_BUILD_DIR:-/tmp/llama-anchor-build}
 mkdir -p "$work"
-py=${PYTHON:-python3}
+py=${PYTHON:-$root/.venv/bin/python}  # imports kvdict_vk (numpy) for the cases
 if [ ! -d "$work/llama_cpp_python-$LLAMA_PY_VERSION" ]; then
   "$py" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_PY_VERSION" -d "$work"
   tar -xzf "$work/llama_cpp_python-$LLAMA_PY_VERSION.tar.gz" -C "$work"
@@ -54,10 +53,12 @@ if [ "${LLAMA_SHADER_TOOLS:-trixie}" = trixie ]; then
   "$t/glslc" --version | head -1 >&2
   tools_args=("-DVulkan_GLSLC_EXECUTABLE=$t/glslc" "-DVulkan_INCLUDE_DIR=$t/root/usr/include")
 fi
-"$py" - "$src" "${LLAMA_SHADER_TOOLS:-trixie}" <<'EOF'
+"$py" - "$src" "${LLAMA_SHADER_TOOLS:-trixie}" "$root" <<'EOF'
 import sys
 from pathlib import Path
 src = Path(sys.argv[1])
+sys.path.insert(0, sys.argv[3])
+from kvdict_vk.bench.llama_fa import decode_cases
 ops = src / "tests" / "test-backend-ops.cpp"
 s = ops.read_text()
 mark = "// kvdict_vk's decode shapes"
@@ -65,19 +66,12 @@ anchor = "    for (int col : {8192, 16384, 32768, 65536, 131072, 262144, 524288}
 assert s.count(anchor) == 1, "test-backend-ops.cpp changed: find make_test_cases_perf's place again"
 if mark in s:  # an earlier run's cases: replaced by this script's
     s = s[:s.index("    " + mark)] + s[s.index(anchor):]
-cases = f"""    {mark} (one query row, no mask: kvdict_vk.bench.llama_fa selects them by mask=0)
-    for (auto kvh : {{ std::array<int64_t, 2>{{8, 4}}, std::array<int64_t, 2>{{3, 3}} }}) {{
-        for (int hs : {{ 64, 128 }}) {{
-            for (int kv : {{ 1024, 4096, 8192, 32768, 131072 }}) {{
-                for (ggml_type t : {{ GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0 }}) {{
-                    test_cases.emplace_back(new test_flash_attn_ext(hs, hs, kvh[0], {{kvh[1], 1}}, kv, 1, false, false, 0, 0,
-                        GGML_PREC_F32, t, t, {{0, 1, 2, 3}}, false, false));
-                }}
-            }}
-        }}
-    }}
-
-"""
+cases = f"    {mark} (one query row, no mask: kvdict_vk.bench.llama_fa selects them by mask=0)\n"
+for cache, n_kv, gqa, d, n in decode_cases():
+    t = "GGML_TYPE_" + cache.upper()
+    cases += (f"    test_cases.emplace_back(new test_flash_attn_ext({d}, {d}, {n_kv}, {{{gqa}, 1}}, {n}, 1, false, false, "
+              f"0, 0, GGML_PREC_F32, {t}, {t}, {{0, 1, 2, 3}}, false, false));\n")
+cases += "\n"
 ops.write_text(s.replace(anchor, cases + anchor))
 vk = src / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"
 s = vk.read_text()

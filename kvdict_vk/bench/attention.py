@@ -260,7 +260,7 @@ def case_name(mode_info, shape, n) -> str:
         what = f"recon {mode_info['format']}"
     else:
         what = f"dict {mode_info['format']}" + (f" {mode_info['forced']}" if mode_info["forced"] else "")
-    return f"{what} {n_kv}x{gqa} d{hd} n{n}"
+    return f"{what} {results.shape_case(n_kv, gqa, hd, n)}"
 
 
 def _launch(plan: dict) -> dict:
@@ -362,7 +362,7 @@ def headline(result) -> list[dict]:
                     continue
                 num, den = timing.best_seconds(m["seconds"]), timing.best_seconds(f16)
                 figures.append({"figure": f"dict {m['format']} / f16 cache time",
-                                "case": f"{case['n_kv']}x{case['gqa']} d{case['head_dim']} n{r['n_used']}",
+                                "case": results.shape_case(case["n_kv"], case["gqa"], case["head_dim"], r["n_used"]),
                                 "numerator": num, "denominator": den, "unit": "s", "ratio": num / den})
     return figures
 

@@ -113,6 +113,12 @@ def missing_modules(requires: dict) -> str | None:
     return f"needs {', '.join(absent)} (not installed)" if absent else None
 
 
+def unavailable(mod) -> str | None:
+    """Why benchmark module ``mod`` cannot run here, or None: a module it imports is not
+    installed (its REQUIRES), or what its own ``missing()`` says (an outside program)."""
+    return missing_modules(mod.REQUIRES) or (mod.missing() if hasattr(mod, "missing") else None)
+
+
 PRESETS = ("quick", "cpu", "gpu")
 
 

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from .. import errors as E
+from ..layout import Q8_BLOCK
 from . import common, results, timing
 
 NAME = "llama_fa"
@@ -48,10 +49,11 @@ SHADER_PATHS = {"default": {},
                 "scalar": {"GGML_VK_DISABLE_COOPMAT": "1", "GGML_VK_DISABLE_COOPMAT2": "1",
                            "GGML_VK_DISABLE_INTEGER_DOT_PRODUCT": "1"}}
 USES_DEVICE, REQUIRES = False, {}
-OPTIONAL = True  # --resummarize: a directory without its JSON skips it
-# bytes a row of head_dim elements takes in each cache type (ggml's blocks of 32: q8_0 a f16
-# scale + 32 int8, q4_0 a f16 scale + 16 bytes of nibbles)
-ROW_BYTES = {"f16": lambda d: 2 * d, "q8_0": lambda d: d // 32 * 34, "q4_0": lambda d: d // 32 * 18}
+# bytes a row of head_dim elements takes in ggml's cache types: its q8_0 and q4_0 blocks hold
+# Q8_BLOCK (32) values and one f16 scale, the values as int8 or as nibbles (ggml's own packing,
+# not our arena's q8_0 words: those pad the scales to whole words)
+ROW_BYTES = {"f16": lambda d: 2 * d, "q8_0": lambda d: d // Q8_BLOCK * (2 + Q8_BLOCK),
+             "q4_0": lambda d: d // Q8_BLOCK * (2 + Q8_BLOCK // 2)}
 # one perf-logger line: "<name>: <count> x <mean> us = <total> us"
 _LOGGER = re.compile(r"^(?P<name>FLASH_ATTN_EXT[^:]*): (?P<n>\d+) x (?P<us>[0-9.eE+-]+) us")
 # ggml-vulkan's line for the device it opened: its name and the shader paths it has ("int dot:
@@ -94,7 +96,7 @@ def parse_args(argv=None):
     ap.add_argument("--timeout-s", type=float, default=120.0, help="per process")
     args = common.parse(ap, argv)
     args.bin = args.bin or default_bin()  # none: run() says so (kvdict-bench skips before)
-    args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    args.shapes = [common.dims(s) for s in args.shapes.split(",")]
     args.types = args.types.split(",")
     args.paths = args.paths.split(",")
     bad = [t for t in args.types if t not in ROW_BYTES] + [p for p in args.paths if p not in SHADER_PATHS]
@@ -103,10 +105,22 @@ def parse_args(argv=None):
     return args
 
 
+def case_shapes(args) -> list[tuple[str, int, int, int, int]]:
+    """(cache, n_kv, gqa, head_dim, n_used) of every case a run with these options times."""
+    return [(c, n_kv, gqa, d, n) for (n_kv, gqa) in args.shapes for d in args.head_dims for n in args.n_used
+            for c in args.types]
+
+
+def decode_cases() -> list[tuple[str, int, int, int, int]]:
+    """Every case any preset times: the decode cases tools/build_llama_anchor.sh adds to
+    test-backend-ops (one source for both)."""
+    return sorted({case for preset in PRESETS.values() for case in case_shapes(parse_args(preset))})
+
+
 def case_name(cache: str, n_kv: int, gqa: int, head_dim: int, n_used: int, path: str = "default") -> str:
     """The attention benchmark's case name of the same shape (``f16 8x4 d64 n32768``); the
     scalar path's as the attention benchmark names a forced kernel (``f16 scalar 8x4 …``)."""
-    return f"{cache}{'' if path == 'default' else ' ' + path} {n_kv}x{gqa} d{head_dim} n{n_used}"
+    return f"{cache}{'' if path == 'default' else ' ' + path} {results.shape_case(n_kv, gqa, head_dim, n_used)}"
 
 
 def params_regex(cache: str, n_kv: int, gqa: int, head_dim: int, n_used: int) -> str:
@@ -169,9 +183,8 @@ def _run_case(args, case: dict) -> dict:
 def run(args, progress) -> dict:
     if not args.bin:
         raise E.AnchorError(missing())
-    cases = [{"cache": c, "n_kv": n_kv, "gqa": gqa, "head_dim": d, "n_used": n, "path": path, "runs": []}
-             for (n_kv, gqa) in args.shapes for d in args.head_dims for n in args.n_used
-             for path in args.paths for c in args.types]
+    keys = ("cache", "n_kv", "gqa", "head_dim", "n_used")
+    cases = [{**dict(zip(keys, case)), "path": path, "runs": []} for case in case_shapes(args) for path in args.paths]
     t0 = time.perf_counter()
     for rep in range(args.repeats):
         for k, case in enumerate(cases):
@@ -188,8 +201,7 @@ def run(args, progress) -> dict:
 
 
 def _name(case: dict) -> str:
-    return case_name(case["cache"], case["n_kv"], case["gqa"], case["head_dim"], case["n_used"],
-                     case.get("path", "default"))  # the first committed run had one path
+    return case_name(case["cache"], case["n_kv"], case["gqa"], case["head_dim"], case["n_used"], case["path"])
 
 
 def make_rows(result) -> list[dict]:
@@ -204,7 +216,7 @@ def make_rows(result) -> list[dict]:
         rows.append(results.row(NAME, _name(c), t,
                                 cache=c["cache"], n_used=c["n_used"], n_kv=c["n_kv"], gqa=c["gqa"],
                                 head_dim=c["head_dim"], moved=moved, device_kind="gpu",
-                                path=f"llama.cpp ggml-vulkan FLASH_ATTN_EXT, {c.get('path', 'default')} path"))
+                                path=f"llama.cpp ggml-vulkan FLASH_ATTN_EXT, {c['path']} path"))
     return rows
 
 
@@ -215,14 +227,11 @@ def rows(result) -> list[dict]:
 def headline(result) -> list[dict]:
     """llama.cpp's f16 flash attention at the longest context measured, per shape and path:
     GPU time over test-backend-ops' wall time per op."""
-    out = []
-    for r in result["rows"]:
-        if r["cache"] == "f16" and r["gpu_s"] is not None and r["n_used"] == max(
-                x["n_used"] for x in result["rows"] if x["cache"] == "f16"):
-            out.append({"figure": "llama.cpp Vulkan flash attention, f16 cache", "case": r["case"],
-                        "numerator": r["gpu_s"], "denominator": r["wall_s"], "unit": "s",
-                        "ratio": r["gpu_s"] / r["wall_s"]})
-    return out
+    f16 = [r for r in result["rows"] if r["cache"] == "f16" and r["gpu_s"] is not None]
+    longest = max((r["n_used"] for r in f16), default=None)
+    return [{"figure": "llama.cpp Vulkan flash attention, f16 cache", "case": r["case"], "numerator": r["gpu_s"],
+             "denominator": r["wall_s"], "unit": "s", "ratio": r["gpu_s"] / r["wall_s"]}
+            for r in f16 if r["n_used"] == longest]
 
 
 def report(result) -> list[str]:

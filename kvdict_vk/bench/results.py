@@ -21,6 +21,12 @@ REQUIRED = ("benchmark", "case", "cache", "n_used", "n_kv", "gqa", "head_dim", "
 CACHES = ("f16", "f32", "q8_0", "q4_0", "kivi", "dict", None)  # q4_0: llama.cpp's rows (llama_fa)
 
 
+def shape_case(n_kv: int, gqa: int, head_dim: int, n_used: int) -> str:
+    """The shape part of an attention case's name ("8x4 d64 n32768"): the attention benchmark
+    and llama_fa name their cases with it, so a README ratio can pair their rows."""
+    return f"{n_kv}x{gqa} d{head_dim} n{n_used}"
+
+
 def row(benchmark: str, case: str, t: dict, *, cache=None, n_used=None, n_kv=None, gqa=None, head_dim=None,
         batch: int = 1, moved: dict | None = None, roofline: dict | None = None, torch_sdpa_f16_s=None,
         **extra) -> dict:

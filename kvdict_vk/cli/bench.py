@@ -32,7 +32,8 @@ of this code) kept from the summary.json it replaces when that names the same de
 Exit status: 0; 1 when a benchmark failed (one line on stderr names it); 2 on bad
 arguments or no usable Vulkan device. A benchmark whose optional dependency is missing
 (scikit-learn for omp, a test-backend-ops binary for llama_fa) is skipped with a note and
-recorded as "skipped" in summary.json; --resummarize skips llama_fa where its JSON is absent.
+recorded as "skipped" in summary.json; --resummarize skips, rather than fails, a benchmark
+whose JSON is absent where it could not run either.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def bench_argv(name: str, a, preset: str) -> list[str]:
 def run_benchmark(name: str, a, preset: str) -> tuple[dict, dict | None]:
     """Run one benchmark, write its JSON + PNG: (its summary entry, its result or None)."""
     mod = BENCHMARKS[name]
-    reason = common.missing_modules(mod.REQUIRES) or getattr(mod, "missing", lambda: None)()
+    reason = common.unavailable(mod)
     if reason:
         _log(f"{name}: skipped: {reason}")
         return {"skipped": reason}, None
@@ -126,12 +127,11 @@ def run_benchmark(name: str, a, preset: str) -> tuple[dict, dict | None]:
 def load_benchmark(name: str, a) -> tuple[dict, dict | None]:
     """--resummarize: a benchmark's summary entry and result from the JSON a run wrote."""
     mod, path = BENCHMARKS[name], a.out_dir / f"{name}.json"
-    if not path.is_file() and getattr(mod, "OPTIONAL", False):  # an anchor this device was not measured against
-        _log(f"{name}: skipped: no {path}")
-        return {"skipped": f"no {path}"}, None
-    if not path.is_file():
-        _log(f"{name}: failed: no {path}")
-        return {"failed": f"no {path}"}, None
+    if not path.is_file():  # a skip where the benchmark could not have run here either
+        reason = common.unavailable(mod)
+        entry = {"skipped": f"no {path} ({reason})"} if reason else {"failed": f"no {path}"}
+        _log(f"{name}: {next(iter(entry))}: {next(iter(entry.values()))}")
+        return entry, None
     result = json.loads(path.read_text())
     png = path.with_suffix(".png")
     return {"seconds": result.get("seconds"), "argv": result.get("argv"), "json": str(path),
