@@ -12,9 +12,11 @@
 // of the GROUP query vectors in registers and dots it with its unit of the key; the UNITS
 // partial scores are summed across the token's lanes — by subgroup shuffles (SUBGROUP 1, the
 // attend_flash_sg variant, where the device's subgroups support them and hold whole tokens:
-// host-checked) or through shared memory (SUBGROUP 0: no optional feature). Every lane of a
-// token then holds its scores and accumulates p·v over its unit, so the main loop needs no
-// barrier with subgroups.
+// host-checked) or through shared memory (SUBGROUP 0: no optional feature). With shuffles the
+// sums are reduce-scattered (SCATTER, below): each lane ends with one head's score, takes that
+// head's softmax step and sends its probability to the token's other lanes. Every lane of a
+// token then holds the token's probabilities and accumulates p·v over its unit, so the main
+// loop needs no barrier with subgroups.
 //
 // The softmax: each token lane keeps its own reference m (the same in all its invocations),
 // moved only when a score exceeds it by more than GROW_MARGIN, so probabilities stay
@@ -30,6 +32,18 @@
 #if SUBGROUP
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
+#endif
+// With subgroups, a token's partial scores are reduce-scattered (SCATTER 1): after an exchange
+// per halving of the group's heads each lane holds ONE head's whole score and takes that head's
+// softmax step alone (one exp a lane and token instead of one a head), then hands its
+// probability to the token's other lanes by GROUP shuffles — (GROUP_POW2 - 1) +
+// log2(HEAD_LANES) + GROUP shuffles a token (8 at four heads and d64) against GROUP × log2(UNITS)
+// (12), and one exp against GROUP. Where the group (padded to a power of two) outnumbers a token's lanes
+// every lane sums every head's score by xor shuffles and takes every head's step, as SCATTER 0
+// does everywhere. Measured on an H200 (docs/DESIGN.md): 1.5-3.5 % off the f16 attention at
+// 8 × 4 heads, none at 3 × 3; a build-time knob for probes.
+#ifndef SCATTER
+#define SCATTER 1
 #endif
 #include "common.glsl"
 #include "attend_common.glsl"
@@ -67,6 +81,11 @@ const uint TLANES = LOCAL / UNITS;        // tokens in flight per workgroup
 #endif
 const uint TB = TOKENS_PER_LANE;
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
+// SCATTER: the group padded to a power of two (its padding heads' scores are 0, never used), and
+// the lanes of a token that end with one head's score (HEAD_LANES neighbours a head)
+const uint GROUP_POW2 = GROUP <= 1u ? 1u : (GROUP <= 2u ? 2u : (GROUP <= 4u ? 4u : 8u));
+const bool SCATTERED = SUBGROUP > 0 && SCATTER > 0 && GROUP_POW2 <= UNITS;
+const uint HEAD_LANES = GROUP_POW2 <= UNITS ? UNITS / GROUP_POW2 : 1u;
 const float GROW_MARGIN = 8.0;
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };
@@ -183,6 +202,12 @@ void main() {
 
         vec4 q_lo[MAX_G], q_hi[MAX_G];  // this unit of each query head, times the score scale
         float m[MAX_G], l[MAX_G];       // the token lane's reference and sum of p
+        // SCATTERED: the reference and sum of p of this lane's own head (unit / HEAD_LANES),
+        // handed to m and l after the loop; the token's first lane in the subgroup
+        float m_own = NEG_INF, l_own = 0.0;
+#if SUBGROUP
+        const uint lane0 = gl_SubgroupInvocationID - unit;
+#endif
         vec4 acc_lo[MAX_G], acc_hi[MAX_G];  // the unit's elements of each head's sum of p·v
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
             q_lo[h] = vec4(0.0);
@@ -221,10 +246,71 @@ void main() {
                     s[h] = dot(k_lo[b], q_lo[h]) + dot(k_hi[b], q_hi[h]);
                 // the token's scores: its lanes' partial scores summed (the same in each lane)
 #if SUBGROUP
-                [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                    if (h < GROUP)
-                        for (uint w = 1u; w < UNITS; w <<= 1u)
-                            s[h] += subgroupShuffleXor(s[h], w);
+                if (SCATTERED) {
+                    // recursive halving: at each exchange a lane keeps half of its heads (the
+                    // upper half where its unit has the mask's bit) and adds its partner's sums of
+                    // them; `width` heads are left after it
+                    [[unroll]] for (uint width = MAX_G / 2u; width >= 1u; width >>= 1u) {
+                        if (width < GROUP_POW2) {
+                            uint mask = HEAD_LANES * width;
+                            bool upper = (unit & mask) != 0u;
+                            [[unroll]] for (uint x = 0u; x < MAX_G / 2u; ++x) {
+                                if (x < width) {
+                                    float send = upper ? s[x] : s[x + width];
+                                    float keep = upper ? s[x + width] : s[x];
+                                    s[x] = keep + subgroupShuffleXor(send, mask);
+                                }
+                            }
+                        }
+                    }
+                    for (uint w = HEAD_LANES / 2u; w > 0u; w >>= 1u)
+                        s[0] += subgroupShuffleXor(s[0], w);
+                    // s[0]: the token's score for head unit / HEAD_LANES. Its softmax step here
+                    // with one exp and no branch: the reference moves (as below) when the score
+                    // passes it by GROW_MARGIN, and then the exp is the factor exp(m_old - m)
+                    // (0 on the lane's first token), sent with its sign bit set (the token's
+                    // probability is e^0 = 1); else it is the probability. Lanes past the
+                    // split's end send 0 and keep their state. The shuffles sit outside any
+                    // branch: every lane of the subgroup takes part.
+                    bool moved = live && s[0] > m_own + GROW_MARGIN;
+                    float e = exp(moved ? m_own - s[0] : s[0] - m_own);
+                    m_own = moved ? s[0] : m_own;
+                    l_own = live ? (moved ? l_own * e + 1.0 : l_own + e) : l_own;
+                    uint sent = live ? (floatBitsToUint(e) | (moved ? 0x80000000u : 0u)) : 0u;
+                    uint got[MAX_G];
+                    uint signs = 0u;
+                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                        got[h] = 0u;
+                        if (h < GROUP) {
+                            got[h] = subgroupShuffle(sent, lane0 + h * HEAD_LANES);
+                            signs |= got[h];
+                        }
+                    }
+                    if (live) {
+                        [[dont_flatten]] if (signs >= 0x80000000u) {  // rare: a head's reference moved
+                            [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                                if (h < GROUP && got[h] >= 0x80000000u) {
+                                    float corr = uintBitsToFloat(got[h] & 0x7fffffffu);
+                                    acc_lo[h] *= corr;
+                                    acc_hi[h] *= corr;
+                                    got[h] = floatBitsToUint(1.0);
+                                }
+                            }
+                        }
+                        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                            if (h < GROUP) {
+                                float p = uintBitsToFloat(got[h]);
+                                acc_lo[h] += p * v_lo[b];
+                                acc_hi[h] += p * v_hi[b];
+                            }
+                        }
+                    }
+                } else {
+                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                        if (h < GROUP)
+                            for (uint w = 1u; w < UNITS; w <<= 1u)
+                                s[h] += subgroupShuffleXor(s[h], w);
+                }
 #else
                 barrier();  // the last token's partials are read
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
@@ -240,7 +326,7 @@ void main() {
                     }
                 }
 #endif
-                if (live) {
+                if (!SCATTERED && live) {
                     [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
                         if (h < GROUP) {
                             if (s[h] > m[h] + GROW_MARGIN) {  // the reference moves up to the score
@@ -261,6 +347,14 @@ void main() {
             if (!(PREFETCH) && next < n_tok)
                 LOAD_ROUND(next);
         }
+#if SUBGROUP
+        if (SCATTERED)  // every head's reference and sum from the lanes that kept them
+            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                if (h < GROUP) {
+                    m[h] = subgroupShuffle(m_own, lane0 + h * HEAD_LANES);
+                    l[h] = subgroupShuffle(l_own, lane0 + h * HEAD_LANES);
+                }
+#endif
 
 #if WIDE_END
         // The split's end, in 3 + 2 × (8 / END_ELEMS - 1) barriers: each token lane's reference
