@@ -131,18 +131,7 @@ shared float split_m_sh[GROUP];
 #else
 // partial scores (SUBGROUP 0); the end's reductions and sums
 shared float red_sh[GROUP * LOCAL];
-
-void reduce(uint tid, bool take_max) {  // red_sh[h*LOCAL + x] over x → red_sh[h*LOCAL]
-    for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
-        barrier();
-        if (tid < width)
-            for (uint h = 0u; h < GROUP; ++h) {
-                float a = red_sh[h * LOCAL + tid], b = red_sh[h * LOCAL + tid + width];
-                red_sh[h * LOCAL + tid] = take_max ? max(a, b) : a + b;
-            }
-    }
-    barrier();
-}
+shared float split_m_sh[GROUP];  // the split's reference M per query head
 #endif
 
 // A row unit's words: f16 a (8 halves); f32 a, b (4 floats each); q8_0 a.x, a.y (the value
@@ -406,17 +395,27 @@ void main() {
             }
         }
 #else
-        // the split's reference M: the largest of the token lanes' references; each lane's sums
-        // rescaled to it (a lane without tokens, m = -inf, adds nothing)
+        // The split's end. Its reference M per query head: the largest of the token lanes'
+        // references (a lane's m is in each of its invocations: its unit 0 writes it; one
+        // invocation a head takes the maximum — TLANES values, not a tree over LOCAL); each
+        // lane's sums rescaled to it (a lane without tokens, m = -inf, adds nothing).
+        barrier();  // the loop's partial scores (SUBGROUP 0) are read
+        if (unit == 0u)
+            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                if (h < GROUP)
+                    red_sh[h * TLANES + tlane] = m[h];
         barrier();
-        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-            if (h < GROUP)
-                red_sh[h * LOCAL + tid] = m[h];
-        reduce(tid, true);
+        if (tid < GROUP) {
+            float big = NEG_INF;
+            for (uint ln = 0u; ln < TLANES; ++ln)
+                big = max(big, red_sh[tid * TLANES + ln]);
+            split_m_sh[tid] = big;
+        }
+        barrier();
         float m_split[MAX_G];
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
             if (h < GROUP) {
-                m_split[h] = red_sh[h * LOCAL];
+                m_split[h] = split_m_sh[h];
                 float f = m[h] > NEG_INF ? exp(m[h] - m_split[h]) : 0.0;
                 l[h] *= f;
                 acc_lo[h] *= f;
@@ -440,17 +439,21 @@ void main() {
                 acc_floats[(rec0 + h) * HEAD_DIM + un * UNIT_DIMS + e] = a;  // record (i, g, h) = rec0 + h
             }
         }
-        // the sums of p: a token lane's l is in each of its invocations, counted once
+        // the sums of p: a token lane's l (in each of its invocations) from its unit 0, summed
+        // by one invocation a head
         barrier();
-        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-            if (h < GROUP)
-                red_sh[h * LOCAL + tid] = unit == 0u ? l[h] : 0.0;
-        reduce(tid, false);
-        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-            if (h < GROUP && tid == h) {
-                stats[(rec0 + h) * 2u] = m_split[h];
-                stats[(rec0 + h) * 2u + 1u] = red_sh[h * LOCAL];
-            }
+        if (unit == 0u)
+            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                if (h < GROUP)
+                    red_sh[h * TLANES + tlane] = l[h];
+        barrier();
+        if (tid < GROUP) {
+            float sum = 0.0;
+            for (uint ln = 0u; ln < TLANES; ++ln)
+                sum += red_sh[tid * TLANES + ln];
+            stats[(rec0 + tid) * 2u] = split_m_sh[tid];
+            stats[(rec0 + tid) * 2u + 1u] = sum;
+        }
 #endif
         barrier();  // shared memory is reused by the next item
     }

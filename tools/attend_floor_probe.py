@@ -9,7 +9,8 @@ costs). Medians over --runs runs of one recording, after a warm-up. One JSON obj
 preset dictionaries: bench.attention.dict_args) beside the f16 cache; their ops are
 the query's copy up, the q·atom table, the attend pass, the merge, the read-back, and
 --coded-heads pins the query heads a workgroup takes (0: the tuner's choice); --locals replaces
-attend_flash's candidate workgroup sizes. --builds times each
+attend_flash's candidate workgroup sizes, --end-elems the wide end's elements a pass. --builds
+times each
 case with each SPIR-V build (name=dir; an empty dir: the package's), a fresh engine for each (the
 tuner keys its choices by the SPIR-V too: choice_store.device_identity).
 
@@ -80,11 +81,15 @@ def main(argv=None) -> None:
                     "case timed with each build, a fresh attention for each (empty: the package's only)")
     ap.add_argument("--locals", default="", help="attend_flash's candidate workgroup sizes, comma-separated, the "
                     "untuned first (empty: attend_tune.FLASH_LOCALS)")
+    ap.add_argument("--end-elems", default="", help="attend_flash_wide's END_ELEMS candidates, comma-separated, "
+                    "preferred first (empty: attend_specs.FLASH_END_ELEMS)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
     if a.locals:  # what Attention.flash_locals_of offers (attend imports the tuner's tuple)
         A.FLASH_LOCALS = tuple(int(x) for x in a.locals.split(","))
+    if a.end_elems:  # what Attention.flash_end_elems offers
+        A.FLASH_END_ELEMS = tuple(int(x) for x in a.end_elems.split(","))
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
     before = None
     if a.l2_flush_mib:

@@ -26,12 +26,13 @@ FLASH_END_ELEMS = (8, 4)
 
 def flash_shared_bytes(group: int, local: int, units: int, end_elems: int = 0) -> int:
     """attend_flash.comp's shared memory. end_elems 0 (attend_flash): a float per (query head,
-    invocation) — partial scores without subgroups, the end's reductions. Else
+    invocation) — partial scores without subgroups, the end's sums — and one per query head
+    (the split's reference). Else
     (attend_flash_wide at END_ELEMS = end_elems): that many floats per (query head, invocation)
     plus a padding of units % 32 each — partial scores, the end's unit elements —, three floats
     per (query head, token lane) and one per query head (the end's references, sums, factors)."""
     if not end_elems:
-        return 4 * group * local
+        return 4 * (group * local + group)
     return 4 * (end_elems * (group * local + units % 32) + 3 * group * (local // units) + group)
 
 
