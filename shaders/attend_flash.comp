@@ -21,7 +21,7 @@
 // The softmax: each token lane keeps its own reference m (the same in all its invocations),
 // moved only when a score exceeds it by more than GROW_MARGIN, so probabilities stay
 // ≤ e^GROW_MARGIN and rescaling is rare. At the split's end the lanes' references meet at
-// their maximum M (a shared-memory reduction), each lane's sums are rescaled by exp(m - M),
+// their maximum M (through shared memory), each lane's sums are rescaled by exp(m - M),
 // summed over the token lanes in shared memory, and the split's record (M, l, acc —
 // attend_common.glsl's layout) is written.
 #extension GL_GOOGLE_include_directive : require
@@ -51,11 +51,13 @@
 layout(constant_id = 4) const uint ROW_HALF = 1u;  // 1: f16 rows (two halves a word), 0: f32
 // 1: q8_0 rows (ROW_HALF 0): the block scales (f16 pairs), then the int8 values four to a word
 layout(constant_id = 5) const uint ROW_Q8 = 0u;
-// The split's end: a shared-memory tree per reduction and one element of a unit at a time
-// (WIDE_END 0), or the attend_flash_wide builds' end in a few barriers, END_ELEMS elements of a
-// unit a pass (8 or 4: the host's attend.flash_end_elems). Measured on an H200: the wide end
-// takes ~3 µs off an attention, but the token loop runs up to a third slower beside it at
-// long contexts (the compiler's choices for the whole kernel), so the tuner times both.
+// The split's end: one element of a unit at a time through shared memory, each head's reference
+// and sum of p from the token lanes' unit-0 invocations (WIDE_END 0: 21 barriers), or the
+// attend_flash_wide builds' end in a few barriers, END_ELEMS elements of a unit a pass (8 or 4:
+// the host's attend.flash_end_elems). Measured on an H200: the wide end is shorter, but the
+// driver gives its build 151-177 registers a thread (WIDE_END 0: 115-128), half the
+// workgroups a multiprocessor, and its token loop runs up to a third slower at long contexts,
+// so the tuner times both (docs/DESIGN.md).
 #ifndef WIDE_END
 #define WIDE_END 0
 #endif

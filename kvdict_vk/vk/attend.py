@@ -58,10 +58,11 @@ FLASH_CODED_MIN_SPLIT_TOKENS = 512
 # kernel's atom weights became owned (docs/DESIGN.md) and went; a kernel over the codes for
 # another device class would join here.
 CODED_KERNELS = ("float",)
-# attend_flash's builds, the untuned default first: "float" (attend_flash: the split's end as
-# shared-memory trees, one element of a unit at a time) and "wide_end" (attend_flash_wide: the
-# end in a few barriers). The wide end is ~3 µs shorter, but beside it the token loop ran up
-# to a third slower at long contexts on an H200 (docs/DESIGN.md): the tuner times both.
+# attend_flash's builds, the untuned default first: "float" (attend_flash: the split's end one
+# element of a unit at a time through shared memory) and "wide_end" (attend_flash_wide: the
+# end in a few barriers). The wide end is shorter, but its registers halve the token loop's
+# occupancy on an H200, up to a third slower at long contexts (docs/DESIGN.md): the tuner
+# times both.
 FLASH_KERNELS = ("float", "wide_end")
 
 
