@@ -35,13 +35,13 @@
 #endif
 // With subgroups, a token's partial scores are reduce-scattered (SCATTER 1): after an exchange
 // per halving of the group's heads each lane holds ONE head's whole score and takes that head's
-// softmax step alone (one exp a lane and token instead of one a head), then hands its
-// probability to the token's other lanes by GROUP shuffles — (GROUP_POW2 - 1) +
-// log2(HEAD_LANES) + GROUP shuffles a token (8 at four heads and d64) against GROUP × log2(UNITS)
-// (12), and one exp against GROUP. Where the group (padded to a power of two) outnumbers a token's lanes
-// every lane sums every head's score by xor shuffles and takes every head's step, as SCATTER 0
-// does everywhere. Measured on an H200 (docs/DESIGN.md): 1.5-3.5 % off the f16 attention at
-// 8 × 4 heads, none at 3 × 3; a build-time knob for probes.
+// softmax step alone, then hands its probability to the token's other lanes by GROUP shuffles:
+// (GROUP_POW2 - 1) + log2(HEAD_LANES) + GROUP shuffles and one exp a token (8 and 1 at four
+// heads and d64) against GROUP × log2(UNITS) and GROUP (12 and 4). Where the group, padded to a
+// power of two, outnumbers a token's lanes, every lane sums every head's score by xor shuffles
+// and takes every head's step, as SCATTER 0 does everywhere. Measured on an H200
+// (docs/DESIGN.md): 1.5-3.5 % off the f16 attention at 8 × 4 heads, none at 3 × 3; a build-time
+// knob for probes.
 #ifndef SCATTER
 #define SCATTER 1
 #endif

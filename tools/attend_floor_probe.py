@@ -10,9 +10,8 @@ preset dictionaries: bench.attention.dict_args) beside the f16 cache; their ops 
 the query's copy up, the q·atom table, the attend pass, the merge, the read-back, and
 --coded-heads pins the query heads a workgroup takes (0: the tuner's choice); --locals replaces
 attend_flash's candidate workgroup sizes, --end-elems the wide end's elements a pass. --builds
-times each
-case with each SPIR-V build (name=dir; an empty dir: the package's), a fresh engine for each (the
-tuner keys its choices by the SPIR-V too: choice_store.device_identity).
+times each case with each SPIR-V build (name=dir; an empty dir: the package's), a fresh engine
+for each (the tuner keys its choices by the SPIR-V too: choice_store.device_identity).
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_floor_probe.py
 """
