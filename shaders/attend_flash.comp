@@ -51,13 +51,15 @@
 layout(constant_id = 4) const uint ROW_HALF = 1u;  // 1: f16 rows (two halves a word), 0: f32
 // 1: q8_0 rows (ROW_HALF 0): the block scales (f16 pairs), then the int8 values four to a word
 layout(constant_id = 5) const uint ROW_Q8 = 0u;
-// The split's end: one element of a unit at a time through shared memory, each head's reference
-// and sum of p from the token lanes' unit-0 invocations (WIDE_END 0: 21 barriers), or the
-// attend_flash_wide builds' end in a few barriers, END_ELEMS elements of a unit a pass (8 or 4:
-// the host's attend.flash_end_elems). Measured on an H200: the wide end is shorter, but the
-// driver gives its build 151-177 registers a thread (WIDE_END 0: 115-128), half the
-// workgroups a multiprocessor, and its token loop runs up to a third slower at long contexts,
-// so the tuner times both (docs/DESIGN.md).
+// The split's end moves END_ELEMS elements of every invocation's unit a pass through shared
+// memory (the host's attend.flash_end_elems, per build). attend_flash: each head's reference
+// and sum of p from the token lanes' unit-0 invocations, then the elements summed over the
+// token lanes, 5 + 16 / END_ELEMS barriers (END_ELEMS 2: on an H200 1 was slower, 4 took the
+// build past 128 registers at 4 query heads and gained nothing at 3 — docs/DESIGN.md).
+// attend_flash_wide (WIDE_END 1): the end in 3 + 2 × (8 / END_ELEMS - 1) barriers (END_ELEMS 8
+// or 4). Measured on an H200: the wide end is shorter, but the driver gives its build 151-177
+// registers a thread (WIDE_END 0: 115-128), half the workgroups a multiprocessor, and its token
+// loop runs up to a third slower at long contexts, so the tuner times both (docs/DESIGN.md).
 #ifndef WIDE_END
 #define WIDE_END 0
 #endif
@@ -131,9 +133,28 @@ shared float split_m_sh[GROUP];
                 red_sh[e * END_STRIDE + h * LOCAL + tid] = (e0) + e < 4u ? acc_lo[h][((e0) + e) % 4u] \
                                                                          : acc_hi[h][((e0) + e) % 4u];
 #else
-// partial scores (SUBGROUP 0); the end's reductions and sums
-shared float red_sh[GROUP * LOCAL];
+// partial scores (SUBGROUP 0); the end's reductions, and a pass's END_ELEMS elements at
+// red_sh[(e * GROUP + h) * LOCAL + tid]
+shared float red_sh[END_ELEMS * GROUP * LOCAL];
 shared float split_m_sh[GROUP];  // the split's reference M per query head
+
+// The maximum (take_max) or the sum over a workgroup's token lanes of a value per (query head,
+// token lane) that is the same in the lane's UNITS invocations: its unit-0 invocation writes
+// it, one invocation a head reduces TLANES values (not a tree over LOCAL). Head h's result is
+// returned in invocation h; red_sh is free again after the caller's next barrier.
+float token_lanes_reduce(float v[MAX_G], uint tid, uint unit, uint tlane, bool take_max) {
+    barrier();  // red_sh's last readers are done
+    if (unit == 0u)
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+            if (h < GROUP)
+                red_sh[h * TLANES + tlane] = v[h];
+    barrier();
+    float r = take_max ? NEG_INF : 0.0;
+    if (tid < GROUP)
+        for (uint ln = 0u; ln < TLANES; ++ln)
+            r = take_max ? max(r, red_sh[tid * TLANES + ln]) : r + red_sh[tid * TLANES + ln];
+    return r;
+}
 #endif
 
 // A row unit's words: f16 a (8 halves); f32 a, b (4 floats each); q8_0 a.x, a.y (the value
@@ -398,21 +419,11 @@ void main() {
         }
 #else
         // The split's end. Its reference M per query head: the largest of the token lanes'
-        // references (a lane's m is in each of its invocations: its unit 0 writes it; one
-        // invocation a head takes the maximum — TLANES values, not a tree over LOCAL); each
-        // lane's sums rescaled to it (a lane without tokens, m = -inf, adds nothing).
-        barrier();  // the loop's partial scores (SUBGROUP 0) are read
-        if (unit == 0u)
-            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                if (h < GROUP)
-                    red_sh[h * TLANES + tlane] = m[h];
-        barrier();
-        if (tid < GROUP) {
-            float big = NEG_INF;
-            for (uint ln = 0u; ln < TLANES; ++ln)
-                big = max(big, red_sh[tid * TLANES + ln]);
+        // references (the loop's partial scores, SUBGROUP 0, are read by then); each lane's
+        // sums rescaled to it (a lane without tokens, m = -inf, adds nothing).
+        float big = token_lanes_reduce(m, tid, unit, tlane, true);
+        if (tid < GROUP)
             split_m_sh[tid] = big;
-        }
         barrier();
         float m_split[MAX_G];
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
@@ -424,35 +435,30 @@ void main() {
                 acc_hi[h] *= f;
             }
         }
-        // the token lanes' accumulators, summed through shared memory one element of the unit
-        // at a time (red_sh holds GROUP × LOCAL = GROUP × TLANES × UNITS floats)
-        uint rec0 = record(i, vh, pc.n_kv * pc.n_seqs);
-        [[unroll]] for (uint e = 0u; e < UNIT_DIMS; ++e) {
+        // the token lanes' accumulators, summed through shared memory END_ELEMS elements
+        // of the unit a pass
+        uint rec0 = record(i, vh, pc.n_kv * pc.n_seqs);  // record (i, g, h) = rec0 + h
+        [[unroll]] for (uint e0 = 0u; e0 < UNIT_DIMS; e0 += END_ELEMS) {
             barrier();
-            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                if (h < GROUP)
-                    red_sh[h * LOCAL + tid] = e < 4u ? acc_lo[h][e % 4u] : acc_hi[h][e % 4u];
+            [[unroll]] for (uint e = 0u; e < END_ELEMS; ++e)
+                [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+                    if (h < GROUP)
+                        red_sh[(e * GROUP + h) * LOCAL + tid] = e0 + e < 4u ? acc_lo[h][(e0 + e) % 4u]
+                                                                            : acc_hi[h][(e0 + e) % 4u];
             barrier();
-            for (uint x = tid; x < GROUP * UNITS; x += LOCAL) {
-                uint h = x / UNITS, un = x - h * UNITS;
+            // x = (e, h, un), un fastest: a warp's lanes read neighbouring words
+            for (uint x = tid; x < END_ELEMS * GROUP * UNITS; x += LOCAL) {
+                uint un = x % UNITS, eh = x / UNITS;
+                uint h = eh % GROUP, e = eh / GROUP;
                 float a = 0.0;
                 for (uint ln = 0u; ln < TLANES; ++ln)
-                    a += red_sh[h * LOCAL + ln * UNITS + un];
-                acc_floats[(rec0 + h) * HEAD_DIM + un * UNIT_DIMS + e] = a;  // record (i, g, h) = rec0 + h
+                    a += red_sh[eh * LOCAL + ln * UNITS + un];
+                acc_floats[(rec0 + h) * HEAD_DIM + un * UNIT_DIMS + e0 + e] = a;
             }
         }
-        // the sums of p: a token lane's l (in each of its invocations) from its unit 0, summed
-        // by one invocation a head
-        barrier();
-        if (unit == 0u)
-            [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                if (h < GROUP)
-                    red_sh[h * TLANES + tlane] = l[h];
-        barrier();
+        // the sums of p
+        float sum = token_lanes_reduce(l, tid, unit, tlane, false);
         if (tid < GROUP) {
-            float sum = 0.0;
-            for (uint ln = 0u; ln < TLANES; ++ln)
-                sum += red_sh[tid * TLANES + ln];
             stats[(rec0 + tid) * 2u] = split_m_sh[tid];
             stats[(rec0 + tid) * 2u + 1u] = sum;
         }

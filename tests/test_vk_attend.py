@@ -214,22 +214,27 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
 
 @pytest.mark.parametrize("path", ["flash", "flash-shared"])
 @pytest.mark.parametrize("end_elems", [8, 4, 2, 1])
-def test_flash_wide_end_in_any_number_of_passes(end_elems, path, make_arena, monkeypatch):
-    """attend_flash_wide's split end moves a unit's 8 elements through shared memory END_ELEMS
-    at a time (attend.flash_end_elems: the most the device holds of FLASH_END_ELEMS, forced to
-    one value here — 2 and 1 are not offered, being slow, but are correct): every pass count
-    gives the reference, with 3 query heads (not a power of two) and token lanes of which
-    some see no token (n_used 1 and 7)."""
+@pytest.mark.parametrize("kernel", ["float", "wide_end"])
+def test_flash_end_in_any_number_of_passes(kernel, end_elems, path, make_arena, monkeypatch):
+    """attend_flash's split end moves a unit's 8 elements through shared memory END_ELEMS at
+    a time (attend.flash_end_elems: for the float builds attend_specs.FLASH_FLOAT_END_ELEMS,
+    for the wide end the most the device holds of FLASH_END_ELEMS; forced to one value here —
+    not every count is offered, some being slow, but each is correct): every pass count gives
+    the reference, with 3 query heads (not a power of two) and token lanes of which some see
+    no token (n_used 1 and 7)."""
     from kvdict_vk.vk import attend as attend_module
-    monkeypatch.setattr(attend_module, "FLASH_END_ELEMS", (end_elems,))
+    if kernel == "wide_end":
+        monkeypatch.setattr(attend_module, "FLASH_END_ELEMS", (end_elems,))
+    else:
+        monkeypatch.setitem(attend_module.FLASH_FLOAT_END_ELEMS, kernel, end_elems)
     rng = np.random.default_rng(end_elems)
     hd, g, n_kv, n_ctx = 64, 3, 2, 3000
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, "f16")
     att = arena.attention(n_kv * g)
-    att.path, att.flash_kernel = "flash", "wide_end"
+    att.path, att.flash_kernel = "flash", kernel
     att.subgroups = False if path == "flash-shared" else None
-    local = att.flash_kernel_locals(0, "wide_end")[0]
-    assert att.flash_end_elems(local) == end_elems and att.plan(0, n_ctx).kernel == "wide_end"
+    local = att.flash_kernel_locals(0, kernel)[0]
+    assert att.flash_end_elems(local, kernel) == end_elems and att.plan(0, n_ctx).kernel == kernel
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in (1, 7, 1500, n_ctx):
         _check(arena, stored, 0, q, n_used)
@@ -586,9 +591,10 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
         assert [hb for hb, _ in att.flash_coded_options(0, "float")] == [2, 1]
         offered = T.candidates(att.flash_coded_options(0, "float"), counts, "float")
     else:  # the build (its split's end) is a dimension too
-        assert att.flash_kernel_locals(0, "wide_end") == att.flash_locals(0)
-        offered = T.candidates([(0, att.flash_locals(0))], counts, "float") + \
-            T.candidates([(0, att.flash_kernel_locals(0, "wide_end"))], counts, "wide_end")
+        from kvdict_vk.vk.attend import FLASH_KERNELS
+        assert all(att.flash_kernel_locals(0, kernel) == att.flash_locals(0) for kernel in FLASH_KERNELS)
+        offered = [sh for kernel in FLASH_KERNELS
+                   for sh in T.candidates([(0, att.flash_kernel_locals(0, kernel))], counts, kernel)]
     what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
     shapes = att.flash_candidates(0)  # offered, less counts whose splits come out alike
     assert shapes[0] == offered[0] and set(shapes) <= set(offered) and all(sh.workgroups % 7 == 0 for sh in shapes)
@@ -712,8 +718,8 @@ def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     monkeypatch.setattr(att, "time_plan", lambda layer, n_used, plan: 1e-3)
     first = [att.plan(0, n) for n in (100, 300, 700)]
-    derived = dict(calls)  # units: the sizes, and the wide end per workgroup size
-    assert derived["signature"] == 1 and 1 <= derived["units"] <= 1 + len(att.flash_locals(0))
+    derived = dict(calls)  # units: the sizes, and each build's end per workgroup size
+    assert derived["signature"] == 1 and 1 <= derived["units"] <= 1 + len(A.FLASH_KERNELS) * len(att.flash_locals(0))
     assert [att.plan(0, n) for n in (100, 300, 700)] == first and calls == derived
     assert T.signature(att.layer_signature(0), 700) in T.measured()
     locals_ = att.flash_locals(0)

@@ -54,7 +54,7 @@ def _check_batch(arena, stored, q, n_used, limit=1e-9):
 @pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
 def test_batched_attention_over_rows_equals_reference(cache, kernel, make_arena):
     """attend_flash over B sequences of rows, in both builds (attend.FLASH_KERNELS: the split's
-    end as trees or in a few barriers)."""
+    end 2 elements a pass, or in a few barriers)."""
     rng = np.random.default_rng(21)
     n_kv, g, hd = 2, 3, 64
     arena = make_arena(1, n_kv, hd, max(LENGTHS), cache=cache, seqs=len(LENGTHS))

@@ -82,6 +82,9 @@ def main(argv=None) -> None:
                     "untuned first (empty: attend_tune.FLASH_LOCALS)")
     ap.add_argument("--end-elems", default="", help="attend_flash_wide's END_ELEMS candidates, comma-separated, "
                     "preferred first (empty: attend_specs.FLASH_END_ELEMS)")
+    ap.add_argument("--float-end-elems", default="", help="attend_flash's float builds as name=END_ELEMS, "
+                    "comma-separated, the untuned first: they replace attend_specs.FLASH_FLOAT_END_ELEMS and the "
+                    "float builds of attend.FLASH_KERNELS (e.g. float=2,float_pass4=4,float_pass8=8)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
@@ -89,6 +92,9 @@ def main(argv=None) -> None:
         A.FLASH_LOCALS = tuple(int(x) for x in a.locals.split(","))
     if a.end_elems:  # what Attention.flash_end_elems offers
         A.FLASH_END_ELEMS = tuple(int(x) for x in a.end_elems.split(","))
+    if a.float_end_elems:  # what Attention.flash_end_elems offers the float builds, and the builds
+        A.FLASH_FLOAT_END_ELEMS = {n: int(e) for n, e in (x.split("=") for x in a.float_end_elems.split(","))}
+        A.FLASH_KERNELS = tuple(A.FLASH_FLOAT_END_ELEMS) + ("wide_end",)
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
     before = None
     if a.l2_flush_mib:

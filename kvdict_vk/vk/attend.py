@@ -33,7 +33,7 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket, flash_round_tokens,
+from .attend_specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket, flash_round_tokens,
                            flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
@@ -58,11 +58,11 @@ FLASH_CODED_MIN_SPLIT_TOKENS = 512
 # kernel's atom weights became owned (docs/DESIGN.md) and went; a kernel over the codes for
 # another device class would join here.
 CODED_KERNELS = ("float",)
-# attend_flash's builds, the untuned default first: "float" (attend_flash: the split's end one
-# element of a unit at a time through shared memory) and "wide_end" (attend_flash_wide: the
-# end in a few barriers). The wide end is shorter, but its registers halve the token loop's
-# occupancy on an H200, up to a third slower at long contexts (docs/DESIGN.md): the tuner
-# times both.
+# attend_flash's builds, the untuned default first: "float" (attend_flash: the split's end 2
+# elements of a unit a pass through shared memory, attend_specs.FLASH_FLOAT_END_ELEMS) and
+# "wide_end" (attend_flash_wide: the end in a few barriers). The wide end is shorter, but its
+# registers halve the token loop's occupancy on an H200, up to a third slower at long contexts
+# (docs/DESIGN.md): the tuner times both.
 FLASH_KERNELS = ("float", "wide_end")
 
 
@@ -220,7 +220,8 @@ class Attention:
         """attend_flash's workgroup sizes over an uncoded ``layer``, preferred first (empty: it
         cannot): at most FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8
         (a unit of 8 elements per invocation) or 32 (q8_0 blocks); those of FLASH_LOCALS
-        (attend_tune) the device allows that the row's units divide and whose shared memory fits."""
+        (attend_tune) the device allows that the row's units divide and whose shared memory fits
+        (the float end at its fewest elements a pass)."""
         k = self.layout.layers[layer].k
         return [] if k.coded else self.flash_locals_of(k.rows)
 
@@ -234,24 +235,29 @@ class Attention:
             most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
             units = flash_units(hd)
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
-                         and flash_shared_bytes(self.group, n, units) <= limit)
+                         and flash_shared_bytes(self.group, n, units, min(FLASH_FLOAT_END_ELEMS.values())) <= limit)
         return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
 
-    def flash_end_elems(self, local: int) -> int:
-        """attend_flash_wide's END_ELEMS at ``local`` invocations: the most elements of a unit
-        its split's end moves through shared memory per pass (FLASH_END_ELEMS) that the device's
-        shared memory holds; 0 where none fits (then attend_flash_wide is no candidate)."""
+    def flash_end_elems(self, local: int, kernel: str) -> int:
+        """END_ELEMS of attend_flash's build ``kernel`` (FLASH_KERNELS) at ``local`` invocations:
+        the elements of a unit its split's end moves through shared memory per pass — the float
+        builds' FLASH_FLOAT_END_ELEMS, the wide end's the most of FLASH_END_ELEMS — where the
+        device's shared memory holds them; 0 where it does not (then the build is no candidate)."""
+        if kernel not in FLASH_KERNELS:
+            raise E.ArenaError(f"Attention.flash_kernel must be None or one of {FLASH_KERNELS}, got {kernel!r}")
+
         def derive() -> int:
             limit, units = self.device.limit("max_compute_shared_memory_size"), flash_units(self.layout.head_dim)
-            return next((e for e in FLASH_END_ELEMS if flash_shared_bytes(self.group, local, units, e) <= limit), 0)
-        return self._per_layer("flash_end_elems", (local, FLASH_END_ELEMS), derive)
+            wide = kernel == "wide_end"
+            offered = FLASH_END_ELEMS if wide else (FLASH_FLOAT_END_ELEMS[kernel],)
+            return next((e for e in offered if flash_shared_bytes(self.group, local, units, e, wide) <= limit), 0)
+        offers = (FLASH_END_ELEMS, tuple(FLASH_FLOAT_END_ELEMS.items()))  # tests replace them
+        return self._per_layer("flash_end_elems", (local, kernel) + offers, derive)
 
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
         """attend_flash's workgroup sizes over an uncoded ``layer`` for build ``kernel``
-        (FLASH_KERNELS): flash_locals, and for "wide_end" those whose wide end fits."""
-        if kernel not in FLASH_KERNELS:
-            raise E.ArenaError(f"Attention.flash_kernel must be None or one of {FLASH_KERNELS}, got {kernel!r}")
-        return [n for n in self.flash_locals(layer) if kernel != "wide_end" or self.flash_end_elems(n)]
+        (FLASH_KERNELS): those of flash_locals whose split end fits (flash_end_elems)."""
+        return [n for n in self.flash_locals(layer) if self.flash_end_elems(n, kernel)]
 
     def flash_variant(self, local: int, shader: str = "attend_flash") -> str:
         """The SPIR-V of ``shader`` — attend_flash or its wide end, spreading a token over

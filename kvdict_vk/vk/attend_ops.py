@@ -175,9 +175,11 @@ class PassBuilder:
         att, lay = self.att, self.layout
         wide = plan.kernel == "wide_end"
         variant = att.flash_variant(local, "attend_flash_wide" if wide else "attend_flash")
-        kernel = self._kernel(("flash", variant) + key + (local,), variant, [buf, buf, att.q, att.accs, att.stats],
+        end_elems = att.flash_end_elems(local, plan.kernel)
+        kernel = self._kernel(("flash", variant) + key + (local, end_elems), variant,
+                              [buf, buf, att.q, att.accs, att.stats],
                               att.sizes.seqs * lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1,
-                              ROW_HALF=half, ROW_Q8=q8, END_ELEMS=att.flash_end_elems(local) if wide else 1)
+                              ROW_HALF=half, ROW_Q8=q8, END_ELEMS=end_elems)
         op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
                        n_kv=lay.n_kv_heads, n_seqs=plan.seqs, score_scale=scale)
         return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs)

@@ -22,17 +22,24 @@ FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it kee
 # attend_flash_wide's END_ELEMS, preferred first (fewer passes): 2 or 1 would be correct too,
 # but made the whole kernel 3-4x slower on an H200 (the compiler's choices with 4-8 passes)
 FLASH_END_ELEMS = (8, 4)
+# attend_flash's END_ELEMS per float build (attend.FLASH_KERNELS): elements of a unit its
+# split's end moves a pass, 16 / END_ELEMS barriers. On an H200 2 was never slower than 1
+# (geometric mean 0.97 over 24 launch shapes); 4 took the build past 128 registers at 4 query
+# heads a KV head (145-149: half the workgroups a multiprocessor, up to 24 % slower) and gained
+# nothing at 3 (116 either way), so it is not offered (docs/DESIGN.md; a probe offers more
+# builds with attend_floor_probe --float-end-elems).
+FLASH_FLOAT_END_ELEMS = {"float": 2}
 
 
-def flash_shared_bytes(group: int, local: int, units: int, end_elems: int = 0) -> int:
-    """attend_flash.comp's shared memory. end_elems 0 (attend_flash): a float per (query head,
-    invocation) — partial scores without subgroups, the end's sums — and one per query head
-    (the split's reference). Else
-    (attend_flash_wide at END_ELEMS = end_elems): that many floats per (query head, invocation)
-    plus a padding of units % 32 each — partial scores, the end's unit elements —, three floats
-    per (query head, token lane) and one per query head (the end's references, sums, factors)."""
-    if not end_elems:
-        return 4 * (group * local + group)
+def flash_shared_bytes(group: int, local: int, units: int, end_elems: int, wide: bool = False) -> int:
+    """attend_flash.comp's shared memory at END_ELEMS = end_elems. attend_flash: end_elems
+    floats per (query head, invocation) — partial scores without subgroups, a pass of the
+    end's sums — and one per query head (the split's reference). attend_flash_wide (wide):
+    end_elems floats per (query head, invocation) plus a padding of units % 32 each — partial
+    scores, the end's unit elements —, three floats per (query head, token lane) and one per
+    query head (the end's references, sums, factors)."""
+    if not wide:
+        return 4 * (end_elems * group * local + group)
     return 4 * (end_elems * (group * local + units % 32) + 3 * group * (local // units) + group)
 
 
