@@ -33,8 +33,8 @@ from .. import errors as E
 from . import attend_plan as P
 from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
 from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket, flash_round_tokens,
-                           flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
+from .attend_specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket,
+                           flash_round_tokens, flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
 from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 from .device import kp
 from .kernels import Buffer, Kernel, barrier
