@@ -240,6 +240,25 @@ def test_flash_end_in_any_number_of_passes(kernel, end_elems, path, make_arena, 
         _check(arena, stored, 0, q, n_used)
 
 
+def test_flash_end_elems_that_do_not_divide_a_unit_are_refused(make_arena, monkeypatch):
+    """An END_ELEMS whose passes would not cover a unit's 8 elements exactly (they would write
+    past the unit) is refused by the kernel's contract before anything is dispatched, and the
+    attention still works once a valid count is back."""
+    from kvdict_vk.vk import attend as attend_module
+    rng = np.random.default_rng(3)
+    hd, g, n_kv, n_ctx = 64, 3, 2, 600
+    arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, "f16")
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    with monkeypatch.context() as m:
+        m.setitem(attend_module.FLASH_FLOAT_END_ELEMS, "float", 3)
+        att = arena.attention(n_kv * g)
+        att.path, att.flash_kernel = "flash", "float"
+        with pytest.raises(E.DispatchError, match=r"attend_flash \(specialization\)"):
+            arena.attend(0, q, n_ctx)
+    assert arena.attention(n_kv * g) is att and att.flash_end_elems(att.plan(0, n_ctx).local, "float") == 2
+    _check(arena, stored, 0, q, n_ctx)
+
+
 MERGE_HEAD_SOURCE = Path(__file__).resolve().parent.parent / "shaders" / "attend_merge_head.comp"
 
 

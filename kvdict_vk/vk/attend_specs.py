@@ -307,7 +307,8 @@ def _flash_extents(p, s):
            and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
     _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % 8 == 0
            and units <= local and local % units == 0 and not (s["ROW_Q8"] and s["ROW_HALF"])
-           and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0,
+           and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0
+           and s["END_ELEMS"] in (1, 2, 4, 8),  # the end's passes cover a unit's 8 elements exactly
            "attend_flash (specialization)", dict(p, **s))
     last = _seq_rows(p, "attend_flash")
     rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + last) * row) for w in (p["k_word"], p["v_word"])]
