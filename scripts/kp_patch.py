@@ -22,6 +22,15 @@
      resets it, so a second evaluation writes timestamps into queries that were never
      reset: undefined), and a timestamp past the pool's size is not written.
 
+3. **One barrier before a dispatch, as an option** (src/OpAlgoDispatch.cpp). 0.9.0 records
+   a vkCmdPipelineBarrier (transfer writes → compute-shader reads) for each tensor an
+   algorithm binds, before every dispatch. With ``KVDICT_VK_ONE_DISPATCH_BARRIER`` set (read
+   when a dispatch is recorded) the patch records ONE with a global memory barrier of the same
+   stages and accesses instead: the same ordering (it covers every buffer the per-tensor ones
+   did), one command where there were up to seven. Off by default until timed on a GPU: an
+   empty dispatch costs 4.5-5 µs between timestamps on an H200 where a copy costs 2.2
+   (docs/DESIGN.md).
+
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
 import sys
@@ -47,6 +56,38 @@ BARRIER = """    // kvdict_vk patch: a compute->compute barrier (scripts/kp_patc
 
 # (file, anchor that must occur exactly once, replacement)
 SEQUENCE_EDITS = [
+    ("src/OpAlgoDispatch.cpp",
+     "    for (const std::shared_ptr<Tensor>& tensor :\n"
+     "         this->mAlgorithm->getTensors()) {\n"
+     "        tensor->recordPrimaryBufferMemoryBarrier(\n"
+     "          commandBuffer,\n"
+     "          vk::AccessFlagBits::eTransferWrite,\n"
+     "          vk::AccessFlagBits::eShaderRead,\n"
+     "          vk::PipelineStageFlagBits::eTransfer,\n"
+     "          vk::PipelineStageFlagBits::eComputeShader);\n"
+     "    }\n",
+     "    // kvdict_vk patch: with KVDICT_VK_ONE_DISPATCH_BARRIER set, one global barrier in\n"
+     "    // place of one per bound tensor (scripts/kp_patch.py says why)\n"
+     "    if (std::getenv(\"KVDICT_VK_ONE_DISPATCH_BARRIER\")) {\n"
+     "        vk::MemoryBarrier transferToShader(vk::AccessFlagBits::eTransferWrite,\n"
+     "                                           vk::AccessFlagBits::eShaderRead);\n"
+     "        commandBuffer.pipelineBarrier(vk::PipelineStageFlagBits::eTransfer,\n"
+     "                                      vk::PipelineStageFlagBits::eComputeShader,\n"
+     "                                      vk::DependencyFlags(), 1, &transferToShader,\n"
+     "                                      0, nullptr, 0, nullptr);\n"
+     "    } else\n"
+     "    for (const std::shared_ptr<Tensor>& tensor :\n"
+     "         this->mAlgorithm->getTensors()) {\n"
+     "        tensor->recordPrimaryBufferMemoryBarrier(\n"
+     "          commandBuffer,\n"
+     "          vk::AccessFlagBits::eTransferWrite,\n"
+     "          vk::AccessFlagBits::eShaderRead,\n"
+     "          vk::PipelineStageFlagBits::eTransfer,\n"
+     "          vk::PipelineStageFlagBits::eComputeShader);\n"
+     "    }\n"),
+    ("src/OpAlgoDispatch.cpp",
+     '#include "kompute/operations/OpAlgoDispatch.hpp"\n',
+     '#include "kompute/operations/OpAlgoDispatch.hpp"\n\n#include <cstdlib>  // kvdict_vk patch\n'),
     ("src/include/kompute/Sequence.hpp",
      "    vk::Fence mFence;\n",
      "    vk::Fence mFence;  // kvdict_vk patch: made once, reset before each submit\n"
