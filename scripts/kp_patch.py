@@ -27,9 +27,8 @@
    algorithm binds, before every dispatch. With ``KVDICT_VK_ONE_DISPATCH_BARRIER`` set (read
    when a dispatch is recorded) the patch records ONE with a global memory barrier of the same
    stages and accesses instead: the same ordering (it covers every buffer the per-tensor ones
-   did), one command where there were up to seven. Off by default until timed on a GPU: an
-   empty dispatch costs 4.5-5 µs between timestamps on an H200 where a copy costs 2.2
-   (docs/DESIGN.md).
+   did) in one command. Off by default until timed on a GPU: an empty dispatch costs 4.5-5 µs
+   between timestamps on an H200 where a copy costs 2.2 (docs/DESIGN.md).
 
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
@@ -55,7 +54,7 @@ BARRIER = """    // kvdict_vk patch: a compute->compute barrier (scripts/kp_patc
 """
 
 # (file, anchor that must occur exactly once, replacement)
-SEQUENCE_EDITS = [
+SOURCE_EDITS = [
     ("src/OpAlgoDispatch.cpp",
      "    for (const std::shared_ptr<Tensor>& tensor :\n"
      "         this->mAlgorithm->getTensors()) {\n"
@@ -178,7 +177,7 @@ def main(src: str) -> int:
     if MARK in bindings.read_text():
         return 0  # already patched
     _edit(bindings, BARRIER_ANCHOR, BARRIER + BARRIER_ANCHOR)
-    for rel, anchor, replacement in SEQUENCE_EDITS:
+    for rel, anchor, replacement in SOURCE_EDITS:
         _edit(root / rel, anchor, replacement)
     return 0
 
