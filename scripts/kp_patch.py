@@ -53,18 +53,22 @@ BARRIER = """    // kvdict_vk patch: a compute->compute barrier (scripts/kp_patc
 
 """
 
+# 0.9.0's OpAlgoDispatch::record: a barrier for each bound tensor (kept as the default of item 3)
+PER_TENSOR_BARRIERS = (
+    "    for (const std::shared_ptr<Tensor>& tensor :\n"
+    "         this->mAlgorithm->getTensors()) {\n"
+    "        tensor->recordPrimaryBufferMemoryBarrier(\n"
+    "          commandBuffer,\n"
+    "          vk::AccessFlagBits::eTransferWrite,\n"
+    "          vk::AccessFlagBits::eShaderRead,\n"
+    "          vk::PipelineStageFlagBits::eTransfer,\n"
+    "          vk::PipelineStageFlagBits::eComputeShader);\n"
+    "    }\n")
+
 # (file, anchor that must occur exactly once, replacement)
 SOURCE_EDITS = [
     ("src/OpAlgoDispatch.cpp",
-     "    for (const std::shared_ptr<Tensor>& tensor :\n"
-     "         this->mAlgorithm->getTensors()) {\n"
-     "        tensor->recordPrimaryBufferMemoryBarrier(\n"
-     "          commandBuffer,\n"
-     "          vk::AccessFlagBits::eTransferWrite,\n"
-     "          vk::AccessFlagBits::eShaderRead,\n"
-     "          vk::PipelineStageFlagBits::eTransfer,\n"
-     "          vk::PipelineStageFlagBits::eComputeShader);\n"
-     "    }\n",
+     PER_TENSOR_BARRIERS,
      "    // kvdict_vk patch: with KVDICT_VK_ONE_DISPATCH_BARRIER set, one global barrier in\n"
      "    // place of one per bound tensor (scripts/kp_patch.py says why)\n"
      "    if (std::getenv(\"KVDICT_VK_ONE_DISPATCH_BARRIER\")) {\n"
@@ -75,15 +79,7 @@ SOURCE_EDITS = [
      "                                      vk::DependencyFlags(), 1, &transferToShader,\n"
      "                                      0, nullptr, 0, nullptr);\n"
      "    } else\n"
-     "    for (const std::shared_ptr<Tensor>& tensor :\n"
-     "         this->mAlgorithm->getTensors()) {\n"
-     "        tensor->recordPrimaryBufferMemoryBarrier(\n"
-     "          commandBuffer,\n"
-     "          vk::AccessFlagBits::eTransferWrite,\n"
-     "          vk::AccessFlagBits::eShaderRead,\n"
-     "          vk::PipelineStageFlagBits::eTransfer,\n"
-     "          vk::PipelineStageFlagBits::eComputeShader);\n"
-     "    }\n"),
+     + PER_TENSOR_BARRIERS),
     ("src/OpAlgoDispatch.cpp",
      '#include "kompute/operations/OpAlgoDispatch.hpp"\n',
      '#include "kompute/operations/OpAlgoDispatch.hpp"\n\n#include <cstdlib>  // kvdict_vk patch\n'),
