@@ -337,13 +337,14 @@ def test_flash_workgroup_counts_come_from_the_multiprocessors(make_arena):
 
 def test_flash_splits_are_whole_rounds(make_arena):
     """A flash split is a whole number of its kernel's rounds (attend_specs.flash_round_tokens;
-    its tokens per lane the shader's): 32 768 tokens wanted in 33 splits of 993 would each run
+    its tokens per lane and unit size the shader's): 32 768 tokens wanted in 33 splits of 993 would each run
     a last round of 32 whole, so they become 32 of 1 024; a length that is not a multiple leaves
     only the last split short."""
     from kvdict_vk.vk import attend_specs as S
     from kvdict_vk.vk import attend_tune as T
     flash_src = (MERGE_HEAD_SOURCE.parent / "attend_flash.comp").read_text()
     assert int(re.search(r"#define TOKENS_PER_LANE (\d+)u", flash_src).group(1)) == S.FLASH_TOKENS_PER_LANE
+    assert int(re.search(r"const uint UNIT_DIMS = (\d+)u;", flash_src).group(1)) == S.FLASH_UNIT_DIMS
     assert S.flash_round_tokens(128, 256, coded=False) == 256 // 16 * S.FLASH_TOKENS_PER_LANE == 32
     assert S.flash_round_tokens(64, 256, coded=True) == 256
     n_kv, g, hd = 2, 4, 128

@@ -220,8 +220,8 @@ class Attention:
         """attend_flash's workgroup sizes over an uncoded ``layer``, preferred first (empty: it
         cannot): at most FLASH_MAX_GROUP query heads per KV head, head_dim a multiple of 8
         (a unit of 8 elements per invocation) or 32 (q8_0 blocks); those of FLASH_LOCALS
-        (attend_tune) the device allows that the row's units divide and whose shared memory fits
-        (the float end at its fewest elements a pass)."""
+        (attend_tune) the device allows that the row's units divide and where the untuned build,
+        FLASH_KERNELS[0], fits (flash_end_elems: its split end's shared memory)."""
         k = self.layout.layers[layer].k
         return [] if k.coded else self.flash_locals_of(k.rows)
 
@@ -232,10 +232,9 @@ class Attention:
             hd = self.layout.head_dim
             if self.group > FLASH_MAX_GROUP or hd % (32 if rows == "q8_0" else 8):
                 return ()
-            most, limit = self.max_local(), self.device.limit("max_compute_shared_memory_size")
-            units = flash_units(hd)
+            most, units = self.max_local(), flash_units(hd)
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
-                         and flash_shared_bytes(self.group, n, units, min(FLASH_FLOAT_END_ELEMS.values())) <= limit)
+                         and self.flash_end_elems(n, FLASH_KERNELS[0]))
         return list(self._per_layer("flash_locals_of", rows, derive))  # per row format
 
     def flash_end_elems(self, local: int, kernel: str) -> int:

@@ -17,6 +17,9 @@ CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
 DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
 FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
+# attend_flash.comp's UNIT_DIMS: the elements of a row one invocation takes (a unit: a uvec4 of an
+# f16 row, two of an f32 row, two value words of a q8_0 row; a test reads the shader's)
+FLASH_UNIT_DIMS = 8
 
 
 # attend_flash_wide's END_ELEMS, preferred first (fewer passes): 2 or 1 would be correct too,
@@ -46,7 +49,7 @@ def flash_shared_bytes(group: int, local: int, units: int, end_elems: int, wide:
 def flash_units(head_dim: int) -> int:
     """Invocations attend_flash spreads a row over, a unit of 8 elements each (a uvec4 of an
     f16 row, two of an f32 row, two value words of a q8_0 row): the same for every format."""
-    return head_dim // 8
+    return head_dim // FLASH_UNIT_DIMS
 
 
 FLASH_TOKENS_PER_LANE = 2  # attend_flash.comp's TOKENS_PER_LANE (its default; a test reads the shader's)
@@ -305,10 +308,10 @@ def _flash_extents(p, s):
     row, units = row_words(hd, 0, 0, rows), flash_units(hd)
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
-    _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % 8 == 0
+    _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % FLASH_UNIT_DIMS == 0
            and units <= local and local % units == 0 and not (s["ROW_Q8"] and s["ROW_HALF"])
            and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0
-           and s["END_ELEMS"] in (1, 2, 4, 8),  # the end's passes cover a unit's 8 elements exactly
+           and 0 < s["END_ELEMS"] and FLASH_UNIT_DIMS % s["END_ELEMS"] == 0,  # the end's passes cover a unit
            "attend_flash (specialization)", dict(p, **s))
     last = _seq_rows(p, "attend_flash")
     rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + last) * row) for w in (p["k_word"], p["v_word"])]
