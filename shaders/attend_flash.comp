@@ -118,26 +118,30 @@ layout(push_constant) uniform AttendFlashPush {
 const uint END_STRIDE = GROUP * LOCAL + UNITS % 32u;
 // partial scores (SUBGROUP 0: red_sh[h*LOCAL + tid]); the end's unit elements
 shared float red_sh[END_ELEMS * END_STRIDE];
-// the end: each token lane's reference and sum of p, its factor exp(m - M), the split's M
+// the end: each token lane's reference and sum of p, its factor exp(m - M)
 shared float lane_m_sh[GROUP * TLANES];
 shared float lane_l_sh[GROUP * TLANES];
 shared float lane_f_sh[GROUP * TLANES];
-shared float split_m_sh[GROUP];
-
-// Elements e0 .. e0 + END_ELEMS - 1 of this invocation's unit of each head's sum of p·v into
-// red_sh (e0 a constant after unrolling: the vectors are indexed by constants only).
-#define END_WRITE(e0) \
-    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) \
-        if (h < GROUP) \
-            [[unroll]] for (uint e = 0u; e < END_ELEMS; ++e) \
-                red_sh[e * END_STRIDE + h * LOCAL + tid] = (e0) + e < 4u ? acc_lo[h][((e0) + e) % 4u] \
-                                                                         : acc_hi[h][((e0) + e) % 4u];
 #else
 // partial scores (SUBGROUP 0); the end's reductions, and a pass's END_ELEMS elements at
 // red_sh[(e * GROUP + h) * LOCAL + tid]
 shared float red_sh[END_ELEMS * GROUP * LOCAL];
+#endif
 shared float split_m_sh[GROUP];  // the split's reference M per query head
 
+// Element e of this invocation's unit of query head h's sum of p·v (h and e constants after
+// unrolling: the vectors are indexed by constants only).
+#define UNIT_ELEM(h, e) ((e) < 4u ? acc_lo[h][(e) % 4u] : acc_hi[h][(e) % 4u])
+
+#if WIDE_END
+// Elements e0 .. e0 + END_ELEMS - 1 of this invocation's unit of each head's sum of p·v into
+// red_sh.
+#define END_WRITE(e0) \
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) \
+        if (h < GROUP) \
+            [[unroll]] for (uint e = 0u; e < END_ELEMS; ++e) \
+                red_sh[e * END_STRIDE + h * LOCAL + tid] = UNIT_ELEM(h, (e0) + e);
+#else
 // The maximum (take_max) or the sum over a workgroup's token lanes of a value per (query head,
 // token lane) that is the same in the lane's UNITS invocations: its unit-0 invocation writes
 // it, one invocation a head reduces TLANES values (not a tree over LOCAL). Head h's result is
@@ -443,8 +447,7 @@ void main() {
             [[unroll]] for (uint e = 0u; e < END_ELEMS; ++e)
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
                     if (h < GROUP)
-                        red_sh[(e * GROUP + h) * LOCAL + tid] = e0 + e < 4u ? acc_lo[h][(e0 + e) % 4u]
-                                                                            : acc_hi[h][(e0 + e) % 4u];
+                        red_sh[(e * GROUP + h) * LOCAL + tid] = UNIT_ELEM(h, e0 + e);
             barrier();
             // x = (e, h, un), un fastest: a warp's lanes read neighbouring words
             for (uint x = tid; x < END_ELEMS * GROUP * UNITS; x += LOCAL) {
