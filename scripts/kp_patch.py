@@ -22,14 +22,6 @@
      resets it, so a second evaluation writes timestamps into queries that were never
      reset: undefined), and a timestamp past the pool's size is not written.
 
-3. **One barrier before a dispatch, as an option** (src/OpAlgoDispatch.cpp). 0.9.0 records
-   a vkCmdPipelineBarrier (transfer writes → compute-shader reads) for each tensor an
-   algorithm binds, before every dispatch. With ``KVDICT_VK_ONE_DISPATCH_BARRIER`` set (read
-   when a dispatch is recorded) the patch records ONE with a global memory barrier of the same
-   stages and accesses instead: the same ordering (it covers every buffer the per-tensor ones
-   did) in one command. Off by default until timed on a GPU: an empty dispatch costs 4.5-5 µs
-   between timestamps on an H200 where a copy costs 2.2 (docs/DESIGN.md).
-
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
 import sys
@@ -53,36 +45,8 @@ BARRIER = """    // kvdict_vk patch: a compute->compute barrier (scripts/kp_patc
 
 """
 
-# 0.9.0's OpAlgoDispatch::record: a barrier for each bound tensor (kept as the default of item 3)
-PER_TENSOR_BARRIERS = (
-    "    for (const std::shared_ptr<Tensor>& tensor :\n"
-    "         this->mAlgorithm->getTensors()) {\n"
-    "        tensor->recordPrimaryBufferMemoryBarrier(\n"
-    "          commandBuffer,\n"
-    "          vk::AccessFlagBits::eTransferWrite,\n"
-    "          vk::AccessFlagBits::eShaderRead,\n"
-    "          vk::PipelineStageFlagBits::eTransfer,\n"
-    "          vk::PipelineStageFlagBits::eComputeShader);\n"
-    "    }\n")
-
 # (file, anchor that must occur exactly once, replacement)
-SOURCE_EDITS = [
-    ("src/OpAlgoDispatch.cpp",
-     PER_TENSOR_BARRIERS,
-     "    // kvdict_vk patch: with KVDICT_VK_ONE_DISPATCH_BARRIER set, one global barrier in\n"
-     "    // place of one per bound tensor (scripts/kp_patch.py says why)\n"
-     "    if (std::getenv(\"KVDICT_VK_ONE_DISPATCH_BARRIER\")) {\n"
-     "        vk::MemoryBarrier transferToShader(vk::AccessFlagBits::eTransferWrite,\n"
-     "                                           vk::AccessFlagBits::eShaderRead);\n"
-     "        commandBuffer.pipelineBarrier(vk::PipelineStageFlagBits::eTransfer,\n"
-     "                                      vk::PipelineStageFlagBits::eComputeShader,\n"
-     "                                      vk::DependencyFlags(), 1, &transferToShader,\n"
-     "                                      0, nullptr, 0, nullptr);\n"
-     "    } else\n"
-     + PER_TENSOR_BARRIERS),
-    ("src/OpAlgoDispatch.cpp",
-     '#include "kompute/operations/OpAlgoDispatch.hpp"\n',
-     '#include "kompute/operations/OpAlgoDispatch.hpp"\n\n#include <cstdlib>  // kvdict_vk patch\n'),
+SEQUENCE_EDITS = [
     ("src/include/kompute/Sequence.hpp",
      "    vk::Fence mFence;\n",
      "    vk::Fence mFence;  // kvdict_vk patch: made once, reset before each submit\n"
@@ -173,7 +137,7 @@ def main(src: str) -> int:
     if MARK in bindings.read_text():
         return 0  # already patched
     _edit(bindings, BARRIER_ANCHOR, BARRIER + BARRIER_ANCHOR)
-    for rel, anchor, replacement in SOURCE_EDITS:
+    for rel, anchor, replacement in SEQUENCE_EDITS:
         _edit(root / rel, anchor, replacement)
     return 0
 

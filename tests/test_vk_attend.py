@@ -259,25 +259,6 @@ def test_flash_end_elems_that_do_not_divide_a_unit_are_refused(make_arena, monke
     _check(arena, stored, 0, q, n_ctx)
 
 
-@pytest.mark.parametrize("coded", [False, True])
-def test_one_barrier_before_each_dispatch_orders_what_the_per_tensor_ones_did(coded, make_arena, activate,
-                                                                              monkeypatch):
-    """scripts/kp_patch.py's KVDICT_VK_ONE_DISPATCH_BARRIER: one global transfer→compute
-    barrier before each dispatch in place of one per bound tensor. What is uploaded before the
-    passes (the rows or slots appended, the query of every call) is what they read — the
-    reference holds — and the synchronization validation layer reports nothing (its gate)."""
-    monkeypatch.setenv("KVDICT_VK_ONE_DISPATCH_BARRIER", "1")
-    rng = np.random.default_rng(31 + coded)
-    hd, n_kv, g, n_ctx = 64, 2, 3, 700
-    art = random_artifact(rng, hd, 256, [((4, 4), (4, 3))], n_heads=n_kv) if coded else None
-    arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
-    att = arena.attention(n_kv * g)
-    att.path = "flash"
-    for n_used in (1, 300, n_ctx):
-        q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
-        _check(arena, stored, 0, q, n_used)
-
-
 MERGE_HEAD_SOURCE = Path(__file__).resolve().parent.parent / "shaders" / "attend_merge_head.comp"
 
 
