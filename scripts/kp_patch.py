@@ -22,6 +22,13 @@
      resets it, so a second evaluation writes timestamps into queries that were never
      reset: undefined), and a timestamp past the pool's size is not written.
 
+3. **Timestamps only where they are read** (src/Sequence.cpp, the bindings): 0.9.0 latches
+   a timestamp after every recorded op, with ALL_COMMANDS — each waits for the work before
+   it, so one inside a timed span lengthens it (~1 µs each on an H200:
+   docs/results/h200/probes/attend_timestamps.json). ``Sequence.record_unlatched(op)``
+   records an op with none after it; the timestamps written are numbered in order, and
+   ``get_timestamps`` returns those (the first, before any op, and one per latched op).
+
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
 import sys
@@ -51,7 +58,14 @@ SEQUENCE_EDITS = [
      "    vk::Fence mFence;\n",
      "    vk::Fence mFence;  // kvdict_vk patch: made once, reset before each submit\n"
      "    uint32_t mTimestampCount = 0;\n"
+     "    uint32_t mLatched = 0;  // timestamps written after ops since begin()\n"
+     "    bool mLatchNext = true;\n"
      "    uint64_t mPollMicros = 0;\n"),
+    ("src/include/kompute/Sequence.hpp",
+     "    std::shared_ptr<Sequence> record(std::shared_ptr<OpBase> op);\n",
+     "    std::shared_ptr<Sequence> record(std::shared_ptr<OpBase> op);\n"
+     "    // kvdict_vk patch: record an op with no timestamp after it\n"
+     "    std::shared_ptr<Sequence> recordUnlatched(std::shared_ptr<OpBase> op);\n"),
     ("src/Sequence.cpp",
      '#include "kompute/Sequence.hpp"\n',
      '#include "kompute/Sequence.hpp"\n\n#include <chrono>\n#include <cstdlib>\n'),
@@ -68,6 +82,7 @@ SEQUENCE_EDITS = [
      "    if (this->timestampQueryPool)\n",
      "    this->mRecording = true;\n\n    // latch the first timestamp before any commands are submitted\n"
      "    // (kvdict_vk patch: after resetting the queries, which 0.9.0 never does)\n"
+     "    this->mLatched = 0;\n"
      "    if (this->timestampQueryPool)\n"
      "        this->mCommandBuffer->resetQueryPool(\n"
      "          *this->timestampQueryPool, 0, this->mTimestampCount);\n"
@@ -106,11 +121,31 @@ SEQUENCE_EDITS = [
      "    if (this->timestampQueryPool)\n        this->mCommandBuffer->writeTimestamp(\n"
      "          vk::PipelineStageFlagBits::eAllCommands,\n          *this->timestampQueryPool,\n"
      "          this->mOperations.size());\n",
-     "    if (this->timestampQueryPool &&\n"
-     "        this->mOperations.size() < this->mTimestampCount)  // kvdict_vk patch\n"
+     "    // kvdict_vk patch: timestamps numbered as written, none past the pool's size\n"
+     "    if (this->timestampQueryPool && this->mLatchNext &&\n"
+     "        this->mLatched + 1 < this->mTimestampCount)\n"
      "        this->mCommandBuffer->writeTimestamp(\n"
      "          vk::PipelineStageFlagBits::eAllCommands,\n          *this->timestampQueryPool,\n"
-     "          this->mOperations.size());\n"),
+     "          ++this->mLatched);\n"
+     "    this->mLatchNext = true;\n"),
+    ("src/Sequence.cpp",
+     "std::vector<std::uint64_t>\nSequence::getTimestamps()\n",
+     "// kvdict_vk patch\n"
+     "std::shared_ptr<Sequence>\nSequence::recordUnlatched(std::shared_ptr<OpBase> op)\n{\n"
+     "    this->mLatchNext = false;\n"
+     "    return this->record(op);\n}\n\n"
+     "std::vector<std::uint64_t>\nSequence::getTimestamps()\n"),
+    ("src/Sequence.cpp",
+     "    const auto n = this->mOperations.size() + 1;\n",
+     "    const auto n = this->mLatched + 1;  // kvdict_vk patch: those written\n"),
+    ("python/src/main.cpp",
+     "      .def(\"rerecord\", &kp::Sequence::rerecord, DOC(kp, Sequence, rerecord))\n",
+     "      .def(\"rerecord\", &kp::Sequence::rerecord, DOC(kp, Sequence, rerecord))\n"
+     "      .def(  // kvdict_vk patch\n"
+     "        \"record_unlatched\",\n"
+     "        [](kp::Sequence& self, std::shared_ptr<kp::OpBase> op) {\n"
+     "            return self.recordUnlatched(op);\n"
+     "        })\n"),
     ("src/Sequence.cpp",
      "    vk::CommandPoolCreateInfo commandPoolInfo(vk::CommandPoolCreateFlags(),\n",
      "    // kvdict_vk patch: command buffers may be recorded again\n"

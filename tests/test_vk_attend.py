@@ -590,6 +590,46 @@ def test_attention_recording_reruns_and_times_its_passes(make_arena):
         Recording(arena.device, [object()], core=(0, 2))
 
 
+def test_timestamps_only_where_a_recording_reads_them(make_arena):
+    """scripts/kp_patch.py item 3: a sequence latches timestamps only after the ops recorded
+    with record() — numbered as written, so get_timestamps returns those and none other — and
+    Recording latches around its core and at its end ("spans": no timestamp inside a timed
+    span), or after every op ("ops"), where the per-op times add up to the spans."""
+    import kp
+    from kvdict_vk.vk import submit
+    assert submit.HAS_UNLATCHED, "kp lacks Sequence.record_unlatched: scripts/setup.sh patches it"
+    rng = np.random.default_rng(13)
+    arena, _ = _filled_arena(make_arena, None, rng, 64, 2, 300, None, "f16")
+    dev = arena.device
+    assert submit.timestamps_usable(dev), f"{dev.name}: no usable timestamps on the compute queue"
+    att = arena.attention(4)
+    q = rng.standard_normal((4, 64), dtype=np.float32)
+    want = arena.attend(0, q, 300)
+    up, back = att.passes.q_upload(att.q), att.passes.read_back(att.out)
+    with dev.guard("a sequence of two copies, the second latched"):
+        seq = dev.manager.sequence(0, 2)  # room for two after the first: one is written
+        seq.record_unlatched(up)
+        seq.record(back)
+        seq.eval()
+        stamps = seq.get_timestamps()
+        seq.destroy()
+    assert len(stamps) == 2 and stamps[1] >= stamps[0]
+    with att.recording(0, q, 300, timestamps="spans") as spans, att.recording(0, q, 300, timestamps="ops") as ops:
+        for rec in (spans, ops):
+            rec.run()
+            assert np.array_equal(att.output(), want)
+        with pytest.raises(E.DispatchError, match="timestamps='ops'"):
+            spans.op_seconds()
+        per_op = ops.op_seconds()
+        assert len(per_op) == ops.core[1] + 1 and min(per_op) >= 0  # the query's copy, the passes, the read-back
+        tick = dev.info.limits["timestamp_period_ns"] * 1e-9
+        assert abs(sum(per_op) - ops.gpu_seconds()) <= len(per_op) * tick
+        assert abs(sum(per_op[slice(*ops.core)]) - ops.core_seconds()) <= len(per_op) * tick
+        assert 0 <= spans.core_seconds() <= spans.gpu_seconds()
+    with pytest.raises(E.DispatchError, match="timestamps must be"):
+        submit.Recording(dev, [up], timestamps="every")
+
+
 @pytest.mark.parametrize("coded", [False, True])
 def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activate, monkeypatch):
     """On GPUs the flash kernels' launch shape (workgroup size, workgroups) is the fastest

@@ -118,7 +118,7 @@ def main(argv=None) -> None:
         att = arena.attention(q.shape[0])
         if "tiny_copy_op_s" not in out:
             att.recording(0, q, ns[0]).free()  # makes the attention's buffers and passes
-            floor = Recording(dev, [att.passes.q_upload(att.q)] * 4, timestamps=True, what="floor")
+            floor = Recording(dev, [att.passes.q_upload(att.q)] * 4, timestamps="ops", what="floor")
             out["tiny_copy_op_s"] = op_medians(floor, a.runs)[0]
             floor.free()
         for n in ns:
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
                         att = A.Attention(arena, q.shape[0])
                     att.path, att.flash_workgroups, att.coded_workgroups = "flash", w or None, w or None  # (CPU: direct)
                     att.flash_kernel, att.coded_heads = kernel, heads
-                    rec = att.recording(0, q, n, timestamps=True)
+                    rec = att.recording(0, q, n, timestamps="ops")
                     plan = att.plan(0, n)
                     ops, core = op_medians(rec, a.runs, before=before)
                     rec.free()

@@ -522,7 +522,7 @@ class Attention:
         return out if seqs else out[0]
 
     def recording(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None,
-                  path: str | None = None, timestamps: bool = False) -> Recording:
+                  path: str | None = None, timestamps: bool | str = False) -> Recording:
         """One attention over tokens [0, n_used) of ``layer`` recorded once (query upload,
         passes, read-back), for benchmarks: every run() repeats exactly that attention —
         the query is uploaded here, and each run copies it to the device again. The atom
@@ -584,7 +584,7 @@ class Attention:
         return self._eval(ops, f"batched attention over layer {layer}", seqs=len(n_used))
 
     def batch_recording(self, layer: int, q: np.ndarray, n_used: list[int], scale: float,
-                        timestamps: bool = False) -> Recording:
+                        timestamps: bool | str = False) -> Recording:
         """attend_batch recorded once (query upload, passes, read-back), for benchmarks."""
         ops = self._batch_ops(layer, len(n_used), max(n_used), scale)
         self._upload_q(q, n_used)

@@ -85,7 +85,7 @@ class ReadPlan:
                           max_items=buffers[-1].words // a.layout.head_dim)
         return a.cached_kernel(key, make)
 
-    def recording(self, part: str = "run", timestamps: bool = False) -> Recording:
+    def recording(self, part: str = "run", timestamps: bool | str = False) -> Recording:
         """The recorded sequence of ``part``: "dispatch" (the GPU work only), "readback"
         (the copy to the host) or "run" (both); made on first use and kept."""
         key = (part, bool(timestamps))

@@ -4,11 +4,14 @@ Two ways work reaches the queue:
 
 * :class:`Recording` — a kp.Sequence recorded ONCE and evaluated again and again (the
   same commands each time: Kompute bakes push constants into the command buffer at record
-  time, so per-call values must live in buffers). With ``timestamps=True`` it latches a
-  timestamp before the first op and after every op; :meth:`Recording.gpu_seconds` gives
-  the last run's GPU time (first to last, in the device's timestampPeriod, masked by the
-  queue's timestampValidBits), :meth:`Recording.core_seconds` that of its ``core`` ops —
-  one computation (a span of the timestamps), two spans.
+  time, so per-call values must live in buffers). With ``timestamps`` it latches a
+  timestamp before the first op and after the ops it reads: ``"spans"`` (or True) after the
+  ``core`` ops' last op, before their first and after the last op — so no timestamp falls
+  inside a timed span (each waits for the work before it: ~1 µs on an H200,
+  scripts/kp_patch.py item 3); ``"ops"`` after every op (:meth:`Recording.op_seconds`, for
+  probes). :meth:`Recording.gpu_seconds` gives the last run's GPU time (first to last, in
+  the device's timestampPeriod, masked by the queue's timestampValidBits),
+  :meth:`Recording.core_seconds` that of its ``core`` ops.
 * :meth:`Submitter.submit` — record these ops and evaluate them once, on a sequence the
   device keeps and records again (``Device.submit``; kernels.run). Kompute 0.9.0 made a new
   sequence — a command pool, a command buffer, a fence — for every call: 284–356 µs a call
@@ -19,9 +22,12 @@ Both go through Device.guard, which serialises every Kompute call on a device.
 """
 from __future__ import annotations
 
-import numpy as np
+import kp
 
 from .. import errors as E
+
+# scripts/kp_patch.py item 3 (a stock kp latches a timestamp after every op)
+HAS_UNLATCHED = hasattr(kp.Sequence, "record_unlatched")
 
 
 def timestamps_usable(device) -> bool:
@@ -49,10 +55,11 @@ class Recording:
     The ops (and what they bind) must outlive the recording; it keeps references to them.
     """
 
-    def __init__(self, device, ops, *, timestamps: bool = False, what: str = "dispatch", core=None):
+    def __init__(self, device, ops, *, timestamps: bool | str = False, what: str = "dispatch", core=None):
         """``core`` = (first, stop): ops[first:stop] are the work itself (an attention's
         passes, without the copies of its query up and its output back), timed by
-        :meth:`core_seconds`; default all of them."""
+        :meth:`core_seconds`; default all of them. ``timestamps``: False, "spans" (True) or
+        "ops" (the module's docstring)."""
         self.device, self.what = device, what
         self._ops = list(ops)
         self.core = (0, len(self._ops)) if core is None else tuple(core)
@@ -60,12 +67,21 @@ class Recording:
             raise E.DispatchError(f"{what}: core ops {self.core} outside the {len(self._ops)} ops")
         if not self._ops:
             raise E.DispatchError(f"{what}: a recording needs at least one operation")
+        if timestamps not in (False, True, "spans", "ops"):
+            raise E.DispatchError(f"{what}: timestamps must be False, 'spans' or 'ops', got {timestamps!r}")
         self.timestamps = bool(timestamps) and timestamps_usable(device)
+        # the ops a timestamp follows; the timestamps read back: before op 0, then one for each
+        every = timestamps == "ops" or not HAS_UNLATCHED
+        stops = set(range(1, len(self._ops) + 1)) if every else {*self.core, len(self._ops)} - {0}
+        self._latched = sorted(stops) if self.timestamps else []
         self._ran = False
         with device.guard(f"recording {what}"):
-            self._seq = device.manager.sequence(0, len(self._ops) if self.timestamps else 0)
-            for op in self._ops:
-                self._seq.record(op)
+            self._seq = device.manager.sequence(0, len(self._latched))
+            for i, op in enumerate(self._ops, 1):
+                if i in stops or not HAS_UNLATCHED:
+                    self._seq.record(op)
+                else:
+                    self._seq.record_unlatched(op)
 
     def run(self) -> None:
         """Submit the recorded commands and wait for them."""
@@ -75,18 +91,24 @@ class Recording:
             self._seq.eval()
         self._ran = True
 
-    def _timestamps(self):
-        """The last :meth:`run`'s timestamps — one before the first op, one after each op —
-        or None (no timestamps on this device, never run, or freed)."""
+    def _timestamps(self) -> dict | None:
+        """The last :meth:`run`'s timestamps by the number of ops before them (0: before the
+        first op), or None (no timestamps on this device, never run, or freed)."""
         if not (self.timestamps and self._ran and self._seq is not None):
             return None
         with self.device.guard(f"reading the timestamps of {self.what}"):
-            return self._seq.get_timestamps()
+            ts = self._seq.get_timestamps()
+        return dict(zip([0, *self._latched], ts))
 
     def _span_seconds(self, first: int, stop: int) -> float | None:
         """GPU time of the last :meth:`run`'s ops[first:stop] (None: see _timestamps)."""
         ts = self._timestamps()
-        return None if ts is None else ticks_to_seconds(self.device, ts[first], ts[stop])
+        if ts is None:
+            return None
+        if first not in ts or stop not in ts:
+            raise E.DispatchError(f"{self.what}: no timestamps around ops [{first}, {stop}) (timestamps='ops' "
+                                  f"latches after every op)")
+        return ticks_to_seconds(self.device, ts[first], ts[stop])
 
     def gpu_seconds(self) -> float | None:
         """GPU time of the last :meth:`run`, every op (None: no timestamps on this device, or never run)."""
@@ -97,12 +119,14 @@ class Recording:
         return self._span_seconds(*self.core)
 
     def op_seconds(self) -> list[float] | None:
-        """GPU time of each op of the last run (timestamp after it minus the one before)."""
+        """GPU time of each op of the last run (timestamp after it minus the one before;
+        timestamps="ops")."""
         ts = self._timestamps()
         if ts is None:
             return None
-        ts = np.asarray(ts, np.uint64)
-        return [ticks_to_seconds(self.device, a, b) for a, b in zip(ts[:-1], ts[1:])]
+        if len(ts) <= len(self._ops):
+            raise E.DispatchError(f"{self.what}: per-op times need timestamps='ops'")
+        return [ticks_to_seconds(self.device, ts[i], ts[i + 1]) for i in range(len(self._ops))]
 
     def free(self) -> None:
         if self._seq is not None:

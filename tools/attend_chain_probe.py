@@ -1,0 +1,122 @@
+"""Probe: what timestamps and an idle GPU cost an attention's measured GPU time. Kompute
+0.9.0 wrote a timestamp after every op (ALL_COMMANDS: each waits for the work before it);
+scripts/kp_patch.py item 3 lets a recording latch only around its core ("spans"). Here one
+submission chains R attentions over R layers of an f16 cache (none finds its rows in the L2:
+--layers × the layer's bytes ≫ the L2), each followed by a compute→compute barrier, recorded
+three ways — a timestamp after every op, timestamps at the chain's ends only, none — and,
+beside it, the attention alone (the benchmark's recording: a torch L2 flush and an idle GPU
+before each run) with timestamps after every op and around its core only. Per attention: the
+core spans, and the wall time of each chained submission less that of the submission alone
+(the query's copy up and the read-back), over R. One JSON object to stdout.
+
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_chain_probe.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvdict_vk.bench import attention as BA, common  # noqa: E402
+from kvdict_vk.vk import KvArena  # noqa: E402
+from kvdict_vk.vk.submit import Recording  # noqa: E402
+
+
+def timed(rec: Recording) -> float:
+    t = time.perf_counter()
+    rec.run()
+    return time.perf_counter() - t
+
+
+def interleaved(recs: list[Recording], runs: int, before=None, warm_s: float = 1.0) -> tuple[list, list]:
+    """Each recording run in turn, ``runs`` rounds after ``warm_s`` seconds of them (the
+    clocks up: the H200 ran a case 2-2.5x slower after 0.2 s of warm-up, DESIGN "The
+    clocks"), so a drift in the clocks meets all alike; ``before()`` ahead of every run
+    (untimed). (median wall seconds of each, median core span of each timestamped one.)"""
+    t = time.perf_counter()
+    while time.perf_counter() - t < warm_s:
+        for r in recs:
+            r.run()
+    walls, spans = [[] for _ in recs], [[] for _ in recs]
+    for _ in range(runs):
+        for i, r in enumerate(recs):
+            if before is not None:
+                before()
+            walls[i].append(timed(r))
+            if r.timestamps:
+                spans[i].append(r.core_seconds())
+    return [float(np.median(w)) for w in walls], [float(np.median(s)) if s else None for s in spans]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="8x4x64,3x3x64", help="n_kv x gqa x head_dim, comma-separated")
+    ap.add_argument("--n-used", default="32768")
+    ap.add_argument("--layers", type=int, default=16, help="attentions chained, one a layer")
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--l2-flush-mib", type=int, default=256,
+                    help="read this many MiB through torch before every run of the attention alone (0: none)")
+    ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
+    a = ap.parse_args(argv)
+    dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
+    before = None
+    if a.l2_flush_mib:
+        from kvdict_vk.bench import torch_anchor
+        import torch
+        before = torch_anchor.waited(torch, torch_anchor.l2_flush(torch, a.l2_flush_mib << 20))
+    rng = np.random.default_rng(0)
+    out = {"argv": sys.argv, "device": dev.name, "layers": a.layers, "cases": []}
+    for shape in a.shapes.split(","):
+        n_kv, gqa, hd = common.dims(shape)
+        for n in (int(x) for x in a.n_used.split(",")):
+            arena = KvArena(a.layers, n_kv, hd, n, device=dev, cache="f16")
+            rows = BA.random_rows(rng, n_kv, n, hd)
+            for layer in range(a.layers):
+                arena.append(layer, rows, rows)
+            q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+            scale = 1.0 / math.sqrt(hd)
+            att = arena.attention(q.shape[0])
+            att.path = "flash"
+            alone_ops = att.recording(0, q, n, scale, timestamps="ops")  # warms, tunes layer 0, uploads q
+            alone_spans = att.recording(0, q, n, scale, timestamps="spans")
+            plan = att.plan(0, n)
+            up, back = att.passes.q_upload(att.q), att.passes.read_back(att.out)
+            chain = [up]
+            for layer in range(a.layers):
+                ops = att.passes.ops(layer, plan, n, n, scale)
+                chain += ops + [ops[1]]  # the barrier between the passes, again after the merge
+            chain.append(back)
+            core = (1, len(chain) - 1)
+            ends = Recording(dev, [up, back], what="copies alone")
+            chain_ops = Recording(dev, chain, timestamps="ops", what="chain, every op timestamped", core=core)
+            chain_spans = Recording(dev, chain, timestamps="spans", what="chain, its ends timestamped", core=core)
+            chain_none = Recording(dev, chain, what="chain")
+            recs = [ends, chain_ops, chain_spans, chain_none]
+            walls, spans = interleaved(recs, a.runs)
+            alone_walls, alone_spans_s = interleaved([alone_ops, alone_spans], a.runs, before=before)
+            per = 4  # ops an attention in the chain: attend, barrier, merge, barrier
+            wall = dict(zip(("ends", "ops", "spans", "none"), walls))
+            case = {"shape": shape, "n_used": n, "kernel": plan.kernel, "n_splits": plan.n_splits, "local": plan.local,
+                    "alone_core_s": {"ops": alone_spans_s[0], "spans": alone_spans_s[1]},
+                    "chain_core_per_attention_s": {"ops": spans[1] / a.layers, "spans": spans[2] / a.layers},
+                    "chain_op_s_first_attention": chain_ops.op_seconds()[1:1 + per],
+                    "wall_copies_alone_s": wall["ends"],
+                    "wall_per_attention_s": {k: (wall[k] - wall["ends"]) / a.layers for k in ("ops", "spans", "none")}}
+            out["cases"].append(case)
+            print(json.dumps(case), file=sys.stderr, flush=True)
+            for r in (*recs, alone_ops, alone_spans):
+                r.free()
+            arena.free()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
