@@ -595,7 +595,6 @@ def test_timestamps_only_where_a_recording_reads_them(make_arena):
     with record() — numbered as written, so get_timestamps returns those and none other — and
     Recording latches around its core and at its end ("spans": no timestamp inside a timed
     span), or after every op ("ops"), where the per-op times add up to the spans."""
-    import kp
     from kvdict_vk.vk import submit
     assert submit.HAS_UNLATCHED, "kp lacks Sequence.record_unlatched: scripts/setup.sh patches it"
     rng = np.random.default_rng(13)
