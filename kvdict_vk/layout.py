@@ -645,6 +645,7 @@ READ_KIVI_PUSH = _block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_r
 SCATTER_PUSH = _block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                       "group_stride", "n_words")
 COPY_PUSH = _block("CopyPush", "src_word", "dst_word", "n_words")
+FLUSH_PUSH = _block("FlushPush", "n_words", "unless")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend.py).
 ATTEND_SPLIT_PUSH = PushBlock("AttendSplitPush", tuple(
     (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_atoms",
@@ -682,10 +683,10 @@ _ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": A
                   "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH}
 
 PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, READ_KIVI_PUSH, SCATTER_PUSH, COPY_PUSH,
-                                   *_ATTEND_BLOCKS.values())}
+                                   FLUSH_PUSH, *_ATTEND_BLOCKS.values())}
 # shader source file → the block it declares
 SHADER_PUSH_BLOCKS = {"reconstruct.comp": RECONSTRUCT_PUSH, "copy_rows.comp": COPY_ROWS_PUSH,
-                      "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH,
+                      "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH, "l2_flush.comp": FLUSH_PUSH,
                       "read_rows_f16.comp": COPY_ROWS_PUSH, "read_rows_q8.comp": COPY_ROWS_PUSH,
                       "read_rows_kivi.comp": READ_KIVI_PUSH,
                       **_ATTEND_BLOCKS}

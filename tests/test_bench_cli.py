@@ -568,3 +568,24 @@ def test_attention_takes_captured_code_words(tmp_path, restore_env, vk_device, c
     with pytest.raises(SystemExit) as e:
         attention.main(argv + ["--codes", str(path)])
     assert e.value.code == 2 and "128 atoms" in capsys.readouterr().err
+
+
+def test_our_flush_in_the_submission_takes_torchs_place_before_our_recordings():
+    """--our-flush submission: our recordings carry the L2 flush in their own submission (its
+    bytes from --l2-flush-mib) and torch's flush runs before the other candidates only; 'torch'
+    (the default) flushes before every candidate; without torch's flush, nothing flushes."""
+    with_torch = types.SimpleNamespace(l2_flush=lambda: None)
+    without = types.SimpleNamespace(l2_flush=None)
+    rec = types.SimpleNamespace(gpu_seconds=lambda: None, run=lambda: None)  # a Recording, to timing
+    candidates = {"ours": rec, "host": lambda: None}
+    args = types.SimpleNamespace(l2_flush_mib=256, our_flush="submission")
+    assert attention.our_flush_bytes(args, with_torch) == 256 << 20
+    assert attention.flush_before(candidates, args, with_torch) == {"host": with_torch.l2_flush}
+    assert attention.our_flush_bytes(args, without) == 0 and attention.flush_before(candidates, args, without) is None
+    args.our_flush = "torch"
+    assert attention.our_flush_bytes(args, with_torch) == 0
+    assert attention.flush_before(candidates, args, with_torch) is with_torch.l2_flush
+    seen = []
+    common.interleaved({"a": lambda: seen.append("a"), "b": lambda: seen.append("b")}, 2,
+                       before={"b": lambda: seen.append("flush")})
+    assert seen == ["a", "flush", "b", "a", "flush", "b"]

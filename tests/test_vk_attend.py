@@ -629,6 +629,39 @@ def test_timestamps_only_where_a_recording_reads_them(make_arena):
         submit.Recording(dev, [up], timestamps="every")
 
 
+def test_a_recording_may_flush_the_l2_in_its_own_submission(make_arena):
+    """Attention.recording(flush_bytes=…): l2_flush (a read that writes nothing back) and a
+    barrier ahead of the query's copy, in the same submission — the output is unchanged, the
+    core is still the passes alone — and l2_flush's contract: whole vec4s, within its
+    source (a typed error before dispatch)."""
+    from kvdict_vk.vk.kernels import Buffer, Kernel
+    rng = np.random.default_rng(14)
+    arena, _ = _filled_arena(make_arena, None, rng, 64, 2, 300, None, "f16")
+    att = arena.attention(4)
+    q = rng.standard_normal((4, 64), dtype=np.float32)
+    want = arena.attend(0, q, 300)
+    with att.recording(0, q, 300, timestamps="ops") as plain, \
+            att.recording(0, q, 300, timestamps="ops", flush_bytes=1 << 20) as flushed:
+        assert flushed.core[0] == plain.core[0] + 2  # the flush and its barrier first
+        assert flushed.core[1] - flushed.core[0] == plain.core[1] - plain.core[0]
+        for rec in (flushed, plain, flushed):
+            rec.run()
+            assert np.array_equal(att.output(), want)
+        assert len(flushed.op_seconds()) == flushed.core[1] + 1
+    dev = arena.device
+    src, sink = Buffer(dev, 64, "storage", "flush source"), Buffer(dev, 4, "storage", "flush sink")
+    kernel = Kernel(dev, "l2_flush", [src, sink], max_items=16)
+    try:
+        for words in (6, 68):
+            with pytest.raises(E.DispatchError):
+                kernel.op(n_words=words, unless=0)
+        kernel.op(n_words=64, unless=0)
+    finally:
+        kernel.destroy()
+        sink.destroy()
+        src.destroy()
+
+
 @pytest.mark.parametrize("coded", [False, True])
 def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activate, monkeypatch):
     """On GPUs the flash kernels' launch shape (workgroup size, workgroups) is the fastest
@@ -719,8 +752,8 @@ def test_flash_launch_shape_timing_runs_on_the_device(make_arena):
 
 
 def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
-    """attend_tune.FLUSH_BYTES > 0: time_plan copies that many bytes of scratch ahead of the
-    timed passes (buffers made once per size, freed with the engine) — a time as before, the
+    """attend_tune.FLUSH_BYTES > 0: time_plan reads that many bytes of scratch ahead of the
+    timed passes (flush_ops: buffers made once per size, freed with the engine) — a time as before, the
     attention's output untouched; and the tuner remembers its choices per setting and per set
     of candidates offered."""
     from kvdict_vk.vk import attend_tune as T
@@ -733,7 +766,7 @@ def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
     s = att.time_plan(0, 700, plan)
     assert s is None or s > 0
     made = att._flush
-    assert made is not None and made[0] == (1 << 20) // 8
+    assert made is not None and made[0] == (1 << 20) // 4  # words read
     att.time_plan(0, 700, plan)
     assert att._flush is made  # not made again
     _check(arena, stored, 0, rng.standard_normal((4, 64), dtype=np.float32), 700)

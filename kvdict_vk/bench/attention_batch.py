@@ -46,6 +46,7 @@ def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:
 def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
     """One (shape, B) case: every mode's batched attention timed (interleaved repeats), and
     torch SDPA at the same B."""
+    from .attention import flush_before, our_flush_bytes  # (attention imports this module)
     n_kv, gqa, hd = shape
     n_used = args.batch_n_used
     arenas = _arenas(n_kv, hd, batch, n_used, args, dev, rng)
@@ -56,7 +57,8 @@ def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
         info = {}
         for mode, (arena, cache, fmt) in arenas.items():
             att = arena.attention(n_kv * gqa)
-            recs[mode] = att.batch_recording(0, q, [n_used] * batch, scale, timestamps=True)
+            recs[mode] = att.batch_recording(0, q, [n_used] * batch, scale, timestamps=True,
+                                             flush_bytes=our_flush_bytes(args, anchor))
             recs[mode].run()  # warm-up
             p = att.plan(0, n_used, seqs=batch)
             info[mode] = {"cache": cache, "format": fmt, "forced": None, "bytes":
@@ -64,7 +66,7 @@ def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
                           "plan": {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len, "local": p.local,
                                    "heads": p.heads, "seqs": p.seqs, "kernel": p.kernel}}
         times = timing.measure(recs, args.repeats, budget_s=args.case_budget_s,
-                               warm_s=timing.warm_for(dev), before=anchor.l2_flush)
+                               warm_s=timing.warm_for(dev), before=flush_before(recs, args, anchor))
     finally:
         for rec in recs.values():
             rec.free()

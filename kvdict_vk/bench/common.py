@@ -45,13 +45,15 @@ def dims(text: str) -> tuple[int, ...]:
 def interleaved(candidates: dict, repeats: int, after_repeat=None, before=None) -> tuple[dict, dict]:
     """Run every candidate once per repeat, in turn: ({name: [seconds, ...]}, {name: what
     its last call returned}). ``after_repeat(rep, seconds)`` is called after each repeat;
-    ``before()``, where given, before each call, outside its timing."""
+    ``before()``, where given, before each call, outside its timing (a dict: each
+    candidate's own, or none for a name it lacks)."""
     seconds = {name: [] for name in candidates}
     last = {}
     for rep in range(repeats):
         for name, fn in candidates.items():
-            if before is not None:
-                before()
+            pre = before.get(name) if isinstance(before, dict) else before
+            if pre is not None:
+                pre()
             t = time.perf_counter()
             last[name] = fn()
             seconds[name].append(time.perf_counter() - t)

@@ -30,7 +30,7 @@ def measure(candidates: dict, repeats: int, after_repeat=None, budget_s: float |
     milliseconds of idling (the host preparing the case) and raises them only under
     sustained load: an H200 measured 2-5× slower per kernel without this (warm_for).
     ``before()``: called before each timed call, outside its timing (the attention
-    benchmarks' L2 flush: torch_anchor.Anchor.l2_flush)."""
+    benchmarks' L2 flush: torch_anchor.Anchor.l2_flush); a dict: each candidate's own."""
     recordings = {n: c for n, c in candidates.items() if is_recording(c)}
     gpu = {n: [] for n in recordings}
     core = {n: [] for n in recordings}

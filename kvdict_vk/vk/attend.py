@@ -42,6 +42,7 @@ from . import attend_tune as T
 from .submit import Recording, timestamps_usable
 
 MAX_SPLITS = 128  # per KV head
+FLUSH_UNLESS = 0x9E3779B9  # l2_flush writes its sink only when its reads XOR to this
 CPU_SIMD_LANES = 8  # 32-bit lanes of llvmpipe's 256-bit vectors: the workgroup size on CPU drivers
 SPLIT_LANES_PER_CPU = 8  # CPU drivers: splits (over all KV heads) per hardware thread
 GPU_LOCAL = 64
@@ -109,7 +110,7 @@ class Attention:
         # (attend_flash_sg) — None: wherever the device has them and they fit the row
         # (flash_variant); False: through shared memory everywhere. Tests fix it.
         self.subgroups: bool | None = None
-        self._flush: tuple | None = None  # (words, kernel, source, destination): time_plan's L2 flush
+        self._flush: tuple | None = None  # (words, kernel, source, sink): flush_ops' L2 flush
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
         # The arena's shader mapping says which machine to plan for: "row" (CPU drivers:
@@ -446,7 +447,7 @@ class Attention:
         every sequence's n_used set to ``n_used``: the flash kernels read those)."""
         ops = self.passes.ops(layer, plan, n_used, n_used, 1.0 / float(np.sqrt(self.layout.head_dim)))
         self._upload_lengths([n_used] * plan.seqs)  # the flash kernels read each sequence's n_used
-        flush = self._flush_ops()
+        flush = self.flush_ops(T.FLUSH_BYTES)
         rec = Recording(self.device, [*flush, self.passes.q_upload(self.q), *ops], timestamps=True,
                         what=f"timing a plan of layer {layer}", core=(len(flush) + 1, len(flush) + 1 + len(ops)))
         try:
@@ -458,27 +459,28 @@ class Attention:
         finally:
             rec.free()
 
-    def _flush_ops(self) -> list:
-        """What time_plan runs ahead of the timed passes (attend_tune.FLUSH_BYTES; none for 0): a
-        copy of that many bytes between two scratch buffers (made once per size), then a barrier,
-        so the passes start after it with whatever it pushed out of the L2 gone."""
-        words = T.FLUSH_BYTES // 8 // 4 * 4  # each buffer half the bytes, whole vec4s
+    def flush_ops(self, n_bytes: int) -> list:
+        """An L2 flush to record ahead of timed passes (none for n_bytes 0): l2_flush reads
+        n_bytes of a scratch buffer (made once per size) and writes nothing back, then a
+        barrier, so the passes start on a busy GPU with whatever it pushed out of the L2
+        gone and no dirty lines left to write back (a copy leaves its destination's)."""
+        words = n_bytes // 4 // 4 * 4  # whole vec4s
         if words <= 0:
             return []
         if self._flush is None or self._flush[0] != words:
             self._free_flush()
-            src = Buffer(self.device, words, "storage", "tuner L2 flush source")
-            dst = Buffer(self.device, words, "storage", "tuner L2 flush destination")
-            self._flush = (words, Kernel(self.device, "copy_vec4", [src, dst], max_items=words), src, dst)
-        words, kernel, _, dst = self._flush
-        return [kernel.op(src_word=0, dst_word=0, n_words=words), barrier(dst)]
+            src = Buffer(self.device, words, "storage", "L2 flush source")
+            sink = Buffer(self.device, 4, "storage", "L2 flush sink")
+            self._flush = (words, Kernel(self.device, "l2_flush", [src, sink], max_items=words // 4), src, sink)
+        words, kernel, _, sink = self._flush
+        return [kernel.op(n_words=words, unless=FLUSH_UNLESS), barrier(sink)]
 
     def _free_flush(self) -> None:
         if self._flush is not None:
-            _, kernel, src, dst = self._flush
+            _, kernel, src, sink = self._flush
             self._flush = None
             kernel.destroy()
-            dst.destroy()
+            sink.destroy()
             src.destroy()
 
     def splits(self, n_used: int, layer: int | None) -> tuple[int, int]:
@@ -522,18 +524,26 @@ class Attention:
         return out if seqs else out[0]
 
     def recording(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None,
-                  path: str | None = None, timestamps: bool | str = False) -> Recording:
+                  path: str | None = None, timestamps: bool | str = False, flush_bytes: int = 0) -> Recording:
         """One attention over tokens [0, n_used) of ``layer`` recorded once (query upload,
         passes, read-back), for benchmarks: every run() repeats exactly that attention —
         the query is uploaded here, and each run copies it to the device again. The atom
-        weights the table path needs cleared are cleared by every completed run."""
+        weights the table path needs cleared are cleared by every completed run.
+        ``flush_bytes``: an L2 flush of that many bytes first, in the same submission
+        (flush_ops), so the timed passes start on a busy GPU, as queued work does."""
         q, n_used, scale = check_query(self.layout, q, n_used, self.arena.n_tokens(layer), scale)
         self._warm(layer, n_used, scale)
         self._clear_bins()
         ops = self.passes.ops(layer, self.plan(layer, n_used, path=path), n_used, n_used, scale)
         self._upload_q(q, n_used)
-        return Recording(self.device, [self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
-                         timestamps=timestamps, what=f"attention over layer {layer}", core=(1, 1 + len(ops)))
+        return self._recording(ops, timestamps, flush_bytes, f"attention over layer {layer}")
+
+    def _recording(self, ops: list, timestamps, flush_bytes: int, what: str) -> Recording:
+        """[the flush,] the query's copy up, ``ops`` (the core), the output's read-back."""
+        flush = self.flush_ops(flush_bytes)
+        first = len(flush) + 1
+        return Recording(self.device, [*flush, self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
+                         timestamps=timestamps, what=what, core=(first, first + len(ops)))
 
     def _warm(self, layer: int, n_used: int, scale: float) -> None:
         """On a layer's first attention, make every pipeline its plans may use (the direct
@@ -584,12 +594,12 @@ class Attention:
         return self._eval(ops, f"batched attention over layer {layer}", seqs=len(n_used))
 
     def batch_recording(self, layer: int, q: np.ndarray, n_used: list[int], scale: float,
-                        timestamps: bool | str = False) -> Recording:
-        """attend_batch recorded once (query upload, passes, read-back), for benchmarks."""
+                        timestamps: bool | str = False, flush_bytes: int = 0) -> Recording:
+        """attend_batch recorded once (query upload, passes, read-back), for benchmarks;
+        ``flush_bytes`` as for :meth:`recording`."""
         ops = self._batch_ops(layer, len(n_used), max(n_used), scale)
         self._upload_q(q, n_used)
-        return Recording(self.device, [self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
-                         timestamps=timestamps, what=f"batched attention over layer {layer}", core=(1, 1 + len(ops)))
+        return self._recording(ops, timestamps, flush_bytes, f"batched attention over layer {layer}")
 
     def _batch_ops(self, layer: int, seqs: int, n_max: int, scale: float) -> list:
         if not 1 <= seqs <= self.seqs:

@@ -195,6 +195,13 @@ def _copy_extents(p, s):
     return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
 
 
+def _flush_extents(p, s):
+    n = p["n_words"]
+    if n % 4:
+        raise E.DispatchError(f"l2_flush reads whole vec4s: n_words {n} is not a multiple of 4")
+    return ([(0, n)] if n else []), [(0, 1)]
+
+
 def _row_groups(s, lanes):
     return s["HEAD_DIM"] // lanes // s["CHUNKS"]
 
@@ -213,6 +220,7 @@ SHADERS = {
     **{f"copy_{v}": ShaderSpec(f"copy_{v}", L.COPY_PUSH, (n, n), (False, True), (), _copy_extents)
        for v, n in (("vec4", 4), ("scalar", 1))},
     "scatter": ShaderSpec("scatter", L.SCATTER_PUSH, (1, 1), (False, True), (), _scatter_extents),
+    "l2_flush": ShaderSpec("l2_flush", L.FLUSH_PUSH, (4, 1), (False, True), (), _flush_extents),
     "read_rows_f16": ShaderSpec("read_rows_f16", L.COPY_ROWS_PUSH, (1, 2), (False, True), ("HEAD_DIM",),
                                 _read_f16_extents),
     "read_rows_q8": ShaderSpec("read_rows_q8", L.COPY_ROWS_PUSH, (1, 4), (False, True), ("HEAD_DIM",),

@@ -43,6 +43,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "copy_rows_scalar": ("copy_rows.comp", {"VEC4": 0}),
     "copy_vec4": ("copy.comp", {"VEC4": 1}),
     "copy_scalar": ("copy.comp", {"VEC4": 0}),
+    "l2_flush": ("l2_flush.comp", {}),
     "scatter": ("scatter.comp", {}),
     "read_rows_f16": ("read_rows_f16.comp", {}),
     "read_rows_q8": ("read_rows_q8.comp", {}),
