@@ -5,9 +5,12 @@ submission chains R attentions over R layers of an f16 cache (none finds its row
 --layers × the layer's bytes ≫ the L2), each followed by a compute→compute barrier, recorded
 three ways — a timestamp after every op, timestamps at the chain's ends only, none — and,
 beside it, the attention alone (the benchmark's recording: a torch L2 flush and an idle GPU
-before each run) with timestamps after every op and around its core only. Per attention: the
-core spans, and the wall time of each chained submission less that of the submission alone
-(the query's copy up and the read-back), over R. One JSON object to stdout.
+before each run) with timestamps after every op and around its core only, and with the flush
+in its own submission instead (Attention.recording's flush_bytes: the GPU busy before the
+passes). Per attention: the core spans, and the wall time of each chained submission less
+that of the submission alone (the query's copy up and the read-back), over R. With torch +
+CUDA, SDPA beside it both ways: alone as the attention benchmark times it, and as a chain of
+R calls over R caches with events at its ends. One JSON object to stdout.
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_chain_probe.py
 """
@@ -25,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvdict_vk.bench import attention as BA, common  # noqa: E402
+from kvdict_vk.bench import attention as BA, common, torch_anchor  # noqa: E402
 from kvdict_vk.vk import KvArena  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
@@ -56,6 +59,28 @@ def interleaved(recs: list[Recording], runs: int, before=None, warm_s: float = 1
     return [float(np.median(w)) for w in walls], [float(np.median(s)) if s else None for s in spans]
 
 
+def sdpa_chain_s(torch, n_kv: int, gqa: int, hd: int, n_used: int, layers: int, calls: int) -> float:
+    """torch SDPA's counterpart of the chain: ``layers`` calls over as many f16 caches back to
+    back, CUDA events around the whole (queued behind a sleep, as the anchor's calls are:
+    bench.torch_anchor.timed_calls), the median over ``calls`` chains, per call."""
+    F = torch.nn.functional
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, n_kv * gqa, 1, hd, device="cuda", dtype=torch.float16, generator=g)
+    kv = [[torch.randn(1, n_kv, n_used, hd, device="cuda", dtype=torch.float16, generator=g) for _ in range(2)]
+          for _ in range(layers)]
+
+    def chain():
+        for k, v in kv:
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for _ in range(3):
+        chain()
+    torch.cuda.synchronize()
+    samples, _ = torch_anchor.timed_calls(torch, chain, calls, hold_s=0.05)
+    del kv
+    torch.cuda.empty_cache()
+    return samples[len(samples) // 2] / layers
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8x4x64,3x3x64", help="n_kv x gqa x head_dim, comma-separated")
@@ -67,10 +92,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
-    before = None
-    if a.l2_flush_mib:
-        from kvdict_vk.bench import torch_anchor
-        import torch
+    before, torch = None, torch_anchor.anchor()[0]  # (None without torch + CUDA)
+    if a.l2_flush_mib and torch is not None:
         before = torch_anchor.waited(torch, torch_anchor.l2_flush(torch, a.l2_flush_mib << 20))
     rng = np.random.default_rng(0)
     out = {"argv": sys.argv, "device": dev.name, "layers": a.layers, "cases": []}
@@ -87,6 +110,7 @@ def main(argv=None) -> None:
             att.path = "flash"
             alone_ops = att.recording(0, q, n, scale, timestamps="ops")  # warms, tunes layer 0, uploads q
             alone_spans = att.recording(0, q, n, scale, timestamps="spans")
+            alone_flushed = att.recording(0, q, n, scale, timestamps="spans", flush_bytes=a.l2_flush_mib << 20)
             plan = att.plan(0, n)
             up, back = att.passes.q_upload(att.q), att.passes.read_back(att.out)
             chain = [up]
@@ -102,17 +126,24 @@ def main(argv=None) -> None:
             recs = [ends, chain_ops, chain_spans, chain_none]
             walls, spans = interleaved(recs, a.runs)
             alone_walls, alone_spans_s = interleaved([alone_ops, alone_spans], a.runs, before=before)
+            _, (flushed_s,) = interleaved([alone_flushed], a.runs)
             per = 4  # ops an attention in the chain: attend, barrier, merge, barrier
             wall = dict(zip(("ends", "ops", "spans", "none"), walls))
             case = {"shape": shape, "n_used": n, "kernel": plan.kernel, "n_splits": plan.n_splits, "local": plan.local,
-                    "alone_core_s": {"ops": alone_spans_s[0], "spans": alone_spans_s[1]},
+                    "alone_core_s": {"ops": alone_spans_s[0], "spans": alone_spans_s[1],
+                                     "spans_flush_in_submission": flushed_s},
                     "chain_core_per_attention_s": {"ops": spans[1] / a.layers, "spans": spans[2] / a.layers},
                     "chain_op_s_first_attention": chain_ops.op_seconds()[1:1 + per],
                     "wall_copies_alone_s": wall["ends"],
                     "wall_per_attention_s": {k: (wall[k] - wall["ends"]) / a.layers for k in ("ops", "spans", "none")}}
+            if torch is not None:
+                case["sdpa_alone_s"] = torch_anchor.time_sdpa(
+                    torch, n_kv, gqa, hd, n, calls=a.runs * 3,
+                    flush=torch_anchor.l2_flush(torch, a.l2_flush_mib << 20))["seconds"]
+                case["sdpa_chain_per_call_s"] = sdpa_chain_s(torch, n_kv, gqa, hd, n, a.layers, a.runs)
             out["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
-            for r in (*recs, alone_ops, alone_spans):
+            for r in (*recs, alone_ops, alone_spans, alone_flushed):
                 r.free()
             arena.free()
     print(json.dumps(out, indent=1))
