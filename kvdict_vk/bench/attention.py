@@ -73,7 +73,7 @@ def parse_args(argv=None):
                          "in the same submission, right before the passes: the GPU busy, as SDPA's queued calls "
                          "are; Attention.flush_ops)")
     ap.add_argument("--tune-flush-mib", type=int, default=0,
-                    help="the tuner copies this many MiB ahead of every candidate it times, pushing the L2's "
+                    help="the tuner reads this many MiB ahead of every candidate it times, pushing the L2's "
                          "contents out as the timed calls' flush does (attend_tune.FLUSH_BYTES; 0: back to back)")
     ap.add_argument("--codes", type=Path, default=None,
                     help="an .npz of captured code words (tools/atom_usage.py --save-codes) for the dict "

@@ -110,7 +110,7 @@ class Attention:
         # (attend_flash_sg) — None: wherever the device has them and they fit the row
         # (flash_variant); False: through shared memory everywhere. Tests fix it.
         self.subgroups: bool | None = None
-        self._flush: tuple | None = None  # (words, kernel, source, sink): flush_ops' L2 flush
+        self._flush: dict = {}  # words read → (kernel, source, sink): flush_ops' L2 flushes
         self.any_k_coded = any(ll.k.coded for ll in lay.layers)
         self.any_v_coded = any(ll.v.coded for ll in lay.layers)
         # The arena's shader mapping says which machine to plan for: "row" (CPU drivers:
@@ -461,24 +461,23 @@ class Attention:
 
     def flush_ops(self, n_bytes: int) -> list:
         """An L2 flush to record ahead of timed passes (none for n_bytes 0): l2_flush reads
-        n_bytes of a scratch buffer (made once per size) and writes nothing back, then a
-        barrier, so the passes start on a busy GPU with whatever it pushed out of the L2
-        gone and no dirty lines left to write back (a copy leaves its destination's)."""
+        n_bytes of a scratch buffer and writes nothing back, then a barrier, so the passes
+        start on a busy GPU with whatever it pushed out of the L2 gone and no dirty lines left
+        to write back (a copy leaves its destination's). Buffers are made once per size and
+        kept until the engine is freed: recordings hold on to their ops."""
         words = n_bytes // 4 // 4 * 4  # whole vec4s
         if words <= 0:
             return []
-        if self._flush is None or self._flush[0] != words:
-            self._free_flush()
+        if words not in self._flush:
             src = Buffer(self.device, words, "storage", "L2 flush source")
             sink = Buffer(self.device, 4, "storage", "L2 flush sink")
-            self._flush = (words, Kernel(self.device, "l2_flush", [src, sink], max_items=words // 4), src, sink)
-        words, kernel, _, sink = self._flush
+            self._flush[words] = (Kernel(self.device, "l2_flush", [src, sink], max_items=words // 4), src, sink)
+        kernel, _, sink = self._flush[words]
         return [kernel.op(n_words=words, unless=FLUSH_UNLESS), barrier(sink)]
 
     def _free_flush(self) -> None:
-        if self._flush is not None:
-            _, kernel, src, sink = self._flush
-            self._flush = None
+        flushes, self._flush = self._flush, {}
+        for kernel, src, sink in flushes.values():
             kernel.destroy()
             sink.destroy()
             src.destroy()
