@@ -645,7 +645,7 @@ READ_KIVI_PUSH = _block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_r
 SCATTER_PUSH = _block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                       "group_stride", "n_words")
 COPY_PUSH = _block("CopyPush", "src_word", "dst_word", "n_words")
-FLUSH_PUSH = _block("FlushPush", "n_words", "unless")
+FLUSH_PUSH = _block("FlushPush", "n_words")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend.py).
 ATTEND_SPLIT_PUSH = PushBlock("AttendSplitPush", tuple(
     (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_atoms",

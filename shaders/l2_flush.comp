@@ -3,7 +3,7 @@
 // follows in the same submission (Attention.flush_ops). A copy would leave its destination's
 // dirty lines in the L2, written back during the timed passes; a read leaves clean lines, as
 // the SDPA anchor's flush (a sum) does. The one store — the reads' XOR into sink[0] when it
-// equals pc.unless, a value the host chooses — keeps the compiler from dropping the loads.
+// equals an arbitrary constant, which the compiler cannot rule out — keeps the loads.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
@@ -14,7 +14,6 @@ layout(std430, binding = 1) writeonly buffer Sink { uint sink[]; };
 
 layout(push_constant) uniform FlushPush {
     uint n_words;  // a multiple of 4
-    uint unless;
 } pc;
 
 void main() {
@@ -22,6 +21,6 @@ void main() {
     for (uint i = gl_GlobalInvocationID.x; i < pc.n_words / 4u; i += grid_stride())
         acc ^= src_quads[i];
     uint x = acc.x ^ acc.y ^ acc.z ^ acc.w;
-    if (x == pc.unless)
+    if (x == 0x9E3779B9u)
         sink[0] = x;
 }

@@ -654,8 +654,8 @@ def test_a_recording_may_flush_the_l2_in_its_own_submission(make_arena):
     try:
         for words in (6, 68):
             with pytest.raises(E.DispatchError):
-                kernel.op(n_words=words, unless=0)
-        kernel.op(n_words=64, unless=0)
+                kernel.op(n_words=words)
+        kernel.op(n_words=64)
     finally:
         kernel.destroy()
         sink.destroy()

@@ -21,42 +21,20 @@ import json
 import math
 import os
 import sys
-import time
 from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvdict_vk.bench import attention as BA, common, torch_anchor  # noqa: E402
+from kvdict_vk.bench import attention as BA, common, timing, torch_anchor  # noqa: E402
 from kvdict_vk.vk import KvArena  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 
-def timed(rec: Recording) -> float:
-    t = time.perf_counter()
-    rec.run()
-    return time.perf_counter() - t
-
-
-def interleaved(recs: list[Recording], runs: int, before=None, warm_s: float = 1.0) -> tuple[list, list]:
-    """Each recording run in turn, ``runs`` rounds after ``warm_s`` seconds of them (the
-    clocks up: the H200 ran a case 2-2.5x slower after 0.2 s of warm-up, DESIGN "The
-    clocks"), so a drift in the clocks meets all alike; ``before()`` ahead of every run
-    (untimed). (median wall seconds of each, median core span of each timestamped one.)"""
-    t = time.perf_counter()
-    while time.perf_counter() - t < warm_s:
-        for r in recs:
-            r.run()
-    walls, spans = [[] for _ in recs], [[] for _ in recs]
-    for _ in range(runs):
-        for i, r in enumerate(recs):
-            if before is not None:
-                before()
-            walls[i].append(timed(r))
-            if r.timestamps:
-                spans[i].append(r.core_seconds())
-    return [float(np.median(w)) for w in walls], [float(np.median(s)) if s else None for s in spans]
+# untimed rounds before the timed ones (bench.timing.measure's warm_s): the clocks up — the H200
+# ran a case 2-2.5x slower after 0.2 s of warm-up (docs/DESIGN.md, "The clocks")
+WARM_S = 1.0
 
 
 def sdpa_chain_s(torch, n_kv: int, gqa: int, hd: int, n_used: int, layers: int, calls: int) -> float:
@@ -123,16 +101,15 @@ def main(argv=None) -> None:
             chain_ops = Recording(dev, chain, timestamps="ops", what="chain, every op timestamped", core=core)
             chain_spans = Recording(dev, chain, timestamps="spans", what="chain, its ends timestamped", core=core)
             chain_none = Recording(dev, chain, what="chain")
-            recs = [ends, chain_ops, chain_spans, chain_none]
-            walls, spans = interleaved(recs, a.runs)
-            alone_walls, alone_spans_s = interleaved([alone_ops, alone_spans], a.runs, before=before)
-            _, (flushed_s,) = interleaved([alone_flushed], a.runs)
+            recs = {"ends": ends, "ops": chain_ops, "spans": chain_spans, "none": chain_none}
+            chained = timing.measure(recs, a.runs, warm_s=WARM_S)
+            alone = {"ops": alone_ops, "spans": alone_spans, "spans_flush_in_submission": alone_flushed}
+            alone_t = timing.measure(alone, a.runs, warm_s=WARM_S, before={"ops": before, "spans": before})
             per = 4  # ops an attention in the chain: attend, barrier, merge, barrier
-            wall = dict(zip(("ends", "ops", "spans", "none"), walls))
+            wall = {k: t["wall_s"] for k, t in chained.items()}
             case = {"shape": shape, "n_used": n, "kernel": plan.kernel, "n_splits": plan.n_splits, "local": plan.local,
-                    "alone_core_s": {"ops": alone_spans_s[0], "spans": alone_spans_s[1],
-                                     "spans_flush_in_submission": flushed_s},
-                    "chain_core_per_attention_s": {"ops": spans[1] / a.layers, "spans": spans[2] / a.layers},
+                    "alone_core_s": {k: t["kernel_s"] for k, t in alone_t.items()},
+                    "chain_core_per_attention_s": {k: chained[k]["kernel_s"] / a.layers for k in ("ops", "spans")},
                     "chain_op_s_first_attention": chain_ops.op_seconds()[1:1 + per],
                     "wall_copies_alone_s": wall["ends"],
                     "wall_per_attention_s": {k: (wall[k] - wall["ends"]) / a.layers for k in ("ops", "spans", "none")}}
@@ -143,7 +120,7 @@ def main(argv=None) -> None:
                 case["sdpa_chain_per_call_s"] = sdpa_chain_s(torch, n_kv, gqa, hd, n, a.layers, a.runs)
             out["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
-            for r in (*recs, alone_ops, alone_spans, alone_flushed):
+            for r in (*recs.values(), *alone.values()):
                 r.free()
             arena.free()
     print(json.dumps(out, indent=1))

@@ -42,7 +42,6 @@ from . import attend_tune as T
 from .submit import Recording, timestamps_usable
 
 MAX_SPLITS = 128  # per KV head
-FLUSH_UNLESS = 0x9E3779B9  # l2_flush writes its sink only when its reads XOR to this
 CPU_SIMD_LANES = 8  # 32-bit lanes of llvmpipe's 256-bit vectors: the workgroup size on CPU drivers
 SPLIT_LANES_PER_CPU = 8  # CPU drivers: splits (over all KV heads) per hardware thread
 GPU_LOCAL = 64
@@ -447,9 +446,7 @@ class Attention:
         every sequence's n_used set to ``n_used``: the flash kernels read those)."""
         ops = self.passes.ops(layer, plan, n_used, n_used, 1.0 / float(np.sqrt(self.layout.head_dim)))
         self._upload_lengths([n_used] * plan.seqs)  # the flash kernels read each sequence's n_used
-        flush = self.flush_ops(T.FLUSH_BYTES)
-        rec = Recording(self.device, [*flush, self.passes.q_upload(self.q), *ops], timestamps=True,
-                        what=f"timing a plan of layer {layer}", core=(len(flush) + 1, len(flush) + 1 + len(ops)))
+        rec = self._recording(ops, True, T.FLUSH_BYTES, f"timing a plan of layer {layer}")
         try:
             times = []
             for _ in range(T.REPEATS):
@@ -473,7 +470,7 @@ class Attention:
             sink = Buffer(self.device, 4, "storage", "L2 flush sink")
             self._flush[words] = (Kernel(self.device, "l2_flush", [src, sink], max_items=words // 4), src, sink)
         kernel, _, sink = self._flush[words]
-        return [kernel.op(n_words=words, unless=FLUSH_UNLESS), barrier(sink)]
+        return [kernel.op(n_words=words), barrier(sink)]
 
     def _free_flush(self) -> None:
         flushes, self._flush = self._flush, {}

@@ -78,7 +78,7 @@ class Recording:
         with device.guard(f"recording {what}"):
             self._seq = device.manager.sequence(0, len(self._latched))
             for i, op in enumerate(self._ops, 1):
-                if i in stops or not HAS_UNLATCHED:
+                if i in stops:  # every op where kp cannot leave one out
                     self._seq.record(op)
                 else:
                     self._seq.record_unlatched(op)
