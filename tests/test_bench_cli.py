@@ -571,9 +571,10 @@ def test_attention_takes_captured_code_words(tmp_path, restore_env, vk_device, c
 
 
 def test_our_flush_in_the_submission_takes_torchs_place_before_our_recordings():
-    """--our-flush submission: our recordings carry the L2 flush in their own submission (its
-    bytes from --l2-flush-mib) and torch's flush runs before the other candidates only; 'torch'
-    (the default) flushes before every candidate; without torch's flush, nothing flushes."""
+    """--our-flush submission / primed: our recordings carry the L2 flush in their own
+    submission (its bytes from --l2-flush-mib; primed: the passes once ahead of it) and
+    torch's flush runs before the other candidates only; 'torch' flushes before every
+    candidate; without torch's flush, nothing flushes and nothing is primed."""
     with_torch = types.SimpleNamespace(l2_flush=lambda: None)
     without = types.SimpleNamespace(l2_flush=None)
     rec = types.SimpleNamespace(gpu_seconds=lambda: None, run=lambda: None)  # a Recording, to timing
@@ -582,8 +583,14 @@ def test_our_flush_in_the_submission_takes_torchs_place_before_our_recordings():
     assert attention.our_flush_bytes(args, with_torch) == 256 << 20
     assert attention.flush_before(candidates, args, with_torch) == {"host": with_torch.l2_flush}
     assert attention.our_flush_bytes(args, without) == 0 and attention.flush_before(candidates, args, without) is None
+    assert attention.our_recording_args(args, with_torch) == {"flush_bytes": 256 << 20, "primed": False}
+    args.our_flush = "primed"  # as 'submission', and the passes once ahead of the flush
+    assert attention.our_recording_args(args, with_torch) == {"flush_bytes": 256 << 20, "primed": True}
+    assert attention.flush_before(candidates, args, with_torch) == {"host": with_torch.l2_flush}
+    assert attention.our_recording_args(args, without) == {"flush_bytes": 0, "primed": False}
     args.our_flush = "torch"
     assert attention.our_flush_bytes(args, with_torch) == 0
+    assert attention.our_recording_args(args, with_torch) == {"flush_bytes": 0, "primed": False}
     assert attention.flush_before(candidates, args, with_torch) is with_torch.l2_flush
     seen = []
     common.interleaved({"a": lambda: seen.append("a"), "b": lambda: seen.append("b")}, 2,

@@ -629,25 +629,44 @@ def test_timestamps_only_where_a_recording_reads_them(make_arena):
         submit.Recording(dev, [up], timestamps="every")
 
 
-def test_a_recording_may_flush_the_l2_in_its_own_submission(make_arena):
+@pytest.mark.parametrize("coded,path", [(False, None), (True, "table"), (True, "flash")])
+def test_a_recording_may_flush_the_l2_in_its_own_submission(coded, path, make_arena, activate):
     """Attention.recording(flush_bytes=…): l2_flush (a read that writes nothing back) and a
-    barrier ahead of the query's copy, in the same submission — the output is unchanged, the
-    core is still the passes alone — and l2_flush's contract: whole vec4s, within its
-    source (a typed error before dispatch)."""
+    barrier between the query's copy and the passes, in the same submission; primed=True:
+    the passes once more ahead of the flush, then a barrier (the table path's atom weights
+    are zero again after a completed attention). The output is unchanged, run after run,
+    the core is still the passes alone and comes last — and l2_flush's contract: whole
+    vec4s, within its source (a typed error before dispatch)."""
+    from kvdict_vk.vk import submit
     from kvdict_vk.vk.kernels import Buffer, Kernel
     rng = np.random.default_rng(14)
-    arena, _ = _filled_arena(make_arena, None, rng, 64, 2, 300, None, "f16")
+    art = random_artifact(rng, 64, 256, [((4, 4), (4, 3))], n_heads=2) if coded else None
+    arena, stored = _filled_arena(make_arena, activate if coded else None, rng, 64, 2, 300, art, "f16")
     att = arena.attention(4)
     q = rng.standard_normal((4, 64), dtype=np.float32)
-    want = arena.attend(0, q, 300)
-    with att.recording(0, q, 300, timestamps="ops") as plain, \
-            att.recording(0, q, 300, timestamps="ops", flush_bytes=1 << 20) as flushed:
-        assert flushed.core[0] == plain.core[0] + 2  # the flush and its barrier first
-        assert flushed.core[1] - flushed.core[0] == plain.core[1] - plain.core[0]
-        for rec in (flushed, plain, flushed):
+    want = reference(q, *stored[0], 300, None)
+    with att.recording(0, q, 300, path=path, timestamps="ops") as plain, \
+            att.recording(0, q, 300, path=path, timestamps="ops", flush_bytes=1 << 20) as flushed, \
+            att.recording(0, q, 300, path=path, timestamps="ops", flush_bytes=1 << 20, primed=True) as primed:
+        n_core = plain.core[1] - plain.core[0]
+        assert flushed.core[0] == plain.core[0] + 2  # the flush and its barrier ahead of the passes
+        assert primed.core[0] == flushed.core[0] + n_core + 1  # the passes and a barrier ahead of those
+        assert primed.core[1] - primed.core[0] == flushed.core[1] - flushed.core[0] == n_core
+        for rec in (flushed, plain, primed, primed, flushed):
             rec.run()
-            assert np.array_equal(att.output(), want)
-        assert len(flushed.op_seconds()) == flushed.core[1] + 1
+            out = att.output()
+            assert np.isfinite(out).all() and nmse(want, out) <= 1e-9
+        assert primed.untimed == (1, primed.core[0]) and flushed.untimed == (1, flushed.core[0])
+        assert plain.untimed is None
+        tick = arena.device.info.limits["timestamp_period_ns"] * 1e-9
+        for rec in (flushed, primed):  # gpu_seconds: the whole submission less the flush and the priming
+            per_op = rec.op_seconds()
+            timed = sum(per_op) - sum(per_op[slice(*rec.untimed)])
+            assert abs(rec.gpu_seconds() - timed) <= len(per_op) * tick
+    with pytest.raises(E.DispatchError, match="must come before the core"):
+        submit.Recording(arena.device, [att.passes.q_upload(att.q), att.passes.read_back(att.out)],
+                         core=(0, 1), untimed=(1, 2))
+        assert len(primed.op_seconds()) == primed.core[1] + 1
     dev = arena.device
     src, sink = Buffer(dev, 64, "storage", "flush source"), Buffer(dev, 4, "storage", "flush sink")
     kernel = Kernel(dev, "l2_flush", [src, sink], max_items=16)

@@ -46,7 +46,7 @@ def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:
 def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
     """One (shape, B) case: every mode's batched attention timed (interleaved repeats), and
     torch SDPA at the same B."""
-    from .attention import flush_before, our_flush_bytes  # (attention imports this module)
+    from .attention import flush_before, our_recording_args  # (attention imports this module)
     n_kv, gqa, hd = shape
     n_used = args.batch_n_used
     arenas = _arenas(n_kv, hd, batch, n_used, args, dev, rng)
@@ -58,7 +58,7 @@ def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
         for mode, (arena, cache, fmt) in arenas.items():
             att = arena.attention(n_kv * gqa)
             recs[mode] = att.batch_recording(0, q, [n_used] * batch, scale, timestamps=True,
-                                             flush_bytes=our_flush_bytes(args, anchor))
+                                             **our_recording_args(args, anchor))
             recs[mode].run()  # warm-up
             p = att.plan(0, n_used, seqs=batch)
             info[mode] = {"cache": cache, "format": fmt, "forced": None, "bytes":

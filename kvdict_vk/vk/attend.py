@@ -520,26 +520,36 @@ class Attention:
         return out if seqs else out[0]
 
     def recording(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None,
-                  path: str | None = None, timestamps: bool | str = False, flush_bytes: int = 0) -> Recording:
+                  path: str | None = None, timestamps: bool | str = False, flush_bytes: int = 0,
+                  primed: bool = False) -> Recording:
         """One attention over tokens [0, n_used) of ``layer`` recorded once (query upload,
         passes, read-back), for benchmarks: every run() repeats exactly that attention —
         the query is uploaded here, and each run copies it to the device again. The atom
         weights the table path needs cleared are cleared by every completed run.
-        ``flush_bytes``: an L2 flush of that many bytes first, in the same submission
-        (flush_ops), so the timed passes start on a busy GPU, as queued work does."""
+        ``flush_bytes``: an L2 flush of that many bytes right before the timed passes, in the
+        same submission (flush_ops), so they start on a busy GPU, as queued work does.
+        ``primed``: the passes run once more ahead of those (and of the flush), untimed — the
+        timed ones then are not their pipelines' first dispatch in the submission, as a
+        layer's attention is not in a decode step recorded whole (an NVIDIA H200 spends
+        ~6 µs more on that first one, even behind other work: docs/DESIGN.md)."""
         q, n_used, scale = check_query(self.layout, q, n_used, self.arena.n_tokens(layer), scale)
         self._warm(layer, n_used, scale)
         self._clear_bins()
         ops = self.passes.ops(layer, self.plan(layer, n_used, path=path), n_used, n_used, scale)
         self._upload_q(q, n_used)
-        return self._recording(ops, timestamps, flush_bytes, f"attention over layer {layer}")
+        return self._recording(ops, timestamps, flush_bytes, f"attention over layer {layer}", primed)
 
-    def _recording(self, ops: list, timestamps, flush_bytes: int, what: str) -> Recording:
-        """[the flush,] the query's copy up, ``ops`` (the core), the output's read-back."""
-        flush = self.flush_ops(flush_bytes)
-        first = len(flush) + 1
-        return Recording(self.device, [*flush, self.passes.q_upload(self.q), *ops, self.passes.read_back(self.out)],
-                         timestamps=timestamps, what=what, core=(first, first + len(ops)))
+    def _recording(self, ops: list, timestamps, flush_bytes: int, what: str, primed: bool = False) -> Recording:
+        """The query's copy up, [``ops`` and a barrier on everything they write, if primed,]
+        [the flush,] ``ops`` (the core), the output's read-back; what comes between the copy
+        and the core is left out of gpu_seconds (untimed). A completed attention leaves
+        its scratch as the next one expects it (the atom weights zero), so ``ops`` may run
+        twice in one submission."""
+        ahead = [*ops, self.passes.sync(*self._buffers)] if primed else []
+        ahead += self.flush_ops(flush_bytes)
+        first = len(ahead) + 1
+        return Recording(self.device, [self.passes.q_upload(self.q), *ahead, *ops, self.passes.read_back(self.out)],
+                         timestamps=timestamps, what=what, core=(first, first + len(ops)), untimed=(1, first))
 
     def _warm(self, layer: int, n_used: int, scale: float) -> None:
         """On a layer's first attention, make every pipeline its plans may use (the direct
@@ -590,12 +600,12 @@ class Attention:
         return self._eval(ops, f"batched attention over layer {layer}", seqs=len(n_used))
 
     def batch_recording(self, layer: int, q: np.ndarray, n_used: list[int], scale: float,
-                        timestamps: bool | str = False, flush_bytes: int = 0) -> Recording:
+                        timestamps: bool | str = False, flush_bytes: int = 0, primed: bool = False) -> Recording:
         """attend_batch recorded once (query upload, passes, read-back), for benchmarks;
-        ``flush_bytes`` as for :meth:`recording`."""
+        ``flush_bytes`` and ``primed`` as for :meth:`recording`."""
         ops = self._batch_ops(layer, len(n_used), max(n_used), scale)
         self._upload_q(q, n_used)
-        return self._recording(ops, timestamps, flush_bytes, f"batched attention over layer {layer}")
+        return self._recording(ops, timestamps, flush_bytes, f"batched attention over layer {layer}", primed)
 
     def _batch_ops(self, layer: int, seqs: int, n_max: int, scale: float) -> list:
         if not 1 <= seqs <= self.seqs:

@@ -5,13 +5,14 @@ Two ways work reaches the queue:
 * :class:`Recording` — a kp.Sequence recorded ONCE and evaluated again and again (the
   same commands each time: Kompute bakes push constants into the command buffer at record
   time, so per-call values must live in buffers). With ``timestamps`` it latches a
-  timestamp before the first op and after the ops it reads: ``"spans"`` (or True) after the
-  ``core`` ops' last op, before their first and after the last op — so no timestamp falls
-  inside a timed span (each waits for the work before it: ~1 µs on an H200,
+  timestamp before the first op and after the ops it reads: ``"spans"`` (or True) before
+  the ``core`` ops' first op and after their last, around the ``untimed`` ones and after the
+  last op — so no timestamp falls inside a timed span (each waits for the work before it: ~1 µs on an H200,
   scripts/kp_patch.py item 3); ``"ops"`` after every op (:meth:`Recording.op_seconds`, for
   probes). :meth:`Recording.gpu_seconds` gives the last run's GPU time (first to last, in
-  the device's timestampPeriod, masked by the queue's timestampValidBits),
-  :meth:`Recording.core_seconds` that of its ``core`` ops.
+  the device's timestampPeriod, masked by the queue's timestampValidBits; less the
+  ``untimed`` ops, put there for the timing's sake), :meth:`Recording.core_seconds` that of
+  its ``core`` ops.
 * :meth:`Submitter.submit` — record these ops and evaluate them once, on a sequence the
   device keeps and records again (``Device.submit``; kernels.run). Kompute 0.9.0 made a new
   sequence — a command pool, a command buffer, a fence — for every call: 284–356 µs a call
@@ -55,16 +56,22 @@ class Recording:
     The ops (and what they bind) must outlive the recording; it keeps references to them.
     """
 
-    def __init__(self, device, ops, *, timestamps: bool | str = False, what: str = "dispatch", core=None):
+    def __init__(self, device, ops, *, timestamps: bool | str = False, what: str = "dispatch", core=None,
+                 untimed=None):
         """``core`` = (first, stop): ops[first:stop] are the work itself (an attention's
         passes, without the copies of its query up and its output back), timed by
-        :meth:`core_seconds`; default all of them. ``timestamps``: False, "spans" (True) or
-        "ops" (the module's docstring)."""
+        :meth:`core_seconds`; default all of them. ``untimed`` = (first, stop): ops there for
+        the timing's sake (an L2 flush, a priming run of the core), left out of
+        :meth:`gpu_seconds`; they must come before the core. ``timestamps``: False, "spans"
+        (True) or "ops" (the module's docstring)."""
         self.device, self.what = device, what
         self._ops = list(ops)
         self.core = (0, len(self._ops)) if core is None else tuple(core)
         if not 0 <= self.core[0] < self.core[1] <= len(self._ops):
             raise E.DispatchError(f"{what}: core ops {self.core} outside the {len(self._ops)} ops")
+        self.untimed = None if untimed is None or untimed[0] == untimed[1] else tuple(untimed)
+        if self.untimed is not None and not 0 <= self.untimed[0] < self.untimed[1] <= self.core[0]:
+            raise E.DispatchError(f"{what}: untimed ops {self.untimed} must come before the core ops {self.core}")
         if not self._ops:
             raise E.DispatchError(f"{what}: a recording needs at least one operation")
         if timestamps not in (False, True, "spans", "ops"):
@@ -72,7 +79,7 @@ class Recording:
         self.timestamps = bool(timestamps) and timestamps_usable(device)
         # the ops a timestamp follows; the timestamps read back: before op 0, then one for each
         every = timestamps == "ops" or not HAS_UNLATCHED
-        stops = set(range(1, len(self._ops) + 1)) if every else {*self.core, len(self._ops)} - {0}
+        stops = set(range(1, len(self._ops) + 1)) if every else {*self.core, *(self.untimed or ()), len(self._ops)} - {0}
         self._latched = sorted(stops) if self.timestamps else []
         self._ran = False
         with device.guard(f"recording {what}"):
@@ -111,8 +118,12 @@ class Recording:
         return ticks_to_seconds(self.device, ts[first], ts[stop])
 
     def gpu_seconds(self) -> float | None:
-        """GPU time of the last :meth:`run`, every op (None: no timestamps on this device, or never run)."""
-        return self._span_seconds(0, len(self._ops))
+        """GPU time of the last :meth:`run`, every op but the ``untimed`` ones (None: no
+        timestamps on this device, or never run)."""
+        total = self._span_seconds(0, len(self._ops))
+        if total is None or self.untimed is None:
+            return total
+        return total - self._span_seconds(*self.untimed)
 
     def core_seconds(self) -> float | None:
         """GPU time of the last :meth:`run`'s core ops (see ``core``)."""
