@@ -7,7 +7,8 @@ three ways — a timestamp after every op, timestamps at the chain's ends only, 
 beside it, the attention alone (the benchmark's recording: a torch L2 flush and an idle GPU
 before each run) with timestamps after every op and around its core only, and with the flush
 in its own submission instead (Attention.recording's flush_bytes: the GPU busy before the
-passes). Per attention: the core spans, and the wall time of each chained submission less
+passes; the flush ahead of the query's copy until 1005c2f, between the copy and the passes
+since — probes/attend_chain_flush.json was taken the first way). Per attention: the core spans, and the wall time of each chained submission less
 that of the submission alone (the query's copy up and the read-back), over R. With torch +
 CUDA, SDPA beside it both ways: alone as the attention benchmark times it, and as a chain of
 R calls over R caches with events at its ends. One JSON object to stdout.

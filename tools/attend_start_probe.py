@@ -1,11 +1,12 @@
-"""Probe: what an attention pays for being the first work after the query's copy up. The
+"""Probe: what an attention pays for being its pipelines' first dispatch in a submission. The
 chain probe (tools/attend_chain_probe.py) found an attention alone in its submission 7-8 µs
 slower than one in a chain of 16, even with an L2 flush in the same submission ahead of it,
 and the first attention of a chain as slow as one alone. Here one attention over layer 0 of
 an f16 cache (the L2 flushed by l2_flush in the same submission every time), recorded with
 different work ahead of it, timestamps around its passes only:
 
-* ``flush_up``: the flush, the query's copy up, the passes (Attention.recording's order);
+* ``flush_up``: the flush, the query's copy up, the passes (Attention.recording's order with
+  flush_bytes until 1005c2f, which put the flush after the copy);
 * ``up_flush``: the copy up, the flush, the passes (a compute dispatch between the copy and them);
 * ``up_other_flush``: the copy up, an attention over layer 1 and a barrier, the flush, the passes
   (the pipeline already run in this submission);
@@ -61,27 +62,30 @@ def main(argv=None) -> None:
             scale = 1.0 / math.sqrt(hd)
             att = arena.attention(q.shape[0])
             att.path = "flash"
-            recs = {"flush_up": att.recording(0, q, n, scale, timestamps="spans", flush_bytes=flush_bytes)}
+            recs = {"up_flush": att.recording(0, q, n, scale, timestamps="spans", flush_bytes=flush_bytes)}
             plan = att.plan(0, n)
             up, back = att.passes.q_upload(att.q), att.passes.read_back(att.out)
             flush = att.flush_ops(flush_bytes)
             mine = att.passes.ops(0, plan, n, n, scale)
             other = att.passes.ops(1, plan, n, n, scale)
             other = other + [other[1]]  # the barrier between the passes, again after the merge
+            first = len(flush) + 1
+            recs["flush_up"] = Recording(dev, [*flush, up, *mine, back], timestamps="spans", what="flush_up",
+                                         core=(first, first + len(mine)))
 
             def rec(name, ahead):
                 first = 1 + len(ahead)
                 recs[name] = Recording(dev, [up, *ahead, *mine, back], timestamps="spans", what=name,
                                        core=(first, first + len(mine)))
-            rec("up_flush", flush)
             rec("up_other_flush", [*other, *flush])
             rec("up_other", other)
             t = timing.measure(recs, a.runs, warm_s=WARM_S)
             case = {"shape": shape, "n_used": n, "kernel": plan.kernel, "n_splits": plan.n_splits,
                     "core_s": {k: v["kernel_s"] for k, v in t.items()}}
             if torch is not None:
-                case["sdpa_alone_s"] = torch_anchor.time_sdpa(
-                    torch, n_kv, gqa, hd, n, calls=a.runs * 3, flush=torch_anchor.l2_flush(torch, flush_bytes))["seconds"]
+                flush = torch_anchor.l2_flush(torch, flush_bytes)
+                case["sdpa_alone_s"] = torch_anchor.time_sdpa(torch, n_kv, gqa, hd, n, calls=a.runs * 3,
+                                                              flush=flush)["seconds"]
             out["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
             for r in recs.values():

@@ -219,7 +219,8 @@ def our_recording_args(args, anchor) -> dict:
 
 def flush_before(candidates: dict, args, anchor):
     """timing.measure's ``before``: torch's flush before every candidate, or (--our-flush
-    submission) before those that do not flush in their own submission only (the callables)."""
+    submission / primed) before those that do not flush in their own submission only (the
+    callables)."""
     if not our_flush_bytes(args, anchor):
         return anchor.l2_flush
     return {n: anchor.l2_flush for n, c in candidates.items() if not timing.is_recording(c)}

@@ -7,8 +7,8 @@ Two ways work reaches the queue:
   time, so per-call values must live in buffers). With ``timestamps`` it latches a
   timestamp before the first op and after the ops it reads: ``"spans"`` (or True) before
   the ``core`` ops' first op and after their last, around the ``untimed`` ones and after the
-  last op — so no timestamp falls inside a timed span (each waits for the work before it: ~1 µs on an H200,
-  scripts/kp_patch.py item 3); ``"ops"`` after every op (:meth:`Recording.op_seconds`, for
+  last op — so no timestamp falls inside a timed span (each waits for the work before it:
+  ~1 µs on an H200, scripts/kp_patch.py item 3); ``"ops"`` after every op (:meth:`Recording.op_seconds`, for
   probes). :meth:`Recording.gpu_seconds` gives the last run's GPU time (first to last, in
   the device's timestampPeriod, masked by the queue's timestampValidBits; less the
   ``untimed`` ops, put there for the timing's sake), :meth:`Recording.core_seconds` that of
@@ -79,7 +79,8 @@ class Recording:
         self.timestamps = bool(timestamps) and timestamps_usable(device)
         # the ops a timestamp follows; the timestamps read back: before op 0, then one for each
         every = timestamps == "ops" or not HAS_UNLATCHED
-        stops = set(range(1, len(self._ops) + 1)) if every else {*self.core, *(self.untimed or ()), len(self._ops)} - {0}
+        spans = {*self.core, *(self.untimed or ()), len(self._ops)} - {0}
+        stops = set(range(1, len(self._ops) + 1)) if every else spans
         self._latched = sorted(stops) if self.timestamps else []
         self._ran = False
         with device.guard(f"recording {what}"):
