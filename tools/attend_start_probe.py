@@ -11,7 +11,9 @@ different work ahead of it, timestamps around its passes only:
 * ``up_other_flush``: the copy up, an attention over layer 1 and a barrier, the flush, the passes
   (the pipeline already run in this submission);
 * ``up_other``: the copy up, an attention over layer 1, a barrier, the passes (a chain of two,
-  the second timed; its rows not in the L2 either: layer 1's pushed them out).
+  the second timed; its rows not in the L2 either: layer 1's pushed them out);
+* ``up_twin_flush``: as ``up_other_flush``, the attention ahead from another engine
+  (attend.Attention of its own: other scratch buffers, other pipelines, the same SPIR-V).
 
 With torch + CUDA, SDPA alone as the attention benchmark times it, beside. One JSON object
 to stdout.
@@ -32,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import attention as BA, common, timing, torch_anchor  # noqa: E402
-from kvdict_vk.vk import KvArena  # noqa: E402
+from kvdict_vk.vk import KvArena, attend as A  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 WARM_S = 1.0  # as attend_chain_probe: the clocks up before the timed rounds
@@ -79,6 +81,11 @@ def main(argv=None) -> None:
                                        core=(first, first + len(mine)))
             rec("up_other_flush", [*other, *flush])
             rec("up_other", other)
+            # the same ahead of it from another engine: its own scratch buffers, the same SPIR-V
+            twin = A.Attention(arena, q.shape[0])
+            twin.path = "flash"
+            twin_ops = twin.passes.ops(1, twin.plan(1, n), n, n, scale)
+            rec("up_twin_flush", [twin.passes.q_upload(twin.q), *twin_ops, twin_ops[1], *flush])
             t = timing.measure(recs, a.runs, warm_s=WARM_S)
             case = {"shape": shape, "n_used": n, "kernel": plan.kernel, "n_splits": plan.n_splits,
                     "core_s": {k: v["kernel_s"] for k, v in t.items()}}
@@ -90,6 +97,7 @@ def main(argv=None) -> None:
             print(json.dumps(case), file=sys.stderr, flush=True)
             for r in recs.values():
                 r.free()
+            twin.free()
             arena.free()
     print(json.dumps(out, indent=1))
 
