@@ -88,14 +88,14 @@ def test_batched_attention_over_codes_equals_reference(per_head, make_arena, act
     assert p.path == "flash" and p.seqs == len(LENGTHS) and p.kernel == "float"
     # recorded for the benchmark, the passes primed (run twice a submission) and the L2 flushed:
     # every run as exact as attend_batch, every sequence
-    want = arena.attend_batch(0, q, list(LENGTHS))
     with att.batch_recording(0, q, list(LENGTHS), 1 / 8, flush_bytes=1 << 20, primed=True) as rec:
         for _ in range(2):
             rec.run()
             got = att.output(len(LENGTHS))
             for b, (k, v, kd, vd) in enumerate(stored):
                 assert nmse(reference(q[b], k, v, kd, vd, LENGTHS[b], 1 / 8), got[b]) <= 1e-9
-    assert np.array_equal(arena.attend_batch(0, q, list(LENGTHS)), want)  # nothing left behind
+    _check_batch(arena, stored, q, list(LENGTHS))  # nothing left behind (not bitwise: on a GPU the
+    # order of the atom weights' float sums varies from run to run)
 
 
 def test_many_short_sequences(make_arena, activate):
