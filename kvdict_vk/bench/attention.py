@@ -207,7 +207,7 @@ FLUSH_WAYS = ("torch", "submission", "primed")
 def our_flush_bytes(args, anchor) -> int:
     """The L2 flush our recordings carry in their own submission (--our-flush submission or
     primed, where the run flushes at all: torch + CUDA, --l2-flush-mib > 0), or 0."""
-    submission = getattr(args, "our_flush", "torch") in ("submission", "primed")
+    submission = args.our_flush in ("submission", "primed")
     return args.l2_flush_mib << 20 if submission and anchor.l2_flush is not None else 0
 
 

@@ -88,7 +88,7 @@ class ReadPlan:
     def recording(self, part: str = "run", timestamps: bool | str = False) -> Recording:
         """The recorded sequence of ``part``: "dispatch" (the GPU work only), "readback"
         (the copy to the host) or "run" (both); made on first use and kept."""
-        key = (part, timestamps or False)  # "ops" and "spans" record differently
+        key = (part, "ops" if timestamps == "ops" else bool(timestamps))  # True is "spans"
         if key not in self._recordings:
             sync = kp.OpTensorSyncLocal([self.out.tensor])
             ops = {"dispatch": self.ops, "readback": [sync], "run": [*self.ops, sync]}[part]

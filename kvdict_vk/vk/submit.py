@@ -8,8 +8,8 @@ Two ways work reaches the queue:
   timestamp before the first op and after the ops it reads: ``"spans"`` (or True) before
   the ``core`` ops' first op and after their last, around the ``untimed`` ones and after the
   last op — so no timestamp falls inside a timed span (each waits for the work before it:
-  ~1 µs on an H200, scripts/kp_patch.py item 3); ``"ops"`` after every op (:meth:`Recording.op_seconds`, for
-  probes). :meth:`Recording.gpu_seconds` gives the last run's GPU time (first to last, in
+  ~1 µs on an H200, scripts/kp_patch.py item 3); ``"ops"`` after every op
+  (:meth:`Recording.op_seconds`, for probes). :meth:`Recording.gpu_seconds` gives the last run's GPU time (first to last, in
   the device's timestampPeriod, masked by the queue's timestampValidBits; less the
   ``untimed`` ops, put there for the timing's sake), :meth:`Recording.core_seconds` that of
   its ``core`` ops.
