@@ -43,10 +43,7 @@ def sdpa_chain_s(torch, n_kv: int, gqa: int, hd: int, n_used: int, layers: int, 
     back, CUDA events around the whole (queued behind a sleep, as the anchor's calls are:
     bench.torch_anchor.timed_calls), the median over ``calls`` chains, per call."""
     F = torch.nn.functional
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, n_kv * gqa, 1, hd, device="cuda", dtype=torch.float16, generator=g)
-    kv = [[torch.randn(1, n_kv, n_used, hd, device="cuda", dtype=torch.float16, generator=g) for _ in range(2)]
-          for _ in range(layers)]
+    q, kv = torch_anchor.decode_inputs(torch, n_kv, gqa, hd, n_used, layers=layers)
 
     def chain():
         for k, v in kv:

@@ -40,7 +40,8 @@ def launch_args(prof) -> dict:
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as g:
+            trace = json.load(g)
     return {e["name"][:120]: e.get("args", {}) for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"}
 
 
@@ -50,9 +51,7 @@ def sdpa_kernels(torch, n_kv: int, gqa: int, hd: int, n_used: int, flush, calls:
     [{name, start_us, end_us}] relative to the call's first kernel."""
     from torch.profiler import ProfilerActivity, profile, record_function
     F = torch.nn.functional
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, n_kv * gqa, 1, hd, device="cuda", dtype=torch.float16, generator=g)
-    k, v = (torch.randn(1, n_kv, n_used, hd, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    q, [(k, v)] = T.decode_inputs(torch, n_kv, gqa, hd, n_used)
     for _ in range(20):
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     torch.cuda.synchronize()

@@ -55,6 +55,17 @@ def describe(torch) -> dict:
                       "(a read of l2_flush_bytes) before each call outside its events, median"}
 
 
+def decode_inputs(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, batch: int = 1, layers: int = 1):
+    """SDPA's f16 operands for one decode query per sequence (seeded): q (batch, n_kv·gqa, 1,
+    head_dim) and a list of ``layers`` (K, V) pairs, each (batch, n_kv, n_used, head_dim)."""
+    dev, f16 = "cuda", torch.float16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(batch, n_kv * gqa, 1, head_dim, device=dev, dtype=f16, generator=gen)
+    kv = [tuple(torch.randn(batch, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen) for _ in range(2))
+          for _ in range(layers)]
+    return q, kv
+
+
 def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int = 100, batch: int = 1,
               flush=None) -> dict:
     """{"seconds": median GPU time of a call, "samples", "queued": whether the host stayed
@@ -67,11 +78,7 @@ def time_sdpa(torch, n_kv: int, gqa: int, head_dim: int, n_used: int, calls: int
     layer's); None: calls back to back on the same tensors (a cache smaller than the L2 then
     stays there)."""
     F = torch.nn.functional  # imported with torch
-    dev, f16 = "cuda", torch.float16
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(batch, n_kv * gqa, 1, head_dim, device=dev, dtype=f16, generator=gen)
-    k = torch.randn(batch, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
-    v = torch.randn(batch, n_kv, n_used, head_dim, device=dev, dtype=f16, generator=gen)
+    q, [(k, v)] = decode_inputs(torch, n_kv, gqa, head_dim, n_used, batch)
     try:
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         kwargs, how = {"enable_gqa": True}, "enable_gqa"
