@@ -8,10 +8,12 @@ beside it, the attention alone (the benchmark's recording: a torch L2 flush and 
 before each run) with timestamps after every op and around its core only, and with the flush
 in its own submission instead (Attention.recording's flush_bytes: the GPU busy before the
 passes; the flush ahead of the query's copy until 1005c2f, between the copy and the passes
-since — probes/attend_chain_flush.json was taken the first way). Per attention: the core spans, and the wall time of each chained submission less
-that of the submission alone (the query's copy up and the read-back), over R. With torch +
-CUDA, SDPA beside it both ways: alone as the attention benchmark times it, and as a chain of
-R calls over R caches with events at its ends. One JSON object to stdout.
+since — probes/attend_chain_flush.json was taken the first way, and with the passes' own
+barrier repeated between layers where Attention.barrier_op now stands). Per attention: the
+core spans, and the wall time of each chained submission less that of the submission alone
+(the query's copy up and the read-back), over R. With torch + CUDA, SDPA beside it both
+ways: alone as the attention benchmark times it, and as a chain of R calls over R caches
+with events at its ends. One JSON object to stdout.
 
     . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_chain_probe.py
 """
@@ -92,7 +94,7 @@ def main(argv=None) -> None:
             chain = [up]
             for layer in range(a.layers):
                 ops = att.passes.ops(layer, plan, n, n, scale)
-                chain += ops + [ops[1]]  # the barrier between the passes, again after the merge
+                chain += ops + [att.barrier_op()]  # the next layer's passes after all of this one's writes
             chain.append(back)
             core = (1, len(chain) - 1)
             ends = Recording(dev, [up, back], what="copies alone")

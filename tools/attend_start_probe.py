@@ -15,6 +15,10 @@ different work ahead of it, timestamps around its passes only:
 * ``up_twin_flush``: as ``up_other_flush``, the attention ahead from another engine
   (attend.Attention of its own: other scratch buffers, other pipelines, the same SPIR-V).
 
+The attention ahead is followed by Attention.barrier_op (every buffer its engine owns; the
+committed probes/attend_first_dispatch*.json were taken with the passes' own barrier between
+attend and merge repeated after the merge, on fewer buffers).
+
 With torch + CUDA, SDPA alone as the attention benchmark times it, beside. One JSON object
 to stdout.
 
@@ -69,8 +73,7 @@ def main(argv=None) -> None:
             up, back = att.passes.q_upload(att.q), att.passes.read_back(att.out)
             flush = att.flush_ops(flush_bytes)
             mine = att.passes.ops(0, plan, n, n, scale)
-            other = att.passes.ops(1, plan, n, n, scale)
-            other = other + [other[1]]  # the barrier between the passes, again after the merge
+            other = att.passes.ops(1, plan, n, n, scale) + [att.barrier_op()]
             first = len(flush) + 1
             recs["flush_up"] = Recording(dev, [*flush, up, *mine, back], timestamps="spans", what="flush_up",
                                          core=(first, first + len(mine)))
@@ -85,7 +88,7 @@ def main(argv=None) -> None:
             twin = A.Attention(arena, q.shape[0])
             twin.path = "flash"
             twin_ops = twin.passes.ops(1, twin.plan(1, n), n, n, scale)
-            rec("up_twin_flush", [twin.passes.q_upload(twin.q), *twin_ops, twin_ops[1], *flush])
+            rec("up_twin_flush", [twin.passes.q_upload(twin.q), *twin_ops, twin.barrier_op(), *flush])
             t = timing.measure(recs, a.runs, warm_s=WARM_S)
             case = {"shape": shape, "n_used": n, "kernel": plan.kernel, "n_splits": plan.n_splits,
                     "core_s": {k: v["kernel_s"] for k, v in t.items()}}

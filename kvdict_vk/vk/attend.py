@@ -539,13 +539,18 @@ class Attention:
         self._upload_q(q, n_used)
         return self._recording(ops, timestamps, flush_bytes, f"attention over layer {layer}", primed)
 
+    def barrier_op(self):
+        """A compute→compute barrier on every buffer this engine owns: what is recorded after it
+        sees everything its passes wrote (an attention recorded after another in one submission)."""
+        return self.passes.sync(*self._buffers)
+
     def _recording(self, ops: list, timestamps, flush_bytes: int, what: str, primed: bool = False) -> Recording:
         """The query's copy up, [``ops`` and a barrier on everything they write, if primed,]
         [the flush,] ``ops`` (the core), the output's read-back; what comes between the copy
         and the core is left out of gpu_seconds (untimed). A completed attention leaves
         its scratch as the next one expects it (the atom weights zero), so ``ops`` may run
         twice in one submission."""
-        ahead = [*ops, self.passes.sync(*self._buffers)] if primed else []
+        ahead = [*ops, self.barrier_op()] if primed else []
         ahead += self.flush_ops(flush_bytes)
         first = len(ahead) + 1
         return Recording(self.device, [self.passes.q_upload(self.q), *ahead, *ops, self.passes.read_back(self.out)],
