@@ -238,7 +238,7 @@ def make_arena(vk_device):
     codec — what the tests compare against — unless the test (or $KVDICT_VK_ENCODER) names
     an encoder: "auto" would pick the GPU encoder on some GPUs, whose ties may differ."""
     from kvdict_vk.vk import KvArena
-    from kvdict_vk.vk.arena import ENCODER_ENV
+    from kvdict_vk.vk.arena.arena.arena import ENCODER_ENV
     made = []
 
     def _make(*dims, guard_words: int = 64, **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdict_vk.vk.attend_plan import split_count
+from kvdict_vk.vk.attend.plan import split_count
 
 
 @settings(max_examples=400, deadline=None)

@@ -21,7 +21,7 @@ from kvdict_vk import errors as E
 from kvdict_vk import layout as L
 from kvdict_vk.bench import attention, common, fixed, omp, reconstruct, results, roofline, torch_anchor, traffic
 from kvdict_vk.cli import bench
-from kvdict_vk.vk.attend_plan import Plan
+from kvdict_vk.vk.attend.plan import Plan
 
 L2_BYTES = 60e6  # the H200's L2: the GPU preset's working sets must be well past it
 
@@ -556,7 +556,7 @@ def test_attention_takes_captured_code_words(tmp_path, restore_env, vk_device, c
     out = tmp_path / "a.json"
     argv = ["--n-used", "100", "--shapes", "2x2", "--head-dims", "32", "--formats", "4/3", "--n-atoms", "64",
             "--sparsity", "4", "--no-sdpa", "--repeats", "3", "--device", vk_device.name, "--out", str(out)]
-    from kvdict_vk.vk import attend_tune
+    from kvdict_vk.vk.attend import tune as attend_tune
     assert attention.main(argv + ["--codes", str(path), "--tune-flush-mib", "1"]) == 0
     result = json.loads(out.read_text())
     assert result["config"]["codes"] == str(path) and result["config"]["tune_flush_mib"] == 1

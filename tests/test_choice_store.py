@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import GPU_FASTER, random_artifact
-from kvdict_vk.vk import attend_tune as T, choice_store as S, encode_choice as C
+from kvdict_vk.vk.attend import tune as T
+from kvdict_vk.vk import choice_store as S
+from kvdict_vk.vk.encode import choice as C
 
 
 @pytest.fixture
@@ -105,7 +107,7 @@ def test_an_engine_takes_its_launch_shape_from_the_store(tuner, make_arena, monk
     """End to end: an engine's first plan in a bucket measures and stores; a new process's
     engine plans the same from the store without timing; a rebuilt kernel (another SPIR-V
     digest in the layer signature) measures again."""
-    import kvdict_vk.vk.attend as A
+    import kvdict_vk.vk.attend.engine.engine as A
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     rng = np.random.default_rng(3)
     arena = make_arena(1, 2, 64, 700, guard_words=64, cache="f16")

@@ -141,7 +141,7 @@ def test_store_code_then_reconstruct_on_read_equals_reconstruct_on_write(per_hea
 
 
 def test_chunked_appends_and_reads(make_arena, activate, monkeypatch):
-    from kvdict_vk.vk import arena as arena_mod
+    from kvdict_vk.vk.arena import arena as arena_mod
     monkeypatch.setattr(arena_mod, "UPLOAD_CAP_WORDS", 300)
     monkeypatch.setattr(arena_mod, "OUT_CAP_WORDS", 1000)
     monkeypatch.setattr(arena_mod, "OUT_MIN_WORDS", 64)
@@ -231,7 +231,7 @@ def test_free_is_idempotent_and_final(vk_device):
 
 def test_too_large_is_refused_before_allocating(vk_device, monkeypatch):
     from kvdict_vk.vk import KvArena
-    from kvdict_vk.vk import arena as arena_mod
+    from kvdict_vk.vk.arena import arena as arena_mod
 
     def no_allocation(*a, **k):
         raise AssertionError("allocated before refusing")

@@ -18,8 +18,8 @@ from conftest import _stream_entry, random_artifact, stable_seed
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
 from kvdict_vk.metrics import nmse
-from kvdict_vk.vk import attend
-from kvdict_vk.vk.attend_specs import merge_head_local
+from kvdict_vk.vk.attend import engine as attend
+from kvdict_vk.vk.attend.specs import merge_head_local
 from kvdict_vk.synthetic import random_slots
 
 pytestmark = pytest.mark.gpu
@@ -156,7 +156,7 @@ def test_splits_respect_llvmpipe_loop_limit(make_arena, activate):
     """llvmpipe silently ends an invocation's loops after 65535 iterations in total; one
     split over 8192 tokens of s = 16 codes (20 iterations a token) would be cut short.
     Even asked for one split, the engine splits under the budget — and stays exact."""
-    from kvdict_vk.vk import attend as A
+    from kvdict_vk.vk.attend import engine as A
     rng = np.random.default_rng(12)
     art = random_artifact(rng, 32, 256, [(16, 16)])
     arena, stored = _filled_arena(make_arena, activate, rng, 32, 1, 8192, art)
@@ -193,7 +193,7 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     both shaders (attend_direct, and attend_flash — the GPUs' default), attend_flash in both
     variants: partial scores summed by subgroup shuffles where the device's subgroups hold a
     token's lanes (attend_flash_sg), and through shared memory ("flash-shared", everywhere)."""
-    from kvdict_vk.vk.attend_specs import flash_subgroup_fits, flash_units
+    from kvdict_vk.vk.attend.specs import flash_subgroup_fits, flash_units
     rng = np.random.default_rng(hd * 1000 + g)
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, cache)
     att = arena.attention(n_kv * g)
@@ -222,7 +222,7 @@ def test_flash_end_in_any_number_of_passes(kernel, end_elems, path, make_arena, 
     not every count is offered, some being slow, but each is correct): every pass count gives
     the reference, with 3 query heads (not a power of two) and token lanes of which some see
     no token (n_used 1 and 7)."""
-    from kvdict_vk.vk import attend as attend_module
+    from kvdict_vk.vk.attend import engine as attend_module
     if kernel == "wide_end":
         monkeypatch.setattr(attend_module, "FLASH_END_ELEMS", (end_elems,))
     else:
@@ -244,7 +244,7 @@ def test_flash_end_elems_that_do_not_divide_a_unit_are_refused(make_arena, monke
     """An END_ELEMS whose passes would not cover a unit's 8 elements exactly (they would write
     past the unit) is refused by the kernel's contract before anything is dispatched, and the
     attention still works once a valid count is back."""
-    from kvdict_vk.vk import attend as attend_module
+    from kvdict_vk.vk.attend import engine as attend_module
     rng = np.random.default_rng(3)
     hd, g, n_kv, n_ctx = 64, 3, 2, 600
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, "f16")
@@ -296,7 +296,7 @@ def test_flash_workgroup_counts_come_from_the_multiprocessors(make_arena):
     device reports (powers of two where it reports none); a count's splits are rounded down,
     so an attention launches at most that many workgroups; counts whose splits the cap makes
     equal are one candidate."""
-    from kvdict_vk.vk import attend_tune as T
+    from kvdict_vk.vk.attend import tune as T
     assert T.workgroup_counts(132, False) == (1056, 264, 528) and T.workgroup_counts(132, True) == (264, 132, 528)
     assert T.workgroup_counts(0, False) == (1024, 256, 512) and T.workgroup_counts(0, True) == (256, 128, 512)
     n_kv, g = 3, 3
@@ -321,8 +321,8 @@ def test_flash_splits_are_whole_rounds(make_arena):
     its tokens per lane and unit size the shader's): 32 768 tokens wanted in 33 splits of 993 would each run
     a last round of 32 whole, so they become 32 of 1 024; a length that is not a multiple leaves
     only the last split short."""
-    from kvdict_vk.vk import attend_specs as S
-    from kvdict_vk.vk import attend_tune as T
+    from kvdict_vk.vk.attend import specs as S
+    from kvdict_vk.vk.attend import tune as T
     flash_src = (MERGE_HEAD_SOURCE.parent / "attend_flash.comp").read_text()
     assert int(re.search(r"#define TOKENS_PER_LANE (\d+)u", flash_src).group(1)) == S.FLASH_TOKENS_PER_LANE
     assert int(re.search(r"const uint UNIT_DIMS = (\d+)u;", flash_src).group(1)) == S.FLASH_UNIT_DIMS
@@ -443,7 +443,7 @@ def test_flash_coded_crowded_atoms_take_more_passes(local, bucket, make_arena, a
     then on atoms sharing one owner (a, a + LOCAL, …), then on two owners, then spread — the
     reference's output at the smallest bucket and the largest, at the largest and smallest
     workgroup (so with the fewest and the most atoms owned per invocation)."""
-    from kvdict_vk.vk import attend as A, attend_specs as S, attend_tune as T
+    from kvdict_vk.vk.attend import engine as A, specs as S, tune as T
     monkeypatch.setattr(A, "FLASH_CODED_LOCALS", (local,))
     monkeypatch.setattr(T, "_CHOICES", {})  # where the device tunes: no shape measured by another case
     if bucket == "smallest":
@@ -687,7 +687,7 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     of the candidates timed on the device, once per (device, layer signature, context
     bucket): the plan follows the measurement, a second attention in the bucket measures
     nothing, another bucket measures again, and the tuned attention is still exact."""
-    from kvdict_vk.vk import attend_tune as T
+    from kvdict_vk.vk.attend import tune as T
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(T, "WARM_S", 0.0)
     rng = np.random.default_rng(13)
@@ -702,7 +702,7 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
         assert [hb for hb, _ in att.flash_coded_options(0, "float")] == [2, 1]
         offered = T.candidates(att.flash_coded_options(0, "float"), counts, "float")
     else:  # the build (its split's end) is a dimension too
-        from kvdict_vk.vk.attend import FLASH_KERNELS
+        from kvdict_vk.vk.attend.engine.engine import FLASH_KERNELS
         assert all(att.flash_kernel_locals(0, kernel) == att.flash_locals(0) for kernel in FLASH_KERNELS)
         offered = [sh for kernel in FLASH_KERNELS
                    for sh in T.candidates([(0, att.flash_kernel_locals(0, kernel))], counts, kernel)]
@@ -720,7 +720,7 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
         assert plan.n_splits * blocks <= max(counts)  # splits rounded down: never past a count
         return 1e-3 - 1e-7 * plan.n_splits if what(plan) == what(favourite) else 2e-3
     monkeypatch.setattr(att, "time_plan", fake_time)
-    import kvdict_vk.vk.attend as A
+    import kvdict_vk.vk.attend.engine.engine as A
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     p = att.plan(0, 1500)
     assert len(timed) == T.ROUNDS * len(shapes) and what(p) == what(favourite)
@@ -775,7 +775,7 @@ def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
     timed passes (flush_ops: buffers made once per size, freed with the engine) — a time as
     before, the attention's output untouched; and the tuner remembers its choices per setting and per set
     of candidates offered."""
-    from kvdict_vk.vk import attend_tune as T
+    from kvdict_vk.vk.attend import tune as T
     rng = np.random.default_rng(16)
     arena, stored = _filled_arena(make_arena, None, rng, 64, 2, 700, None, "f16")
     att = arena.attention(4)
@@ -810,8 +810,8 @@ def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
     """What planning reads of a layer on every step — the flash kernels' workgroup sizes,
     whether one fits, the tuner's layer signature — depends on the layout, the group and the
     device's limits only: derived on the first plan, not again on later ones."""
-    from kvdict_vk.vk import attend as A
-    from kvdict_vk.vk import attend_tune as T
+    from kvdict_vk.vk.attend import engine as A
+    from kvdict_vk.vk.attend import tune as T
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(T, "WARM_S", 0.0)
     arena, _ = _filled_arena(make_arena, None, np.random.default_rng(15), 64, 2, 700, None, "f16")
@@ -843,8 +843,8 @@ def test_workgroup_sizes_keep_within_both_device_limits():
     (flash kernels, attend_merge_head) — is the lesser of maxComputeWorkGroupInvocations
     and maxComputeWorkGroupSize[0]."""
     import types
-    from kvdict_vk.vk.attend import Attention
-    from kvdict_vk.vk.attend_specs import merge_head_local
+    from kvdict_vk.vk.attend.engine.engine import Attention
+    from kvdict_vk.vk.attend.specs import merge_head_local
 
     def fake(invocations, size_x):
         limits = {"max_compute_work_group_invocations": invocations,

@@ -1,4 +1,4 @@
-"""GPU OMP encoder (kvdict_vk.vk.encoder) against the NumPy reference (codec.encode).
+"""GPU OMP encoder (kvdict_vk.vk.encode.encoder) against the NumPy reference (codec.encode).
 
 Every test that takes the ``encoder`` fixture runs for each form of the encoder: the
 one-dispatch kernels (kernel="tiled", the default on GPUs: omp_encode_tiled, and
@@ -93,7 +93,7 @@ def compare(enc, x, d, what: str) -> tuple[float, float]:
 
 @pytest.fixture(params=["tiled", "vector", "stepwise"])
 def encoder(vk_device, request):
-    from kvdict_vk.vk.encoder import GpuEncoder
+    from kvdict_vk.vk.encode.encoder import GpuEncoder
     kernel = "stepwise" if request.param == "stepwise" else "tiled"
     form = {"vector_per_head": 1 << 16} if request.param == "vector" else {}
     made = []
@@ -111,7 +111,7 @@ def encoder(vk_device, request):
 @pytest.fixture
 def auto_encoder(vk_device):
     """kernel="auto": the stepwise form on a CPU driver, the tiled one on a GPU."""
-    from kvdict_vk.vk.encoder import GpuEncoder
+    from kvdict_vk.vk.encode.encoder import GpuEncoder
     made = []
 
     def make(d):
@@ -361,7 +361,7 @@ def test_scalar_variant_head_dim_not_a_multiple_of_4(encoder):
 def test_llvmpipe_loop_cap_is_refused(vk_device):
     """A pick kernel that would run past llvmpipe's silent 65535-loop-iteration cap is refused
     before anything is allocated (other drivers have no such cap)."""
-    from kvdict_vk.vk.encoder import GpuEncoder
+    from kvdict_vk.vk.encode.encoder import GpuEncoder
     if "llvmpipe" not in vk_device.name.lower():
         pytest.skip("llvmpipe only")
     rng = np.random.default_rng(13)
@@ -419,7 +419,7 @@ def test_tiled_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps):
     """Every requested tile size gets a shape within the device's shared memory and
     workgroup limits (16 KiB and 128 invocations are Vulkan's minimum), falling back to
     smaller tiles where needed; 4-vector tiles stage no atoms."""
-    from kvdict_vk.vk import encode_tiled as T
+    from kvdict_vk.vk.encode import tiled as T
     dev = _Limits(shared, invocations)
     for tv in T.TILE_SIZES:
         try:
@@ -438,8 +438,8 @@ def test_tiled_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps):
 def test_tiled_tile_sizes_follow_the_batch():
     """A decode step's few vectors per dictionary head take the vector form, larger batches
     the largest tile (the smaller ones: where it does not fit, and the vector form's stand-in)."""
-    from kvdict_vk.vk.encode_tiled import TILE_SIZES, VECTOR_FORM, tile_for
-    from kvdict_vk.vk.encode_vector import MAX_PER_HEAD
+    from kvdict_vk.vk.encode.tiled import TILE_SIZES, VECTOR_FORM, tile_for
+    from kvdict_vk.vk.encode.vector import MAX_PER_HEAD
     assert [tile_for(n) for n in (1, 4, MAX_PER_HEAD, MAX_PER_HEAD + 1, 100_000)] == [VECTOR_FORM] * 3 + [64, 64]
     assert TILE_SIZES == tuple(sorted(TILE_SIZES, reverse=True)) and TILE_SIZES[0] == 64
 
@@ -451,7 +451,7 @@ def test_vector_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps)
     to Vulkan's minimum) or there is none, only where even the smallest workgroup's arrays
     do not fit; its trees need powers of two, each reduction at most one partial per
     invocation, and no more partials than elements."""
-    from kvdict_vk.vk import encode_vector as V
+    from kvdict_vk.vk.encode import vector as V
     dev = _Limits(shared, invocations)
     shape = V.vector_shape(dev, head_dim, s, n_steps)
     budget = min(shared, V.SHARED_BUDGET)
@@ -472,8 +472,8 @@ def test_vector_shapes_fit_the_device(shared, invocations, head_dim, s, n_steps)
 def test_vector_form_under_llvmpipes_loop_cap():
     """On llvmpipe the vector form is kept only while one invocation's counted loops stay
     under the cap (else the small tile stands in); elsewhere it is kept whatever the count."""
-    from kvdict_vk.vk import encode_tiled as T
-    from kvdict_vk.vk import encode_vector as V
+    from kvdict_vk.vk.encode import tiled as T
+    from kvdict_vk.vk.encode import vector as V
     rng = np.random.default_rng(16)
     cpu, gpu = _Limits(32 << 10, 1024, name="llvmpipe (LLVM 15)"), _Limits(48 << 10, 1024)
     for n_atoms, head_dim, s, expect_kept in ((256, 16, 2, True), (1 << 16, 128, 16, False)):
@@ -494,8 +494,8 @@ def test_vector_form_and_its_stand_in(vk_device, monkeypatch):
     """kernel="tiled": a batch of few vectors per dictionary head runs the vector form, a
     larger one the tiled kernel; where the vector form does not fit, the small tile takes
     its batches — each giving the codec's slots (residual stage included)."""
-    from kvdict_vk.vk import encode_vector as V
-    from kvdict_vk.vk.encoder import GpuEncoder
+    from kvdict_vk.vk.encode import vector as V
+    from kvdict_vk.vk.encode.encoder import GpuEncoder
     rng = np.random.default_rng(15)
     n_kv, head_dim = 3, 32
     d = StreamDict(unit_atoms(rng, n_kv, 256, head_dim), mean=rng.standard_normal((n_kv, head_dim)), sparsity=4,
@@ -521,7 +521,7 @@ def test_vector_form_and_its_stand_in(vk_device, monkeypatch):
 def test_tiled_llvmpipe_batches_take_one_pass():
     """On llvmpipe a batch is at most what the largest tile's workgroups cover in one pass
     (each workgroup one tile: its loops stay under the cap); elsewhere what was asked."""
-    from kvdict_vk.vk import encode_tiled as T
+    from kvdict_vk.vk.encode import tiled as T
     rng = np.random.default_rng(14)
     d = StreamDict(unit_atoms(rng, 1, 256, 64)[0], sparsity=8)
     assert T.max_batch(_Limits(48 << 10, 1024), d, 65536) == 65536

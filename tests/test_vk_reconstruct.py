@@ -16,7 +16,7 @@ from conftest import _stream_entry, check_guards, random_artifact, stable_seed
 from kvdict_vk import codec
 from kvdict_vk.metrics import nmse
 from kvdict_vk.synthetic import random_codes, random_slots
-from kvdict_vk.vk import arena as arena_module
+from kvdict_vk.vk.arena import arena as arena_module
 
 pytestmark = pytest.mark.gpu
 

@@ -57,7 +57,7 @@ def soak(n_tokens: int = N_TOKENS) -> dict:
         ref_v = codec.decode_heads(codec.encode_heads(rows_v, v), v)
         q = rng.standard_normal((2, hd)).astype(np.float32)
         out = arena.attend(0, q, n_tokens)
-        from kvdict_vk.vk import encode_choice
+        from kvdict_vk.vk.encode import choice as encode_choice
         return {"n_tokens": arena.n_tokens(0), "rss": samples, "nmse_k": nmse(ref_k, kk), "nmse_v": nmse(ref_v, vv),
                 "nmse_attend": nmse(attention_ref.attend(q, ref_k, ref_v, n_tokens), out),
                 "encoders": sorted(set(encode_choice.measured().values()))}

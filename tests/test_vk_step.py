@@ -180,7 +180,7 @@ def test_gpu_encoder_write_path(pair, make_arena, activate):
 
 def test_encoder_choice(make_arena, activate, monkeypatch):
     from kvdict_vk import errors as E
-    from kvdict_vk.vk import arena as A
+    from kvdict_vk.vk.arena import arena as A
     monkeypatch.setenv(A.ENCODER_ENV, "GPU")
     assert make_arena(1, 1, 8, 4).encoder == "gpu"
     monkeypatch.delenv(A.ENCODER_ENV)
@@ -194,7 +194,7 @@ def test_auto_encoder_is_measured_once_per_format_and_batch(make_arena, activate
     lavapipe posing as one) both encoders timed on the first append of each (format, batch
     bucket), the faster kept — the choice follows the measurement, is not measured again,
     and the slots either way reconstruct like the codec's."""
-    from kvdict_vk.vk import encode_choice as C
+    from kvdict_vk.vk.encode import choice as C
     from kvdict_vk.vk.device import Device
     monkeypatch.setattr(C, "_CHOICES", {})
     hd, n_kv, n_ctx = 32, 2, 400

@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import attention as BA, common  # noqa: E402
-from kvdict_vk.vk import KvArena, attend as A, spirv  # noqa: E402
+from kvdict_vk.vk import KvArena, spirv
+from kvdict_vk.vk.attend import engine as A  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 

@@ -38,7 +38,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import attention as BA, common, timing, torch_anchor  # noqa: E402
-from kvdict_vk.vk import KvArena, attend as A  # noqa: E402
+from kvdict_vk.vk import KvArena
+from kvdict_vk.vk.attend import engine as A  # noqa: E402
 from kvdict_vk.vk.submit import Recording  # noqa: E402
 
 WARM_S = 1.0  # as attend_chain_probe: the clocks up before the timed rounds

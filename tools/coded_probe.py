@@ -34,9 +34,9 @@ from kvdict_vk.bench import attention as BA, common, torch_anchor  # noqa: E402
 from kvdict_vk import attention_ref  # noqa: E402
 from kvdict_vk.metrics import nmse  # noqa: E402
 from kvdict_vk.vk import KvArena, spirv  # noqa: E402
-from kvdict_vk.vk import attend as A  # noqa: E402
-from kvdict_vk.vk import attend_specs as S  # noqa: E402
-from kvdict_vk.vk import attend_tune as T  # noqa: E402
+from kvdict_vk.vk.attend import engine as A  # noqa: E402
+from kvdict_vk.vk.attend import specs as S  # noqa: E402
+from kvdict_vk.vk.attend import tune as T  # noqa: E402
 
 
 def timed(att, n, plan, rounds=3):

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from kvdict_vk import codec
     from kvdict_vk.artifact import read_artifact
     from kvdict_vk.vk.device import get_device
-    from kvdict_vk.vk.encoder import GpuEncoder
+    from kvdict_vk.vk.encode.encoder import GpuEncoder
 
     cert, art = read_artifact(a.artifact)
     kv = np.load(a.kv)

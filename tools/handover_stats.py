@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk import codec  # noqa: E402
 from kvdict_vk.bench import attention as BA  # noqa: E402
-from kvdict_vk.vk.attend_specs import FLASH_CODED_BUCKET  # noqa: E402
+from kvdict_vk.vk.attend.specs import FLASH_CODED_BUCKET  # noqa: E402
 
 WARP, BANKS = 32, 32
 

@@ -28,14 +28,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdict_vk.bench import attention as BA, common  # noqa: E402
-from kvdict_vk.vk import KvArena, attend_tune, choice_store  # noqa: E402
+from kvdict_vk.vk import KvArena, choice_store
+from kvdict_vk.vk.attend import tune as attend_tune  # noqa: E402
 
 
 def appends(dev, bits: tuple, n_kv: int, hd: int, rng, sizes=(1, 16, 256)) -> list[dict]:
     """The encoder's side (encoder "auto": encode_choice): the wall seconds of the first append
     of each batch size to an empty arena of this format (the GPU encoder and the codec timed, or
     the stored choice taken) and of a second of the same size."""
-    from kvdict_vk.vk import encode_choice
+    from kvdict_vk.vk.encode import choice as encode_choice
     arena = BA.dict_arena(bits, n_kv, hd, 2 * sum(sizes), BA.dict_args(), dev, rng, fill=False)[0]
     cases = []
     for n in sizes:

@@ -8,7 +8,7 @@ Per case — KV heads × GQA (``--shapes``), head_dim (``--head-dims``), context
   (attend_flash on GPUs, attend_direct on CPU drivers); where that is not attend_direct,
   ``f16_cache_direct`` / ``f32_cache_direct`` force it, beside;
 * ``dict_<fmt>`` — what KvArena.attend does over the codes (the cost model of
-  kvdict_vk.vk.attend_plan picks the direct or the table path); ``dict_<fmt>_direct`` and
+  kvdict_vk.vk.attend.plan picks the direct or the table path); ``dict_<fmt>_direct`` and
   ``dict_<fmt>_table`` force one path each, so the JSON shows whether it picked the faster;
 * ``recon_<fmt>`` — reconstruct-then-attend (two submissions: wall time only);
 * with ``--batches``: batched decode, B sequences of ``--batch-n-used`` tokens in one call
@@ -321,7 +321,7 @@ def make_rows(result) -> list[dict]:
 
 
 def run(args, progress) -> dict:
-    from kvdict_vk.vk import attend_tune
+    from kvdict_vk.vk.attend import tune as attend_tune
     flush_before, attend_tune.FLUSH_BYTES = attend_tune.FLUSH_BYTES, args.tune_flush_mib << 20
     try:
         return _run(args, progress)

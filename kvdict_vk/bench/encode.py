@@ -1,4 +1,4 @@
-"""GPU OMP encoder (kvdict_vk.vk.encoder) vs the CPU reference codec.encode, vectors per second.
+"""GPU OMP encoder (kvdict_vk.vk.encode.encoder) vs the CPU reference codec.encode, vectors per second.
 
 One device, one run, interleaved repeats (machine noise hits every candidate alike);
 median, quartiles and min/max per candidate, per residual-bit configuration. Candidates:
@@ -55,7 +55,7 @@ def parse_args(argv=None):
 def bench_config(bits: int, args, dev, rng, progress) -> dict:
     from kvdict_vk import codec
     from kvdict_vk.dictionary import StreamDict
-    from kvdict_vk.vk.encoder import GpuEncoder
+    from kvdict_vk.vk.encode.encoder import GpuEncoder
     from kvdict_vk.vk.kernels import Buffer
     from kvdict_vk.vk.submit import Recording
     hd, na, s = args.head_dim, args.n_atoms, args.sparsity

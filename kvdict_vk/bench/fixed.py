@@ -117,7 +117,7 @@ def _decode_steps(dev, args, rng, cache: str) -> dict:
         out = timing.timing(wall, gpu)
         out.update(cache=cache, n_used=n, n_kv=n_kv, gqa=args.gqa, head_dim=hd)
         if cache == "dict":  # which encoder KvArena(encoder="auto") wrote the new tokens with
-            from kvdict_vk.vk import encode_choice
+            from kvdict_vk.vk.encode import choice as encode_choice
             out["encoder"] = "/".join(sorted(set(encode_choice.measured().values())))
         return out, arena
     except BaseException:

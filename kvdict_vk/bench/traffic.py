@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .. import kivi as K
 from ..layout import WORD_BYTES
-from ..vk.attend_specs import n_blocks
+from ..vk.attend.specs import n_blocks
 
 OPS = ("attend", "read", "reconstruct_then_attend", "copy")
 ROW_PATHS = ("direct", "flash")  # attention paths that read each token's K/V (decoding slots if coded)
@@ -35,7 +35,7 @@ def bytes_moved(op: str, layout=None, layer: int = 0, n_tokens: int = 0, *, plan
     """{"cache", "dictionary", "scratch", "output", "total"} bytes of one operation:
 
     * "attend" — one decode attention over tokens [0, n_tokens) of ``layer`` with
-      ``n_heads`` query heads, run as ``plan`` (kvdict_vk.vk.attend_plan.Plan);
+      ``n_heads`` query heads, run as ``plan`` (kvdict_vk.vk.attend.plan.Plan);
     * "read" — KvArena.read of n_tokens tokens (reconstruct or row copy into f32 rows);
     * "reconstruct_then_attend" — "read", then the direct path over those f32 rows as ``plan``;
     * "copy" — the copy shader over ``n_words`` words (read once, written once).

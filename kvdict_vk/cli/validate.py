@@ -137,7 +137,7 @@ def _error_row(shape, exc: BaseException) -> dict:
 def _encoder_row(dev, d: StreamDict, x, shape) -> dict:
     """The GPU OMP encoder: same reconstruction quality as the CPU encoder."""
     try:
-        from ..vk.encoder import GpuEncoder
+        from ..vk.encode.encoder import GpuEncoder
     except ImportError:
         return dict(op="encode (GPU OMP)", shape=shape, nmse=0.0, max_abs=0.0, nan_inf_match=True,
                     guards_intact=True, tolerance=0.0, seconds=None, passed=True, skipped="no GPU encoder")

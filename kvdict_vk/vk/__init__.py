@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "KvArena": "arena", "ReadPlan": "reader", "Attention": "attend",
+    "KvArena": "arena.arena", "ReadPlan": "read.reader", "Attention": "attend.engine",
     "list_devices": "device", "get_device": "device", "Device": "device", "DeviceInfo": "vulkan_info",
 }
 __all__ = sorted(_EXPORTS)

@@ -353,11 +353,11 @@ def run(device: Device, *ops, what: str = "dispatch") -> None:
 
 
 # Decode attention (kvdict_vk/vk/attend.py): its contracts live in attend_specs
-from . import attend_specs as _attend_specs  # noqa: E402 (needs ShaderSpec, defined above)
+from .attend import specs as _attend_specs  # noqa: E402 (needs ShaderSpec, defined above)
 
 SHADERS.update(_attend_specs.shader_specs(ShaderSpec))
 
 # GPU OMP encoder (kvdict_vk/vk/encoder.py): its contracts live in encode_specs
-from . import encode_specs as _encode_specs  # noqa: E402 (needs ShaderSpec, defined above)
+from .encode import specs as _encode_specs  # noqa: E402 (needs ShaderSpec, defined above)
 
 SHADERS.update(_encode_specs.shader_specs(ShaderSpec, L.ENCODE_PUSH, WG_SIZE))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from . import choice_store, shader_build
+from .. import choice_store, shader_build
 
 SAMPLE_TOKENS = 256  # tokens per KV head timed (at most: an append of fewer times all it has)
 STORE_KIND = "encoder"  # these choices in choice_store
@@ -63,8 +63,8 @@ def _measure(arena, layer: int, coded) -> dict:
     device buffer, no read-back) into a scratch buffer of the sample's slots — their seconds
     over the layer's coded streams ("cpu_s", "gpu_s"), and the untimed first GPU run's
     ("gpu_first_s": pipelines made, clocks up)."""
-    from .. import codec
-    from .kernels import Buffer
+    from ... import codec
+    from ..kernels import Buffer
     cpu = gpu = gpu_first = 0.0
     for st, r in coded:
         sample = r[:, :SAMPLE_TOKENS]

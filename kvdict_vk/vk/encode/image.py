@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import residual
-from ..dictionary import StreamDict
-from .encode_specs import n_blocks, state_words
+from ... import residual
+from ...dictionary import StreamDict
+from .specs import n_blocks, state_words
 
 # Floats of one atom block (ATOM_BLOCK × head_dim): the size of the correlation kernel's
 # unrolled, straight-line body. Measured on llvmpipe at head_dim 64, n_atoms 1024: 1024 →

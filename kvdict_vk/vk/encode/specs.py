@@ -15,8 +15,8 @@ ShaderSpec class), so registering the encoder there is a two-line hook without a
 """
 from __future__ import annotations
 
-from .. import errors as E
-from ..residual import slot_words
+from ... import errors as E
+from ...residual import slot_words
 
 
 def n_blocks(n_atoms: int, atom_block: int) -> int:

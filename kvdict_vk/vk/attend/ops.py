@@ -1,5 +1,5 @@
-"""The recorded operations of one decode attention (kvdict_vk.vk.attend): pipelines, push
-constants and barriers for each plan (kvdict_vk.vk.attend_plan).
+"""The recorded operations of one decode attention (kvdict_vk.vk.attend.engine): pipelines, push
+constants and barriers for each plan (kvdict_vk.vk.attend.plan).
 
 Pipelines are made once per (pass, layer or row buffer) — Kompute binds buffers when a
 pipeline is created — and kept until the arena is freed. Operations whose push constants do
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import errors as E
-from .attend_plan import LOOP_BUDGET
-from .attend_specs import merge_head_local, n_blocks
-from .device import kp
-from .kernels import Kernel, barrier
+from ... import errors as E
+from .plan import LOOP_BUDGET
+from .specs import merge_head_local, n_blocks
+from ..device import kp
+from ..kernels import Kernel, barrier
 
 OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (never in steady decode)
 
@@ -280,7 +280,7 @@ class PassBuilder:
     def reconstruct_plan(self, layer: int, n_used: int, out):
         key = ("recon_plan", layer, n_used)
         if key not in self._kernels:
-            from .reader import ReadPlan
+            from ..read.reader import ReadPlan
             for old in [k for k in self._kernels if k[0] == "recon_plan"]:
                 del self._kernels[old]  # its pipelines live in the arena's cache
             self._kernels[key] = ReadPlan(self.att.arena, layer, 0, n_used, out=out)

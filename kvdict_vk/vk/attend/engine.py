@@ -7,7 +7,7 @@ maximum subtracted; returns (n_heads, head_dim) float32. ``KvArena.step`` append
 tokens and attends over them in the same submission. The NumPy twin is
 ``kvdict_vk.attention_ref.attend`` / ``attend_coded``.
 
-Two exact paths (kvdict_vk.vk.attend_plan chooses by a cost model; ``Attention.path``
+Two exact paths (kvdict_vk.vk.attend.plan chooses by a cost model; ``Attention.path``
 forces one): *direct* — attend_direct decodes each key and value (f32 rows for a
 passthrough stream: that is the f32 cache's path) with an online softmax, then attend_merge
 unless one split covered everything; *table* — attend_table → attend_split_coded →
@@ -29,17 +29,16 @@ import os
 
 import numpy as np
 
-from .. import errors as E
-from . import attend_plan as P
-from .attend_plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
-from .attend_ops import PassBuilder
-from .attend_specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket,
-                           flash_round_tokens, flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
-from .attend_tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
-from .device import kp
-from .kernels import Buffer, Kernel, barrier
-from . import attend_tune as T
-from .submit import Recording, timestamps_usable
+from ... import errors as E
+from . import plan as P
+from .plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests, tools)
+from .ops import PassBuilder
+from .specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, Sizes, flash_coded_bucket, flash_round_tokens, flash_shared_bytes, flash_subgroup_fits, flash_units, lengths_word)
+from .tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
+from ..device import kp
+from ..kernels import Buffer, Kernel, barrier
+from . import tune as T
+from ..submit import Recording, timestamps_usable
 
 MAX_SPLITS = 128  # per KV head
 CPU_SIMD_LANES = 8  # 32-bit lanes of llvmpipe's 256-bit vectors: the workgroup size on CPU drivers

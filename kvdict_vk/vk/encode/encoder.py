@@ -31,15 +31,15 @@ import dataclasses
 
 import numpy as np
 
-from .. import errors as E
-from ..dictionary import StreamDict
-from . import encode_image as I
-from .device import Device, get_device, kp
-from .encode_specs import n_blocks
-from .encode_tiled import VECTOR_FORM, TiledKernels, tile_for
-from .encode_tiled import max_batch as max_tiled_batch
-from .encode_vector import MAX_PER_HEAD
-from .kernels import Buffer, Kernel, barrier, run
+from ... import errors as E
+from ...dictionary import StreamDict
+from . import image as I
+from ..device import Device, get_device, kp
+from .specs import n_blocks
+from .tiled import VECTOR_FORM, TiledKernels, tile_for
+from .tiled import max_batch as max_tiled_batch
+from .vector import MAX_PER_HEAD
+from ..kernels import Buffer, Kernel, barrier, run
 
 TILE = 64  # tokens per workgroup (the shaders' WG_SIZE)
 # Workgroups per correlation/metric dispatch: a kp pipeline has a fixed count, and those two

@@ -7,7 +7,7 @@ modes have the same API. Appends encode on the CPU (codec.encode_heads: OMP per 
 then the residual stage) and send ONLY the new slots — or raw f32 rows — through a small
 host-visible upload buffer to the scatter shader. Reads reconstruct on the GPU (or copy
 passthrough rows) into a read-back buffer; only the output crosses back. Decode attention
-over the cache (both modes, one call) lives in kvdict_vk.vk.attend.
+over the cache (both modes, one call) lives in kvdict_vk.vk.attend.engine.
 
 Not thread-safe: one arena belongs to one thread at a time.
 """
@@ -17,16 +17,16 @@ import os
 
 import numpy as np
 
-from .. import codec, runtime
-from .. import errors as E
-from .. import layout as L
-from .device import Device, get_device, kp
-from ..kivi import KiviSpec
+from ... import codec, runtime
+from ... import errors as E
+from ... import layout as L
+from ..device import Device, get_device, kp
+from ...kivi import KiviSpec
 from .kivi_store import KiviStore
-from .kernels import Buffer, Kernel, Write, barrier, run
-from .attend import Attention, check_query, check_scale
-from . import encode_choice
-from .reader import ReadPlan
+from ..kernels import Buffer, Kernel, Write, barrier, run
+from ..attend.engine import Attention, check_query, check_scale
+from ..encode import choice as encode_choice
+from ..read.reader import ReadPlan
 
 SMALL_SCATTER_TOKENS = 4  # appends up to this many tokens use the small scatter pipeline
 UPLOAD_CAP_WORDS = 1 << 20  # host-visible upload buffer, at most (4 MiB); larger appends are chunked
@@ -80,9 +80,9 @@ class KvArena:
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
-        where appends run OMP — "cpu" (codec, the reference), "gpu" (kvdict_vk.vk.encoder,
+        where appends run OMP — "cpu" (codec, the reference), "gpu" (kvdict_vk.vk.encode.encoder,
         slots written straight into the layer) or "auto" (the faster of the two, measured on
-        a GPU per format and batch size; the codec on CPU drivers: kvdict_vk.vk.encode_choice);
+        a GPU per format and batch size; the codec on CPU drivers: kvdict_vk.vk.encode.choice);
         None reads $KVDICT_VK_ENCODER, default "auto".
         ``cache``: None — the runtime switch decides: the dict-coded cache when a dictionary
         is active, else the uncoded cache in $KVDICT_VK_CACHE's row format ("f16" default,
@@ -230,7 +230,7 @@ class KvArena:
                                           row_words=st.row_words, group_rows=t_new,
                                           group_stride=self.layout.n_ctx * st.row_words, n_words=n)
 
-    # --- what the arena's operations (kvdict_vk.vk.attend, .reader) use: its memory, its
+    # --- what the arena's operations (kvdict_vk.vk.attend.engine, .reader) use: its memory, its
     # pipelines, its limits — through these methods, not the fields behind them ------------------
     def layer_buffer(self, layer: int) -> Buffer:
         """The storage buffer of ``layer`` (laid out by self.layout)."""
@@ -412,7 +412,7 @@ class KvArena:
         """The GPU OMP encoder of a coded stream (made on first use, freed with the arena)."""
         key = (layer, st.stream)
         if key not in self._encoders:
-            from .encoder import GpuEncoder
+            from ..encode.encoder import GpuEncoder
             self._encoders[key] = GpuEncoder(self.device, self.stream_dict(layer, st.stream),
                                              max_batch=GPU_ENCODE_BATCH)
         return self._encoders[key]
@@ -548,7 +548,7 @@ class KvArena:
         head h reads KV head h // (n_heads / n_kv_heads)); softmax(scale · q·k), scale
         defaulting to 1/sqrt(head_dim). Returns (n_heads, head_dim) float32. The same call
         in both cache modes: over f32 rows, or straight over the codes (K and V are never
-        materialised) — see kvdict_vk.vk.attend."""
+        materialised) — see kvdict_vk.vk.attend.engine."""
         i = self._layer_index(layer)
         self._one_sequence("attend")
         q, n_used, scale = check_query(self.layout, q, n_used, self._n_tokens[i][0], scale)
@@ -622,7 +622,7 @@ class KvArena:
         """One decode step: append the new tokens' K/V (as ``append``), then attend with q
         over every token of the layer, the new ones included (as ``attend`` with n_used =
         the new token count) — in ONE submission: the scatter into the layer and the
-        attention passes, which read the new tokens from the upload buffer (kvdict_vk.vk.attend
+        attention passes, which read the new tokens from the upload buffer (kvdict_vk.vk.attend.engine
         says why). Returns (n_heads, head_dim) float32. Same call in both cache modes."""
         i = self._layer_index(layer)
         self._one_sequence("step")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import kivi as K
-from .. import layout as L
-from .kernels import Write
+from ... import kivi as K
+from ... import layout as L
+from ..kernels import Write
 
 
 SLICE = 2048  # tokens quantised per NumPy pass (the level packing's temporaries grow with it)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import errors as E
-from .. import kivi as K
-from .device import kp
-from .kernels import Buffer, Kernel
-from .submit import Recording
+from ... import errors as E
+from ... import kivi as K
+from ..device import kp
+from ..kernels import Buffer, Kernel
+from ..submit import Recording
 
 
 class ReadPlan:

@@ -21,7 +21,7 @@ device, driver and SPIR-V — the layer signature holds all three — takes them
 
 The candidate workgroup sizes (FLASH_LOCALS, FLASH_CODED_LOCALS) live here with the
 candidate workgroup counts (workgroup_counts: whole multiples of the device's multiprocessors
-where it reports them); kvdict_vk.vk.attend keeps those a layer and the device allow, and
+where it reports them); kvdict_vk.vk.attend.engine keeps those a layer and the device allow, and
 rounds a count's splits down, so an attention never launches more workgroups than its count.
 CPU drivers (llvmpipe) do not tune: they do not plan the flash kernels by default, and
 their fixed choice (the first size allowed) is what the tests pin.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from . import choice_store, shader_build
+from .. import choice_store, shader_build
 
 MIN_BUCKET = 1024
 REPEATS = 2  # timed runs per candidate and round (the minimum is kept: noise only adds time)

@@ -1,6 +1,6 @@
 """Planning one decode attention (pure Python, no GPU): which path, how many splits.
 
-Two exact paths over a dict-coded layer (kvdict_vk.vk.attend runs them):
+Two exact paths over a dict-coded layer (kvdict_vk.vk.attend.engine runs them):
 
 * **table** — attend_table (q·atom for every atom and query head) → attend_split_coded
   (a key costs `sparsity` table lookups, a value adds its coefficients to per-split atom
@@ -119,7 +119,7 @@ def table_words(k, v, head_dim: int, hb: int, n_atoms: int, n_tokens: int, n_spl
 class Plan:
     """One attention over tokens [0, n_used) of a layer, n_cached of them in the cache (the
     rest fresh: a decode step's new tokens, read from the upload buffer)."""
-    path: str  # "direct", "table" or "flash" (kvdict_vk.vk.attend plans that one)
+    path: str  # "direct", "table" or "flash" (kvdict_vk.vk.attend.engine plans that one)
     n_splits: int  # direct: over [0, n_used); table: attend_split_coded over [0, n_cached)
     split_len: int
     fresh_splits: int = 0  # table path in a step: attend_direct over [n_cached, n_used)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import errors as E
-from .. import layout as L
-from ..layout import row_words
+from ... import errors as E
+from ... import layout as L
+from ...layout import row_words
 
 ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")

@@ -1,5 +1,5 @@
 """The tiled form of the GPU OMP encoder (shaders/omp_encode_tiled.comp): its launch shapes
-and pipelines, owned by :class:`kvdict_vk.vk.encoder.GpuEncoder`.
+and pipelines, owned by :class:`kvdict_vk.vk.encode.encoder.GpuEncoder`.
 
 A batch is one dispatch: a workgroup runs every OMP step (and the residual stage) of a tile
 of ``TILE_VECTORS`` vectors of one dictionary head, the correlations as a matrix product
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import errors as E
-from . import encode_vector as V
-from .encode_image import LOOP_BUDGET, LOOP_ITERATION_CAP, caps_loops, step_multipliers
-from .encode_specs import state_words
-from .kernels import Buffer, Kernel
+from ... import errors as E
+from . import vector as V
+from .image import LOOP_BUDGET, LOOP_ITERATION_CAP, caps_loops, step_multipliers
+from .specs import state_words
+from ..kernels import Buffer, Kernel
 
 # Vectors per workgroup, largest first (each a multiple of 4): a batch asks for the largest
 # and tile_shape falls back to the next where it does not fit the device's shared memory (a

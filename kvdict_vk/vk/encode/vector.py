@@ -1,5 +1,5 @@
 """The vector form of the GPU OMP encoder (shaders/omp_encode_vector.comp): its launch shape,
-used by :class:`kvdict_vk.vk.encode_tiled.TiledKernels` for batches of few vectors per
+used by :class:`kvdict_vk.vk.encode.tiled.TiledKernels` for batches of few vectors per
 dictionary head.
 
 Why a second kernel: a decode step encodes one token per KV head. In the tiled kernel such a

@@ -1,0 +1,1 @@
+"""The arena wing: the KV arena's memory, its layout in use and its write paths."""

@@ -1,0 +1,1 @@
+"""The read wing: reconstructing cached rows on the GPU and reading them back."""
