@@ -1,9 +1,12 @@
-"""Every speed figure README.md quotes comes from a committed results file.
+"""Every speed figure the docs quote comes from a committed results file.
 
-The convention (write README.md's speed section to it):
+The convention (write docs/BENCHMARKS.md and README.md's headline table to it):
 
-* **The speed section** is README.md from the first line starting with ``## Speed`` to the
-  next ``## `` heading. Fenced code blocks in it are not checked.
+* **The speed sections** are the whole of ``docs/BENCHMARKS.md`` and, in README.md and any
+  other page (``docs/*.md``, ``lab/*.md``), each section from a line starting with
+  ``## Speed`` or ``## At a glance`` to the next ``## `` heading. BENCHMARKS.md and README.md
+  must have one. Every figure in a speed section needs a source; outside them, a figure that
+  carries a source comment is checked all the same. Fenced code blocks are not checked.
 * **A figure** is a number followed by a unit of time (``ns``, ``µs``/``us``, ``ms``, ``s``),
   bandwidth (``B/s``, ``KB/s``, ``MB/s``, ``GB/s``, ``TB/s``, ``KiB/s``, ``MiB/s``,
   ``GiB/s``), rate (``vec/s``, ``tok/s``), a ratio (``×`` written right after the
@@ -13,9 +16,11 @@ The convention (write README.md's speed section to it):
 * **Every figure is followed by its source**: right after the unit (closing ``**``, ``*``,
   ``_`` or a backtick may come between) an HTML comment — invisible once rendered —
   ``<!-- DEVICE PATH -->`` or ``<!-- DEVICE PATH / PATH -->`` (a ratio of two values of
-  the same file). DEVICE names ``docs/results/DEVICE/summary.json``; PATH is dotted keys
-  into it, ``[i]`` a list index, and ``rows[BENCHMARK/CASE]`` the row with that
-  benchmark and case (kvdict_vk.bench.results: (benchmark, case) is unique)::
+  the same file). DEVICE names ``docs/results/DEVICE/summary.json`` — or, written as
+  ``NAME.json``, the committed file ``docs/results/NAME.json`` (``fidelity.json``,
+  ``arena.json``); PATH is dotted keys into it, ``[i]`` a list index,
+  ``rows[BENCHMARK/CASE]`` the row with that benchmark and case (kvdict_vk.bench.results:
+  (benchmark, case) is unique) and ``[KEY=VALUE]`` the one list item whose KEY is VALUE::
 
       59.2 ms<!-- lavapipe rows[attention/dict k4v3 3x3 d64 n4096].gpu_s -->
       **0.87×**<!-- h200 rows[attention/dict k4v3 8x4 d128 n131072].vs_torch_sdpa -->
@@ -23,6 +28,7 @@ The convention (write README.md's speed section to it):
       31.5 µs<!-- h200 anchors.cuda_tiny_kernel_sync_us -->
       3.97 TB/s<!-- h200 roofline.bytes_per_s -->
       1.19×<!-- lavapipe rows[attention/dict k4v3 3x3 d64 n4096].gpu_s / rows[attention/f16 3x3 d64 n4096].gpu_s -->
+      −0.08 %<!-- fidelity.json texts.sedfaq.rows[name=q8_0].dppl -->
 
 * **Units of the JSON** come from the key names: the last key in PATH with a unit suffix
   — ``…bytes_per_s`` bytes/s, ``…_per_s`` per second, ``…_us`` µs, ``…_ms`` ms, ``…_s``
@@ -42,7 +48,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # tests/ or tests/<group>/
 RESULTS = ROOT / "docs" / "results"
 
 # unit → (dimension, factor to the dimension's base: seconds, bytes/s, 1/s, plain)
@@ -73,9 +79,29 @@ class Figure:
     ref: str | None
 
 
+# the pages whose figures are checked, and which of them must have a speed section
+DOC_GLOBS = ("README.md", "docs/*.md", "lab/*.md")
+WHOLE = ("docs/BENCHMARKS.md",)  # the whole page is a speed section
+NEEDS_SECTION = ("README.md", "docs/BENCHMARKS.md")
+SECTION_HEADINGS = ("## Speed", "## At a glance")
+
+
+def doc_names(root: Path = ROOT) -> list[str]:
+    return sorted({p.relative_to(root).as_posix() for g in DOC_GLOBS for p in root.glob(g)})
+
+
+def speed_sections(text: str, name: str = "README.md") -> list[tuple[int, int]]:
+    """(start, end) of each speed section of the page ``name``."""
+    if name in WHOLE:
+        return [(0, len(text))]
+    heads = "|".join(re.escape(h) for h in SECTION_HEADINGS)
+    return [m.span() for m in re.finditer(rf"^(?:{heads}).*?(?=^## |\Z)", text, re.S | re.M)]
+
+
 def speed_section(readme: str) -> str | None:
-    m = re.search(r"^## Speed.*?(?=^## |\Z)", readme, re.S | re.M)
-    return m.group(0) if m else None
+    """The first speed section of a README-like page (None without one)."""
+    spans = speed_sections(readme)
+    return readme[spans[0][0]:spans[0][1]] if spans else None
 
 
 def _number(text: str) -> tuple[float, float]:
@@ -88,13 +114,16 @@ def _number(text: str) -> tuple[float, float]:
     return float(s), 0.5 * 10.0 ** zeros
 
 
+def figure_matches(text: str):
+    """The FIGURE matches of a text that are not inside comments or fenced code."""
+    hidden = [m.span() for m in COMMENT.finditer(text)] + [m.span() for m in FENCE.finditer(text)]
+    return [m for m in FIGURE.finditer(text) if not any(a <= m.start() < b for a, b in hidden)]
+
+
 def figures(section: str) -> list[Figure]:
     """The figures of a speed section (not those inside comments or fenced code)."""
-    hidden = [m.span() for m in COMMENT.finditer(section)] + [m.span() for m in FENCE.finditer(section)]
     found = []
-    for m in FIGURE.finditer(section):
-        if any(a <= m.start() < b for a, b in hidden):
-            continue
+    for m in figure_matches(section):
         value, tol = _number(m.group("num"))
         ref = m.group("ref")
         found.append(Figure(m.group(0) if ref is None else m.group(0).split("<!--")[0], value, tol,
@@ -129,6 +158,12 @@ def resolve(doc, path: str):
             continue
         if sel.isdigit():
             node = node[int(sel)]
+        elif "=" in sel:
+            k, _, want = sel.partition("=")
+            hits = [r for r in node if isinstance(r, dict) and str(r.get(k.strip())) == want.strip()]
+            if len(hits) != 1:
+                raise KeyError(f"{len(hits)} items with {sel!r}")
+            node = hits[0]
         elif key == "rows" and "/" in sel:
             bench, case = sel.split("/", 1)
             hits = [r for r in node if r.get("benchmark") == bench and r.get("case") == case]
@@ -151,9 +186,9 @@ def _key_unit(keys: list[str]) -> tuple[str, float]:
 def source_value(ref: str, results: Path) -> tuple[float, str]:
     """(value in its dimension's base unit, dimension) of a reference ``DEVICE PATH[ / PATH]``."""
     device, _, paths = ref.partition(" ")
-    summary = results / device / "summary.json"
-    if not device or not summary.is_file():
-        raise KeyError(f"no {device or '<device>'}/summary.json in {results}")
+    summary = results / device if device.endswith(".json") else results / device / "summary.json"
+    if not device or "/" in device or ".." in device or not summary.is_file():
+        raise KeyError(f"no {device or '<device>'}{'' if device.endswith('.json') else '/summary.json'} in {results}")
     doc = json.loads(summary.read_text())
     parts = [p.strip() for p in paths.split(" / ")]
     if not parts[0] or len(parts) > 2:
@@ -173,29 +208,41 @@ def source_value(ref: str, results: Path) -> tuple[float, str]:
     return a / b, ""
 
 
-def problems(readme: str, results: Path) -> list[str]:
-    """What is wrong with the speed section of ``readme`` against ``results``."""
-    section = speed_section(readme)
-    if section is None:
-        return ["README.md has no '## Speed' section"]
-    out = [f"{m.group(0)!r}…: give each figure its own unit" for m in SHARED_UNIT.finditer(section)]
-    for f in figures(section):
-        where = f"{f.text.strip()!r}"
-        if f.ref is None:
-            out.append(f"{where}: no <!-- DEVICE PATH --> source after it")
+def _check(f: Figure, results: Path) -> str | None:
+    where = f"{f.text.strip()!r}"
+    if f.ref is None:
+        return f"{where}: no <!-- DEVICE PATH --> source after it"
+    try:
+        value, dim = source_value(f.ref, results)
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        return f"{where} <!-- {f.ref} -->: {e}"
+    want_dim, factor = UNITS[f.unit]
+    if dim != want_dim:
+        return f"{where}: quoted in {f.unit}, but {f.ref} is {dim or 'a plain number'}"
+    quoted = value / factor
+    if abs(quoted - f.value) > f.tolerance * (1 + 1e-9):
+        return f"{where}: {f.ref} is {quoted:.6g} {f.unit}"
+    return None
+
+
+def problems(readme: str, results: Path, name: str = "README.md") -> list[str]:
+    """What is wrong with the figures of the page ``name`` (text ``readme``) against ``results``:
+    every figure of its speed sections needs a source that holds it; elsewhere, a figure that
+    names a source must match it."""
+    spans = speed_sections(readme, name)
+    if not spans and name in NEEDS_SECTION:
+        return [f"{name} has no '## Speed' section"]
+    out = []
+    for a, b in spans:
+        out += [f"{m.group(0)!r}…: give each figure its own unit" for m in SHARED_UNIT.finditer(readme[a:b])]
+    found = [(m.start(), f) for m, f in zip(figure_matches(readme), figures(readme))]
+    for pos, f in found:
+        inside = any(a <= pos < b for a, b in spans)
+        if f.ref is None and not inside:
             continue
-        try:
-            value, dim = source_value(f.ref, results)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            out.append(f"{where} <!-- {f.ref} -->: {e}")
-            continue
-        want_dim, factor = UNITS[f.unit]
-        if dim != want_dim:
-            out.append(f"{where}: quoted in {f.unit}, but {f.ref} is {dim or 'a plain number'}")
-            continue
-        quoted = value / factor
-        if abs(quoted - f.value) > f.tolerance * (1 + 1e-9):
-            out.append(f"{where}: {f.ref} is {quoted:.6g} {f.unit}")
+        msg = _check(f, results)
+        if msg:
+            out.append(msg)
     return out
 
 
@@ -204,9 +251,23 @@ def problems(readme: str, results: Path) -> list[str]:
 def test_readme_speed_figures_come_from_committed_results():
     readme = (ROOT / "README.md").read_text()
     found = problems(readme, RESULTS)
-    assert not found, "README.md's speed section (tests/test_readme_figures.py has the convention):\n" \
+    assert not found, "README.md's speed figures (tests/test_readme_figures.py has the convention):\n" \
         + "\n".join(found)
-    assert figures(speed_section(readme)), "the speed section quotes no figure"
+    assert figures(speed_section(readme)), "README.md's headline quotes no figure"
+
+
+@pytest.mark.parametrize("name", NEEDS_SECTION)
+def test_pages_that_must_quote_figures_exist(name):
+    assert (ROOT / name).is_file(), name
+
+
+@pytest.mark.parametrize("name", doc_names())
+def test_doc_figures_come_from_committed_results(name):
+    text = (ROOT / name).read_text()
+    found = problems(text, RESULTS, name)
+    assert not found, f"{name}'s figures (tests/test_readme_figures.py has the convention):\n" + "\n".join(found)
+    if name in WHOLE:
+        assert figures(text), f"{name} quotes no figure"
 
 
 def test_committed_results_have_the_schema():
@@ -242,6 +303,9 @@ def results(tmp_path):
                         {"benchmark": "attention", "case": "dict k4v3 3x3 d64 n4096", "gpu_s": 0.0704}]}
     (tmp_path / "gpu0").mkdir()
     (tmp_path / "gpu0" / "summary.json").write_text(json.dumps(summary))
+    rows = [{"name": "q8_0", "dppl": -0.00031}, {"name": "dict, K 4+6 b", "dppl": 0.0028}]
+    fidelity = {"texts": {"gpl3": {"rows": rows}}}
+    (tmp_path / "fidelity.json").write_text(json.dumps(fidelity))
     return tmp_path
 
 
@@ -264,6 +328,8 @@ DICT = "rows[attention/dict k4v3 3x3 d64 n4096]"
     f"1.19×<!-- gpu0 {DICT}.gpu_s / {F16}.gpu_s -->",
     "8 KV heads × GQA 4, 3 × 3, head_dim 64, s 8, 1024 atoms, n_used 8192",  # no figures at all
     "```\nkvdict-bench  # 42 ms here is code\n```",
+    "−0.03 %<!-- fidelity.json texts.gpl3.rows[name=q8_0].dppl -->,"
+    " +0.28 %<!-- fidelity.json texts.gpl3.rows[name=dict, K 4+6 b].dppl -->",
 ])
 def test_checker_accepts_sourced_figures(body, results):
     assert problems(_readme(body), results) == []
@@ -279,6 +345,9 @@ def test_checker_accepts_sourced_figures(body, results):
     (f"0.87 ms<!-- gpu0 {F16}.vs_torch_sdpa -->", "a plain number"),
     (f"1.2×<!-- gpu0 {DICT}.gpu_s / roofline.bytes_per_s -->", "a ratio of s over B/s"),
     (f"84.2 / 59.2 ms<!-- gpu0 {F16}.gpu_s -->", "give each figure its own unit"),
+    ("+0.28 %<!-- fidelity.json texts.gpl3.rows[name=q8_0].dppl -->", "is -0.031 %"),
+    ("1 %<!-- fidelity.json texts.gpl3.rows[name=f16].dppl -->", "0 items with"),
+    ("1 %<!-- nosuch.json texts -->", "no nosuch.json in"),
 ])
 def test_checker_rejects(body, complaint, results):
     found = problems(_readme(body), results)
@@ -287,6 +356,18 @@ def test_checker_rejects(body, complaint, results):
 
 def test_checker_needs_a_speed_section(results):
     assert problems("# x\n\n59.2 ms\n", results) == ["README.md has no '## Speed' section"]
+
+
+def test_a_whole_page_is_a_speed_section(results):
+    page = f"# Benchmarks\n\n## Attention\n\n59.2 ms<!-- gpu0 {F16}.gpu_s -->\n\n## Encode\n\n5 ms\n"
+    assert problems(page, results, "docs/BENCHMARKS.md") == ["'5 ms': no <!-- DEVICE PATH --> source after it"]
+    assert problems("# B\n", results, "docs/BENCHMARKS.md") == []  # no figures: the real page's test says so
+
+
+def test_sourced_figures_are_checked_anywhere(results):
+    page = f"# Notes\n\n59.3 ms<!-- gpu0 {F16}.gpu_s --> and 7 ms unsourced\n"
+    found = problems(page, results, "lab/NOTEBOOK.md")
+    assert len(found) == 1 and "is 59.2 ms" in found[0], found
 
 
 def test_figures_outside_the_speed_section_are_not_read(results):

@@ -1,0 +1,82 @@
+"""The arena of each cache type at SmolLM2-135M's full context, from the project's layout code.
+
+    python tools/arena_table.py [--out docs/results/arena.json]
+
+For SmolLM2-135M's shapes (30 layers, 3 KV heads, head_dim 64) at its full context (8 192
+tokens) this builds, with ``kvdict_vk.layout.build_layout`` — the module ``KvArena``
+allocates from and ``kvdict-dump`` prints — the layout of every cache the engine keeps:
+f16, f32 and q8_0 rows, the KIVI cache (``KiviSpec()``: 4 bits, the 128 newest tokens in
+binary16) and the certified dictionary default (per-KV-head dictionaries of 1024 atoms
+with a mean, K 4 atoms + a 6-bit residual stage, V 4 atoms + 4 bits, binary16 atoms: the
+forge's defaults, docs/results/fidelity.json's "default"). The dictionary's shapes come
+from a synthetic ``DictSpec``: no artifact and no GPU are needed. Writes one row per cache:
+the arena's bytes (regions, tail, padding), its bytes per token, per head vector (K and V
+averaged: ``bytes_per_token / (n_layers · n_kv_heads · 2)``), and the regions alone per
+head vector (what grows with the context; the dictionaries' tail does not).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = "python tools/arena_table.py --out docs/results/arena.json"
+
+MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=8192)
+DICT_DEFAULT = dict(n_atoms=1024, per_kv_head=True, has_mean=True, atoms_f16=True,
+                    k=dict(sparsity=4, residual_bits=6), v=dict(sparsity=4, residual_bits=4))
+
+
+def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int):
+    from kvdict_vk.layout import DictSpec, StreamSpec
+    d = DICT_DEFAULT
+    g = n_kv_heads if d["per_kv_head"] else 1
+    k = StreamSpec(True, d["k"]["sparsity"], d["has_mean"], d["k"]["residual_bits"], g)
+    v = StreamSpec(True, d["v"]["sparsity"], d["has_mean"], d["v"]["residual_bits"], g)
+    return DictSpec(head_dim, d["n_atoms"], max(d["k"]["sparsity"], d["v"]["sparsity"]),
+                    tuple((k, v) for _ in range(n_layers)), g, d["atoms_f16"])
+
+
+def rows() -> list[dict]:
+    from kvdict_vk.cli.dump import describe
+    from kvdict_vk.layout import build_layout
+    m = MODEL
+    dims = (m["n_layers"], m["n_kv_heads"], m["head_dim"], m["n_ctx"])
+    vectors_per_token = m["n_layers"] * m["n_kv_heads"] * 2
+    cases = [("f16", dict(cache="f16")), ("f32", dict(cache="f32")), ("q8_0", dict(cache="q8_0")),
+             ("kivi", dict(cache="kivi")), ("dict", dict(dictionary=dictionary_spec(*dims[:3])))]
+    out = []
+    for name, kw in cases:
+        lay = build_layout(*dims, **kw)
+        t = describe(lay)["totals"]
+        out.append(dict(cache=name, mode=lay.mode, arena_bytes=t["bytes"], arena_mib=t["bytes"] / 2 ** 20,
+                        region_bytes=t["region_bytes"], tail_bytes=t["tail_bytes"],
+                        padding_bytes=t["padding_bytes"], bytes_per_token=t["bytes_per_token"],
+                        bytes_per_head_vector=t["bytes_per_token"] / vectors_per_token,
+                        region_bytes_per_head_vector=t["region_bytes"] / (m["n_ctx"] * vectors_per_token),
+                        compression_vs_f16=t["compression_vs_f16"]))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "arena.json"))
+    a = ap.parse_args(argv)
+    doc = dict(command=COMMAND, model=MODEL, dictionary_default=DICT_DEFAULT,
+               kivi_default=dict(k_bits=4, v_bits=4, recent=128),
+               notes=["every number from kvdict_vk.layout.build_layout (kvdict-dump's totals)",
+                      "bytes_per_head_vector = bytes_per_token / (n_layers * n_kv_heads * 2); the dictionary's "
+                      "tail (atoms, means, scales, binary16 atoms) is fixed and counted in arena_bytes, not "
+                      "in bytes_per_token"],
+               rows=rows())
+    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    for r in doc["rows"]:
+        print(f"{r['cache']:<5} {r['bytes_per_head_vector']:7.2f} B/vector  {r['arena_mib']:8.2f} MiB "
+              f"(regions {r['region_bytes'] / 2 ** 20:.2f}, tail {r['tail_bytes'] / 2 ** 20:.2f})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
