@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import errors as E
-from .residual import _pack_levels, _unpack_levels
+from .residual import pack_levels, unpack_levels
 
 GROUP = 32
 MIN_BITS, MAX_BITS = 2, 8
@@ -139,7 +139,7 @@ def quantise_keys(k: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     n, t, d = k.shape
     n_g, g = _key_groups(t)
     sl, levels = _stats_levels(k.reshape(n, n_g, g, d), 2, bits)
-    return _stats_words(sl, 2), _pack_levels(levels.reshape(n * t, d), bits).reshape(n, t, -1)
+    return _stats_words(sl, 2), pack_levels(levels.reshape(n * t, d), bits).reshape(n, t, -1)
 
 
 def dequantise_keys(stats: np.ndarray, levels: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
@@ -147,7 +147,7 @@ def dequantise_keys(stats: np.ndarray, levels: np.ndarray, bits: int, head_dim: 
     n, t, _ = levels.shape
     n_g, g = _key_groups(t)
     scale, lo = _stats_of(stats)
-    q = _unpack_levels(np.asarray(levels, np.uint32).reshape(n * t, -1), head_dim, bits).reshape(n, n_g, g, head_dim)
+    q = unpack_levels(np.asarray(levels, np.uint32).reshape(n * t, -1), head_dim, bits).reshape(n, n_g, g, head_dim)
     return (q.astype(np.float32) * scale[:, :, None, :] + lo[:, :, None, :]).reshape(n, t, head_dim)
 
 
@@ -158,7 +158,7 @@ def quantise_values(v: np.ndarray, bits: int) -> np.ndarray:
     check_head_dim(d)
     sl, levels = _stats_levels(v.reshape(n, t, d // GROUP, GROUP), 3, bits)
     stats = _stats_words(sl, 3)  # (n, t, d/GROUP)
-    packed = _pack_levels(levels.reshape(n * t, d), bits).reshape(n, t, -1)
+    packed = pack_levels(levels.reshape(n * t, d), bits).reshape(n, t, -1)
     return np.concatenate([stats, packed], axis=2)
 
 
@@ -168,7 +168,7 @@ def dequantise_values(words: np.ndarray, bits: int, head_dim: int) -> np.ndarray
     n, t, _ = w.shape
     n_groups = head_dim // GROUP
     scale, lo = _stats_of(w[..., :n_groups])
-    q = _unpack_levels(w[..., n_groups:].reshape(n * t, -1), head_dim, bits).reshape(n, t, n_groups, GROUP)
+    q = unpack_levels(w[..., n_groups:].reshape(n * t, -1), head_dim, bits).reshape(n, t, n_groups, GROUP)
     return (q.astype(np.float32) * scale[..., None] + lo[..., None]).reshape(n, t, head_dim).astype(np.float32)
 
 

@@ -42,7 +42,7 @@ def slot_words(head_dim: int, sparsity: int, residual_bits: int) -> int:
     return sparsity + residual_words(head_dim, residual_bits)
 
 
-def _pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
+def pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
     """(N, d) uint levels < 2^bits → (N, ceil(d·bits/32)) uint32 bitstream."""
     n, d = levels.shape
     n_words = -(-d * bits // 32)
@@ -55,7 +55,8 @@ def _pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
     return (padded.reshape(n, n_words, 32) * weights).sum(-1).astype(np.uint32)
 
 
-def _unpack_levels(words: np.ndarray, d: int, bits: int) -> np.ndarray:
+def unpack_levels(words: np.ndarray, d: int, bits: int) -> np.ndarray:
+    """(N, ≥ ceil(d·bits/32)) uint32 bitstream → (N, d) int64 levels: the inverse of pack_levels."""
     n = words.shape[0]
     bit_index = np.arange(d * bits)
     stream_bits = (words[:, bit_index // 32] >> (bit_index % 32).astype(np.uint32)) & 1
@@ -71,7 +72,7 @@ def quantise(r: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
     for c0 in range(0, n, _ROWS_PER_PASS):  # bounds the (rows × candidates × d) temporaries
         sl = slice(c0, min(n, c0 + _ROWS_PER_PASS))
         levels, step = _best_levels(r[sl] / scale[sl], bits)
-        words[sl, :-1] = _pack_levels(levels, bits)
+        words[sl, :-1] = pack_levels(levels, bits)
         words[sl, -1] = step.view(np.uint32)
     return words
 
@@ -105,7 +106,7 @@ def dequantise(words: np.ndarray, scale: np.ndarray, bits: int, dtype=np.float64
         raise E.ShapeError(f"residual words must be uint32, got {words.dtype}")
     scale = np.asarray(scale)
     d = scale.shape[-1]
-    levels = _unpack_levels(words[:, :-1], d, bits)  # scale: (d,) or per row (N, d)
+    levels = unpack_levels(words[:, :-1], d, bits)  # scale: (d,) or per row (N, d)
     step = words[:, -1].view(np.float32).astype(dtype)
     half = ((1 << bits) - 1) / 2.0
     return (levels - half).astype(dtype) * step[:, None] * scale.astype(dtype)

@@ -4,7 +4,8 @@ Decoding, reconstruction and attention cost nearly the same whatever the codes s
 results are checked against the NumPy decode of the very same words, so these stand in
 for OMP-encoded data wherever encoding that many rows would only cost time. The exception is
 how often code words of nearby tokens pick the same atom (attend_flash_coded hands V's to the
-atom's owner): real code words repeat atoms more than uniform ones (tools/atom_usage.py),
+atom's owner): real code words repeat atoms more than uniform ones (lab/NOTEBOOK.md, attend_flash_coded:
+the atom usage of captured code words),
 so with_code_words puts captured code words into such slots.
 """
 from __future__ import annotations

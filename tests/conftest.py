@@ -150,8 +150,18 @@ def vk_device(vk_probe):
 
 
 def pytest_report_header(config):
+    """The validation layer's state, then kvdict_vk.diagnostics' summary: versions (kp and its
+    patch), the devices (``*``: the one the session uses), artifact, tuner cache, SPIR-V. The
+    device query is list_devices' cached one, which the session's probe then reuses (so the
+    probe still reads what the layer said about it)."""
     state = f"validation layer → {VALIDATION_LOG}" if VALIDATION else "validation layer OFF"
-    return [f"kvdict_vk: {state}"]
+    lines = [f"kvdict_vk: {state}"]
+    try:
+        from kvdict_vk import diagnostics
+        lines += [f"kvdict_vk: {line}" for line in diagnostics.summary_lines()]
+    except Exception as e:  # the header never stops a session: the probe reports the device
+        lines.append(f"kvdict_vk: diagnostics unavailable ({type(e).__name__}: {e})")
+    return lines
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -238,7 +248,7 @@ def make_arena(vk_device):
     codec — what the tests compare against — unless the test (or $KVDICT_VK_ENCODER) names
     an encoder: "auto" would pick the GPU encoder on some GPUs, whose ties may differ."""
     from kvdict_vk.vk import KvArena
-    from kvdict_vk.vk.arena.arena.arena import ENCODER_ENV
+    from kvdict_vk.vk.arena.config import ENCODER_ENV
     made = []
 
     def _make(*dims, guard_words: int = 64, **kw):

@@ -183,9 +183,9 @@ def test_residual_stage_round_trip(bits, hd):
     # near the optimum uniform quantiser of a Gaussian (0.363, 0.119, 0.037, 0.0115, …)
     assert nmse(r, rec) < {1: 0.40, 2: 0.13, 3: 0.042, 4: 0.013, 5: 0.004, 8: 1e-4}[bits]
     # the levels are exactly what the bitstream says (straddling words included)
-    levels = residual._unpack_levels(words[:, :-1], hd, bits)
+    levels = residual.unpack_levels(words[:, :-1], hd, bits)
     assert levels.min() >= 0 and levels.max() < 1 << bits
-    assert np.array_equal(residual._pack_levels(levels, bits), words[:, :-1])
+    assert np.array_equal(residual.pack_levels(levels, bits), words[:, :-1])
 
 
 def test_slots_per_head_and_residual():

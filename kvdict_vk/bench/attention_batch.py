@@ -6,7 +6,7 @@ beside torch SDPA over an f16 cache of the same B in the same process (the issue
 
 Every sequence holds the same rows / slots (the cost of an attention does not depend on
 the values, and filling 64 sequences with fresh random rows would dominate the run); the
-dict arenas are bench.attention.dict_arena's. The f32
+dict arenas are bench.attention_common.dict_arena's. The f32
 cache is left out: at 64 × 8192 tokens of 8 × 128 f32 a layer buffer passes the 4 GiB a
 storage buffer binds.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import roofline, timing, traffic
+from .attention_common import dict_arena, flush_before, format_name, our_recording_args, random_rows
 
 CACHES = ("f16", "q8_0")
 
@@ -23,7 +24,6 @@ def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:
     """{mode: (arena, cache, format)}: the uncoded caches and one dict arena per format,
     each with ``batch`` sequences of the same n_used tokens."""
     from kvdict_vk.vk import KvArena
-    from .attention import dict_arena, format_name, random_rows
     made = {}
     try:
         rows = [random_rows(rng, n_kv, n_used, hd) for _ in "kv"]
@@ -46,7 +46,6 @@ def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:
 def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
     """One (shape, B) case: every mode's batched attention timed (interleaved repeats), and
     torch SDPA at the same B."""
-    from .attention import flush_before, our_recording_args  # (attention imports this module)
     n_kv, gqa, hd = shape
     n_used = args.batch_n_used
     arenas = _arenas(n_kv, hd, batch, n_used, args, dev, rng)

@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import diagnostics
 from ..dictionary import FORGE_SPARSITY
 
 
@@ -63,8 +63,8 @@ def interleaved(candidates: dict, repeats: int, after_repeat=None, before=None) 
 
 
 def host_info() -> dict:
-    return {"machine": platform.machine(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "platform": platform.platform()}
+    """The host as every result names it (kvdict_vk.diagnostics.host: OS, Python, CPU, load)."""
+    return diagnostics.host()
 
 
 def open_device(args):
@@ -78,10 +78,12 @@ def open_device(args):
 
 
 def run_header(tool: str, args, dev, t0: float) -> dict:
-    """The keys every GPU benchmark's JSON starts with."""
+    """The keys every GPU benchmark's JSON starts with: the run, and kvdict_vk.diagnostics'
+    host, versions (kp and its patch, the driver) and the device (limits, features)."""
+    device = diagnostics.device_entry(dev.info, selected=True)
     return {"tool": tool, "argv": args.argv, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "seconds": round(time.time() - t0, 1), "host": host_info(), "device": dev.info.to_dict(),
-            "validation_layer": bool(args.validation)}
+            "seconds": round(time.time() - t0, 1), "host": host_info(), "versions": diagnostics.versions([device]),
+            "device": device, "validation_layer": bool(args.validation)}
 
 
 def parser(doc: str, name: str, repeats: int, gpu: bool = True) -> argparse.ArgumentParser:

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import time
 
+from .. import diagnostics
+
 WARMUP = 10
 # The L2 flush before each timed call (both sides of the SDPA ratio): a read of this many bytes,
 # over 5x the H200's 50 MiB L2. Decode attention reads a layer's cache once per token with the
 # other layers' caches and weights passing through between, so its K/V come from memory;
-# repeated back to back, a cache smaller than the L2 is read from the L2 instead — on the H200
-# that flattered SDPA by up to 4 µs and our kernels by up to 10 µs (tools/l2_probe.py).
+# repeated back to back, a cache smaller than the L2 is read from the L2 instead, which flatters
+# both sides (lab/NOTEBOOK.md, "L2 flush").
 L2_FLUSH_BYTES = 256 << 20
 WARM_S = 0.3  # = timing.WARM_S
 # torch.cuda._sleep spins for a number of GPU clock cycles; counting them at 2 GHz (above the
@@ -50,7 +52,9 @@ def anchor():
 
 
 def describe(torch) -> dict:
-    return {"torch": torch.__version__, "cuda_device": torch.cuda.get_device_name(0),
+    """The anchor's side (kvdict_vk.diagnostics.torch_info: torch, CUDA, the CUDA device) and how
+    it is timed."""
+    return {**diagnostics.torch_info(torch),
             "timing": "CUDA events around each call, the calls queued behind a sleep kernel, an L2 flush "
                       "(a read of l2_flush_bytes) before each call outside its events, median"}
 

@@ -1,6 +1,7 @@
 """kvdict-validate: every shader against the NumPy reference, on your Vulkan device.
 
     kvdict-validate --list                 # devices: name, driver, limits
+    kvdict-validate --report               # host, versions, devices, artifact, tuner cache, SPIR-V
     kvdict-validate                        # the shape grid on the default device
     kvdict-validate --device 1 --json      # another device, machine-readable
 
@@ -18,9 +19,10 @@ import time
 
 import numpy as np
 
-from .. import attention_ref, codec, runtime
+from .. import attention_ref, codec, diagnostics, runtime
 from .. import kivi as K
 from .. import layout as L
+from .. import rows as R
 from .. import errors as E
 from ..dictionary import KvDictArtifact, StreamDict
 from ..metrics import compare
@@ -95,7 +97,7 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
     for cache in caches:
         with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, cache=cache) as plain:
             # the reference is the float64 attention over what the cache holds
-            kc, vc = L.held_rows(k, cache), L.held_rows(v, cache)
+            kc, vc = R.held_rows(k, cache), R.held_rows(v, cache)
             plain.append(0, k, v)
             gk, gv = plain.read(0, 0, n_ctx)
             rows.append(_row(f"append+read {cache} K", shape, kc, gk, NMSE_READ, None, plain))
@@ -183,15 +185,24 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--device", help="index or name substring (default: KVDICT_VK_DEVICE, else the first)")
     ap.add_argument("--list", action="store_true", help="list Vulkan devices and exit")
+    ap.add_argument("--report", action="store_true",
+                    help="print the installation's diagnostics (kvdict_vk.diagnostics: host, versions, devices "
+                         "with limits and features, artifact, tuner cache, SPIR-V) and exit")
     ap.add_argument("--quick", action="store_true", help="the small grid the demo runs")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.report:  # every section says its own errors: exit 0 whatever the machine has
+        if a.json:
+            print(json.dumps(diagnostics.report(), indent=1, default=str))
+        else:
+            diagnostics.print_report()
+        return 0
     try:
-        from ..vk import device as vkd
         if a.list:
-            devs = [d.to_dict() for d in vkd.list_devices()]
-            print(json.dumps(devs, indent=1) if a.json else "\n".join(_device_line(d) for d in devs))
+            devs = diagnostics.devices()
+            print(json.dumps(devs, indent=1) if a.json else "\n".join(diagnostics.device_line(d) for d in devs))
             return 0
+        from ..vk import device as vkd
         dev = vkd.get_device(a.device)
     except (E.KvDictError, ImportError) as e:
         print(f"kvdict-validate: no usable Vulkan device: {e}", file=sys.stderr)
@@ -210,14 +221,6 @@ def main(argv=None) -> int:
                 print(f"    {r['error']}")
         print(f"{sum(r['passed'] for r in rows)}/{len(rows)} passed on {dev.name}")
     return 0 if ok else 1
-
-
-def _device_line(d: dict) -> str:
-    lim = d.get("limits", {})
-    return (f"[{d.get('index')}] {d.get('name')} — {d.get('driver_name', '')} {d.get('driver_info', '')}; "
-            f"maxStorageBufferRange {lim.get('max_storage_buffer_range')}, "
-            f"maxComputeWorkGroupInvocations {lim.get('max_compute_work_group_invocations')}, "
-            f"subgroup {lim.get('subgroup_size')}, multiprocessors {lim.get('compute_units') or 'not reported'}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from .. import attention_ref, codec
 from ..dictionary import KvDictArtifact
 from ..metrics import nmse
 from .gguf_model import Model, load_model
-from .llama import _rope_cos_sin, _rotate_pairs, _silu, rms_norm
+from .llama import rms_norm, rope_cos_sin, rotate_pairs, silu
 
 
 class NumpyCache:
@@ -87,7 +87,7 @@ def decode(tokens, cache, model: Model | None = None, progress=None, observe=Non
     m = model or load_model()
     c = m.config
     tokens = np.asarray(tokens, np.int64)
-    cos, sin = _rope_cos_sin(np.arange(len(tokens)), c.rope_theta, c.rope_dim)
+    cos, sin = rope_cos_sin(np.arange(len(tokens)), c.rope_theta, c.rope_dim)
     nll = np.empty(len(tokens) - 1)
     fused = hasattr(cache, "step")
     t_start = time.perf_counter()
@@ -100,8 +100,8 @@ def decode(tokens, cache, model: Model | None = None, progress=None, observe=Non
         cs, sn = cos[pos:pos + 1], sin[pos:pos + 1]
         for i, w in enumerate(m.layers):
             h = rms_norm(x, w.attn_norm, c.rms_eps)
-            q = _rotate_pairs((w.wq @ h).reshape(c.n_heads, 1, c.head_dim), cs, sn)[:, 0]
-            k = _rotate_pairs((w.wk @ h).reshape(c.n_kv_heads, 1, c.head_dim), cs, sn)
+            q = rotate_pairs((w.wq @ h).reshape(c.n_heads, 1, c.head_dim), cs, sn)[:, 0]
+            k = rotate_pairs((w.wk @ h).reshape(c.n_kv_heads, 1, c.head_dim), cs, sn)
             v = (w.wv @ h).reshape(c.n_kv_heads, 1, c.head_dim)
             k32, v32, q32 = (np.ascontiguousarray(a, np.float32) for a in (k, v, q))
             if fused:  # append + attend in one submission (KvArena.step)
@@ -115,7 +115,7 @@ def decode(tokens, cache, model: Model | None = None, progress=None, observe=Non
                 observed[pos > 0] += time.perf_counter() - t_obs
             x = x + w.wo @ o.reshape(-1)
             h = rms_norm(x, w.ffn_norm, c.rms_eps)
-            x = x + w.w_down @ (_silu(w.w_gate @ h) * (w.w_up @ h))
+            x = x + w.w_down @ (silu(w.w_gate @ h) * (w.w_up @ h))
         if pos + 1 < len(tokens):
             logits = (m.output @ rms_norm(x, m.output_norm, c.rms_eps)).astype(np.float64)
             top = logits.max()

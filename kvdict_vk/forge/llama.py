@@ -42,13 +42,16 @@ class KVHook:
         return k, v
 
 
-def _rope_cos_sin(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE's cos and sin tables, each (T, dim/2) float32, at positions (T,)."""
     inv_freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)  # (dim/2,)
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # (T, dim/2)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def _rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (..., T, head_dim) with its adjacent pairs rotated by rope_cos_sin's tables (dims past
+    2 · cos.shape[-1] unrotated); -sin rotates back."""
     x = np.asarray(x, dtype=np.float32)
     dim = 2 * cos.shape[-1]
     even, odd = x[..., 0:dim:2], x[..., 1:dim:2]
@@ -60,14 +63,14 @@ def _rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray
 
 def apply_rope(x: np.ndarray, positions, theta: float, rope_dim: int | None = None) -> np.ndarray:
     """Adjacent-pair RoPE of x (..., T, head_dim) at the given positions (T,)."""
-    cos, sin = _rope_cos_sin(positions, theta, rope_dim or x.shape[-1])
-    return _rotate_pairs(x, cos, sin)
+    cos, sin = rope_cos_sin(positions, theta, rope_dim or x.shape[-1])
+    return rotate_pairs(x, cos, sin)
 
 
 def unapply_rope(x: np.ndarray, positions, theta: float, rope_dim: int | None = None) -> np.ndarray:
     """Inverse of ``apply_rope`` (rotation by the opposite angle)."""
-    cos, sin = _rope_cos_sin(positions, theta, rope_dim or x.shape[-1])
-    return _rotate_pairs(x, cos, -sin)
+    cos, sin = rope_cos_sin(positions, theta, rope_dim or x.shape[-1])
+    return rotate_pairs(x, cos, -sin)
 
 
 def rotate_half_order(head_dim: int) -> np.ndarray:
@@ -150,7 +153,8 @@ def f16(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
-def _silu(x: np.ndarray) -> np.ndarray:
+def silu(x: np.ndarray) -> np.ndarray:
+    """x · sigmoid(x), elementwise (the MLP's gate)."""
     return x / (np.float32(1.0) + np.exp(-x))
 
 
@@ -170,7 +174,7 @@ def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None)
     tokens = np.asarray(tokens, dtype=np.int64)
     T = tokens.shape[0]
     positions = np.arange(T)
-    cos, sin = _rope_cos_sin(positions, c.rope_theta, c.rope_dim)
+    cos, sin = rope_cos_sin(positions, c.rope_theta, c.rope_dim)
     x = m.tok_embd[tokens]  # (T, hidden) float32, a fresh copy
     kv_shape = (c.n_kv_heads, T, c.head_dim)
 
@@ -179,9 +183,9 @@ def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None)
 
     for i, w in enumerate(m.layers):
         h = rms_norm(x, w.attn_norm, c.rms_eps)
-        q = _rotate_pairs(heads(h @ w.wq.T, c.n_heads), cos, sin)
+        q = rotate_pairs(heads(h @ w.wq.T, c.n_heads), cos, sin)
         k = _checked(hook.keys_pre_rope(i, heads(h @ w.wk.T, c.n_kv_heads)), kv_shape, i)
-        k = _rotate_pairs(k, cos, sin)
+        k = rotate_pairs(k, cos, sin)
         v = heads(h @ w.wv.T, c.n_kv_heads)
         # The exact tokens are kept as binary16 (what such a cache stores), before the hook.
         exact = (hook, f16(k), f16(v)) if hook.exact_sink or hook.exact_recent else None
@@ -189,7 +193,7 @@ def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None)
         attn = _causal_attention(q, _checked(k, kv_shape, i), _checked(v, kv_shape, i), exact=exact)
         x = x + attn @ w.wo.T
         h = rms_norm(x, w.ffn_norm, c.rms_eps)
-        x = x + (_silu(h @ w.w_gate.T) * (h @ w.w_up.T)) @ w.w_down.T
+        x = x + (silu(h @ w.w_gate.T) * (h @ w.w_up.T)) @ w.w_down.T
     return rms_norm(x, m.output_norm, c.rms_eps)
 
 

@@ -19,7 +19,11 @@ One JSON object to stdout, progress to stderr. --save-codes also writes the code
 --codes-streams (layer, KV head) streams spread over the layers to an .npz (k_codes, v_codes:
 (streams, tokens, s) uint32; n_atoms; streams), for `python -m kvdict_vk.bench.attention --codes`.
 
-    .venv/bin/python tools/atom_usage.py --artifact out/forge/smollm2.q42art > atom_usage.json
+    .venv/bin/python lab/probes/atom_usage.py --artifact out/forge/smollm2.q42art > atom_usage.json
+
+Run as ``python lab/probes/atom_usage.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -30,11 +34,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk import codec  # noqa: E402
-from kvdict_vk.artifact import read_artifact  # noqa: E402
-from kvdict_vk.forge import llama, pipeline, texts, tokenizer  # noqa: E402
+from kvdict_vk import codec
+from kvdict_vk.artifact import read_artifact
+from kvdict_vk.forge import llama, pipeline, texts, tokenizer
 
 
 def block_stats(atoms: np.ndarray, n_atoms: int, block: int, ranges: int) -> dict:

@@ -8,14 +8,18 @@ beside it, the attention alone (the benchmark's recording: a torch L2 flush and 
 before each run) with timestamps after every op and around its core only, and with the flush
 in its own submission instead (Attention.recording's flush_bytes: the GPU busy before the
 passes; the flush ahead of the query's copy until 1005c2f, between the copy and the passes
-since — probes/attend_chain_flush.json was taken the first way, and with the passes' own
+since — lab/results/h200/attend_chain_flush.json was taken the first way, and with the passes' own
 barrier repeated between layers where Attention.barrier_op now stands). Per attention: the
 core spans, and the wall time of each chained submission less that of the submission alone
 (the query's copy up and the read-back), over R. With torch + CUDA, SDPA beside it both
 ways: alone as the attention benchmark times it, and as a chain of R calls over R caches
 with events at its ends. One JSON object to stdout.
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_chain_probe.py
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/attend_chain_probe.py
+
+Run as ``python lab/probes/attend_chain_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -28,11 +32,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import attention as BA, common, timing, torch_anchor  # noqa: E402
-from kvdict_vk.vk import KvArena  # noqa: E402
-from kvdict_vk.vk.submit import Recording  # noqa: E402
+from kvdict_vk.bench import attention as BA, common, timing, torch_anchor
+from kvdict_vk.vk import KvArena
+from kvdict_vk.vk.submit import Recording
 
 
 # untimed rounds before the timed ones (bench.timing.measure's warm_s): the clocks up — the H200

@@ -13,7 +13,11 @@ attend_flash's candidate workgroup sizes, --end-elems the wide end's elements a 
 times each case with each SPIR-V build (name=dir; an empty dir: the package's), a fresh engine
 for each (the tuner keys its choices by the SPIR-V too: choice_store.device_identity).
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_floor_probe.py
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/attend_floor_probe.py
+
+Run as ``python lab/probes/attend_floor_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -26,17 +30,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import attention as BA, common  # noqa: E402
+from kvdict_vk.bench import attention as BA, common
 from kvdict_vk.vk import KvArena, spirv
-from kvdict_vk.vk.attend import engine as A  # noqa: E402
-from kvdict_vk.vk.submit import Recording  # noqa: E402
+from kvdict_vk.vk.attend import engine as A
+from kvdict_vk.vk.submit import Recording
 
 
 def op_medians(rec: Recording, runs: int, warm_s: float = 0.5, before=None) -> tuple[list[float], float | None]:
     """(median GPU seconds of each op, median of the core span) over ``runs`` runs, ``before()``
-    ahead of each run where given (untimed: tools/l2_probe.py's flushes). The warm-up is
+    ahead of each run where given (untimed: lab/probes/l2_probe.py's flushes). The warm-up is
     longer than the benchmarks' 0.3 s: the first case after an arena's upload (seconds of
     host work) measured 2-2.5x its later repeats on the H200 after 0.2 s."""
     t = time.perf_counter()

@@ -1,5 +1,5 @@
 """Probe: what an attention pays for being its pipelines' first dispatch in a submission. The
-chain probe (tools/attend_chain_probe.py) found an attention alone in its submission 7-8 µs
+chain probe (lab/probes/attend_chain_probe.py) found an attention alone in its submission 7-8 µs
 slower than one in a chain of 16, even with an L2 flush in the same submission ahead of it,
 and the first attention of a chain as slow as one alone. Here one attention over layer 0 of
 an f16 cache (the L2 flushed by l2_flush in the same submission every time), recorded with
@@ -16,13 +16,17 @@ different work ahead of it, timestamps around its passes only:
   (attend.Attention of its own: other scratch buffers, other pipelines, the same SPIR-V).
 
 The attention ahead is followed by Attention.barrier_op (every buffer its engine owns; the
-committed probes/attend_first_dispatch*.json were taken with the passes' own barrier between
+committed lab/results/h200/attend_first_dispatch*.json were taken with the passes' own barrier between
 attend and merge repeated after the merge, on fewer buffers).
 
 With torch + CUDA, SDPA alone as the attention benchmark times it, beside. One JSON object
 to stdout.
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/attend_start_probe.py
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/attend_start_probe.py
+
+Run as ``python lab/probes/attend_start_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -35,12 +39,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import attention as BA, common, timing, torch_anchor  # noqa: E402
+from kvdict_vk.bench import attention as BA, common, timing, torch_anchor
 from kvdict_vk.vk import KvArena
-from kvdict_vk.vk.attend import engine as A  # noqa: E402
-from kvdict_vk.vk.submit import Recording  # noqa: E402
+from kvdict_vk.vk.attend import engine as A
+from kvdict_vk.vk.submit import Recording
 
 WARM_S = 1.0  # as attend_chain_probe: the clocks up before the timed rounds
 

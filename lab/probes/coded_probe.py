@@ -13,9 +13,13 @@ captured code words too (``4/3+captured``: how real collisions on an atom cost t
 ``--configs`` times each build at settings of a branch's integer knobs attend_specs.FLASH_CODED_*
 (specialization constants read when a pass is built: one SPIR-V, so the runs differ only there);
 ``--registers`` adds the driver's statistics (registers) of every attend_flash_coded built
-(tools/pipeline_stats.py; the ``vulkan`` package). Writes one JSON file.
+(lab/probes/pipeline_stats.py; the ``vulkan`` package). Writes one JSON file.
 
-  python tools/coded_probe.py --builds default=,tb1=probe_spv/tb1 --out probe.json
+  python lab/probes/coded_probe.py --builds default=,tb1=probe_spv/tb1 --out probe.json
+
+Run as ``python lab/probes/coded_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -28,15 +32,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import attention as BA, common, torch_anchor  # noqa: E402
-from kvdict_vk import attention_ref  # noqa: E402
-from kvdict_vk.metrics import nmse  # noqa: E402
-from kvdict_vk.vk import KvArena, spirv  # noqa: E402
-from kvdict_vk.vk.attend import engine as A  # noqa: E402
-from kvdict_vk.vk.attend import specs as S  # noqa: E402
-from kvdict_vk.vk.attend import tune as T  # noqa: E402
+from kvdict_vk.bench import attention as BA, common, torch_anchor
+from kvdict_vk import attention_ref
+from kvdict_vk.metrics import nmse
+from kvdict_vk.vk import KvArena, spirv
+from kvdict_vk.vk.attend import engine as A
+from kvdict_vk.vk.attend import specs as S
+from kvdict_vk.vk.attend import tune as T
 
 
 def timed(att, n, plan, rounds=3):
@@ -85,7 +87,7 @@ def main(argv=None):
     ap.add_argument("--formats", default="4/3,0/0")
     ap.add_argument("--sparsity", type=int, default=None,
                     help="code words a slot (default: the attention benchmark's gpu preset's, the certified format's)")
-    ap.add_argument("--codes", default="", help="an .npz of captured code words (tools/atom_usage.py --save-codes): "
+    ap.add_argument("--codes", default="", help="an .npz of captured code words (lab/probes/atom_usage.py --save-codes): "
                     "each format is timed over them too, as FORMAT+captured, beside uniformly random ones")
     ap.add_argument("--l2-flush-mib", type=int, default=0,
                     help="copy this many MiB ahead of every timed pass (attend_tune.FLUSH_BYTES; the attention "
@@ -97,7 +99,7 @@ def main(argv=None):
     ap.add_argument("--kernels", default="float", help="kernels over the codes to time (attend.CODED_KERNELS), comma-separated")
     ap.add_argument("--registers", action="store_true",
                     help="also read the driver's statistics (registers) of every attend_flash_coded built "
-                         "(tools/pipeline_stats.py's device; the vulkan package)")
+                         "(lab/probes/pipeline_stats.py's device; the vulkan package)")
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)

@@ -6,18 +6,19 @@ the attention benchmark times it (256 MiB read before every call), and its kerne
 profiler saw them (name, start and end on the GPU, µs) for the last calls. One JSON object
 to stdout.
 
-    . .bundle/env.sh && python3 tools/cuda_floor_probe.py --shapes 8x4x64,3x3x64 --n-used 32768
+    . .bundle/env.sh && python3 lab/probes/cuda_floor_probe.py --shapes 8x4x64,3x3x64 --n-used 32768
+
+Run as ``python lab/probes/cuda_floor_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import common, torch_anchor as T  # noqa: E402
+from kvdict_vk.bench import common, torch_anchor as T
 
 
 def tiny_kernels_s(torch, kernels: int, calls: int) -> float:

@@ -2,15 +2,19 @@
 aside, counting a different set of equal per-vector error as the same), identical slots
 and relative error, per stream, over every layer of a certified artifact.
 
-    .venv/bin/python tools/encode_agreement.py out/forge/smollm2.q42art \
+    .venv/bin/python lab/probes/encode_agreement.py out/forge/smollm2.q42art \
         out/forge/cache/calib-<hash>.npz [--tokens 256] [--kernel tiled|vector|stepwise] \
-        [--out docs/results/lavapipe/encode_agreement.json]
+        [--out lab/results/lavapipe/encode_agreement.json]
 
 The K/V file is what the forge captured for calibration (`kvdict-forge` caches it under
 its cache directory: arrays k<layer>, v<layer> of shape (n_kv, T, head_dim)); the last
 ``--tokens`` tokens of each layer are encoded by both; ``--kernel vector`` runs the tiled
 form's vector kernel (a decode step's) for every batch. Runs on any Vulkan device
 (``KVDICT_VK_DEVICE``); on lavapipe the tiled kernel is slow but exact in what it decides.
+
+Run as ``python lab/probes/encode_agreement.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -75,7 +79,7 @@ def main(argv=None) -> int:
                       "mean_rel_error_gpu": t[3] / n_layers, "mean_rel_error_cpu": t[4] / n_layers,
                       "rel_error_difference": abs(t[3] - t[4]) / t[4]}
                for name, t in totals.items()}
-    out = {"command": "python tools/encode_agreement.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out = {"command": "python lab/probes/encode_agreement.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": dev.name, "kernel": a.kernel, "artifact": Path(a.artifact).name, "tokens_per_layer": a.tokens,
            "seconds": time.time() - t0, "summary": summary, "layers": per_layer}
     print(json.dumps(summary, indent=1))

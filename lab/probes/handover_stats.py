@@ -1,5 +1,5 @@
 """Probe (CPU only): what attend_flash_coded's hand-over of V code words to their atoms' owners
-costs on given code words — captured ones (tools/atom_usage.py --save-codes) against uniform
+costs on given code words — captured ones (lab/probes/atom_usage.py --save-codes) against uniform
 draws — counted from the shader's rules, not timed.
 
 Per chunk of LOCAL tokens (a token per invocation, invocation x owning the atoms a with
@@ -12,22 +12,23 @@ same address (same-address atomics serialise) and the busiest shared-memory bank
 4 bytes: count_sh[x] sits in bank x % 32). The uniform rows draw every atom index with equal
 chance, as the attention benchmark's slots do. One JSON object to stdout.
 
-    python tools/handover_stats.py --codes docs/results/captured_codes_gpl3.npz
+    python lab/probes/handover_stats.py --codes docs/results/captured_codes_gpl3.npz
+
+Run as ``python lab/probes/handover_stats.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk import codec  # noqa: E402
-from kvdict_vk.bench import attention as BA  # noqa: E402
-from kvdict_vk.vk.attend.specs import FLASH_CODED_BUCKET  # noqa: E402
+from kvdict_vk import codec
+from kvdict_vk.bench import attention as BA
+from kvdict_vk.vk.attend.specs import FLASH_CODED_BUCKET
 
 WARP, BANKS = 32, 32
 
@@ -60,7 +61,7 @@ def chunk_stats(atoms: np.ndarray, local: int, bucket: int, spill: int) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--codes", required=True, help=".npz of captured code words (tools/atom_usage.py --save-codes)")
+    ap.add_argument("--codes", required=True, help=".npz of captured code words (lab/probes/atom_usage.py --save-codes)")
     ap.add_argument("--locals", default="256,128", help="invocations a workgroup (tokens a chunk), comma-separated")
     ap.add_argument("--bucket", type=int, default=FLASH_CODED_BUCKET[1],
                     help="code words an owner takes a pass (default: the most the host sizes BUCKET to)")

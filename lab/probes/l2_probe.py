@@ -7,7 +7,11 @@ model's decode step, where the other layers' caches and weights pass through the
 two reads of one layer's): read (a torch sum, finished before our run; leaves clean lines)
 and written (torch zeroing for SDPA, our copy shader for ours; leaves lines to write back). One JSON object to stdout.
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/l2_probe.py
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/l2_probe.py
+
+Run as ``python lab/probes/l2_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -19,12 +23,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from attend_floor_probe import f16_arena, op_medians  # noqa: E402  (this directory)
-from kvdict_vk.bench import common, torch_anchor  # noqa: E402
-from kvdict_vk.vk.kernels import Buffer, Kernel  # noqa: E402
-from kvdict_vk.vk.submit import Recording  # noqa: E402
+from attend_floor_probe import f16_arena, op_medians  # this directory: on sys.path when run as a script
+from kvdict_vk.bench import common, torch_anchor
+from kvdict_vk.vk.kernels import Buffer, Kernel
+from kvdict_vk.vk.submit import Recording
 
 
 def main(argv=None) -> None:

@@ -14,8 +14,12 @@ statistics for it.
 Drivers without the extension (llvmpipe) still get (2)'s pipelines built — the plumbing's
 check — and report ``"statistics": null``. One JSON object to stdout, lines to stderr.
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/pipeline_stats.py \\
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/pipeline_stats.py \\
         --shapes 3x3x64,8x4x64 --n-used 32768,131072 > $OUT/pipeline_stats.json
+
+Run as ``python lab/probes/pipeline_stats.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -27,10 +31,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import attention as BA, common, reconstruct  # noqa: E402
-from kvdict_vk.vk import KvArena, kernels, spirv  # noqa: E402
+from kvdict_vk.bench import attention as BA, common, reconstruct
+from kvdict_vk.vk import KvArena, kernels, spirv
 
 EXTENSION = "VK_KHR_pipeline_executable_properties"
 

@@ -6,8 +6,12 @@ arena.RECONSTRUCT_GPU_MAPPINGS makes per sparsity. Runs kvdict_vk.bench.reconstr
 overridden for every sparsity of the run (the copy shader and the f32 / f16 baselines keep
 theirs), each writing <out-dir>/chunks<C>_pipe<P>_wg<W>.json.
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/reconstruct_chunks_probe.py \
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/reconstruct_chunks_probe.py \
         --chunks 2,4 --pipelined 0,1 --out-dir $OUT/chunks -- <bench.reconstruct args>
+
+Run as ``python lab/probes/reconstruct_chunks_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 import argparse
 import sys

@@ -9,8 +9,12 @@ are timed interleaved (kvdict_vk.bench.timing.measure: a drifting clock hits all
 run-to-run noise on the H200 is ~1 % of the roofline fraction, as large as the effects
 looked for, so separate runs cannot rank them. One JSON object to stdout, lines to stderr.
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/reconstruct_variants_probe.py \
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/reconstruct_variants_probe.py \
         --variants main=,walk=probe_spv/walk --rounds 2 -- <kvdict_vk.bench.reconstruct args>
+
+Run as ``python lab/probes/reconstruct_variants_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -22,12 +26,10 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import common, reconstruct, roofline, timing, traffic  # noqa: E402
-from kvdict_vk.vk import ReadPlan, spirv  # noqa: E402
-from kvdict_vk.vk.kernels import Buffer  # noqa: E402
-from kvdict_vk.vk.spirv import SPV_DIR_ENV  # noqa: E402
+from kvdict_vk.bench import common, reconstruct, roofline, timing, traffic
+from kvdict_vk.vk import ReadPlan, spirv
+from kvdict_vk.vk.kernels import Buffer
+from kvdict_vk.vk.spirv import SPV_DIR_ENV
 
 
 def planned_read(args, dev, out, spv_dir: str):

@@ -5,7 +5,11 @@ beside the same calls timed back to back without the sleep (which, for small sha
 the host's launches), and with each of torch's SDPA backends forced, so the anchor is known to
 be the fastest torch offers. One JSON object to stdout.
 
-    . .bundle/env.sh && python3 tools/sdpa_probe.py --shapes 8x4x64,3x3x64 --n-used 8192,131072
+    . .bundle/env.sh && python3 lab/probes/sdpa_probe.py --shapes 8x4x64,3x3x64 --n-used 8192,131072
+
+Run as ``python lab/probes/sdpa_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 import argparse
 import json

@@ -2,7 +2,11 @@
 V 4+3 b, 1024 atoms per KV head, GPU encoder) with attend_flash_coded's query heads per
 workgroup tuned (Attention.coded_heads None) against fixed at each allowed count.
 
-    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 tools/step_probe.py
+    . .bundle/env.sh && KVDICT_VK_DEVICE=NVIDIA python3 lab/probes/step_probe.py
+
+Run as ``python lab/probes/step_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 import time
 

@@ -6,13 +6,17 @@ launch shape tuned or read) and of the second, and the launch shape chosen; for 
 format also the first and second append of 1, 16 and 256 tokens with the "auto" encoder (its
 choice measured or read). Run it twice with the same store:
 
-    KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > first.json
-    KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 tools/tune_store_probe.py > second.json
+    KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 lab/probes/tune_store_probe.py > first.json
+    KVDICT_VK_TUNE_CACHE=/tmp/t.json python3 lab/probes/tune_store_probe.py > second.json
 
 The second process also finds the driver's own shader cache warm where it has one; to tell the
 two apart give each run its own (NVIDIA: __GL_SHADER_DISK_CACHE_PATH=<empty dir>) —
-docs/results/h200/probes/choice_store_driver_cache.json. The appends' entries hold the auto
+lab/results/h200/choice_store_driver_cache.json. The appends' entries hold the auto
 encoder's measurements by part (encode_choice.measurements()).
+
+Run as ``python lab/probes/tune_store_probe.py`` from the checkout with the package installed
+(``pip install -e .``; scripts/setup.sh's .venv has it): the probe uses kvdict_vk's
+public API only, and lab/ is not part of the package.
 """
 from __future__ import annotations
 
@@ -25,11 +29,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvdict_vk.bench import attention as BA, common  # noqa: E402
+from kvdict_vk.bench import attention as BA, common
 from kvdict_vk.vk import KvArena, choice_store
-from kvdict_vk.vk.attend import tune as attend_tune  # noqa: E402
+from kvdict_vk.vk.attend import tune as attend_tune
 
 
 def appends(dev, bits: tuple, n_kv: int, hd: int, rng, sizes=(1, 16, 256)) -> list[dict]:
