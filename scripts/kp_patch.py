@@ -24,10 +24,9 @@
 
 3. **Timestamps only where they are read** (src/Sequence.cpp, the bindings): 0.9.0 latches
    a timestamp after every recorded op, with ALL_COMMANDS — each waits for the work before
-   it, so one inside a timed span lengthens it (~1 µs each on an H200:
-   docs/results/h200/probes/attend_timestamps.json). ``Sequence.record_unlatched(op)``
-   records an op with none after it; the timestamps written are numbered in order, and
-   ``get_timestamps`` returns those (the first, before any op, and one per latched op).
+   it, so one inside a timed span lengthens it (lab/NOTEBOOK.md, "Timestamps").
+   ``Sequence.record_unlatched(op)`` records an op with none after it; the timestamps
+   written are numbered in order, and ``get_timestamps`` returns those (the first, before any op, and one per latched op).
 
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
