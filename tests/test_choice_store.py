@@ -107,7 +107,7 @@ def test_an_engine_takes_its_launch_shape_from_the_store(tuner, make_arena, monk
     """End to end: an engine's first plan in a bucket measures and stores; a new process's
     engine plans the same from the store without timing; a rebuilt kernel (another SPIR-V
     digest in the layer signature) measures again."""
-    import kvdict_vk.vk.attend.engine.engine as A
+    from kvdict_vk.vk.attend import engine as A
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     rng = np.random.default_rng(3)
     arena = make_arena(1, 2, 64, 700, guard_words=64, cache="f16")
@@ -120,7 +120,7 @@ def test_an_engine_takes_its_launch_shape_from_the_store(tuner, make_arena, monk
         att.path, att.tune = "flash", True
         # the device's "measurement": 512 workgroups with the wide end are fastest
         monkeypatch.setattr(att, "time_plan", lambda layer, n, plan: timed.append(plan) or (
-            1e-5 if (plan.kernel, plan.local) == ("wide_end", att.flash_locals(0)[-1]) else 2e-5))
+            1e-5 if (plan.kernel, plan.local) == ("wide_end", att.shapes.flash_locals(0)[-1]) else 2e-5))
         return att
     first = engine()
     plan = first.plan(0, 700)
@@ -158,16 +158,16 @@ def test_the_encoder_choice_outlives_the_process(tuner, make_arena, activate, mo
     calls = []
     monkeypatch.setattr(C, "_measure", lambda *a: calls.append(a) or GPU_FASTER)
     monkeypatch.setattr(C, "_CHOICES", {})
-    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 1
+    assert C.choose(arena.memory, 0, rows, arena.stream_dict, arena.gpu_encoder) == "gpu" and len(calls) == 1
     monkeypatch.setattr(C, "_CHOICES", {})  # a new process
-    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 1
+    assert C.choose(arena.memory, 0, rows, arena.stream_dict, arena.gpu_encoder) == "gpu" and len(calls) == 1
     monkeypatch.setattr(C, "_CHOICES", {})
     monkeypatch.setattr(S, "host_cpu", lambda: "another CPU x2")
-    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 2
+    assert C.choose(arena.memory, 0, rows, arena.stream_dict, arena.gpu_encoder) == "gpu" and len(calls) == 2
     stored = json.loads(tuner.read_text())["choices"]
     assert sum(k.startswith(json.dumps([C.STORE_KIND])[:-1]) for k in stored) == 2
     for entry in stored.values():
         entry["choice"] = "tpu"  # not one of its candidates
     tuner.write_text(json.dumps({"version": S.STORE_VERSION, "choices": stored}))
     monkeypatch.setattr(C, "_CHOICES", {})
-    assert C.choose(arena, 0, rows) == "gpu" and len(calls) == 3
+    assert C.choose(arena.memory, 0, rows, arena.stream_dict, arena.gpu_encoder) == "gpu" and len(calls) == 3

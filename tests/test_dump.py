@@ -11,6 +11,7 @@ import pytest
 
 from kvdict_vk import artifact as A
 from kvdict_vk import layout as L
+from kvdict_vk import rows as R
 from kvdict_vk.cli import dump
 
 from helpers import toy_artifact, toy_cert
@@ -120,7 +121,7 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
     arena = make_arena(3, 2, 16, 100, guard_words=0, **({"cache": "f32"} if f32 else {}))
     assert arena.mode == d["mode"] == ("f32" if f32 else "dict")
     assert arena.layout.total_bytes == d["totals"]["bytes"]
-    assert [4 * arena.layer_buffer(i).words for i in range(3)] == [l["total"]["bytes"] for l in d["layers"]]
+    assert [4 * arena.memory.layer_buffer(i).words for i in range(3)] == [l["total"]["bytes"] for l in d["layers"]]
     if f32:
         return
     for l in d["layers"]:
@@ -137,6 +138,6 @@ def test_dump_matches_the_arena_kvarena_allocates(art_path, f32, make_arena, act
                 assert np.array_equal(got, sd.atoms.astype(np.float32).reshape(-1))
             elif what == "atoms_f16":
                 halves = got.view(np.float16).astype(np.float32).reshape(-1, 16)
-                assert np.array_equal(halves, sd.atoms.reshape(-1, 16)[:, L.atoms_f16_order(16)])
+                assert np.array_equal(halves, sd.atoms.reshape(-1, 16)[:, R.atoms_f16_order(16)])
             elif what == "mean":
                 assert np.array_equal(got, sd.mean.astype(np.float32).reshape(-1))

@@ -141,15 +141,15 @@ def test_store_code_then_reconstruct_on_read_equals_reconstruct_on_write(per_hea
 
 
 def test_chunked_appends_and_reads(make_arena, activate, monkeypatch):
-    from kvdict_vk.vk.arena import arena as arena_mod
-    monkeypatch.setattr(arena_mod, "UPLOAD_CAP_WORDS", 300)
-    monkeypatch.setattr(arena_mod, "OUT_CAP_WORDS", 1000)
-    monkeypatch.setattr(arena_mod, "OUT_MIN_WORDS", 64)
+    from kvdict_vk.vk.arena import config
+    monkeypatch.setattr(config, "UPLOAD_CAP_WORDS", 300)
+    monkeypatch.setattr(config, "OUT_CAP_WORDS", 1000)
+    monkeypatch.setattr(config, "OUT_MIN_WORDS", 64)
     rng = np.random.default_rng(3)
     art = random_artifact(rng, 16, 32, [((4, 5), None)], n_heads=2)
     activate(art)
     arena = make_arena(1, 2, 16, 200)
-    assert arena.read_words < 2 * 2 * 16 * 200  # reads really are split
+    assert arena.memory.read_words < 2 * 2 * 16 * 200  # reads really are split
     d = art.layers[0][0]
     kc = random_slots(rng, d, (2, 200))
     v = _rows(rng, 2, 200, 16)
@@ -231,11 +231,11 @@ def test_free_is_idempotent_and_final(vk_device):
 
 def test_too_large_is_refused_before_allocating(vk_device, monkeypatch):
     from kvdict_vk.vk import KvArena
-    from kvdict_vk.vk.arena import arena as arena_mod
+    from kvdict_vk.vk.arena import memory as memory_mod
 
     def no_allocation(*a, **k):
         raise AssertionError("allocated before refusing")
-    monkeypatch.setattr(arena_mod, "Buffer", no_allocation)
+    monkeypatch.setattr(memory_mod, "Buffer", no_allocation)
     lim = vk_device.info.limits["max_storage_buffer_range"]
     # one layer beyond maxStorageBufferRange (software drivers: 128 MiB per binding)
     n_ctx = lim // (2 * 8 * 128 * 4) + 1

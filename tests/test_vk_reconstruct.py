@@ -16,7 +16,7 @@ from conftest import _stream_entry, check_guards, random_artifact, stable_seed
 from kvdict_vk import codec
 from kvdict_vk.metrics import nmse
 from kvdict_vk.synthetic import random_codes, random_slots
-from kvdict_vk.vk.arena import arena as arena_module
+from kvdict_vk.vk.read import mapping as M
 
 pytestmark = pytest.mark.gpu
 
@@ -99,14 +99,14 @@ def _case_id(c):
 
 
 # CPU-driver and GPU invocation mappings; on the GPU one, both ways of loading the slots
-# (arena.RECONSTRUCT_GPU_MAPPINGS / _F16 pick per sparsity; these force one for every stream)
+# (mapping.RECONSTRUCT_GPU_MAPPINGS / _F16 pick per sparsity; these force one for every stream)
 MAPPINGS = ["row", "chunk-pipelined", "chunk-plain"]
 
 
 def _force_mapping(monkeypatch, table, table_f16=None):
     """The GPU mapping tables for float32 atoms and for the binary16 copy (default: the same)."""
-    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS", table)
-    monkeypatch.setattr(arena_module, "RECONSTRUCT_GPU_MAPPINGS_F16", table if table_f16 is None else table_f16)
+    monkeypatch.setattr(M, "RECONSTRUCT_GPU_MAPPINGS", table)
+    monkeypatch.setattr(M, "RECONSTRUCT_GPU_MAPPINGS_F16", table if table_f16 is None else table_f16)
 
 
 @pytest.mark.parametrize("atoms", ["f32", "f16"])
@@ -127,7 +127,7 @@ def test_gpu_reconstruct_equals_reference(case, mapping, atoms, make_arena, acti
                for ll in arena.layout.layers for st in ll.streams)
     row_chunks = hd // 4 if hd % 4 == 0 else hd
     for s in SPARSITIES:
-        chunks, pipelined = arena.reconstruct_mapping(s)
+        chunks, pipelined = M.reconstruct_mapping(arena.memory, s)
         assert row_chunks % chunks == 0  # the shader's invocations tile a row
         assert pipelined == (mapping == "chunk-pipelined")
     stored = _fill(arena, art, rng, n_ctx)
@@ -174,7 +174,7 @@ def test_binary16_atoms_under_every_chunking(hd, pipelined, make_arena, activate
             _force_mapping(monkeypatch, ((None, (chunks, pipelined)),))
             arena = make_arena(1, 3, hd, 77, guard_words=4 * hd, shader_mapping="chunk")
             assert all(st.atoms16_word is not None for st in arena.layout.layers[0].streams)
-            assert arena.reconstruct_mapping(4, atoms_f16=True) == (chunks, pipelined)
+            assert M.reconstruct_mapping(arena.memory, 4, atoms_f16=True) == (chunks, pipelined)
             stored = _fill(arena, art, rng, 77)
             for t0, t1 in ((0, 77), (30, 31), (5, 60)):
                 _check_read(arena, art, stored, 0, t0, t1)
@@ -205,14 +205,14 @@ def test_gpu_mapping_follows_its_table(make_arena, monkeypatch):
     do not divide a row fall back to one; CPU drivers' row mapping writes whole rows."""
     _force_mapping(monkeypatch, ((2, (4, True)), (5, (8, False)), (None, (2, True))), ((3, (1, False)), (None, (4, True))))
     gpu = make_arena(1, 2, 64, 8, shader_mapping="chunk")  # 16 chunks a row
-    assert [gpu.reconstruct_mapping(s) for s in (1, 2, 3, 5, 6, 32)] == \
+    assert [M.reconstruct_mapping(gpu.memory, s) for s in (1, 2, 3, 5, 6, 32)] == \
         [(4, True), (4, True), (8, False), (8, False), (2, True), (2, True)]
     # the binary16 copy's own table
-    assert [gpu.reconstruct_mapping(s, atoms_f16=True) for s in (1, 3, 4, 32)] == [(1, False), (1, False), (4, True), (4, True)]
+    assert [M.reconstruct_mapping(gpu.memory, s, atoms_f16=True) for s in (1, 3, 4, 32)] == [(1, False), (1, False), (4, True), (4, True)]
     narrow = make_arena(1, 2, 12, 8, shader_mapping="chunk")  # 3 chunks a row: none of 4, 8, 2 divides it
-    assert [narrow.reconstruct_mapping(s) for s in (1, 3, 6)] == [(1, True), (1, False), (1, True)]
+    assert [M.reconstruct_mapping(narrow.memory, s) for s in (1, 3, 6)] == [(1, True), (1, False), (1, True)]
     cpu = make_arena(1, 2, 64, 8, shader_mapping="row")
-    assert cpu.reconstruct_mapping(1) == cpu.reconstruct_mapping(32) == (16, False)
+    assert M.reconstruct_mapping(cpu.memory, 1) == M.reconstruct_mapping(cpu.memory, 32) == (16, False)
 
 
 @pytest.mark.parametrize("mapping", ["row", "chunk"])
@@ -291,8 +291,8 @@ def test_residual_levels_straddling_words_decode_exactly(make_arena, activate):
         words = []
         for d in art.layers[0]:
             codes = random_codes(rng, (4, 2), 32)
-            from kvdict_vk.residual import _pack_levels
-            packed = np.repeat(_pack_levels(levels[None], bits), 4, axis=0)
+            from kvdict_vk.residual import pack_levels
+            packed = np.repeat(pack_levels(levels[None], bits), 4, axis=0)
             step = np.full((4, 1), 0.25, np.float32).view(np.uint32)
             words.append(np.concatenate([codes, packed, step], axis=1)[None])
         arena.append_codes(0, *words)

@@ -180,7 +180,7 @@ def test_gpu_encoder_write_path(pair, make_arena, activate):
 
 def test_encoder_choice(make_arena, activate, monkeypatch):
     from kvdict_vk import errors as E
-    from kvdict_vk.vk.arena import arena as A
+    from kvdict_vk.vk.arena import config as A
     monkeypatch.setenv(A.ENCODER_ENV, "GPU")
     assert make_arena(1, 1, 8, 4).encoder == "gpu"
     monkeypatch.delenv(A.ENCODER_ENV)
@@ -218,7 +218,7 @@ def test_auto_encoder_is_measured_once_per_format_and_batch(make_arena, activate
     monkeypatch.setattr(C, "_CHOICES", {})
     monkeypatch.setattr(Device, "is_cpu", property(lambda self: False))
     monkeypatch.setattr(C, "_SECONDS", {})
-    choice = C.choose(arena, 0, (k, v))  # the real measurement: both encoders run
+    choice = C.choose(arena.memory, 0, (k, v), arena.stream_dict, arena.gpu_encoder)  # the real measurement: both encoders run
     assert choice in ("cpu", "gpu") and len(C.measured()) == 1
     (parts,) = C.measurements().values()  # what it timed, and the choice follows it
     assert all(parts[p] > 0 for p in ("cpu_s", "gpu_s", "gpu_first_s"))

@@ -141,7 +141,7 @@ def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_t
     arenas, recs = [arena], []
     try:
         nmse = nmse_check(arena, codes, dicts, args.n_ctx)
-        rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+        rec = ReadPlan(arena.memory, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
         recs.append(rec)
         rec.run()  # warm-up
         n_words = 2 * args.n_kv * args.n_ctx * args.head_dim
@@ -151,7 +151,7 @@ def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_t
             plain = _dicts(s, args, rng, False)
             arenas.append(_coded_arena(plain, codes, args, dev))
             nmse_f32 = nmse_check(arenas[-1], codes, plain, args.n_ctx)
-            rec32 = ReadPlan(arenas[-1], 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+            rec32 = ReadPlan(arenas[-1].memory, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
             recs.append(rec32)
             rec32.run()
             cands["reconstruct_f32_atoms"] = (rec32, traffic.bytes_moved("read", arenas[-1].layout, 0, args.n_ctx),
@@ -204,13 +204,13 @@ def run(args, progress) -> dict:
         from kvdict_vk.vk import ReadPlan
         baselines = {}
         for cache, arena in uncoded.items():
-            rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+            rec = ReadPlan(arena.memory, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
             rec.run()
             base_recs.append(rec)
             baselines[f"{cache}_cache_read"] = (rec, traffic.bytes_moved("read", arena.layout, 0, args.n_ctx), cache)
         # the copy of one read-back buffer to the host, over the largest range it holds
         f32 = uncoded["f32"]
-        n_rb = min(args.n_ctx, f32.read_tokens)
+        n_rb = min(args.n_ctx, f32.memory.read_tokens)
         rb_plan = f32.read_plan(0, 0, n_rb)
         rb_plan.dispatch()
         rb = rb_plan.recording("readback", timestamps=True)

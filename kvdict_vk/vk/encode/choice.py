@@ -38,27 +38,30 @@ def _bucket(n_tokens: int) -> int:
     return b
 
 
-def choose(arena, layer: int, rows) -> str:
+def choose(memory, layer: int, rows, stream_dict, gpu_encoder) -> str:
     """"cpu" or "gpu" for appending ``rows`` ((K, V), each (n_kv, T, head_dim) float32) to
-    ``layer`` of ``arena`` (which has coded streams)."""
-    lay = arena.layout.layers[layer]
+    ``layer`` (which has coded streams) of the arena whose memory is ``memory`` (an
+    ArenaMemory: its device and layout). What a measurement runs, given explicitly:
+    ``stream_dict(layer, stream)`` the dictionary a coded stream ("k" / "v") encodes with
+    (the codec's side), ``gpu_encoder(layer, stream_layout)`` the arena's GPU encoder of it."""
+    lay = memory.layout.layers[layer]
     coded = [(st, r) for st, r in zip(lay.streams, rows) if st.coded]
     fmt = tuple((st.stream, st.sparsity, st.residual_bits, st.n_dict_heads) for st, _ in coded)
-    key = choice_store.device_identity(arena.device, ENCODER_VARIANTS) + (
-        choice_store.host_cpu(), fmt, arena.layout.head_dim, arena.layout.n_atoms, _bucket(rows[0].shape[1]))
+    key = choice_store.device_identity(memory.device, ENCODER_VARIANTS) + (
+        choice_store.host_cpu(), fmt, memory.layout.head_dim, memory.layout.n_atoms, _bucket(rows[0].shape[1]))
     if key not in _CHOICES:
-        if arena.device.is_cpu:  # not measured, so not stored
+        if memory.device.is_cpu:  # not measured, so not stored
             _CHOICES[key] = "cpu"
         elif (stored := choice_store.load(STORE_KIND, key, ENCODERS)) is not None:
             _CHOICES[key] = stored
         else:
-            _SECONDS[key] = _measure(arena, layer, coded)
+            _SECONDS[key] = _measure(memory.device, layer, coded, stream_dict, gpu_encoder)
             _CHOICES[key] = "gpu" if _SECONDS[key]["gpu_s"] < _SECONDS[key]["cpu_s"] else "cpu"
             choice_store.save(STORE_KIND, key, ENCODERS, _CHOICES[key])
     return _CHOICES[key]
 
 
-def _measure(arena, layer: int, coded) -> dict:
+def _measure(device, layer: int, coded, stream_dict, gpu_encoder) -> dict:
     """Both on a sample: the codec, and the GPU encoder as the arena runs it (encode_into a
     device buffer, no read-back) into a scratch buffer of the sample's slots — their seconds
     over the layer's coded streams ("cpu_s", "gpu_s"), and the untimed first GPU run's
@@ -68,12 +71,12 @@ def _measure(arena, layer: int, coded) -> dict:
     cpu = gpu = gpu_first = 0.0
     for st, r in coded:
         sample = r[:, :SAMPLE_TOKENS]
-        d, enc = arena.stream_dict(layer, st.stream), arena.gpu_encoder(layer, st)
+        d, enc = stream_dict(layer, st.stream), gpu_encoder(layer, st)
         t = time.perf_counter()
         codec.encode_heads(sample, d)
         cpu += time.perf_counter() - t
         n_kv, n_tok = sample.shape[:2]
-        scratch = Buffer(arena.device, n_kv * n_tok * enc.slot_words, "storage", "encoder choice scratch")
+        scratch = Buffer(device, n_kv * n_tok * enc.slot_words, "storage", "encoder choice scratch")
         try:
             t = time.perf_counter()
             enc.encode_into(scratch, sample, 0, n_tok, 0)  # not compared: pipelines made, clocks up

@@ -1,5 +1,7 @@
 """One recorded read of one layer of a KvArena: the reconstruct (coded streams) or
 copy_rows (passthrough streams) dispatches into a read-back buffer, then the copy back.
+Plans work on the arena's memory (kvdict_vk.vk.arena.memory.ArenaMemory); ``read`` is
+KvArena.read (a range of any length, a plan per read-back buffer's worth).
 
 Recorded once and re-runnable, so a benchmark can time ``dispatch()`` (GPU work only)
 and ``readback()`` separately; ``KvArena.read`` uses ``run()`` (one submission). The
@@ -19,6 +21,40 @@ from ... import kivi as K
 from ..device import kp
 from ..kernels import Buffer, Kernel
 from ..submit import Recording
+from . import mapping as M
+
+
+def row_range(memory, layer, t0, t1, seq=0) -> tuple[int, int, int]:
+    """(layer index, first row, end row) of tokens [t0, t1) of sequence ``seq`` (t1 None:
+    every token appended): rows of a KV head's slice (sequence s starts at row s · seq_ctx)."""
+    i, seq = memory.layer_index(layer), memory.seq_index(seq)
+    n = memory.n_tokens(i, seq)
+    t1 = n if t1 is None else t1
+    for name, t in (("t0", t0), ("t1", t1)):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise E.ArenaError(f"{name} must be an integer, got {t!r}")
+    if not 0 <= t0 <= t1:
+        raise E.ArenaError(f"token range [{t0}, {t1}) is empty-inverted or negative")
+    if t1 > memory.seq_ctx:
+        raise E.ArenaError(f"token range [{t0}, {t1}) exceeds n_ctx {memory.seq_ctx}")
+    if t1 > n:
+        raise E.ArenaError(f"token range [{t0}, {t1}) exceeds the {n} tokens appended to layer {i}")
+    base = seq * memory.seq_ctx
+    return i, base + int(t0), base + int(t1)
+
+
+def read(memory, layer, t0=0, t1=None, seq=0) -> tuple[np.ndarray, np.ndarray]:
+    """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1) of sequence ``seq``,
+    reconstructed on the GPU, a read-back buffer's worth at a time."""
+    i, t0, t1 = row_range(memory, layer, t0, t1, seq)
+    n_kv, hd = memory.layout.n_kv_heads, memory.layout.head_dim
+    k = np.empty((n_kv, t1 - t0, hd), np.float32)
+    v = np.empty_like(k)
+    step = memory.read_tokens
+    for c0 in range(t0, t1, step):
+        c1 = min(t1, c0 + step)
+        k[:, c0 - t0:c1 - t0], v[:, c0 - t0:c1 - t0] = ReadPlan(memory, i, c0, c1).run_once()  # rows of the heads' slices
+    return k, v
 
 
 class ReadPlan:
@@ -27,8 +63,10 @@ class ReadPlan:
     are shared by the arena's reads: call readback() right after this plan's dispatch()."""
 
     def __init__(self, arena, layer: int, t0: int, t1: int, out: Buffer | None = None):
-        """``out``: write into this buffer instead of a read-back buffer (the arena's
-        reconstruct-then-attend path); then only ``dispatch()`` is meaningful."""
+        """``arena``: the arena's memory (an ArenaMemory); ``layer``, rows [t0, t1) of its
+        KV heads' slices, checked. ``out``: write into this buffer instead of a read-back
+        buffer (the attention's reconstruct-then-attend path); then only ``dispatch()`` is
+        meaningful."""
         lay = arena.layout
         n_kv, hd, n_tok = lay.n_kv_heads, lay.head_dim, t1 - t0
         self.n_words = 2 * n_kv * n_tok * hd
@@ -75,12 +113,12 @@ class ReadPlan:
                 per = 2 if shader == "read_rows_f16" else 4
                 return Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim, **spec},
                               max_items=buffers[-1].words // per)
-            variant = f"{shader}_{'vec4' if a.vec4_rows else 'scalar'}"
+            variant = f"{shader}_{'vec4' if M.vec4_rows(a) else 'scalar'}"
             if shader == "reconstruct":
-                chunks, pipelined = a.reconstruct_mapping(spec["SPARSITY"], bool(spec["ATOMS_F16"]))
+                chunks, pipelined = M.reconstruct_mapping(a, spec["SPARSITY"], bool(spec["ATOMS_F16"]))
                 mapping = {"CHUNKS": chunks, "PIPELINED": int(pipelined)}
             else:
-                mapping = {"CHUNKS": a.row_chunks}
+                mapping = {"CHUNKS": M.row_chunks(a)}
             return Kernel(a.device, variant, buffers, {"HEAD_DIM": a.layout.head_dim, **mapping, **spec},
                           max_items=buffers[-1].words // a.layout.head_dim)
         return a.cached_kernel(key, make)
