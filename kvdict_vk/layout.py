@@ -34,8 +34,8 @@ before and after every region and tail block and at the end of each layer buffer
 word outside a region/block is then a guard, so a test can prove no shader wrote (or
 read, when the sentinel is a NaN) outside its region.
 
-The push-constant blocks the shaders read are defined here, once (``PUSH_BLOCKS``); a
-test parses every shader's GLSL ``layout(push_constant)`` block and compares.
+The row formats' words (q8_0, f16 pairs, binary16 atoms) and a layer's tail image are
+:mod:`kvdict_vk.rows`; the push-constant blocks the shaders read, :mod:`kvdict_vk.vk.abi`.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import numpy as np
 
 from . import errors as E
 from . import kivi as K
-from .dictionary import MAX_N_ATOMS, KvDictArtifact, is_f16_exact
+from .dictionary import MAX_N_ATOMS, KvDictArtifact
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words, slot_words
 
 WORD_BYTES = 4
@@ -56,6 +56,7 @@ CACHES = ("f16", "f32", "q8_0")  # row formats of the uncoded cache
 KIVI_CACHE = "kivi"  # the KIVI-style quantised cache (kvdict_vk.kivi): a mode of its own
 Q8_BLOCK = 32  # q8_0 (llama.cpp): 32 int8 values and one f16 scale per block
 DEFAULT_CACHE = "f16"  # what engines keep (llama.cpp's default); f32 is the exact option
+ATOMS_F16_ELEMS = 8  # elements of an atom in one quad (4 words) of its binary16 copy (rows.atoms_f16_order)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -469,234 +470,3 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
                                                                kivi_fields, atoms16)]
     return LayerLayout(index, streams[0], streams[1], tail_word, tail_words, total,
                        tuple(s for s in spans if s[1] > s[0]))
-
-
-def row_words_of(rows: np.ndarray, st: StreamLayout) -> np.ndarray:
-    """The words a passthrough stream stores for float32 rows (n_kv, T, head_dim): their
-    bits (f32), the halves packed two to a word (f16: round to nearest even, as numpy), or
-    q8_0 rows (q8_0_words)."""
-    rows = np.ascontiguousarray(rows, np.float32)
-    if st.coded:
-        raise E.ArenaError(f"layer {st.layer} {st.stream}: a coded stream stores slots, not rows")
-    if st.half:
-        return rows.astype(np.float16).view(np.uint32)
-    if st.q8:
-        return q8_0_words(rows)
-    return rows.view(np.uint32)
-
-
-def held_rows(rows: np.ndarray, fmt: str) -> np.ndarray:
-    """What an uncoded cache in row format ``fmt`` holds for float32 rows (…, head_dim),
-    as float32: the rows (f32), their f16 rounding, or their q8_0 round trip."""
-    x = np.asarray(rows, np.float32)
-    if fmt == "f16":
-        return x.astype(np.float16).astype(np.float32)
-    if fmt == "q8_0":
-        return q8_0_rows(q8_0_words(x), x.shape[-1])
-    if fmt != "f32":
-        raise E.ArenaError(f"no uncoded row format {fmt!r} (have {CACHES})")
-    return x
-
-
-def q8_0_words(rows: np.ndarray) -> np.ndarray:
-    """q8_0 rows (…, head_dim) → words (…, row_words): llama.cpp's quantisation — per block
-    of 32, d = max|x| / 127 and q = round(x / d) half away from zero (0 for an all-zero
-    block), d kept as f16 — laid out as the block scales (f16 pairs, block 2k in the low
-    half) then the int8 values four to a word (element 4k in the low byte). Finite input."""
-    x = np.asarray(rows, np.float32)
-    hd = x.shape[-1]
-    blocks = x.reshape(*x.shape[:-1], hd // Q8_BLOCK, Q8_BLOCK)
-    d = np.abs(blocks).max(axis=-1) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    q = np.trunc(blocks * inv[..., None] + np.copysign(np.float32(0.5), blocks)).astype(np.int8)
-    scales = d.astype(np.float16)
-    if scales.shape[-1] % 2:
-        scales = np.concatenate([scales, np.zeros(scales.shape[:-1] + (1,), np.float16)], axis=-1)
-    scale_words = np.ascontiguousarray(scales).view(np.uint32)
-    value_words = np.ascontiguousarray(q.reshape(*x.shape[:-1], hd)).view(np.uint32)
-    return np.concatenate([scale_words, value_words], axis=-1)
-
-
-def q8_0_rows(words: np.ndarray, head_dim: int) -> np.ndarray:
-    """The float32 rows q8_0 words decode to: q · d, d the block's f16 scale (the twin of
-    read_rows_q8.comp and attend_flash.comp's q8_0 rows)."""
-    w = np.ascontiguousarray(words, np.uint32)
-    sw = q8_scale_words(head_dim)
-    d = w[..., :sw].view(np.float16)[..., :head_dim // Q8_BLOCK].astype(np.float32)
-    q = w[..., sw:].view(np.int8).astype(np.float32).reshape(*w.shape[:-1], head_dim // Q8_BLOCK, Q8_BLOCK)
-    return (q * d[..., None]).reshape(*w.shape[:-1], head_dim)
-
-
-ATOMS_F16_ELEMS = 8  # elements of an atom in one quad (4 words) of its binary16 copy
-
-
-def atoms_f16_order(head_dim: int) -> np.ndarray:
-    """The element order of an atom in the binary16 copy: quad p (halves 8p … 8p+7) holds
-    elements 4p … 4p+3 and head_dim/2 + 4p … head_dim/2 + 4p+3 — output chunks p and p +
-    head_dim/8 of a row, which reconstruct's invocations write (neighbouring invocations
-    neighbouring chunks, coalesced) from one 16-byte gather. head_dim % 8 == 0."""
-    if head_dim % ATOMS_F16_ELEMS:
-        raise E.ArenaError(f"binary16 atoms need head_dim % {ATOMS_F16_ELEMS} == 0, not {head_dim}")
-    quads = np.arange(head_dim // ATOMS_F16_ELEMS)[:, None]
-    lanes = np.arange(4)[None, :]
-    return np.concatenate([4 * quads + lanes, head_dim // 2 + 4 * quads + lanes], axis=1).reshape(-1)
-
-
-def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | None,
-                     means: tuple, scales: tuple = (None, None)) -> np.ndarray:
-    """The words of one layer's tail (uint32), ready to upload at ``tail_word``: K atoms,
-    V atoms, K mean, V mean, K residual scale, V residual scale (zeros for passthrough /
-    absent), then — when the layout has them — K and V atoms in binary16 (chunk-pair order,
-    ``atoms_f16_order``); guards in between if any.
-
-    ``atoms_flat`` is the runtime's ``atoms_flat()`` array; ``means`` and ``scales`` the
-    layer's (K, V) pairs, each None or an array broadcastable to (n_dict_heads, head_dim)."""
-    ll = layout.layers[layer]
-    if ll.tail_word is None:
-        raise E.ArenaError("the uncoded layout has no tail")
-    img = np.full(ll.tail_words, layout.guard_value, np.uint32)
-    g, hd = layout.n_dict_heads, layout.head_dim
-    block = g * layout.n_atoms * hd
-    flat = np.asarray(atoms_flat, np.float32)
-    if flat.size != layout.n_layers * 2 * block:
-        raise E.DictMismatchError(f"atoms_flat has {flat.size} floats, the layout expects "
-                                  f"{layout.n_layers} × 2 × {block}")
-    flat = flat.reshape(layout.n_layers, 2, block)
-    for j, st in enumerate(ll.streams):
-        a0 = st.atoms_word - ll.tail_word
-        img[a0:a0 + block] = flat[layer, j].view(np.uint32)
-        if st.atoms16_word is not None:
-            if not is_f16_exact(flat[layer, j]):
-                raise E.DictMismatchError(f"layer {layer} {st.stream}: the layout keeps binary16 atoms, "
-                                          "these atoms are not all binary16 values")
-            h0 = st.atoms16_word - ll.tail_word
-            atoms = flat[layer, j].reshape(-1, hd)[:, atoms_f16_order(hd)]
-            img[h0:h0 + block // 2] = atoms.astype(np.float16).reshape(-1).view(np.uint32)
-        for word, vec in ((st.mean_word, means[j]), (st.scale_word, scales[j])):
-            v = np.zeros((g, hd), np.float32) if vec is None else np.broadcast_to(np.asarray(vec, np.float32), (g, hd))
-            img[word - ll.tail_word:word - ll.tail_word + g * hd] = np.ascontiguousarray(v).reshape(-1).view(np.uint32)
-    return img
-
-
-# --- push-constant blocks (the ONE definition; GLSL mirrors it, a test checks) ----------------
-
-@dataclass(frozen=True)
-class PushBlock:
-    """A GLSL ``layout(push_constant) uniform <name> { … }`` block of 32-bit scalars.
-    Packed as uint32 words — floats bit-cast — because Kompute takes the push-constant
-    dtype from the specialization constants, which are uint32 (docs/DESIGN.md, "Building kp")."""
-    name: str
-    fields: tuple  # ((field name, "uint" | "float"), …) in declaration order
-    defaults: tuple = ()  # ((field name, value), …): fields a caller may omit
-
-    @property
-    def size_bytes(self) -> int:
-        return len(self.fields) * WORD_BYTES
-
-    @property
-    def field_names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.fields)
-
-    def pack(self, **values) -> np.ndarray:
-        values = {**dict(self.defaults), **values}
-        missing = [n for n in self.field_names if n not in values]
-        extra = sorted(set(values) - set(self.field_names))
-        if missing or extra:
-            raise E.DispatchError(f"{self.name}: missing {missing}, unknown {extra}")
-        out = np.empty(len(self.fields), np.uint32)
-        for i, (n, t) in enumerate(self.fields):
-            v = values[n]
-            if t == "float":
-                out[i] = np.array([v], np.float32).view(np.uint32)[0]
-            else:
-                if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-                    raise E.DispatchError(f"{self.name}.{n}: {v!r} is not an integer")
-                if not 0 <= int(v) < 1 << 32:
-                    raise E.DispatchError(f"{self.name}.{n} = {v} does not fit a uint32")
-                out[i] = int(v)
-        return out
-
-    def unpack(self, words) -> dict:
-        w = np.asarray(words, np.uint32)
-        if w.shape != (len(self.fields),):
-            raise E.DispatchError(f"{self.name}: {w.shape} words, expected {len(self.fields)}")
-        return {n: (float(w[i:i + 1].view(np.float32)[0]) if t == "float" else int(w[i]))
-                for i, (n, t) in enumerate(self.fields)}
-
-
-def _block(name: str, *names: str, defaults: dict | None = None) -> PushBlock:
-    return PushBlock(name, tuple((n, "uint") for n in names), tuple((defaults or {}).items()))
-
-
-# Offsets are in words (4 bytes) in every block, even for the vec4 variants: the shader
-# divides, Python checks the alignment. The reconstruct block's last three fields serve
-# per-head dictionaries (KV head h reads atoms at atoms_word + h·head_atoms, its mean and
-# residual scale at mean_word/scale_word + h·head_vec; both strides 0 when shared) and
-# the residual stage (scale_word is read only when the shader's RES_BITS > 0); atoms16_word
-# is the binary16 copy of the atoms (read only when ATOMS_F16; KV head h's at atoms16_word +
-# h·head_atoms/2; chunk-pair order, atoms_f16_order).
-RECONSTRUCT_PUSH = _block("ReconstructPush", "src_word", "atoms_word", "mean_word", "n_atoms",
-                          "n_ctx", "t0", "n_tok", "n_rows", "out_word", "scale_word", "head_atoms",
-                          "head_vec", "atoms16_word",
-                          defaults=dict(scale_word=0, head_atoms=0, head_vec=0, atoms16_word=0))
-COPY_ROWS_PUSH = _block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
-READ_KIVI_PUSH = _block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word", "stats_word",
-                        "window_word", "window", "state_word")
-SCATTER_PUSH = _block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
-                      "group_stride", "n_words")
-COPY_PUSH = _block("CopyPush", "src_word", "dst_word", "n_words")
-FLUSH_PUSH = _block("FlushPush", "n_words")
-# Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend.py).
-ATTEND_SPLIT_PUSH = PushBlock("AttendSplitPush", tuple(
-    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_atoms",
-                          "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word", "head_vec"))
-    + (("score_scale", "float"),))
-ATTEND_TABLE_PUSH = _block("AttendTablePush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_seqs",
-                           defaults=dict(n_seqs=1))
-ATTEND_COMBINE_PUSH = _block("AttendCombinePush", "n_kv", "n_splits", "f_word", "inv_l_word")
-ATTEND_ATOMS_PUSH = _block("AttendAtomsPush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_splits", "f_word")
-ATTEND_REDUCE_PUSH = _block("AttendReducePush", "n_kv", "n_splits", "f_word", "inv_l_word", "n_blocks",
-                            "use_mean", "mean_word", "head_vec")
-ATTEND_DIRECT_PUSH = PushBlock("AttendDirectPush", tuple(
-    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "fresh_k_word", "fresh_v_word", "t_first", "n_used",
-                          "n_cached", "split_len", "n_splits", "split0", "n_kv", "n_atoms", "k_atoms_word",
-                          "v_atoms_word", "head_atoms", "k_scale_word", "v_scale_word", "head_vec", "write_out",
-                          "use_mean", "mean_word")) + (("score_scale", "float"),))
-# the flash paths batch sequences (n_seqs, seq_rows, seq_heads: shaders/attend_common.glsl)
-ATTEND_FLASH_PUSH = PushBlock("AttendFlashPush", tuple(
-    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv", "n_seqs",
-                          "seq_rows"))
-    + (("score_scale", "float"),), defaults=(("n_seqs", 1), ("seq_rows", 0)))
-ATTEND_FLASH_CODED_PUSH = PushBlock("AttendFlashCodedPush", tuple(
-    (n, "uint") for n in ("k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits", "n_kv",
-                          "v_atoms_word", "head_atoms", "k_scale_word", "v_scale_word", "head_vec", "n_seqs",
-                          "seq_rows"))
-    + (("score_scale", "float"),), defaults=(("n_seqs", 1), ("seq_rows", 0)))
-ATTEND_MERGE_PUSH = _block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
-ATTEND_MERGE_HEAD_PUSH = _block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec",
-                                "seq_heads")
-_ATTEND_BLOCKS = {"attend_split.comp": ATTEND_SPLIT_PUSH, "attend_table.comp": ATTEND_TABLE_PUSH,
-                  "attend_combine.comp": ATTEND_COMBINE_PUSH, "attend_atoms.comp": ATTEND_ATOMS_PUSH,
-                  "attend_reduce.comp": ATTEND_REDUCE_PUSH, "attend_direct.comp": ATTEND_DIRECT_PUSH,
-                  "attend_merge.comp": ATTEND_MERGE_PUSH, "attend_merge_head.comp": ATTEND_MERGE_HEAD_PUSH,
-                  "attend_flash.comp": ATTEND_FLASH_PUSH,
-                  "attend_flash_coded.comp": ATTEND_FLASH_CODED_PUSH}
-
-PUSH_BLOCKS = {b.name: b for b in (RECONSTRUCT_PUSH, COPY_ROWS_PUSH, READ_KIVI_PUSH, SCATTER_PUSH, COPY_PUSH,
-                                   FLUSH_PUSH, *_ATTEND_BLOCKS.values())}
-# shader source file → the block it declares
-SHADER_PUSH_BLOCKS = {"reconstruct.comp": RECONSTRUCT_PUSH, "copy_rows.comp": COPY_ROWS_PUSH,
-                      "scatter.comp": SCATTER_PUSH, "copy.comp": COPY_PUSH, "l2_flush.comp": FLUSH_PUSH,
-                      "read_rows_f16.comp": COPY_ROWS_PUSH, "read_rows_q8.comp": COPY_ROWS_PUSH,
-                      "read_rows_kivi.comp": READ_KIVI_PUSH,
-                      **_ATTEND_BLOCKS}
-
-# GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encoder.py): one block for its
-# kernels; shaders/encode_common.glsl says what each field is.
-ENCODE_PUSH = _block("EncodePush", "phase", "step", "group0", "block", "dict_head", "n_tok",
-                     "n_vectors", "n_atoms", "per_head", "atoms_word", "inv_norm_word", "mean_word",
-                     "metric_word", "raw_atoms_word", "scale_word", "steps_word", "res_word",
-                     "basis_word", "dst_word", "n_ctx", "t0", "atoms_t_word", "atoms_pad",
-                     defaults=dict(atoms_t_word=0, atoms_pad=0))
-PUSH_BLOCKS[ENCODE_PUSH.name] = ENCODE_PUSH
-SHADER_PUSH_BLOCKS.update({f"omp_encode_{k}.comp": ENCODE_PUSH for k in ("corr", "metric", "pick", "tiled", "vector")})

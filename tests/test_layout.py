@@ -1,4 +1,5 @@
-"""kvdict_vk.layout: arena arithmetic (pure, no GPU) and the push-constant mirror test."""
+"""kvdict_vk.layout and kvdict_vk.rows: arena arithmetic (pure, no GPU), and the push-constant
+mirror test (kvdict_vk.vk.abi's blocks against every shader's GLSL)."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ from hypothesis import strategies as st
 
 from kvdict_vk import errors as E
 from kvdict_vk import layout as L
+from kvdict_vk import rows as R
 from kvdict_vk.dictionary import KvDictArtifact, StreamDict, is_f16_exact, round_to_f16
 from kvdict_vk.residual import residual_words
+from kvdict_vk.vk import abi
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 
@@ -71,9 +74,9 @@ def test_q8_0_layout():
     with pytest.raises(E.ArenaError, match="multiple of 32"):
         L.build_layout(1, 1, 48, 4, cache="q8_0")
     x = np.random.default_rng(2).standard_normal((2, 3, 64)).astype(np.float32)
-    w = L.q8_0_words(x)
+    w = R.q8_0_words(x)
     assert w.dtype == np.uint32 and w.shape == (2, 3, 17)
-    assert np.abs(L.q8_0_rows(w, 64) - x).max() <= np.abs(x).max() / 127  # half a step, at most
+    assert np.abs(R.q8_0_rows(w, 64) - x).max() <= np.abs(x).max() / 127  # half a step, at most
 
 
 def test_f32_layout_on_request():
@@ -127,7 +130,7 @@ def test_tail_image_is_the_atoms_flat_block():
     flat = art.atoms_flat()
     block = art.n_atoms * art.head_dim
     for ll, pair in zip(lay.layers, art.layers):
-        img = L.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair))
+        img = R.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair))
         f = img.view(np.float32)
         for j, (s, d) in enumerate(zip(ll.streams, pair)):
             a0 = s.atoms_word - ll.tail_word
@@ -141,9 +144,9 @@ def test_tail_image_is_the_atoms_flat_block():
             sc0 = s.scale_word - ll.tail_word
             assert not f[sc0:sc0 + 16].any()  # no residual scales given: zeros
     with pytest.raises(E.ArenaError):
-        L.layer_tail_image(L.build_layout(1, 1, 16, 4), 0, None, (None, None))
+        R.layer_tail_image(L.build_layout(1, 1, 16, 4), 0, None, (None, None))
     with pytest.raises(E.DictMismatchError):
-        L.layer_tail_image(lay, 0, flat[:-1], (None, None))
+        R.layer_tail_image(lay, 0, flat[:-1], (None, None))
 
 
 @pytest.mark.parametrize("n_heads", [1, 2])
@@ -169,7 +172,7 @@ def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
             assert (s.atoms_word, s.mean_word, s.scale_word) == (s32.atoms_word, s32.mean_word, s32.scale_word)
             assert s.to_dict()["atoms_f16"] == {"word": s.atoms16_word, "words": s.atoms16_words,
                                                 "byte": 4 * s.atoms16_word, "bytes": 4 * s.atoms16_words}
-        img = L.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair))
+        img = R.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair))
         block = g * na * hd
         for j, s in enumerate(ll.streams):
             h0 = s.atoms16_word - ll.tail_word
@@ -180,7 +183,7 @@ def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
                 assert np.array_equal(halves[:, 8 * p:8 * p + 4], atoms[:, 4 * p:4 * p + 4])
                 assert np.array_equal(halves[:, 8 * p + 4:8 * p + 8], atoms[:, hd // 2 + 4 * p:hd // 2 + 4 * p + 4])
     with pytest.raises(E.DictMismatchError, match="binary16"):  # the layout wants f16 atoms, these are not
-        L.layer_tail_image(lay, 0, plain.atoms_flat(), (None, None))
+        R.layer_tail_image(lay, 0, plain.atoms_flat(), (None, None))
     guarded = L.build_layout(3, 2, hd, 5, art, guard_words=4)
     for ll in guarded.layers:  # guards before and after each f16 block
         for s in ll.streams:
@@ -212,8 +215,8 @@ def test_binary16_atoms_need_head_dim_a_multiple_of_8_and_finite_halves():
         assert all(s.atoms16_word is None for ll in L.build_layout(3, 2, hd, 5, odd).layers for s in ll.streams)
         if hd % 2 == 0:
             with pytest.raises(E.ArenaError, match="head_dim % 8"):
-                L.atoms_f16_order(hd)
-    assert sorted(L.atoms_f16_order(24)) == list(range(24))  # a permutation of the elements
+                R.atoms_f16_order(hd)
+    assert sorted(R.atoms_f16_order(24)) == list(range(24))  # a permutation of the elements
     big = np.full((4, 8), 70000.0, np.float32)  # beyond binary16's range: left as it is
     assert np.array_equal(round_to_f16(big), big) and not is_f16_exact(big)
     x = np.float32([1 + 2 ** -12, -3.0, 2 ** -30])
@@ -237,7 +240,7 @@ def test_per_head_tail_and_residual_slots():
         assert v.atoms_word == k.atoms_word + block and k.mean_word == v.atoms_word + block
         assert v.mean_word == k.mean_word + n_kv * hd and k.scale_word == v.mean_word + n_kv * hd
         assert v.scale_word == k.scale_word + n_kv * hd and ll.tail_words == 2 * block + 4 * n_kv * hd
-        img = L.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair),
+        img = R.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair),
                                  tuple(None if d is None else d.residual_scale for d in pair))
         f = img.view(np.float32)
         for j, (s, d, b) in enumerate(zip(ll.streams, pair, lb)):
@@ -382,7 +385,7 @@ def test_layout_invariants(n_layers, n_kv, hd, n_ctx, na, guard, per_head, data)
 # --- push constants ------------------------------------------------------------------------------
 
 def test_push_block_pack_unpack():
-    blk = L.PushBlock("T", (("a", "uint"), ("x", "float"), ("b", "uint")))
+    blk = abi.PushBlock("T", (("a", "uint"), ("x", "float"), ("b", "uint")))
     w = blk.pack(a=7, x=-1.5, b=2 ** 32 - 1)
     assert w.dtype == np.uint32 and w.tolist() == [7, np.float32(-1.5).view(np.uint32), 2 ** 32 - 1]
     assert blk.unpack(w) == {"a": 7, "x": -1.5, "b": 2 ** 32 - 1}
@@ -416,21 +419,23 @@ def _glsl_push_block(source: str):
 _GLSL_SIZES = {"uint": 4, "float": 4}
 
 
-def test_every_shader_declares_the_layout_push_block():
+def test_every_shader_declares_the_abi_push_block():
     comps = sorted(p.name for p in SHADERS.glob("*.comp"))
-    assert comps == sorted(L.SHADER_PUSH_BLOCKS), "shaders/ and layout.SHADER_PUSH_BLOCKS disagree"
+    assert comps == sorted(abi.SHADER_PUSH_BLOCKS), "shaders/ and abi.SHADER_PUSH_BLOCKS disagree"
     for comp in comps:
         name, fields = _glsl_push_block(_expand(SHADERS / comp))
-        blk = L.SHADER_PUSH_BLOCKS[comp]
+        blk = abi.SHADER_PUSH_BLOCKS[comp]
         assert name == blk.name, comp
-        assert fields == blk.fields, f"{comp}: GLSL {fields} vs layout {blk.fields}"
+        assert fields == blk.fields, f"{comp}: GLSL {fields} vs abi {blk.fields}"
         assert all(t in _GLSL_SIZES for _, t in fields), f"{comp}: only 32-bit uint/float members"
         assert sum(_GLSL_SIZES[t] for _, t in fields) == blk.size_bytes
         assert blk.size_bytes <= 128  # the minimum maxPushConstantsSize
-    assert set(L.PUSH_BLOCKS) == {b.name for b in L.SHADER_PUSH_BLOCKS.values()}
+    assert set(abi.PUSH_BLOCKS) == {b.name for b in abi.SHADER_PUSH_BLOCKS.values()}
+    # every variant of a source declares its source's block
+    assert all(v.push is abi.SHADER_PUSH_BLOCKS[v.source] for v in abi.DECLARATIONS.values())
 
 
 def test_mirror_parser_catches_drift():
     src = "layout(push_constant) uniform CopyPush { uint src_word; uint n_words; uint dst_word; } pc;"
     name, fields = _glsl_push_block(src)
-    assert name == "CopyPush" and fields != L.COPY_PUSH.fields  # order matters
+    assert name == "CopyPush" and fields != abi.COPY_PUSH.fields  # order matters

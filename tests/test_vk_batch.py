@@ -12,6 +12,7 @@ import pytest
 from conftest import random_artifact
 from kvdict_vk import errors as E
 from kvdict_vk import layout as L
+from kvdict_vk import rows as R
 from kvdict_vk.metrics import nmse
 from kvdict_vk.synthetic import random_slots
 from test_vk_attend import reference
@@ -36,7 +37,7 @@ def _fill(arena, rng, art, lengths):
         cut = n // 2
         arena.append_codes(0, kv[0][:, :cut], kv[1][:, :cut], seq=b)
         assert arena.append_codes(0, kv[0][:, cut:], kv[1][:, cut:], seq=b) == n
-        held = [L.held_rows(x, arena.mode) if d is None else x for x, d in zip(kv, pair)]
+        held = [R.held_rows(x, arena.mode) if d is None else x for x, d in zip(kv, pair)]
         stored.append((*held, *pair))
     return stored
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvdict_vk import errors as E
-from kvdict_vk import layout as L
+from kvdict_vk.vk import abi
 from kvdict_vk.vk import shader_build as sb
 from kvdict_vk.vk import spirv
 
@@ -92,7 +92,7 @@ def test_shipped_spirv_matches_its_contract(name):
     assert len(r.bindings) == len(spec.lanes)
     assert r.push_constant_bytes == spec.push.size_bytes
     assert r.spec_ids == tuple(range(len(spec.spec_names)))
-    assert L.SHADER_PUSH_BLOCKS[sb.VARIANTS[name][0]] is spec.push
+    assert abi.SHADER_PUSH_BLOCKS[sb.VARIANTS[name][0]] is spec.push
 
 
 def test_spv_dir_override_is_read_at_every_load(tmp_path, monkeypatch):

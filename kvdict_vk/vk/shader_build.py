@@ -2,7 +2,8 @@
 
 Used three ways: ``python -m kvdict_vk.vk.shader_build [--force]`` in a checkout, the
 ``build_py`` step of ``setup.py`` (so a wheel ships SPIR-V and needs no compiler — setup.py
-loads this file by path, so it must import nothing but the standard library), and lazily by
+loads this file by path, so it must import nothing but the standard library — the variants
+come from :mod:`kvdict_vk.vk.abi`, loaded by path the same way there), and lazily by
 :mod:`kvdict_vk.vk.spirv` when a checkout's SPIR-V is missing or stale.
 
 A variant is stale when its .spv is missing, older than its source or any file the source
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -28,6 +30,17 @@ try:
 except ImportError:  # loaded by path from setup.py, outside the package
     class ShaderBuildError(Exception):
         pass
+try:
+    from . import abi
+except ImportError:  # the same: load the declarations (standard library only) by path too
+    def _load_abi():
+        spec = importlib.util.spec_from_file_location("_kvdict_vk_abi", Path(__file__).resolve().parent / "abi.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        return module
+
+    abi = _load_abi()
 
 TARGET_ENV = "vulkan1.1"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # …/kvdict_vk
@@ -35,37 +48,9 @@ SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # exists in a checkout only
 SPV_DIR = PACKAGE_DIR / "spv"
 MANIFEST = "manifest.json"
 
-# output name → (source file, preprocessor defines)
-VARIANTS: dict[str, tuple[str, dict]] = {
-    "reconstruct_vec4": ("reconstruct.comp", {"VEC4": 1}),
-    "reconstruct_scalar": ("reconstruct.comp", {"VEC4": 0}),
-    "copy_rows_vec4": ("copy_rows.comp", {"VEC4": 1}),
-    "copy_rows_scalar": ("copy_rows.comp", {"VEC4": 0}),
-    "copy_vec4": ("copy.comp", {"VEC4": 1}),
-    "copy_scalar": ("copy.comp", {"VEC4": 0}),
-    "l2_flush": ("l2_flush.comp", {}),
-    "scatter": ("scatter.comp", {}),
-    "read_rows_f16": ("read_rows_f16.comp", {}),
-    "read_rows_q8": ("read_rows_q8.comp", {}),
-    "read_rows_kivi": ("read_rows_kivi.comp", {}),
-    # decode attention (kvdict_vk/vk/attend.py): f32 cache / dict-coded cache
-    "attend_split_coded": ("attend_split.comp", {}),
-    **{name: (f"{name}.comp", {}) for name in ("attend_table", "attend_combine", "attend_atoms", "attend_reduce",
-                                               "attend_direct", "attend_merge", "attend_merge_head", "attend_flash",
-                                               "attend_flash_coded")},
-    # the same kernel summing a token's partial scores by subgroup shuffles (GPUs that have them)
-    "attend_flash_sg": ("attend_flash.comp", {"SUBGROUP": 1}),
-    # attend_flash with the split's end in a few barriers (the tuner times it beside attend_flash)
-    "attend_flash_wide": ("attend_flash.comp", {"WIDE_END": 1}),
-    "attend_flash_wide_sg": ("attend_flash.comp", {"WIDE_END": 1, "SUBGROUP": 1}),
-    # GPU OMP encoder (kvdict_vk/vk/encoder.py, kvdict_vk/vk/encode_specs.py)
-    **{f"omp_encode_{k}_{v}": (f"omp_encode_{k}.comp", {"VEC4": n}) for k in ("corr", "metric")
-       for v, n in (("vec4", 1), ("scalar", 0))},
-    **{f"omp_encode_pick{r}_{v}": ("omp_encode_pick.comp", {"VEC4": n, "RESIDUAL": int(bool(r))})
-       for r in ("", "_residual") for v, n in (("vec4", 1), ("scalar", 0))},
-    **{f"omp_encode_{k}{r}_{v}": (f"omp_encode_{k}.comp", {"VEC4": n, "RESIDUAL": int(bool(r))})
-       for k in ("tiled", "vector") for r in ("", "_residual") for v, n in (("vec4", 1), ("scalar", 0))},
-}
+# output name → (source file, preprocessor defines): from the one declaration of every variant
+VARIANTS: dict[str, tuple[str, dict]] = abi.VARIANTS
+
 
 def in_checkout() -> bool:
     """True in a source tree (or sdist) — there the SPIR-V is built from ``shaders/``."""

@@ -4,12 +4,12 @@ SPIR-V is package data (``kvdict_vk/spv/*.spv``) read with importlib.resources, 
 needs no compiler. In a checkout (``shaders/`` next to the package) stale or missing
 variants are rebuilt first, once per process. ``$KVDICT_VK_SPV_DIR`` names a directory
 whose ``<variant>.spv`` files replace the shipped ones (read when a kernel is built, so a
-process may time several directories side by side — tools/reconstruct_variants_probe.py):
+process may time several directories side by side — lab/NOTEBOOK.md, Reconstruct's variants):
 how an engine author tries a modified shader under kvdict-validate, and how the tests prove
 that kvdict-validate catches a broken one.
 
-The reflection reads the module itself — descriptor bindings, the push-constant block's
-size, the specialization-constant IDs, the workgroup size, capabilities and extensions —
+The reflection reads the module itself — descriptor bindings (and each one's block name,
+element width and writability), the push-constant block's size, the specialization-constant IDs, the workgroup size, capabilities and extensions —
 so the Python-side checks compare a dispatch with what the shader really declares
 (Kompute segfaults when a shader declares more bindings than it was given tensors).
 """
@@ -32,8 +32,10 @@ MAGIC = 0x07230203
 # opcodes / enums used below (SPIR-V 1.x unified spec)
 _OP_NAME, _OP_EXTENSION, _OP_EXECUTION_MODE, _OP_CAPABILITY = 5, 10, 16, 17
 _OP_TYPE_INT, _OP_TYPE_FLOAT, _OP_TYPE_VECTOR, _OP_TYPE_STRUCT, _OP_TYPE_POINTER = 21, 22, 23, 30, 32
+_OP_TYPE_RUNTIME_ARRAY, _OP_SPEC_CONSTANT_COMPOSITE = 29, 51
 _OP_VARIABLE, _OP_DECORATE, _OP_MEMBER_DECORATE = 59, 71, 72
-_DEC_SPEC_ID, _DEC_BINDING, _DEC_SET, _DEC_OFFSET = 1, 33, 34, 35
+_DEC_SPEC_ID, _DEC_ARRAY_STRIDE, _DEC_NON_WRITABLE, _DEC_BINDING, _DEC_SET, _DEC_OFFSET = 1, 6, 24, 33, 34, 35
+_DEC_BUILTIN, _BUILTIN_WORKGROUP_SIZE = 11, 25
 _SC_UNIFORM, _SC_PUSH_CONSTANT, _SC_STORAGE_BUFFER = 2, 9, 12
 _MODE_LOCAL_SIZE, _CAP_SHADER = 17, 1
 
@@ -50,6 +52,10 @@ class Reflection:
     local_size: tuple
     capabilities: tuple
     extensions: tuple
+    # per binding, in ``bindings`` order: (block name, words per element of its runtime
+    # array — 4 for vec4/uvec4 —, whether any member is writable)
+    buffers: tuple = ()
+    local_size_spec_id: int | None = None  # the SpecId that sets local_size_x (local_size_x_id), if any
 
 
 def _ensure_built() -> None:
@@ -96,6 +102,7 @@ def reflect(spirv: bytes) -> Reflection:
     w = np.frombuffer(spirv, "<u4")
     ints, floats, vectors, pointers, structs = {}, {}, {}, {}, {}
     decor, member_offsets, variables = {}, {}, []
+    names, runtime_arrays, non_writable, spec_composites = {}, {}, {}, {}
     local_size, caps, exts = (1, 1, 1), [], []
     i = 5  # header: magic, version, generator, bound, schema
     while i < len(w):
@@ -105,6 +112,12 @@ def reflect(spirv: bytes) -> Reflection:
         a = [int(x) for x in w[i + 1:i + count]]
         if op == _OP_CAPABILITY:
             caps.append(a[0])
+        elif op == _OP_NAME:
+            names[a[0]] = _string(w[i + 2:i + count])
+        elif op == _OP_TYPE_RUNTIME_ARRAY:
+            runtime_arrays[a[0]] = a[1]
+        elif op == _OP_SPEC_CONSTANT_COMPOSITE:
+            spec_composites[a[1]] = a[2:]
         elif op == _OP_EXTENSION:
             exts.append(_string(w[i + 1:i + count]))
         elif op == _OP_EXECUTION_MODE and a[1] == _MODE_LOCAL_SIZE:
@@ -123,6 +136,8 @@ def reflect(spirv: bytes) -> Reflection:
             decor.setdefault(a[0], {})[a[1]] = a[2] if len(a) > 2 else True
         elif op == _OP_MEMBER_DECORATE and a[2] == _DEC_OFFSET:
             member_offsets.setdefault(a[0], {})[a[1]] = a[3]
+        elif op == _OP_MEMBER_DECORATE and a[2] == _DEC_NON_WRITABLE:
+            non_writable.setdefault(a[0], set()).add(a[1])
         i += count
 
     def size_of(t: int) -> int:
@@ -132,17 +147,31 @@ def reflect(spirv: bytes) -> Reflection:
             return size_of(vectors[t][0]) * vectors[t][1]
         raise E.ShaderBuildError(f"push-constant member of unsupported type (id {t})")
 
-    bindings, push_bytes = [], 0
+    def buffer_of(ptr: int) -> tuple:
+        struct = pointers[ptr][1]
+        members = structs.get(struct, [])
+        last = members[-1] if members else None
+        stride = decor.get(last, {}).get(_DEC_ARRAY_STRIDE, 0) if last in runtime_arrays else 0
+        writable = any(m not in non_writable.get(struct, set()) for m in range(len(members)))
+        return names.get(struct, ""), stride // 4, writable
+
+    bindings, buffers, push_bytes = [], {}, 0
     for var, ptr, sc in variables:
         if sc in (_SC_STORAGE_BUFFER, _SC_UNIFORM) and _DEC_BINDING in decor.get(var, {}):
-            bindings.append((decor[var].get(_DEC_SET, 0), decor[var][_DEC_BINDING]))
+            key = (decor[var].get(_DEC_SET, 0), decor[var][_DEC_BINDING])
+            bindings.append(key)
+            buffers[key] = buffer_of(ptr)
         elif sc == _SC_PUSH_CONSTANT:
             struct = pointers[ptr][1]
             offsets = member_offsets.get(struct, {})
             push_bytes = max((offsets[m] + size_of(t) for m, t in enumerate(structs[struct])), default=0)
     spec_ids = sorted(d[_DEC_SPEC_ID] for d in decor.values() if _DEC_SPEC_ID in d)
+    local_id = None
+    for target, d in decor.items():
+        if d.get(_DEC_BUILTIN) == _BUILTIN_WORKGROUP_SIZE and target in spec_composites:
+            local_id = decor.get(spec_composites[target][0], {}).get(_DEC_SPEC_ID)
     return Reflection(tuple(sorted(bindings)), push_bytes, tuple(spec_ids), local_size,
-                      tuple(caps), tuple(exts))
+                      tuple(caps), tuple(exts), tuple(buffers[k] for k in sorted(bindings)), local_id)
 
 
 # SPIR-V's GroupNonUniform* capabilities (61 … 68) by the Vulkan subgroup operation class

@@ -1,7 +1,8 @@
-"""The decode-attention shaders' contracts (shaders/attend_*.comp, layouts in
-shaders/attend_common.glsl): what each binds, which specialization constants it takes,
-and which words a dispatch touches — checked by kernels.Kernel before anything reaches
-the driver. Registered into kernels.SHADERS.
+"""The decode-attention shaders' arithmetic (shaders/attend_*.comp, layouts in
+shaders/attend_common.glsl): buffer sizes, shared-memory and shape limits, and which words
+a dispatch touches (``EXTENTS``) — checked by kernels.Kernel before anything reaches the
+driver. What each variant binds, its push block and specialization constants are declared
+in kvdict_vk/vk/abi.py; kvdict_vk/vk/shaders.py joins the two into SHADERS.
 """
 from __future__ import annotations
 
@@ -12,10 +13,6 @@ from ... import layout as L
 from ...layout import row_words
 
 ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
-SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")
-CODED_SPEC = SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
-DIRECT_SPEC = SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
-FLASH_SPEC = SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
 # attend_flash.comp's UNIT_DIMS: the elements of a row one invocation takes (a unit: a uvec4 of an
 # f16 row, two of an f32 row, two value words of a q8_0 row; a test reads the shader's)
@@ -68,9 +65,6 @@ def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
     (``subgroup_size`` 0: the device has no shuffles)."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return pow2(units) and pow2(subgroup_size) and units <= subgroup_size and local % subgroup_size == 0
-
-
-FLASH_CODED_SPEC = SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET")
 
 
 FLASH_CODED_BUCKET = (4, 16)  # attend_flash_coded's BUCKET: code words an owner takes per pass, least and most
@@ -374,38 +368,17 @@ def merge_head_local(head_dim: int, most: int) -> int:
     return max((n * q4 for n in (16, 8, 4, 2, 1) if n * q4 <= min(256, most)), default=0)
 
 
-def shader_specs(shader_spec) -> dict:
-    """The attention entries of kernels.SHADERS (``shader_spec`` is kernels.ShaderSpec).
-    Lanes: 4 for the vec4 views (layer quads, query, accumulators, blocks, output)."""
-    optional = tuple((n, 0) for n in CODED_SPEC[4:])  # 0 = passthrough stream / no residual
-    specs = [
-        # layer words, layer quads, query, accs, stats [, table, bins, scores]
-        shader_spec("attend_split_coded", L.ATTEND_SPLIT_PUSH, (1, 4, 4, 4, 1, 1, 1, 1),
-                    (False, False, False, True, True, False, True, True), CODED_SPEC,
-                    _split_extents, optional_spec=optional),
-        shader_spec("attend_table", L.ATTEND_TABLE_PUSH, (4, 4, 1), (False, False, True), SPEC, _table_extents),
-        shader_spec("attend_combine", L.ATTEND_COMBINE_PUSH, (1,), (True,), SPEC, _combine_extents),
-        shader_spec("attend_atoms", L.ATTEND_ATOMS_PUSH, (4, 1, 1, 4), (False, False, True, True), SPEC,
-                    _atoms_extents),
-        shader_spec("attend_reduce", L.ATTEND_REDUCE_PUSH, (4, 1, 4, 4, 4), (False, False, False, False, True),
-                    SPEC, _reduce_extents),
-        # cache words, cache quads, fresh words, fresh quads, query, accs, stats, out
-        shader_spec("attend_direct", L.ATTEND_DIRECT_PUSH, (1, 4, 1, 4, 4, 4, 1, 4),
-                    (False, False, False, False, False, True, True, True), DIRECT_SPEC, _direct_extents,
-                    optional_spec=tuple((n, 0) for n in DIRECT_SPEC[4:])),
-        shader_spec("attend_merge", L.ATTEND_MERGE_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
-                    _merge_extents),
-        shader_spec("attend_merge_head", L.ATTEND_MERGE_HEAD_PUSH, (4, 1, 4, 4), (False, False, False, True), SPEC,
-                    _merge_head_extents),
-        # cache words, cache quads, query, accs, stats
-        *(shader_spec(name, L.ATTEND_FLASH_PUSH, (1, 4, 1, 1, 1), (False, False, False, True, True),
-                      FLASH_SPEC, _flash_extents, optional_spec=(("ROW_HALF", 0), ("ROW_Q8", 0), ("END_ELEMS", 1)),
-                      subgroup_ops=ops)
-          for name, ops in (("attend_flash", ()), ("attend_flash_sg", ("basic", "shuffle")),
-                            ("attend_flash_wide", ()), ("attend_flash_wide_sg", ("basic", "shuffle")))),
-        # layer words, layer quads, q·atom table, query, accs, stats
-        shader_spec("attend_flash_coded", L.ATTEND_FLASH_CODED_PUSH, (1, 4, 1, 1, 1, 1),
-                    (False, False, False, False, True, True), FLASH_CODED_SPEC, _flash_coded_extents,
-                    optional_spec=(("K_BITS", 0), ("V_BITS", 0))),
-    ]
-    return {s.variant: s for s in specs}
+# variant → extents (push, spec) -> spans per binding (bindings: abi.DECLARATIONS)
+EXTENTS = {
+    "attend_split_coded": _split_extents,
+    "attend_table": _table_extents,
+    "attend_combine": _combine_extents,
+    "attend_atoms": _atoms_extents,
+    "attend_reduce": _reduce_extents,
+    "attend_direct": _direct_extents,
+    "attend_merge": _merge_extents,
+    "attend_merge_head": _merge_head_extents,
+    **{name: _flash_extents for name in ("attend_flash", "attend_flash_sg", "attend_flash_wide",
+                                         "attend_flash_wide_sg")},
+    "attend_flash_coded": _flash_coded_extents,
+}

@@ -1,4 +1,4 @@
-"""Dispatch contracts of the GPU OMP encoder's shaders, for ``kernels.SHADERS``.
+"""Dispatch arithmetic of the GPU OMP encoder's shaders, for ``SHADERS`` (kvdict_vk/vk/shaders.py).
 
 The encoder (kvdict_vk/vk/encoder.py) runs, per batch, either one dispatch of
 omp_encode_tiled (every step of a tile of vectors per workgroup; kvdict_vk/vk/encode_tiled.py)
@@ -10,13 +10,14 @@ slots). The extents below say which words of each binding a dispatch may touch f
 push constants (shaders/encode_common.glsl documents the fields), so kernels.Kernel.op
 refuses a dispatch that would leave a buffer (DispatchError).
 
-This module imports nothing from kernels (kernels calls :func:`shader_specs` with its
-ShaderSpec class), so registering the encoder there is a two-line hook without an import cycle.
+What each variant binds, its push block (abi.ENCODE_PUSH) and specialization constants are
+declared in kvdict_vk/vk/abi.py; here are ``EXTENTS`` and ``GROUPS`` by variant name.
 """
 from __future__ import annotations
 
 from ... import errors as E
 from ...residual import slot_words
+from .. import abi
 
 
 def n_blocks(n_atoms: int, atom_block: int) -> int:
@@ -125,30 +126,21 @@ def _vector_extents(p, s):
     return x, floats, atoms_t, dest  # binding 2: the transposed atoms as vec4s
 
 
-def shader_specs(shader_spec, push, wg_size: int) -> dict:
-    """The sixteen encoder variants as ``shader_spec`` (kernels.ShaderSpec) entries. The
-    stepwise kernels take one workgroup per item (a tile of wg_size tokens × an atom block);
-    the tiled one a grid-stride loop over tiles of TILE_VECTORS vectors."""
-    per_workgroup = lambda spec: wg_size
-    out = {}
-    for v, n in (("vec4", 4), ("scalar", 1)):
-        out[f"omp_encode_corr_{v}"] = shader_spec(
-            f"omp_encode_corr_{v}", push, (n, n, 2), (False, False, True), ("DIM", "ATOM_BLOCK"),
-            _corr_extents, per_workgroup)
-        out[f"omp_encode_metric_{v}"] = shader_spec(
-            f"omp_encode_metric_{v}", push, (n, n), (False, True), ("DIM", "METRIC_ROWS"), _metric_extents,
-            per_workgroup)
-        for r, extra in (("", ()), ("_residual", ("RESIDUAL_BITS", "N_STEPS"))):
-            out[f"omp_encode_pick{r}_{v}"] = shader_spec(
-                f"omp_encode_pick{r}_{v}", push, (n, n, 1, n, 1, 2, 1),
-                (False, False, False, True, True, False, True),
-                ("DIM", "SPARSITY", "ATOM_BLOCK") + extra, _pick_extents, per_workgroup)
-            out[f"omp_encode_vector{r}_{v}"] = shader_spec(
-                f"omp_encode_vector{r}_{v}", push, (n, 1, 4, 1), (False, False, False, True),
-                ("DIM", "SPARSITY", "LOCAL", "SUM_F", "METRIC") + extra + (("SUM_D",) if r else ()),
-                _vector_extents, optional_spec=(("METRIC", 0),))
-            out[f"omp_encode_tiled{r}_{v}"] = shader_spec(
-                f"omp_encode_tiled{r}_{v}", push, (n, n, 1, 1, 1, 1), (False, False, False, True, True, True),
-                ("DIM", "SPARSITY", "TILE_VECTORS", "LOCAL", "CHUNK_DIMS", "METRIC") + extra, _tiled_extents,
-                optional_spec=(("METRIC", 0), ("CHUNK_DIMS", 0)))
-    return out
+def _per_workgroup(spec) -> int:
+    return abi.WG_SIZE
+
+
+_VECS = ("vec4", "scalar")
+# variant → extents (push, spec) -> spans per binding (bindings: abi.DECLARATIONS)
+EXTENTS = {
+    **{f"omp_encode_corr_{v}": _corr_extents for v in _VECS},
+    **{f"omp_encode_metric_{v}": _metric_extents for v in _VECS},
+    **{f"omp_encode_{k}{r}_{v}": f for k, f in (("pick", _pick_extents), ("vector", _vector_extents),
+                                               ("tiled", _tiled_extents))
+       for r in ("", "_residual") for v in _VECS},
+}
+# The stepwise kernels take one workgroup per item (a tile of WG_SIZE tokens × an atom
+# block): abi.WG_SIZE invocations share it; the tiled one runs a grid-stride loop over tiles
+# of TILE_VECTORS vectors, the vector one a vector per workgroup (1).
+GROUPS = {f"omp_encode_{k}_{v}": _per_workgroup for k in ("corr", "metric", "pick", "pick_residual")
+          for v in _VECS}

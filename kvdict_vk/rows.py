@@ -1,0 +1,117 @@
+"""Row formats' words: what an uncoded cache stores for float32 rows (f32 bits, f16 pairs,
+q8_0 blocks), the binary16 copy of a dictionary's atoms (chunk-pair order), and a layer's
+tail image — the numbers kvdict_vk.layout places, as uint32 words ready to upload.
+
+Pure NumPy, no GPU import (the dump tool and the tests read them too).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import errors as E
+from .dictionary import is_f16_exact
+from .layout import ATOMS_F16_ELEMS, CACHES, Q8_BLOCK, ArenaLayout, StreamLayout, q8_scale_words
+
+
+def row_words_of(rows: np.ndarray, st: StreamLayout) -> np.ndarray:
+    """The words a passthrough stream stores for float32 rows (n_kv, T, head_dim): their
+    bits (f32), the halves packed two to a word (f16: round to nearest even, as numpy), or
+    q8_0 rows (q8_0_words)."""
+    rows = np.ascontiguousarray(rows, np.float32)
+    if st.coded:
+        raise E.ArenaError(f"layer {st.layer} {st.stream}: a coded stream stores slots, not rows")
+    if st.half:
+        return rows.astype(np.float16).view(np.uint32)
+    if st.q8:
+        return q8_0_words(rows)
+    return rows.view(np.uint32)
+
+
+def held_rows(rows: np.ndarray, fmt: str) -> np.ndarray:
+    """What an uncoded cache in row format ``fmt`` holds for float32 rows (…, head_dim),
+    as float32: the rows (f32), their f16 rounding, or their q8_0 round trip."""
+    x = np.asarray(rows, np.float32)
+    if fmt == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if fmt == "q8_0":
+        return q8_0_rows(q8_0_words(x), x.shape[-1])
+    if fmt != "f32":
+        raise E.ArenaError(f"no uncoded row format {fmt!r} (have {CACHES})")
+    return x
+
+
+def q8_0_words(rows: np.ndarray) -> np.ndarray:
+    """q8_0 rows (…, head_dim) → words (…, row_words): llama.cpp's quantisation — per block
+    of 32, d = max|x| / 127 and q = round(x / d) half away from zero (0 for an all-zero
+    block), d kept as f16 — laid out as the block scales (f16 pairs, block 2k in the low
+    half) then the int8 values four to a word (element 4k in the low byte). Finite input."""
+    x = np.asarray(rows, np.float32)
+    hd = x.shape[-1]
+    blocks = x.reshape(*x.shape[:-1], hd // Q8_BLOCK, Q8_BLOCK)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.trunc(blocks * inv[..., None] + np.copysign(np.float32(0.5), blocks)).astype(np.int8)
+    scales = d.astype(np.float16)
+    if scales.shape[-1] % 2:
+        scales = np.concatenate([scales, np.zeros(scales.shape[:-1] + (1,), np.float16)], axis=-1)
+    scale_words = np.ascontiguousarray(scales).view(np.uint32)
+    value_words = np.ascontiguousarray(q.reshape(*x.shape[:-1], hd)).view(np.uint32)
+    return np.concatenate([scale_words, value_words], axis=-1)
+
+
+def q8_0_rows(words: np.ndarray, head_dim: int) -> np.ndarray:
+    """The float32 rows q8_0 words decode to: q · d, d the block's f16 scale (the twin of
+    read_rows_q8.comp and attend_flash.comp's q8_0 rows)."""
+    w = np.ascontiguousarray(words, np.uint32)
+    sw = q8_scale_words(head_dim)
+    d = w[..., :sw].view(np.float16)[..., :head_dim // Q8_BLOCK].astype(np.float32)
+    q = w[..., sw:].view(np.int8).astype(np.float32).reshape(*w.shape[:-1], head_dim // Q8_BLOCK, Q8_BLOCK)
+    return (q * d[..., None]).reshape(*w.shape[:-1], head_dim)
+
+
+def atoms_f16_order(head_dim: int) -> np.ndarray:
+    """The element order of an atom in the binary16 copy: quad p (halves 8p … 8p+7) holds
+    elements 4p … 4p+3 and head_dim/2 + 4p … head_dim/2 + 4p+3 — output chunks p and p +
+    head_dim/8 of a row, which reconstruct's invocations write (neighbouring invocations
+    neighbouring chunks, coalesced) from one 16-byte gather. head_dim % 8 == 0."""
+    if head_dim % ATOMS_F16_ELEMS:
+        raise E.ArenaError(f"binary16 atoms need head_dim % {ATOMS_F16_ELEMS} == 0, not {head_dim}")
+    quads = np.arange(head_dim // ATOMS_F16_ELEMS)[:, None]
+    lanes = np.arange(4)[None, :]
+    return np.concatenate([4 * quads + lanes, head_dim // 2 + 4 * quads + lanes], axis=1).reshape(-1)
+
+
+def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | None,
+                     means: tuple, scales: tuple = (None, None)) -> np.ndarray:
+    """The words of one layer's tail (uint32), ready to upload at ``tail_word``: K atoms,
+    V atoms, K mean, V mean, K residual scale, V residual scale (zeros for passthrough /
+    absent), then — when the layout has them — K and V atoms in binary16 (chunk-pair order,
+    ``atoms_f16_order``); guards in between if any.
+
+    ``atoms_flat`` is the runtime's ``atoms_flat()`` array; ``means`` and ``scales`` the
+    layer's (K, V) pairs, each None or an array broadcastable to (n_dict_heads, head_dim)."""
+    ll = layout.layers[layer]
+    if ll.tail_word is None:
+        raise E.ArenaError("the uncoded layout has no tail")
+    img = np.full(ll.tail_words, layout.guard_value, np.uint32)
+    g, hd = layout.n_dict_heads, layout.head_dim
+    block = g * layout.n_atoms * hd
+    flat = np.asarray(atoms_flat, np.float32)
+    if flat.size != layout.n_layers * 2 * block:
+        raise E.DictMismatchError(f"atoms_flat has {flat.size} floats, the layout expects "
+                                  f"{layout.n_layers} × 2 × {block}")
+    flat = flat.reshape(layout.n_layers, 2, block)
+    for j, st in enumerate(ll.streams):
+        a0 = st.atoms_word - ll.tail_word
+        img[a0:a0 + block] = flat[layer, j].view(np.uint32)
+        if st.atoms16_word is not None:
+            if not is_f16_exact(flat[layer, j]):
+                raise E.DictMismatchError(f"layer {layer} {st.stream}: the layout keeps binary16 atoms, "
+                                          "these atoms are not all binary16 values")
+            h0 = st.atoms16_word - ll.tail_word
+            atoms = flat[layer, j].reshape(-1, hd)[:, atoms_f16_order(hd)]
+            img[h0:h0 + block // 2] = atoms.astype(np.float16).reshape(-1).view(np.uint32)
+        for word, vec in ((st.mean_word, means[j]), (st.scale_word, scales[j])):
+            v = np.zeros((g, hd), np.float32) if vec is None else np.broadcast_to(np.asarray(vec, np.float32), (g, hd))
+            img[word - ll.tail_word:word - ll.tail_word + g * hd] = np.ascontiguousarray(v).reshape(-1).view(np.uint32)
+    return img

@@ -1,0 +1,312 @@
+"""Every shader variant's contract, declared once: the ABI between Python and shaders/*.comp.
+
+A :class:`Variant` names its SPIR-V output, its source file and preprocessor defines (what
+:mod:`kvdict_vk.vk.shader_build` compiles), its storage-buffer bindings (by binding number:
+the GLSL block name, the element width in 32-bit words — "lanes", 4 for vec4/uvec4 views — and
+whether the shader writes it), its push-constant block (:class:`PushBlock`: the GLSL struct
+name and its ordered 32-bit fields, with the defaults a caller may omit), its specialization
+constants by constant_id (and which may be omitted, with their defaults), its workgroup size
+(common.glsl's fixed WG_SIZE, or the specialization constant its ``local_size_x_id`` names)
+and the optional device features it needs (subgroup operation classes; ``features`` for
+the rest). Tests hold the declarations against the GLSL (the push blocks) and against the
+built SPIR-V's reflection (bindings, push size, specialization IDs, workgroup size).
+
+What a dispatch touches for given push constants — the bounds checks, arena arithmetic —
+stays beside that arithmetic (kvdict_vk/vk/extents.py, attend/specs.py, encode/specs.py);
+kvdict_vk/vk/shaders.py joins the two into ``SHADERS``.
+
+Standard library only: setup.py loads shader_build.py by path at wheel-build time, and
+shader_build loads this file the same way (``PushBlock.pack`` imports numpy when called).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+try:
+    from ..errors import DispatchError
+except ImportError:  # loaded by path (shader_build from setup.py), outside the package
+    class DispatchError(Exception):
+        pass
+
+WORD_BYTES = 4
+WG_SIZE = 64  # common.glsl's WG_SIZE: the local_size_x of every shader that does not specialize it
+# optional device features a variant may need beyond Vulkan 1.1 core compute, besides
+# subgroup operation classes (Variant.subgroup_ops); no variant needs one yet, and
+# kernels.Kernel refuses one that does until the device reports them
+FEATURES = ("float16", "int8", "integer_dot", "cooperative_matrix", "float_atomics")
+
+
+# --- push-constant blocks (the ONE definition; GLSL mirrors it, a test checks) ----------------
+
+@dataclass(frozen=True)
+class PushBlock:
+    """A GLSL ``layout(push_constant) uniform <name> { … }`` block of 32-bit scalars.
+    Packed as uint32 words — floats bit-cast — because Kompute takes the push-constant
+    dtype from the specialization constants, which are uint32 (docs/DESIGN.md, "Building kp")."""
+    name: str
+    fields: tuple  # ((field name, "uint" | "float"), …) in declaration order
+    defaults: tuple = ()  # ((field name, value), …): fields a caller may omit
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.fields) * WORD_BYTES
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.fields)
+
+    def pack(self, **values):
+        """The words (a numpy uint32 array) of these field values, defaults filled in."""
+        import numpy as np  # at dispatch time only: the module itself stays standard-library
+
+        values = {**dict(self.defaults), **values}
+        missing = [n for n in self.field_names if n not in values]
+        extra = sorted(set(values) - set(self.field_names))
+        if missing or extra:
+            raise DispatchError(f"{self.name}: missing {missing}, unknown {extra}")
+        out = np.empty(len(self.fields), np.uint32)
+        for i, (n, t) in enumerate(self.fields):
+            v = values[n]
+            if t == "float":
+                out[i] = np.array([v], np.float32).view(np.uint32)[0]
+            else:
+                if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                    raise DispatchError(f"{self.name}.{n}: {v!r} is not an integer")
+                if not 0 <= int(v) < 1 << 32:
+                    raise DispatchError(f"{self.name}.{n} = {v} does not fit a uint32")
+                out[i] = int(v)
+        return out
+
+    def unpack(self, words) -> dict:
+        import numpy as np
+
+        w = np.asarray(words, np.uint32)
+        if w.shape != (len(self.fields),):
+            raise DispatchError(f"{self.name}: {w.shape} words, expected {len(self.fields)}")
+        return {n: (float(w[i:i + 1].view(np.float32)[0]) if t == "float" else int(w[i]))
+                for i, (n, t) in enumerate(self.fields)}
+
+
+def uint_block(name: str, *names: str, floats: tuple = (), defaults: dict | None = None) -> PushBlock:
+    """A block of uint fields ``names``, then float fields ``floats``."""
+    return PushBlock(name, tuple((n, "uint") for n in names) + tuple((n, "float") for n in floats),
+                     tuple((defaults or {}).items()))
+
+
+# Offsets are in words (4 bytes) in every block, even for the vec4 variants: the shader
+# divides, Python checks the alignment. The reconstruct block's last three fields serve
+# per-head dictionaries (KV head h reads atoms at atoms_word + h·head_atoms, its mean and
+# residual scale at mean_word/scale_word + h·head_vec; both strides 0 when shared) and
+# the residual stage (scale_word is read only when the shader's RES_BITS > 0); atoms16_word
+# is the binary16 copy of the atoms (read only when ATOMS_F16; KV head h's at atoms16_word +
+# h·head_atoms/2; chunk-pair order, rows.atoms_f16_order).
+RECONSTRUCT_PUSH = uint_block("ReconstructPush", "src_word", "atoms_word", "mean_word", "n_atoms",
+                              "n_ctx", "t0", "n_tok", "n_rows", "out_word", "scale_word", "head_atoms",
+                              "head_vec", "atoms16_word",
+                              defaults=dict(scale_word=0, head_atoms=0, head_vec=0, atoms16_word=0))
+COPY_ROWS_PUSH = uint_block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
+READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word",
+                            "stats_word", "window_word", "window", "state_word")
+SCATTER_PUSH = uint_block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
+                          "group_stride", "n_words")
+COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
+FLUSH_PUSH = uint_block("FlushPush", "n_words")
+# Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
+ATTEND_SPLIT_PUSH = uint_block("AttendSplitPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
+                               "n_kv", "n_atoms", "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word",
+                               "head_vec", floats=("score_scale",))
+ATTEND_TABLE_PUSH = uint_block("AttendTablePush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_seqs",
+                               defaults=dict(n_seqs=1))
+ATTEND_COMBINE_PUSH = uint_block("AttendCombinePush", "n_kv", "n_splits", "f_word", "inv_l_word")
+ATTEND_ATOMS_PUSH = uint_block("AttendAtomsPush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_splits",
+                               "f_word")
+ATTEND_REDUCE_PUSH = uint_block("AttendReducePush", "n_kv", "n_splits", "f_word", "inv_l_word", "n_blocks",
+                                "use_mean", "mean_word", "head_vec")
+ATTEND_DIRECT_PUSH = uint_block("AttendDirectPush", "k_word", "v_word", "n_ctx", "fresh_k_word", "fresh_v_word",
+                                "t_first", "n_used", "n_cached", "split_len", "n_splits", "split0", "n_kv",
+                                "n_atoms", "k_atoms_word", "v_atoms_word", "head_atoms", "k_scale_word",
+                                "v_scale_word", "head_vec", "write_out", "use_mean", "mean_word",
+                                floats=("score_scale",))
+# the flash paths batch sequences (n_seqs, seq_rows, seq_heads: shaders/attend_common.glsl)
+ATTEND_FLASH_PUSH = uint_block("AttendFlashPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
+                               "n_kv", "n_seqs", "seq_rows", floats=("score_scale",),
+                               defaults=dict(n_seqs=1, seq_rows=0))
+ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
+                                     "n_splits", "n_kv", "v_atoms_word", "head_atoms", "k_scale_word",
+                                     "v_scale_word", "head_vec", "n_seqs", "seq_rows", floats=("score_scale",),
+                                     defaults=dict(n_seqs=1, seq_rows=0))
+ATTEND_MERGE_PUSH = uint_block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
+ATTEND_MERGE_HEAD_PUSH = uint_block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word",
+                                    "head_vec", "seq_heads")
+# GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encode/): one block for its
+# kernels; shaders/encode_common.glsl says what each field is.
+ENCODE_PUSH = uint_block("EncodePush", "phase", "step", "group0", "block", "dict_head", "n_tok",
+                         "n_vectors", "n_atoms", "per_head", "atoms_word", "inv_norm_word", "mean_word",
+                         "metric_word", "raw_atoms_word", "scale_word", "steps_word", "res_word",
+                         "basis_word", "dst_word", "n_ctx", "t0", "atoms_t_word", "atoms_pad",
+                         defaults=dict(atoms_t_word=0, atoms_pad=0))
+
+
+# --- variants ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Binding:
+    """One storage buffer: its GLSL block name, words per element of the shader's view of
+    it (4 for vec4/uvec4, 2 for vec2/uvec2, 1 for uint/float), whether the shader writes it."""
+    name: str
+    lanes: int = 1
+    writes: bool = False
+
+
+def ro(name: str, lanes: int = 1) -> Binding:
+    return Binding(name, lanes, False)
+
+
+def rw(name: str, lanes: int = 1) -> Binding:
+    return Binding(name, lanes, True)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # the SPIR-V module's name (kvdict_vk/spv/<name>.spv)
+    source: str  # shaders/<source>
+    defines: tuple  # ((macro, value), …) for glslangValidator -D
+    bindings: tuple  # Binding per binding number 0 .. n-1 (set 0)
+    push: PushBlock
+    spec: tuple = ()  # specialization constant names by constant_id 0 .. n-1
+    optional_spec: tuple = ()  # ((name, default), …): may be omitted, and may be 0
+    local: int | str = WG_SIZE  # workgroup size: fixed, or the spec constant local_size_x_id names
+    subgroup_ops: tuple = ()  # subgroup operation classes it uses (the device must report them)
+    features: tuple = ()  # other optional device features it needs (FEATURES)
+
+    def __post_init__(self):
+        names = set(self.spec)
+        bad = ([n for n, _ in self.optional_spec if n not in names] + [f for f in self.features if f not in FEATURES]
+               + ([self.local] if isinstance(self.local, str) and self.local not in names else []))
+        if bad or len(names) != len(self.spec) or not self.bindings:
+            raise ValueError(f"abi.{self.name}: inconsistent declaration ({bad})")
+
+    @property
+    def lanes(self) -> tuple:
+        return tuple(b.lanes for b in self.bindings)
+
+    @property
+    def writes(self) -> tuple:
+        return tuple(b.writes for b in self.bindings)
+
+    @property
+    def defines_dict(self) -> dict:
+        return dict(self.defines)
+
+
+_SG = ("basic", "shuffle")  # attend_flash's SUBGROUP build: a token's partial scores summed by shuffles
+ATTEND_SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")  # attend_common.glsl's (LOCAL: local_size_x_id 2)
+
+
+def _attend(name: str, bindings: tuple, push: PushBlock, spec: tuple = ATTEND_SPEC, *, source: str = "",
+            defines: tuple = (), optional: tuple = (), subgroup_ops: tuple = ()) -> Variant:
+    return Variant(name, source or f"{name}.comp", defines, bindings, push, spec, optional, "LOCAL", subgroup_ops)
+
+
+def _declare() -> tuple:
+    out = []
+    for v, n in (("vec4", 4), ("scalar", 1)):
+        out.append(Variant(f"reconstruct_{v}", "reconstruct.comp", (("VEC4", int(n == 4)),),
+                           (ro("LayerWords"), ro("LayerElems", n), rw("OutElems", n), ro("LayerQuads", 4)),
+                           RECONSTRUCT_PUSH, ("HEAD_DIM", "SPARSITY", "CHUNKS", "RES_BITS", "PIPELINED", "ATOMS_F16"),
+                           (("RES_BITS", 0), ("PIPELINED", 0), ("ATOMS_F16", 0))))
+    for v, n in (("vec4", 4), ("scalar", 1)):
+        out.append(Variant(f"copy_rows_{v}", "copy_rows.comp", (("VEC4", int(n == 4)),),
+                           (ro("LayerElems", n), rw("OutElems", n)), COPY_ROWS_PUSH, ("HEAD_DIM", "CHUNKS")))
+    for v, n in (("vec4", 4), ("scalar", 1)):
+        out.append(Variant(f"copy_{v}", "copy.comp", (("VEC4", int(n == 4)),), (ro("Src", n), rw("Dst", n)),
+                           COPY_PUSH))
+    out += [
+        Variant("l2_flush", "l2_flush.comp", (), (ro("Src", 4), rw("Sink")), FLUSH_PUSH),
+        Variant("scatter", "scatter.comp", (), (ro("Upload"), rw("Layer")), SCATTER_PUSH),
+        Variant("read_rows_f16", "read_rows_f16.comp", (), (ro("LayerWords"), rw("OutPairs", 2)), COPY_ROWS_PUSH,
+                ("HEAD_DIM",)),
+        Variant("read_rows_q8", "read_rows_q8.comp", (), (ro("LayerWords"), rw("OutQuads", 4)), COPY_ROWS_PUSH,
+                ("HEAD_DIM",)),
+        Variant("read_rows_kivi", "read_rows_kivi.comp", (), (ro("LayerWords"), rw("OutQuads", 4)), READ_KIVI_PUSH,
+                ("HEAD_DIM", "BITS", "KEYS", "GROUP"), (("KEYS", 1),)),
+    ]
+    # decode attention (kvdict_vk/vk/attend/): f32 cache / dict-coded cache
+    coded = ATTEND_SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
+    direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
+    flash = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
+    flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET")
+    merge = (ro("LayerQuads", 4), ro("Stats"), ro("Accs", 4), rw("Out", 4))
+    flash_bindings = (ro("CacheWords"), ro("CacheQuads", 4), ro("Query"), rw("Accs"), rw("Stats"))
+    out += [
+        _attend("attend_split_coded", (ro("LayerWords"), ro("LayerQuads", 4), ro("Query", 4), rw("Accs", 4),
+                                       rw("Stats"), ro("Table"), rw("Bins"), rw("Scores")),
+                ATTEND_SPLIT_PUSH, coded, source="attend_split.comp",
+                optional=tuple((n, 0) for n in coded[4:])),  # 0 = passthrough stream / no residual
+        _attend("attend_table", (ro("LayerQuads", 4), ro("Query", 4), rw("Table")), ATTEND_TABLE_PUSH),
+        _attend("attend_combine", (rw("Stats"),), ATTEND_COMBINE_PUSH),
+        _attend("attend_atoms", (ro("LayerQuads", 4), ro("Stats"), rw("Bins"), rw("Blocks", 4)), ATTEND_ATOMS_PUSH),
+        _attend("attend_reduce", (ro("LayerQuads", 4), ro("Stats"), ro("Accs", 4), ro("Blocks", 4), rw("Out", 4)),
+                ATTEND_REDUCE_PUSH),
+        _attend("attend_direct", (ro("CacheWords"), ro("CacheQuads", 4), ro("FreshWords"), ro("FreshQuads", 4),
+                                  ro("Query", 4), rw("Accs", 4), rw("Stats"), rw("Out", 4)),
+                ATTEND_DIRECT_PUSH, direct, optional=tuple((n, 0) for n in direct[4:])),
+        _attend("attend_merge", merge, ATTEND_MERGE_PUSH),
+        _attend("attend_merge_head", merge, ATTEND_MERGE_HEAD_PUSH),
+    ]
+    flash_optional = (("ROW_HALF", 0), ("ROW_Q8", 0), ("END_ELEMS", 1))
+    out.append(_attend("attend_flash", flash_bindings, ATTEND_FLASH_PUSH, flash, optional=flash_optional))
+    out.append(_attend("attend_flash_coded", (ro("CacheWords"), ro("CacheQuads", 4), ro("Table"), ro("Query"),
+                                              rw("Accs"), rw("Stats")),
+                       ATTEND_FLASH_CODED_PUSH, flash_coded, optional=(("K_BITS", 0), ("V_BITS", 0))))
+    # attend_flash summing a token's partial scores by subgroup shuffles (GPUs that have them);
+    # attend_flash_wide: the split's end in a few barriers (the tuner times it beside attend_flash)
+    for name, defines, ops in (("attend_flash_sg", (("SUBGROUP", 1),), _SG),
+                               ("attend_flash_wide", (("WIDE_END", 1),), ()),
+                               ("attend_flash_wide_sg", (("WIDE_END", 1), ("SUBGROUP", 1)), _SG)):
+        out.append(_attend(name, flash_bindings, ATTEND_FLASH_PUSH, flash, source="attend_flash.comp",
+                           defines=defines, optional=flash_optional, subgroup_ops=ops))
+    # GPU OMP encoder (kvdict_vk/vk/encode/): stepwise kernels, then the one-dispatch ones
+    vecs = (("vec4", 4), ("scalar", 1))
+    for v, n in vecs:
+        out.append(Variant(f"omp_encode_corr_{v}", "omp_encode_corr.comp", (("VEC4", int(n == 4)),),
+                           (ro("DictElems", n), ro("StateElems", n), rw("Keys", 2)), ENCODE_PUSH,
+                           ("DIM", "ATOM_BLOCK")))
+    for v, n in vecs:
+        out.append(Variant(f"omp_encode_metric_{v}", "omp_encode_metric.comp", (("VEC4", int(n == 4)),),
+                           (ro("DictElems", n), rw("StateElems", n)), ENCODE_PUSH, ("DIM", "METRIC_ROWS")))
+    residual = ("RESIDUAL_BITS", "N_STEPS")
+    for r in ("", "_residual"):
+        for v, n in vecs:
+            out.append(Variant(f"omp_encode_pick{r}_{v}", "omp_encode_pick.comp",
+                               (("VEC4", int(n == 4)), ("RESIDUAL", int(bool(r)))),
+                               (ro("InputElems", n), ro("DictElems", n), ro("DictFloats"), rw("StateElems", n),
+                                rw("StateWords"), ro("Keys", 2), rw("Dest")),
+                               ENCODE_PUSH, ("DIM", "SPARSITY", "ATOM_BLOCK") + (residual if r else ())))
+    for k in ("tiled", "vector"):
+        for r in ("", "_residual"):
+            for v, n in vecs:
+                if k == "tiled":
+                    bindings = (ro("InputElems", n), ro("DictElems", n), ro("DictFloats"), rw("StateFloats"),
+                                rw("StateWords"), rw("Dest"))
+                    spec = ("DIM", "SPARSITY", "TILE_VECTORS", "LOCAL", "CHUNK_DIMS", "METRIC")
+                    optional = (("METRIC", 0), ("CHUNK_DIMS", 0))
+                    spec += residual if r else ()
+                else:
+                    bindings = (ro("InputElems", n), ro("DictFloats"), ro("DictVec4", 4), rw("Dest"))
+                    spec = ("DIM", "SPARSITY", "LOCAL", "SUM_F", "METRIC") + (residual + ("SUM_D",) if r else ())
+                    optional = (("METRIC", 0),)
+                out.append(Variant(f"omp_encode_{k}{r}_{v}", f"omp_encode_{k}.comp",
+                                   (("VEC4", int(n == 4)), ("RESIDUAL", int(bool(r)))), bindings, ENCODE_PUSH,
+                                   spec, optional, "LOCAL"))
+    return tuple(out)
+
+
+DECLARATIONS: dict = {v.name: v for v in _declare()}  # variant name → Variant, in build order
+
+# output name → (source file, preprocessor defines): shader_build's view
+VARIANTS: dict = {v.name: (v.source, v.defines_dict) for v in DECLARATIONS.values()}
+# struct name → block, and shader source file → the block it declares (every variant of a
+# source declares the same one)
+PUSH_BLOCKS: dict = {v.push.name: v.push for v in DECLARATIONS.values()}
+SHADER_PUSH_BLOCKS: dict = {v.source: v.push for v in DECLARATIONS.values()}

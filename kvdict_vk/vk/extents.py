@@ -1,0 +1,145 @@
+"""The words each dispatch of the arena's own shaders touches — reconstruct, copy_rows, copy,
+scatter, l2_flush, read_rows_* — for given push constants and specialization constants.
+
+Each extents function maps (push dict, spec dict) to, per binding, a list of spans (first
+word, one past the last); kernels.Kernel.op refuses a dispatch whose spans leave a buffer
+(DispatchError). The declarations these go with (bindings, push blocks, specialization
+constants) are kvdict_vk/vk/abi.py's; kvdict_vk/vk/shaders.py joins them. The attention and
+encoder shaders' extents live beside their arithmetic (attend/specs.py, encode/specs.py).
+"""
+from __future__ import annotations
+
+from .. import errors as E
+from .. import kivi as K
+from .. import layout as L
+from ..residual import slot_words
+
+Span = tuple  # (first word, one past the last word) touched in one binding; each binding
+# gets a list of spans (empty: untouched)
+
+
+def _rows_extents(p, row_words: int) -> Span:
+    """Words of a region read for rows (h, t0 .. t0+n_tok) of every head."""
+    n_kv = p["n_rows"] // p["n_tok"]
+    lo = p["src_word"] + p["t0"] * row_words
+    hi = p["src_word"] + ((n_kv - 1) * p["n_ctx"] + p["t0"] + p["n_tok"]) * row_words
+    return lo, hi
+
+
+def _check_rows(p) -> None:
+    if p["n_rows"] and (p["n_tok"] < 1 or p["n_rows"] % p["n_tok"] or p["t0"] + p["n_tok"] > p["n_ctx"]):
+        raise E.DispatchError(f"row range n_rows={p['n_rows']} n_tok={p['n_tok']} t0={p['t0']} "
+                              f"n_ctx={p['n_ctx']} is inconsistent")
+
+
+def _reconstruct_extents(p, s, lanes: int):
+    _check_rows(p)
+    hd, bits = s["HEAD_DIM"], s["RES_BITS"]
+    if p["n_atoms"] < 1:
+        raise E.DispatchError("n_atoms must be ≥ 1 (out-of-range codes read atom 0)")
+    if not p["n_rows"]:
+        return [], [], [], []
+    last = p["n_rows"] // p["n_tok"] - 1  # the last KV head read: strides × last
+    atoms = (p["atoms_word"], p["atoms_word"] + last * p["head_atoms"] + p["n_atoms"] * hd)
+    elems = [] if s["ATOMS_F16"] else [atoms]
+    elems.append((p["mean_word"], p["mean_word"] + last * p["head_vec"] + hd))
+    if bits:
+        elems.append((p["scale_word"], p["scale_word"] + last * p["head_vec"] + hd))
+    halves = []
+    if s["ATOMS_F16"]:
+        if lanes != 4 or hd % L.ATOMS_F16_ELEMS:
+            raise E.DispatchError(f"binary16 atoms are gathered a quad (8 halves) at a time: the vec4 variant "
+                                  f"with head_dim % {L.ATOMS_F16_ELEMS} == 0 (head_dim {hd}, "
+                                  f"{'vec4' if lanes == 4 else 'scalar'} variant)")
+        halves.append((p["atoms16_word"], p["atoms16_word"] + (last * p["head_atoms"] + p["n_atoms"] * hd) // 2))
+    return ([_rows_extents(p, slot_words(hd, s["SPARSITY"], bits))], elems,
+            [(p["out_word"], p["out_word"] + p["n_rows"] * hd)], halves)
+
+
+def _copy_rows_extents(p, s):
+    _check_rows(p)
+    if not p["n_rows"]:
+        return [], []
+    hd = s["HEAD_DIM"]
+    return [_rows_extents(p, hd)], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+
+
+def _scatter_extents(p, s):
+    n, rw, gr = p["n_words"], p["row_words"], p["group_rows"]
+    if not n:
+        return [], []
+    if rw < 1 or gr < 1 or n % rw:
+        raise E.DispatchError(f"scatter: n_words {n} is not whole rows of {rw} words (group_rows {gr})")
+    rows = n // rw
+    if rows > gr and p["group_stride"] < gr * rw:
+        raise E.DispatchError(f"scatter: group_stride {p['group_stride']} < {gr}×{rw}: groups overlap")
+    last = rows - 1
+    g, i = divmod(last, gr)
+    return [(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + g * p["group_stride"] + (i + 1) * rw)]
+
+
+def _read_f16_extents(p, s):
+    _check_rows(p)
+    if not p["n_rows"]:
+        return [], []
+    hd = s["HEAD_DIM"]
+    if hd % 2:
+        raise E.DispatchError(f"read_rows_f16: HEAD_DIM {hd} is odd")
+    return [_rows_extents(p, hd // 2)], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+
+
+def _read_q8_extents(p, s):
+    _check_rows(p)
+    if not p["n_rows"]:
+        return [], []
+    hd = s["HEAD_DIM"]
+    if hd % L.Q8_BLOCK:
+        raise E.DispatchError(f"read_rows_q8: HEAD_DIM {hd} is not whole q8_0 blocks")
+    return [_rows_extents(p, L.row_words(hd, 0, 0, "q8_0"))], [(p["out_word"], p["out_word"] + p["n_rows"] * hd)]
+
+
+def _read_kivi_extents(p, s):
+    _check_rows(p)
+    hd, bits, keys = s["HEAD_DIM"], s["BITS"], s["KEYS"]
+    if s["GROUP"] != K.GROUP or hd % K.GROUP or not K.MIN_BITS <= bits <= K.MAX_BITS or keys not in (0, 1) \
+            or p["window"] < 1:
+        raise E.DispatchError(f"read_rows_kivi: HEAD_DIM {hd}, BITS {bits}, KEYS {keys}, GROUP {s['GROUP']}, "
+                              f"window {p['window']}")
+    reads = [(p["state_word"], p["state_word"] + 1)]
+    if p["n_rows"]:
+        n_kv = p["n_rows"] // p["n_tok"]
+        row = K.key_row_words(hd, bits) if keys else K.value_row_words(hd, bits)
+        reads += [_rows_extents(p, row),
+                  (p["window_word"], p["window_word"] + n_kv * K.window_words_per_head(p["window"], hd))]
+        if keys:
+            reads.append((p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(p["n_ctx"], hd)))
+    return reads, [(p["out_word"], p["out_word"] + p["n_rows"] * hd)] if p["n_rows"] else []
+
+
+def _copy_extents(p, s):
+    n = p["n_words"]
+    return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
+
+
+def _flush_extents(p, s):
+    n = p["n_words"]
+    if n % 4:
+        raise E.DispatchError(f"l2_flush reads whole vec4s: n_words {n} is not a multiple of 4")
+    return ([(0, n)] if n else []), [(0, 1)]
+
+
+def _row_groups(s, lanes):
+    return s["HEAD_DIM"] // lanes // s["CHUNKS"]
+
+
+# variant → extents (push, spec) -> spans per binding
+EXTENTS = {
+    **{f"reconstruct_{v}": (lambda p, s, n=n: _reconstruct_extents(p, s, n)) for v, n in (("vec4", 4), ("scalar", 1))},
+    "copy_rows_vec4": _copy_rows_extents, "copy_rows_scalar": _copy_rows_extents,
+    "copy_vec4": _copy_extents, "copy_scalar": _copy_extents,
+    "scatter": _scatter_extents, "l2_flush": _flush_extents,
+    "read_rows_f16": _read_f16_extents, "read_rows_q8": _read_q8_extents, "read_rows_kivi": _read_kivi_extents,
+}
+# variant → invocations that share one row, from the spec (grid stride % groups == 0); others 1
+GROUPS = {f"{k}_{v}": (lambda s, n=n: _row_groups(s, n))
+          for k in ("reconstruct", "copy_rows") for v, n in (("vec4", 4), ("scalar", 1))}

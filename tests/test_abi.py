@@ -1,0 +1,92 @@
+"""kvdict_vk.vk.abi: the one declaration of every shader variant, held against the built
+SPIR-V (bindings, push size, specialization IDs, workgroup size, capabilities), against
+shader_build and SHADERS, and loadable without the package (setup.py's path)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvdict_vk.vk import abi, shader_build as sb, spirv
+from kvdict_vk.vk.shaders import SHADERS
+from kvdict_vk.vk.vulkan_info import SUBGROUP_OPERATIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", sorted(abi.DECLARATIONS))
+def test_spirv_reflection_matches_the_declaration(name):
+    decl = abi.DECLARATIONS[name]
+    r = spirv.reflect(spirv.load(name))
+    # bindings 0 .. n-1 of set 0, each its GLSL block, element width and writability
+    assert r.bindings == tuple((0, i) for i in range(len(decl.bindings)))
+    assert r.buffers == tuple((b.name, b.lanes, b.writes) for b in decl.bindings), name
+    assert r.push_constant_bytes == decl.push.size_bytes
+    assert r.spec_ids == tuple(range(len(decl.spec)))
+    assert r.local_size == (abi.WG_SIZE, 1, 1)  # the literal size (the default where specialized)
+    if isinstance(decl.local, str):  # local_size_x_id: the declared constant's id
+        assert r.local_size_spec_id == decl.spec.index(decl.local)
+    else:
+        assert r.local_size_spec_id is None and decl.local == abi.WG_SIZE
+    # the capabilities beyond Shader are exactly the declared subgroup classes'
+    used = {spirv.SUBGROUP_CAPABILITIES[c] for c in r.capabilities if c in spirv.SUBGROUP_CAPABILITIES}
+    assert used == set(decl.subgroup_ops) and set(r.capabilities) - set(spirv.SUBGROUP_CAPABILITIES) == {1}
+    spirv.check_portable(name, r, subgroup_ops=decl.subgroup_ops)
+
+
+def test_declarations_are_consistent():
+    assert set(abi.DECLARATIONS) == set(sb.VARIANTS) == set(SHADERS)
+    assert sb.VARIANTS is abi.VARIANTS
+    for name, decl in abi.DECLARATIONS.items():
+        assert (ROOT / "shaders" / decl.source).is_file(), decl.source
+        assert sb.VARIANTS[name] == (decl.source, dict(decl.defines))
+        assert set(decl.subgroup_ops) <= set(SUBGROUP_OPERATIONS) and set(decl.features) <= set(abi.FEATURES)
+        spec = SHADERS[name]
+        assert spec.decl is decl and spec.push is decl.push and spec.spec_names == decl.spec
+        assert (spec.lanes, spec.writes) == (decl.lanes, decl.writes)
+        assert all(b.lanes in (1, 2, 4) for b in decl.bindings)
+        assert any(b.writes for b in decl.bindings), name  # kernels.Kernel chunks by the written view
+        # a specialized workgroup size is the spec constant LOCAL (the engines' name for it)
+        assert ("LOCAL" in decl.spec) == isinstance(decl.local, str) and decl.local in (abi.WG_SIZE, "LOCAL")
+
+
+def test_inconsistent_declarations_are_refused():
+    blk = abi.uint_block("T", "a")
+    ok = dict(name="t", source="t.comp", defines=(), bindings=(abi.rw("B"),), push=blk, spec=("X",))
+    abi.Variant(**ok)
+    for bad in (dict(optional_spec=(("Y", 0),)), dict(local="Y"), dict(features=("teleport",)),
+                dict(spec=("X", "X")), dict(bindings=())):
+        with pytest.raises(ValueError):
+            abi.Variant(**{**ok, **bad})
+
+
+def test_abi_imports_only_the_standard_library():
+    tree = ast.parse((ROOT / "kvdict_vk" / "vk" / "abi.py").read_text())
+    for node in tree.body:  # module level: absolute imports of the standard library only
+        for n in ast.walk(node) if isinstance(node, ast.Try) else [node]:
+            if isinstance(n, ast.Import):
+                assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.level == 0:
+                assert n.module.split(".")[0] in sys.stdlib_module_names or n.module == "__future__"
+            elif isinstance(n, ast.ImportFrom):  # the package's errors, with a fallback (by path)
+                assert isinstance(node, ast.Try) and n.module == "errors"
+
+
+def test_shader_build_loads_by_path_without_the_package(tmp_path):
+    """setup.py's view: shader_build.py (and through it abi.py) loaded by file path, outside
+    the package — no kvdict_vk import, no numpy."""
+    code = textwrap.dedent(f"""
+        import importlib.util, sys
+        s = importlib.util.spec_from_file_location("sb", {str(ROOT / "kvdict_vk" / "vk" / "shader_build.py")!r})
+        m = importlib.util.module_from_spec(s)
+        s.loader.exec_module(m)
+        assert "numpy" not in sys.modules and not any(k.startswith("kvdict_vk") for k in sys.modules)
+        print(len(m.VARIANTS), sorted(m.VARIANTS) == sorted(set(m.VARIANTS)))
+    """)
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(len(abi.DECLARATIONS)), "True"]
