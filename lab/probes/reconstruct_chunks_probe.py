@@ -2,7 +2,7 @@
 (the shader takes any divisor of head_dim / 4), PIPELINED or not, and the reconstruct kernels'
 workgroup cap (kernels.MAX_WORKGROUPS: the grid-stride loop covers the rest) — the choices
 arena.RECONSTRUCT_GPU_MAPPINGS makes per sparsity. Runs kvdict_vk.bench.reconstruct once per
-(CHUNKS, PIPELINED, cap) with the arenas' reconstruct_mapping and the reconstruct kernels' cap
+(CHUNKS, PIPELINED, cap) with the read wing's reconstruct_mapping and the reconstruct kernels' cap
 overridden for every sparsity of the run (the copy shader and the f32 / f16 baselines keep
 theirs), each writing <out-dir>/chunks<C>_pipe<P>_wg<W>.json.
 
@@ -17,7 +17,8 @@ import argparse
 import sys
 
 from kvdict_vk.bench import reconstruct
-from kvdict_vk.vk import KvArena, kernels
+from kvdict_vk.vk import kernels
+from kvdict_vk.vk.read import mapping
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     rest = [a for a in args.bench_args if a != "--"]
-    plain_mapping, plain_init = KvArena.reconstruct_mapping, kernels.Kernel.__init__
+    plain_mapping, plain_init = mapping.reconstruct_mapping, kernels.Kernel.__init__
     cap = {"reconstruct": kernels.MAX_WORKGROUPS}
 
     def init(self, device, shader, *a, **k):
@@ -46,12 +47,12 @@ def main() -> None:
         for w in (int(x) for x in args.max_workgroups.split(",")):
             for c in (int(x) for x in args.chunks.split(",")):
                 for p in (bool(int(x)) for x in args.pipelined.split(",")):
-                    KvArena.reconstruct_mapping = lambda self, sparsity, atoms_f16=False, c=c, p=p: (c, p)
+                    mapping.reconstruct_mapping = lambda memory, sparsity, atoms_f16=False, c=c, p=p: (c, p)
                     cap["reconstruct"] = w
                     print(f"CHUNKS {c} PIPELINED {int(p)} MAX_WORKGROUPS {w}", file=sys.stderr, flush=True)
                     reconstruct.main([*rest, "--out", f"{args.out_dir}/chunks{c}_pipe{int(p)}_wg{w}.json"])
     finally:
-        KvArena.reconstruct_mapping, kernels.Kernel.__init__ = plain_mapping, plain_init
+        mapping.reconstruct_mapping, kernels.Kernel.__init__ = plain_mapping, plain_init
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import numpy as np
 from kvdict_vk.bench import common, reconstruct, roofline, timing, traffic
 from kvdict_vk.vk import ReadPlan, spirv
 from kvdict_vk.vk.kernels import Buffer
+from kvdict_vk.vk.read import mapping
 from kvdict_vk.vk.spirv import SPV_DIR_ENV
 
 
@@ -40,8 +41,8 @@ def planned_read(args, dev, out, spv_dir: str):
         os.environ[SPV_DIR_ENV] = os.path.abspath(spv_dir)
     try:
         arena, codes, dicts = reconstruct.coded_arena(args.sparsity, args, dev, np.random.default_rng(0))
-        rec = ReadPlan(arena, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
-        digest = hashlib.sha256(spirv.load(f"reconstruct_{'vec4' if arena.vec4_rows else 'scalar'}")).hexdigest()
+        rec = ReadPlan(arena.memory, 0, 0, args.n_ctx, out=out).recording("dispatch", timestamps=True)
+        digest = hashlib.sha256(spirv.load(f"reconstruct_{'vec4' if mapping.vec4_rows(arena.memory) else 'scalar'}")).hexdigest()
     finally:
         os.environ.pop(SPV_DIR_ENV, None)
         if saved is not None:
