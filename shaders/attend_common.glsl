@@ -60,6 +60,20 @@ uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
 // The first record of split i of KV head g (add hj for query head hj of the group).
 uint record(uint i, uint g, uint n_kv) { return (i * n_kv + g) * GROUP; }
 
+// Writes an invocation's HB records from record rec (its first query head's) on: (m, l) into
+// stats, the accumulator quads into accs — the includer's buffers; m, l, acc its private
+// arrays of HB, HB and BQ (the per-invocation passes, attend_split.comp and attend_direct.comp).
+#define STORE_RECORDS(rec, m, l, acc)                        \
+    {                                                        \
+        uint rec_ = (rec);                                   \
+        [[unroll]] for (uint hj_ = 0u; hj_ < HB; ++hj_) {    \
+            stats[(rec_ + hj_) * 2u] = m[hj_];               \
+            stats[(rec_ + hj_) * 2u + 1u] = l[hj_];          \
+        }                                                    \
+        [[unroll]] for (uint x_ = 0u; x_ < BQ; ++x_)         \
+            accs[rec_ * Q4 + x_] = acc[x_];                  \
+    }
+
 // An invocation's index in its workgroup, numbered subgroup by subgroup where a kernel uses
 // subgroup operations (its SUBGROUP variants: lanes a subgroup shuffles among are then
 // neighbours whatever order the device gives gl_LocalInvocationID).

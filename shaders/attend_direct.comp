@@ -140,10 +140,7 @@ void decode_row(bool fresh, uint slot, uint sparsity, uint bits, uint level_word
         float half_ = residual_half(bits);
         [[unroll]] for (uint c = 0u; c < Q4; ++c) {
             vec4 d;
-            [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-                uint bit = (4u * c + k) * bits;
-                d[k] = float(residual_level(lw[bit >> 5u], lw[(bit >> 5u) + 1u], bit & 31u, bits)) - half_;
-            }
+            LEVEL_QUAD(d, lw, c, bits, half_)
             row[c] += (step_ * d) * scale[c];
         }
     }
@@ -220,13 +217,7 @@ void main() {
                 [[unroll]] for (uint c = 0u; c < Q4; ++c)
                     out_quads[(h0 + hj) * Q4 + c] = mean[c] + acc[hj * Q4 + c] * (1.0 / l[hj]);
         } else {
-            uint rec = record(pc.split0 + i, g, pc.n_kv) + hj0;
-            [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
-                stats[(rec + hj) * 2u] = m[hj];
-                stats[(rec + hj) * 2u + 1u] = l[hj];
-            }
-            [[unroll]] for (uint x = 0u; x < BQ; ++x)
-                accs[rec * Q4 + x] = acc[x];
+            STORE_RECORDS(record(pc.split0 + i, g, pc.n_kv) + hj0, m, l, acc);
         }
     }
 }

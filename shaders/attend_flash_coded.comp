@@ -103,6 +103,18 @@ shared uint full_sh[2];             // a bucket was full in pass k (k % 2)
 
 #define P_OF(x, h) p4_sh[(x) * HB4 + (h) / 4u][(h) % 4u]
 
+// Invocation x's HB values (a token's scores or probabilities) as its row of p4_sh, the last
+// vec4 padded with zeros.
+void publish(uint x, float v[HB]) {
+    [[unroll]] for (uint k = 0u; k < HB4; ++k) {
+        vec4 pv = vec4(0.0);
+        [[unroll]] for (uint hh = 0u; hh < 4u; ++hh)
+            if (4u * k + hh < HB)
+                pv[hh] = v[4u * k + hh];
+        p4_sh[x * HB4 + k] = pv;
+    }
+}
+
 void reduce(bool take_max) {  // P_OF(x, h) over x → P_OF(0, h), every head at once
     for (uint width = LOCAL / 2u; width > 0u; width >>= 1u) {
         barrier();
@@ -277,13 +289,7 @@ void main() {
             barrier();
             // 2. a score far above the reference: the chunk's maximum becomes it (uniform branch)
             if (grow_sh != 0u) {
-                [[unroll]] for (uint k = 0u; k < HB4; ++k) {
-                    vec4 sv = vec4(0.0);
-                    [[unroll]] for (uint hh = 0u; hh < 4u; ++hh)
-                        if (4u * k + hh < HB)
-                            sv[hh] = s[4u * k + hh];
-                    p4_sh[tid * HB4 + k] = sv;
-                }
+                publish(tid, s);
                 reduce(true);
                 [[unroll]] for (uint h = 0u; h < HB; ++h) {
                     float m_new = max(m[h], P_OF(0u, h));
@@ -305,13 +311,7 @@ void main() {
                 p[h] = exp(s[h] - m[h]);  // 0 past the split's end
                 l[h] += p[h];
             }
-            [[unroll]] for (uint k = 0u; k < HB4; ++k) {
-                vec4 pv = vec4(0.0);
-                [[unroll]] for (uint hh = 0u; hh < 4u; ++hh)
-                    if (4u * k + hh < HB)
-                        pv[hh] = p[4u * k + hh];
-                p4_sh[tid * HB4 + k] = pv;
-            }
+            publish(tid, p);
             uint pending = 0u;  // bit j: V code word j still to hand over
             if (live) {
                 [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j)

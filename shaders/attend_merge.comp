@@ -13,9 +13,6 @@
 
 const uint MERGE_UNROLL = 8u;
 
-layout(std430, binding = 0) readonly buffer LayerQuads { uvec4 layer_quads[]; };
-layout(std430, binding = 1) readonly buffer Stats { float stats[]; };
-layout(std430, binding = 2) readonly buffer Accs { vec4 accs[]; };
 layout(std430, binding = 3) writeonly buffer Out { vec4 out_quads[]; };
 
 layout(push_constant) uniform AttendMergePush {
@@ -26,13 +23,13 @@ layout(push_constant) uniform AttendMergePush {
     uint head_vec;   // words between two KV heads' means (0: shared dictionary)
 } pc;
 
+#include "attend_merge.glsl"
+
 void main() {
     uint items = pc.n_kv * GROUP * Q4;
     for (uint item = gl_GlobalInvocationID.x; item < items; item += grid_size()) {
-        uint h = item / Q4;
-        uint c = item - h * Q4;
-        uint g = h / GROUP;
-        uint hj = h - g * GROUP;
+        uint h, c, g, hj;
+        quad_item(item, h, c, g, hj);
         // MERGE_UNROLL records per iteration: their loads are independent, so a GPU has them
         // in flight together (a loop of one record per iteration waits out a load latency
         // per split: ~15-50 us for 64 splits on an H200, measured)
@@ -48,14 +45,10 @@ void main() {
                 if (i0 + u < pc.n_splits) {
                     uint rec = record(i0 + u, g, pc.n_kv) + hj;
                     float f = exp(stats[rec * 2u] - big_m);  // 0 for an empty split (m = -inf)
-                    big_l += f * stats[rec * 2u + 1u];
-                    o += f * accs[rec * Q4 + c];
+                    merge_add(f, stats[rec * 2u + 1u], accs[rec * Q4 + c], big_l, o);
                 }
             }
         }
-        vec4 mean = vec4(0.0);
-        if (pc.use_mean != 0u)
-            mean = uintBitsToFloat(layer_quads[((pc.mean_word + g * pc.head_vec) >> 2u) + c]);
-        out_quads[item] = mean + o * (1.0 / big_l);
+        out_quads[item] = mean_quad(g, c) + o * (1.0 / big_l);
     }
 }

@@ -19,9 +19,6 @@ const uint LOCAL = gl_WorkGroupSize.x;  // a multiple of Q4 (host)
 const uint SPLIT_LANES = LOCAL / Q4;
 const uint UNROLL = 4u;  // records per split lane loaded together (8: slower after long attend passes, probes/attend_merge_unroll.json)
 
-layout(std430, binding = 0) readonly buffer LayerQuads { uvec4 layer_quads[]; };
-layout(std430, binding = 1) readonly buffer Stats { float stats[]; };
-layout(std430, binding = 2) readonly buffer Accs { vec4 accs[]; };
 layout(std430, binding = 3) writeonly buffer Out { vec4 out_quads[]; };
 
 layout(push_constant) uniform AttendMergeHeadPush {
@@ -32,6 +29,8 @@ layout(push_constant) uniform AttendMergeHeadPush {
     uint head_vec;   // words between two KV heads' means (0: shared dictionary)
     uint seq_heads;  // KV heads of a sequence: n_kv counts virtual heads (attend_common.glsl)
 } pc;
+
+#include "attend_merge.glsl"
 
 shared float m_sh[SPLIT_LANES];
 shared float l_sh[SPLIT_LANES];
@@ -45,8 +44,8 @@ void main() {
         uint hj = h - g * GROUP;
         // the mean's quad, loaded beside the records (only the first lane uses it)
         vec4 mean = vec4(0.0);
-        if (pc.use_mean != 0u && lane == 0u)
-            mean = uintBitsToFloat(layer_quads[((pc.mean_word + (g % pc.seq_heads) * pc.head_vec) >> 2u) + c]);
+        if (lane == 0u)
+            mean = mean_quad(g % pc.seq_heads, c);
         // this lane's records i = lane + k * SPLIT_LANES, merged online: (m, l, o) is the
         // merge of those seen so far, referred to m (-inf while all were empty splits)
         float m = NEG_INF, l = 0.0;
@@ -73,11 +72,8 @@ void main() {
                 float f = exp(m - m_new);  // 0 while m = -inf
                 l *= f;
                 o *= f;
-                [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
-                    float fu = exp(mi[u] - m_new);  // 0 for an empty split
-                    l += fu * li[u];
-                    o += fu * ai[u];
-                }
+                [[unroll]] for (uint u = 0u; u < UNROLL; ++u)
+                    merge_add(exp(mi[u] - m_new), li[u], ai[u], l, o);  // factor 0 for an empty split
                 m = m_new;
             }
         }
@@ -95,8 +91,7 @@ void main() {
             vec4 sum = vec4(0.0);
             [[unroll]] for (uint ln = 0u; ln < SPLIT_LANES; ++ln) {
                 float f = m_sh[ln] > NEG_INF ? exp(m_sh[ln] - big_m) : 0.0;  // a lane of empty splits adds nothing
-                big_l += f * l_sh[ln];
-                sum += f * acc_sh[ln * Q4 + c];
+                merge_add(f, l_sh[ln], acc_sh[ln * Q4 + c], big_l, sum);
             }
             out_quads[h * Q4 + c] = mean + sum * (1.0 / big_l);
         }

@@ -9,9 +9,6 @@
 #include "common.glsl"
 #include "attend_common.glsl"
 
-layout(std430, binding = 0) readonly buffer LayerQuads { uvec4 layer_quads[]; };
-layout(std430, binding = 1) readonly buffer Stats { float stats[]; };
-layout(std430, binding = 2) readonly buffer Accs { vec4 accs[]; };
 layout(std430, binding = 3) readonly buffer Blocks { vec4 blocks[]; };
 layout(std430, binding = 4) writeonly buffer Out { vec4 out_quads[]; };
 
@@ -26,13 +23,13 @@ layout(push_constant) uniform AttendReducePush {
     uint head_vec;   // words between two KV heads' means (0: shared dictionary)
 } pc;
 
+#include "attend_merge.glsl"
+
 void main() {
     uint items = pc.n_kv * GROUP * Q4;
     for (uint item = gl_GlobalInvocationID.x; item < items; item += grid_size()) {
-        uint h = item / Q4;
-        uint c = item - h * Q4;
-        uint g = h / GROUP;
-        uint hj = h - g * GROUP;
+        uint h, c, g, hj;
+        quad_item(item, h, c, g, hj);
         vec4 o = vec4(0.0);
         [[dont_unroll]] for (uint i = 0u; i < pc.n_splits; ++i) {
             uint rec = record(i, g, pc.n_kv) + hj;
@@ -40,9 +37,6 @@ void main() {
         }
         [[dont_unroll]] for (uint b = 0u; b < pc.n_blocks; ++b)
             o += blocks[((g * pc.n_blocks + b) * GROUP + hj) * Q4 + c];
-        vec4 mean = vec4(0.0);
-        if (pc.use_mean != 0u)
-            mean = uintBitsToFloat(layer_quads[((pc.mean_word + g * pc.head_vec) >> 2u) + c]);
-        out_quads[item] = mean + o * stats[pc.inv_l_word + h];
+        out_quads[item] = mean_quad(g, c) + o * stats[pc.inv_l_word + h];
     }
 }

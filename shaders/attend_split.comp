@@ -81,10 +81,7 @@ void residual_levels(uint word, uint bits, uint level_words, out vec4 d[Q4]) {
         lw[w] = w < level_words ? layer_words[word + w] : 0u;  // then the "next word" of the last level
     float half_ = residual_half(bits);
     [[unroll]] for (uint c = 0u; c < Q4; ++c)
-        [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-            uint bit = (4u * c + k) * bits;
-            d[c][k] = float(residual_level(lw[bit >> 5u], lw[(bit >> 5u) + 1u], bit & 31u, bits)) - half_;
-        }
+        LEVEL_QUAD(d[c], lw, c, bits, half_)
 }
 
 void main() {
@@ -208,12 +205,6 @@ void main() {
             [[unroll]] for (uint x = 0u; x < BQ; ++x)
                 acc[x] *= row[x % Q4];
         }
-        uint rec = record(i, g, pc.n_kv) + hj0;
-        [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
-            stats[(rec + hj) * 2u] = m[hj];
-            stats[(rec + hj) * 2u + 1u] = l[hj];
-        }
-        [[unroll]] for (uint x = 0u; x < BQ; ++x)
-            accs[rec * Q4 + x] = acc[x];
+        STORE_RECORDS(record(i, g, pc.n_kv) + hj0, m, l, acc);
     }
 }

@@ -15,14 +15,7 @@ const uint GROUPS = ROW_CHUNKS / CHUNKS;
 layout(std430, binding = 0) readonly buffer LayerElems { UELEM layer_elems[]; };
 layout(std430, binding = 1) writeonly buffer OutElems { UELEM out_elems[]; };
 
-layout(push_constant) uniform CopyRowsPush {
-    uint src_word;  // start of the stream's passthrough region
-    uint n_ctx;
-    uint t0;
-    uint n_tok;
-    uint n_rows;    // n_kv * n_tok
-    uint out_word;
-} pc;
+#include "read_rows.glsl"
 
 void main() {
     uint gid = gl_GlobalInvocationID.x;
@@ -31,9 +24,7 @@ void main() {
     uint src_elem = pc.src_word / LANES;
     uint out_elem = pc.out_word / LANES;
     for (uint row = gid / GROUPS; row < pc.n_rows; row += row_step) {
-        uint head = row / pc.n_tok;
-        uint token = pc.t0 + (row - head * pc.n_tok);
-        uint src_row = src_elem + (head * pc.n_ctx + token) * ROW_CHUNKS;
+        uint src_row = src_elem + stored_row(row) * ROW_CHUNKS;
         for (uint k = 0u; k < CHUNKS; ++k) {
             uint chunk = group + k * GROUPS;
             out_elems[out_elem + row * ROW_CHUNKS + chunk] = layer_elems[src_row + chunk];

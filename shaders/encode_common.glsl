@@ -15,8 +15,8 @@
 // have run 65535 iterations: the pick kernel's loops are counted by the host
 // (encoder.loop_iterations), the correlation kernel has none.
 //
-// Requires (before inclusion): LANES, FELEM (common.glsl), DIM_ELEMS and dict_elems for
-// ATOM_DOT.
+// Requires (before inclusion): LANES, FELEM (common.glsl); DIM_ELEMS for LOAD_ROW / STORE_ROW,
+// and ATOM_DOT (which also reads dict_elems).
 
 layout(push_constant) uniform EncodePush {
     uint phase;           // pick: 0 = start (r = x - mean), 1 = OMP step `step`
@@ -62,6 +62,18 @@ float elem_sum(vec4 v) { return (v.x + v.y) + (v.z + v.w); }
 float elem_sum(float v) { return v; }
 #endif
 
+// Element-wise moves of a DIM-wide row between a buffer of FELEMs (from element elem0) and a
+// private float array, unrolled (the array indexed by constants only).
+#define LOAD_ROW(arr, buf, elem0)                                                 \
+    [[unroll]] for (uint e_ = 0u; e_ < DIM_ELEMS; ++e_) {                         \
+        FELEM w_ = buf[(elem0) + e_];                                             \
+        [[unroll]] for (uint c_ = 0u; c_ < LANES; ++c_)                           \
+            arr[e_ * LANES + c_] = elem_at(w_, c_);                               \
+    }
+#define STORE_ROW(buf, elem0, arr)                                                \
+    [[unroll]] for (uint e_ = 0u; e_ < DIM_ELEMS; ++e_)                           \
+        buf[(elem0) + e_] = ARRAY_ELEM(arr, e_);
+
 // result = <row j of the DIM-wide rows at element base, r>, two accumulators (twice the
 // independent add chains). The loop keeps the plain `i < constant; ++i` form: NIR unrolls
 // only loops whose trip count it can see, and unrolled is what keeps r in registers and the
@@ -87,6 +99,25 @@ bool corr_beats(float c, float best_c) {
     float a = abs(c), b = abs(best_c);
     return (uint(a > b) | (uint(a == b) & uint(c >= 0.0) & uint(best_c < 0.0))) != 0u;
 }
+
+// The same order as a key (correlation c of atom i against the best so far, bc of atom bi),
+// for any visiting order (the GPU-shaped encoders, omp_encode_tiled.comp and
+// omp_encode_vector.comp, reduce over atoms in a tree): larger |c|; on equal |c| the
+// non-negative one (numpy's argmax is taken unless -min is strictly larger); then the lower
+// index.
+bool key_beats(float c, uint i, float bc, uint bi) {
+    float a = abs(c), b = abs(bc);
+    if (a != b)
+        return a > b;
+    bool pos = c >= 0.0, bpos = bc >= 0.0;
+    if (pos != bpos)
+        return pos;
+    return i < bi;
+}
+
+// codec._DEPENDENT_NU2: an atom whose squared norm after Gram-Schmidt is at most this is
+// dependent (float32 Gram-Schmidt leaves ~1e-14 of an exactly dependent atom).
+const float DEPENDENT_NU2 = 1e-10;
 
 const float F16_MAX = 65504.0;
 

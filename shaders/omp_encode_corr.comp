@@ -38,11 +38,7 @@ void main() {
 
     float res[DIM];
     uint r_elem = pc.res_word / LANES + vec_index * DIM_ELEMS;
-    [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e) {
-        FELEM w = state_elems[r_elem + e];
-        [[unroll]] for (uint c = 0u; c < LANES; ++c)
-            res[e * LANES + c] = elem_at(w, c);
-    }
+    LOAD_ROW(res, state_elems, r_elem);
 
     uint first = pc.block * ATOM_BLOCK;
     uint atoms_elem = pc.atoms_word / LANES + (pc.dict_head * n_blocks * ATOM_BLOCK + first) * DIM_ELEMS;

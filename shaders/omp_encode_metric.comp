@@ -30,11 +30,7 @@ void main() {
 
     float centred[DIM];
     uint src_elem = pc.basis_word / LANES + vec_index * DIM_ELEMS;
-    [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e) {
-        FELEM w = state_elems[src_elem + e];
-        [[unroll]] for (uint c = 0u; c < LANES; ++c)
-            centred[e * LANES + c] = elem_at(w, c);
-    }
+    LOAD_ROW(centred, state_elems, src_elem);
     uint first = pc.block * METRIC_ROWS;
     uint w_elem = pc.metric_word / LANES;
     float mapped[METRIC_ROWS];

@@ -52,19 +52,6 @@ layout(std430, binding = 6) writeonly buffer Dest { uint dest_words[]; };
 #include "encode_residual.glsl"
 #endif
 
-// codec._DEPENDENT_NU2. Float32 Gram-Schmidt leaves ~1e-14 of an exactly dependent atom.
-const float DEPENDENT_NU2 = 1e-10;
-
-#define LOAD_ROW(arr, buf, elem0)                                                 \
-    [[unroll]] for (uint e_ = 0u; e_ < DIM_ELEMS; ++e_) {                         \
-        FELEM w_ = buf[(elem0) + e_];                                             \
-        [[unroll]] for (uint c_ = 0u; c_ < LANES; ++c_)                           \
-            arr[e_ * LANES + c_] = elem_at(w_, c_);                               \
-    }
-#define STORE_ROW(buf, elem0, arr)                                                \
-    [[unroll]] for (uint e_ = 0u; e_ < DIM_ELEMS; ++e_)                           \
-        buf[(elem0) + e_] = ARRAY_ELEM(arr, e_);
-
 float state_float(uint word) { return uintBitsToFloat(state_words[word]); }
 
 void start(uint v, uint dict_head) {

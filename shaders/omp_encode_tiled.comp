@@ -53,7 +53,6 @@ const uint Z_AT = SPARSITY * SPARSITY;
 const uint IDX_AT = Z_AT + SPARSITY;
 const uint STATE_WORDS = IDX_AT + SPARSITY;
 const uint A_SH = CHUNK_DIMS > 0u ? CHUNK_DIMS * AGROUPS : 1u;
-const float DEPENDENT_NU2 = 1e-10;  // codec._DEPENDENT_NU2
 
 layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at v*DIM
 layout(std430, binding = 1) readonly buffer DictElems { FELEM dict_elems[]; };
@@ -81,18 +80,6 @@ shared vec2 spread_sh[2u * TILE_VECTORS];      // its RMS and largest magnitude 
 shared vec2 cand_err_sh[TILE_VECTORS * N_STEPS];
 shared float cand_step_sh[TILE_VECTORS * N_STEPS];
 #endif
-
-// codec.omp's order, any visiting order: larger |c|; on equal |c| the non-negative one
-// (numpy's argmax is taken unless -min is strictly larger); then the lower index.
-bool key_beats(float c, uint i, float bc, uint bi) {
-    float a = abs(c), b = abs(bc);
-    if (a != b)
-        return a > b;
-    bool pos = c >= 0.0, bpos = bc >= 0.0;
-    if (pos != bpos)
-        return pos;
-    return i < bi;
-}
 
 float r_get(uint d, uint lv) { return r_sh[d * VGROUPS + (lv >> 2u)][lv & 3u]; }
 void r_set(uint d, uint lv, float v) { r_sh[d * VGROUPS + (lv >> 2u)][lv & 3u] = v; }

@@ -46,7 +46,6 @@ const uint SLOT_WORDS = SPARSITY;
 const uint LOCAL = gl_WorkGroupSize.x;
 const uint SEGMENTS_F = SPARSITY + 2u;  // float sums at once: <= SPARSITY - 1 dots, or 2 norms
 const uint NONE = 0xFFFFFFFFu;
-const float DEPENDENT_NU2 = 1e-10;   // codec._DEPENDENT_NU2
 
 layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at v*DIM
 layout(std430, binding = 1) readonly buffer DictFloats { float dict_floats[]; };
@@ -77,17 +76,6 @@ shared vec2 sq_sh[SUM_D];                    // partial sums of u^2
 shared vec2 max_sh[SUM_D];                   // partial maxima of |u|
 shared vec2 err_sh[N_STEPS * SUM_D];         // partial candidate errors, candidate s at s*SUM_D
 #endif
-
-// codec.omp's order, any visiting order (as omp_encode_tiled.comp).
-bool key_beats(float c, uint i, float bc, uint bi) {
-    float a = abs(c), b = abs(bc);
-    if (a != b)
-        return a > b;
-    bool pos = c >= 0.0, bpos = bc >= 0.0;
-    if (pos != bpos)
-        return pos;
-    return i < bi;
-}
 
 float x_at(uint v, uint d) { return elem_at(x_elems[(v * DIM + d) / LANES], d % LANES); }
 

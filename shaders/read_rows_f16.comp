@@ -14,23 +14,14 @@ const uint ROW_WORDS = HEAD_DIM / 2u;
 layout(std430, binding = 0) readonly buffer LayerWords { uint layer_words[]; };
 layout(std430, binding = 1) writeonly buffer OutPairs { vec2 out_pairs[]; };
 
-layout(push_constant) uniform CopyRowsPush {
-    uint src_word;  // start of the stream's passthrough region
-    uint n_ctx;
-    uint t0;
-    uint n_tok;
-    uint n_rows;    // n_kv * n_tok
-    uint out_word;  // even
-} pc;
+#include "read_rows.glsl"
 
 void main() {
     uint n = pc.n_rows * ROW_WORDS;
     for (uint i = gl_GlobalInvocationID.x; i < n; i += grid_stride()) {
         uint row = i / ROW_WORDS;
         uint e = i - row * ROW_WORDS;
-        uint head = row / pc.n_tok;
-        uint token = pc.t0 + (row - head * pc.n_tok);
-        uint w = layer_words[pc.src_word + (head * pc.n_ctx + token) * ROW_WORDS + e];
+        uint w = layer_words[pc.src_word + stored_row(row) * ROW_WORDS + e];
         out_pairs[pc.out_word / 2u + i] = unpackHalf2x16(w);
     }
 }

@@ -16,23 +16,14 @@ const uint ROW_WORDS = SCALE_WORDS + VALUE_WORDS;
 layout(std430, binding = 0) readonly buffer LayerWords { uint layer_words[]; };
 layout(std430, binding = 1) writeonly buffer OutQuads { vec4 out_quads[]; };
 
-layout(push_constant) uniform CopyRowsPush {
-    uint src_word;  // start of the stream's passthrough region
-    uint n_ctx;
-    uint t0;
-    uint n_tok;
-    uint n_rows;    // n_kv * n_tok
-    uint out_word;  // a multiple of 4
-} pc;
+#include "read_rows.glsl"
 
 void main() {
     uint n = pc.n_rows * VALUE_WORDS;
     for (uint i = gl_GlobalInvocationID.x; i < n; i += grid_stride()) {
         uint row = i / VALUE_WORDS;
         uint c = i - row * VALUE_WORDS;  // value word: elements 4c .. 4c+3, block 4c / 32
-        uint head = row / pc.n_tok;
-        uint token = pc.t0 + (row - head * pc.n_tok);
-        uint base = pc.src_word + (head * pc.n_ctx + token) * ROW_WORDS;
+        uint base = pc.src_word + stored_row(row) * ROW_WORDS;
         uint block = c / 8u;
         float d = unpackHalf2x16(layer_words[base + block / 2u])[block % 2u];
         out_quads[pc.out_word / 4u + i] = int8x4(layer_words[base + SCALE_WORDS + c]) * d;

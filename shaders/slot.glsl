@@ -34,6 +34,16 @@ uint residual_level(uint w0, uint w1, uint bit, uint bits) {
     return v & ((1u << bits) - 1u);
 }
 float residual_half(uint bits) { return float((1u << bits) - 1u) * 0.5; }
+// Elements 4c .. 4c+3 of a slot's levels minus half (centre: residual_half(bits)) into the
+// vec4 d, from lw: a private array of the slot's level words then one more (the "next word" of
+// the last level: 0). A macro (the array's size is the includer's constant); unrolled, so with
+// c a constant every element's word and shift are constants too. Needs
+// GL_EXT_control_flow_attributes.
+#define LEVEL_QUAD(d, lw, c, bits, centre)                                                    \
+    [[unroll]] for (uint k_ = 0u; k_ < 4u; ++k_) {                                            \
+        uint bit_ = (4u * (c) + k_) * (bits);                                                 \
+        d[k_] = float(residual_level(lw[bit_ >> 5u], lw[(bit_ >> 5u) + 1u], bit_ & 31u, bits)) - (centre); \
+    }
 // The 32 bits of the level stream starting `off` bits (0..31) into word w0, w1 the next word
 // (its bits are taken only when off > 0: pass 0 where no level straddles). No branch: for
 // off = 0, (w1 << 1) << 31 drops every bit of w1.
