@@ -39,9 +39,8 @@
 // (GROUP_POW2 - 1) + log2(HEAD_LANES) + GROUP shuffles and one exp a token (8 and 1 at four
 // heads and d64) against GROUP × log2(UNITS) and GROUP (12 and 4). Where the group, padded to a
 // power of two, outnumbers a token's lanes, every lane sums every head's score by xor shuffles
-// and takes every head's step, as SCATTER 0 does everywhere. Measured on an H200
-// (docs/DESIGN.md): 1.5-3.5 % off the f16 attention at 8 × 4 heads, none at 3 × 3; a build-time
-// knob for probes.
+// and takes every head's step, as SCATTER 0 does everywhere (lab/NOTEBOOK.md, "attend_flash,
+// the f16 flash kernel"); a build-time knob for probes.
 #ifndef SCATTER
 #define SCATTER 1
 #endif
@@ -73,10 +72,9 @@ const uint UNIT_DIMS = 8u;
 const uint UNITS = HEAD_DIM / UNIT_DIMS;  // invocations per token; LOCAL % UNITS == 0 (host)
 const uint TLANES = LOCAL / UNITS;        // tokens in flight per workgroup
 // Tokens per invocation whose rows are loaded together, and whether the next round's rows
-// are loaded while this round computes (else after it): on an H200 (8 × 4 heads, d64, 131 072
-// tokens) 2 tokens with prefetch won for f16 (87 µs against 101-134 for 2/4/8 tokens
-// without or 8 with) and q8_0 rows; f32 rows — twice the registers a unit — won without
-// (144 µs, 179 with). Build-time knobs for such probes.
+// are loaded while this round computes (else after it): 2 tokens with prefetch won for f16 and
+// q8_0 rows, f32 rows — twice the registers a unit — won without (lab/NOTEBOOK.md,
+// "attend_flash, the f16 flash kernel"). Build-time knobs for such probes.
 #ifndef TOKENS_PER_LANE
 #define TOKENS_PER_LANE 2u
 #endif

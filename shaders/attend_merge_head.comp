@@ -8,8 +8,8 @@
 // them loaded together, so the whole pass is ONE round trip to memory at up to
 // SPLIT_LANES * UNROLL splits and one barrier; the lanes' (m, l, acc) then meet in shared
 // memory. (Its predecessor took the maximum first — a load round, a tree of barriers — then
-// loaded the records again: 4.7-7.6 µs at 22-86 splits on an H200, against a 2.1 µs floor for
-// any recorded op; this pass 4.0-5.9 µs, docs/results/h200/probes/attend_merge_unroll.json.)
+// loaded the records again, and was slower: lab/NOTEBOOK.md, "attend_flash: short contexts, the
+// merge and the split's end".)
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -17,7 +17,7 @@
 
 const uint LOCAL = gl_WorkGroupSize.x;  // a multiple of Q4 (host)
 const uint SPLIT_LANES = LOCAL / Q4;
-const uint UNROLL = 4u;  // records per split lane loaded together (8: slower after long attend passes, probes/attend_merge_unroll.json)
+const uint UNROLL = 4u;  // records per split lane loaded together (8 was slower after long attend passes)
 
 layout(std430, binding = 3) writeonly buffer Out { vec4 out_quads[]; };
 

@@ -61,8 +61,7 @@ const bool QUAD_PAIRS = (ATOMS_F16 ? PIECES % 2u : 1u) == 0u;
 const uint WHOLE_STEPS = ATOMS_F16 ? HALF_CHUNKS : CHUNKS;
 
 // restrict: nothing this dispatch writes aliases the layer (the two read-only views of it
-// alias each other, which restrict allows: neither is written). Measured on the H200: no
-// change (docs/results/h200/probes/reconstruct_prefetch.json).
+// alias each other, which restrict allows: neither is written).
 layout(std430, binding = 0) restrict readonly buffer LayerWords { uint layer_words[]; };
 layout(std430, binding = 1) restrict readonly buffer LayerElems { FELEM layer_elems[]; };
 layout(std430, binding = 2) restrict writeonly buffer OutElems { FELEM out_elems[]; };
@@ -233,9 +232,9 @@ void load_slot_words(uint slot, uint group, out uint code[ROW_CODES], out uint l
 // GPUs: GROUPS invocations per row, invocation g writing chunks g + k*GROUPS (k < CHUNKS), so
 // neighbouring invocations write neighbouring chunks (coalesced). PIPELINED: the slot words an
 // invocation needs for its next row are loaded before this row's atom gathers, so a row's HBM
-// latency hides under the previous row's work — H200, 1 GiB out: s 4 0.667 -> 0.69 of the
-// copy roofline, but s 1 and s 8 lose (more registers); gathering the next row's atoms early
-// too halved it (docs/results/h200/probes/reconstruct_prefetch.json).
+// latency hides under the previous row's work; it pays at middling sparsity only (more
+// registers elsewhere), and gathering the next row's atoms early too lost (lab/NOTEBOOK.md,
+// "Reconstruct"; the host picks it per sparsity: kvdict_vk/vk/read/mapping.py).
 void rows_chunked() {
     uint gid = gl_GlobalInvocationID.x;
     // The host makes grid_stride() a multiple of GROUPS, so an invocation keeps the same
