@@ -22,12 +22,10 @@ FLASH_UNIT_DIMS = 8
 # attend_flash_wide's END_ELEMS, preferred first (fewer passes): 2 or 1 would be correct too,
 # but made the whole kernel 3-4x slower on an H200 (the compiler's choices with 4-8 passes)
 FLASH_END_ELEMS = (8, 4)
-# attend_flash's END_ELEMS per float build (attend.FLASH_KERNELS): elements of a unit its
-# split's end moves a pass, 16 / END_ELEMS barriers. On an H200 2 was never slower than 1
-# (geometric mean 0.97 over 24 launch shapes); 4 took the build past 128 registers at 4 query
-# heads a KV head (145-149: half the workgroups a multiprocessor, up to 32 % slower) and gained
-# nothing at 3 (116 either way), so it is not offered (docs/DESIGN.md; a probe offers more
-# builds with attend_floor_probe --float-end-elems).
+# attend_flash's END_ELEMS per float build (FLASH_KERNELS): elements of a unit its split's
+# end moves a pass, 16 / END_ELEMS barriers. 2 was never slower than 1; 4 costs registers
+# (fewer workgroups a multiprocessor) and gained nothing, so it is not offered
+# (lab/NOTEBOOK.md, "Registers").
 FLASH_FLOAT_END_ELEMS = {"float": 2}
 
 
