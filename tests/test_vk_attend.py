@@ -205,7 +205,7 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
         local = att.plan(0, n_ctx).local
         fits = flash_subgroup_fits(flash_units(hd), local, arena.device.shuffle_subgroup_size())
         shader = "attend_flash_wide" if "wide" in path else "attend_flash"
-        assert att.flash_variant(local, shader) == (f"{shader}_sg" if fits and not path.endswith("-shared") else shader)
+        assert att.shapes.flash_variant(local, shader) == (f"{shader}_sg" if fits and not path.endswith("-shared") else shader)
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 7, min(4096, n_ctx), n_ctx}):
         _check(arena, stored, 0, q, n_used)
@@ -222,7 +222,7 @@ def test_flash_end_in_any_number_of_passes(kernel, end_elems, path, make_arena, 
     not every count is offered, some being slow, but each is correct): every pass count gives
     the reference, with 3 query heads (not a power of two) and token lanes of which some see
     no token (n_used 1 and 7)."""
-    from kvdict_vk.vk.attend import engine as attend_module
+    from kvdict_vk.vk.attend import flash as attend_module
     if kernel == "wide_end":
         monkeypatch.setattr(attend_module, "FLASH_END_ELEMS", (end_elems,))
     else:
@@ -233,8 +233,8 @@ def test_flash_end_in_any_number_of_passes(kernel, end_elems, path, make_arena, 
     att = arena.attention(n_kv * g)
     att.path, att.flash_kernel = "flash", kernel
     att.subgroups = False if path == "flash-shared" else None
-    local = att.flash_kernel_locals(0, kernel)[0]
-    assert att.flash_end_elems(local, kernel) == end_elems and att.plan(0, n_ctx).kernel == kernel
+    local = att.shapes.flash_kernel_locals(0, kernel)[0]
+    assert att.shapes.flash_end_elems(local, kernel) == end_elems and att.plan(0, n_ctx).kernel == kernel
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in (1, 7, 1500, n_ctx):
         _check(arena, stored, 0, q, n_used)
@@ -244,7 +244,7 @@ def test_flash_end_elems_that_do_not_divide_a_unit_are_refused(make_arena, monke
     """An END_ELEMS whose passes would not cover a unit's 8 elements exactly (they would write
     past the unit) is refused by the kernel's contract before anything is dispatched, and the
     attention still works once a valid count is back."""
-    from kvdict_vk.vk.attend import engine as attend_module
+    from kvdict_vk.vk.attend import flash as attend_module
     rng = np.random.default_rng(3)
     hd, g, n_kv, n_ctx = 64, 3, 2, 600
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, "f16")
@@ -255,7 +255,7 @@ def test_flash_end_elems_that_do_not_divide_a_unit_are_refused(make_arena, monke
         att.path, att.flash_kernel = "flash", "float"
         with pytest.raises(E.DispatchError, match=r"attend_flash \(specialization\)"):
             arena.attend(0, q, n_ctx)
-    assert arena.attention(n_kv * g) is att and att.flash_end_elems(att.plan(0, n_ctx).local, "float") == 2
+    assert arena.attention(n_kv * g) is att and att.shapes.flash_end_elems(att.plan(0, n_ctx).local, "float") == 2
     _check(arena, stored, 0, q, n_ctx)
 
 
@@ -303,13 +303,13 @@ def test_flash_workgroup_counts_come_from_the_multiprocessors(make_arena):
     arena = make_arena(1, n_kv, 64, 45056, cache="f16", shader_mapping="chunk")
     att = arena.attention(n_kv * g)
     att.path, att.compute_units = "flash", 132
-    shapes = att.flash_candidates(0)
+    shapes = att.shapes.flash_candidates(0)
     # 3 KV heads: 1 056 and 528 workgroups both reach the 128 splits' cap; 264 make 88 splits
     assert att.max_splits == attend.MAX_SPLITS
     for kernel in {sh.kernel for sh in shapes}:
         for local in {sh.local for sh in shapes if sh.kernel == kernel}:
             assert sorted(sh.workgroups for sh in shapes if (sh.kernel, sh.local) == (kernel, local)) == [264, 1056]
-    assert [att.splits_wanted(sh) for sh in shapes[:2]] == [128, 88]
+    assert [att.shapes.splits_wanted(sh) for sh in shapes[:2]] == [128, 88]
     for workgroups, splits in ((8, 2), (9, 3), (2, 1), (264, 88)):
         att.flash_workgroups = workgroups
         plan = att.plan(0, 45056)  # 88 splits of 512 tokens: whole rounds of 64 (test_flash_splits_are_whole_rounds)
@@ -332,7 +332,7 @@ def test_flash_splits_are_whole_rounds(make_arena):
     arena = make_arena(1, n_kv, hd, 40000, cache="f16", shader_mapping="chunk")
     att = arena.attention(n_kv * g)
     for n_used, n_splits, split_len in ((32768, 32, 1024), (39000, 33, 1184), (1000, 8, 128), (100, 1, 100)):
-        plan = att.flash_shaped(n_used, T.Shape(256, 66))  # 33 splits wanted
+        plan = att.shapes.flash_shaped(n_used, T.Shape(256, 66))  # 33 splits wanted
         assert (plan.n_splits, plan.split_len) == (n_splits, split_len)
         assert (plan.n_splits - 1) * plan.split_len < n_used <= plan.n_splits * plan.split_len
 
@@ -394,7 +394,7 @@ def test_flash_path_needs_a_layer_it_fits(make_arena, activate):
     rng = np.random.default_rng(12)
     arena, stored = _filled_arena(make_arena, activate, rng, 32, 2, 64, random_artifact(rng, 32, 16, [((2, 3), None)]))
     att = arena.attention(4)
-    assert att.plan(0, 64).path in ("direct", "table") and not att.flash_fits(0)
+    assert att.plan(0, 64).path in ("direct", "table") and not att.shapes.flash_fits(0)
     with pytest.raises(E.ArenaError, match="flash"):
         att.plan(0, 64, path="flash")
 
@@ -425,7 +425,7 @@ def test_flash_coded_attention_equals_reference(case, make_arena, activate):
     arena.append_codes(0, k, v)
     att = arena.attention(n_kv * g)
     att.path = "flash"
-    assert att.flash_coded_heads(0) >= 1
+    assert att.shapes.flash_coded_heads(0) >= 1
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in sorted({1, 129, n_ctx // 2 + 1, n_ctx}):
         p = att.plan(0, n_used)
@@ -443,8 +443,8 @@ def test_flash_coded_crowded_atoms_take_more_passes(local, bucket, make_arena, a
     then on atoms sharing one owner (a, a + LOCAL, …), then on two owners, then spread — the
     reference's output at the smallest bucket and the largest, at the largest and smallest
     workgroup (so with the fewest and the most atoms owned per invocation)."""
-    from kvdict_vk.vk.attend import engine as A, specs as S, tune as T
-    monkeypatch.setattr(A, "FLASH_CODED_LOCALS", (local,))
+    from kvdict_vk.vk.attend import flash as F, specs as S, tune as T
+    monkeypatch.setattr(F, "FLASH_CODED_LOCALS", (local,))
     monkeypatch.setattr(T, "_CHOICES", {})  # where the device tunes: no shape measured by another case
     if bucket == "smallest":
         monkeypatch.setattr(S, "FLASH_CODED_BUCKET", (S.FLASH_CODED_BUCKET[0],) * 2)
@@ -467,9 +467,9 @@ def test_flash_coded_crowded_atoms_take_more_passes(local, bucket, make_arena, a
     arena.append_codes(0, k, v)
     att = arena.attention(n_kv * g)
     att.path, att.coded_kernel = "flash", "float"
-    assert att.flash_coded_options(0, "float") == [(2, [local]), (1, [local])]
+    assert att.shapes.flash_coded_options(0, "float") == [(2, [local]), (1, [local])]
     least = S.FLASH_CODED_BUCKET[0]
-    assert (att.flash_coded_bucket(0, 2, local) == least) == (bucket == "smallest")  # else larger
+    assert (att.shapes.flash_coded_bucket(0, 2, local) == least) == (bucket == "smallest")  # else larger
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for n_used in (299, 700, n_ctx):
         assert att.plan(0, n_used).local == local
@@ -699,18 +699,18 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     att.compute_units = 7  # planned as on a GPU of 7 multiprocessors: counts 7 × attend_tune's multiples
     counts = T.workgroup_counts(7, coded)
     if coded:  # the query heads per workgroup are a dimension of the search
-        assert [hb for hb, _ in att.flash_coded_options(0, "float")] == [2, 1]
-        offered = T.candidates(att.flash_coded_options(0, "float"), counts, "float")
+        assert [hb for hb, _ in att.shapes.flash_coded_options(0, "float")] == [2, 1]
+        offered = T.candidates(att.shapes.flash_coded_options(0, "float"), counts, "float")
     else:  # the build (its split's end) is a dimension too
-        from kvdict_vk.vk.attend.engine.engine import FLASH_KERNELS
-        assert all(att.flash_kernel_locals(0, kernel) == att.flash_locals(0) for kernel in FLASH_KERNELS)
+        from kvdict_vk.vk.attend.flash import FLASH_KERNELS
+        assert all(att.shapes.flash_kernel_locals(0, kernel) == att.shapes.flash_locals(0) for kernel in FLASH_KERNELS)
         offered = [sh for kernel in FLASH_KERNELS
-                   for sh in T.candidates([(0, att.flash_kernel_locals(0, kernel))], counts, kernel)]
+                   for sh in T.candidates([(0, att.shapes.flash_kernel_locals(0, kernel))], counts, kernel)]
     what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
-    shapes = att.flash_candidates(0)  # offered, less counts whose splits come out alike
+    shapes = att.shapes.flash_candidates(0)  # offered, less counts whose splits come out alike
     assert shapes[0] == offered[0] and set(shapes) <= set(offered) and all(sh.workgroups % 7 == 0 for sh in shapes)
     assert {what(sh) for sh in shapes} == {what(sh) for sh in offered}
-    assert len({(what(sh), att.splits_wanted(sh)) for sh in shapes}) == len(shapes) >= 2
+    assert len({(what(sh), att.shapes.splits_wanted(sh)) for sh in shapes}) == len(shapes) >= 2
     favourite = shapes[-1]  # coded: one query head per workgroup, the smallest size; else the wide end
     timed = []
 
@@ -720,7 +720,7 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
         assert plan.n_splits * blocks <= max(counts)  # splits rounded down: never past a count
         return 1e-3 - 1e-7 * plan.n_splits if what(plan) == what(favourite) else 2e-3
     monkeypatch.setattr(att, "time_plan", fake_time)
-    import kvdict_vk.vk.attend.engine.engine as A
+    from kvdict_vk.vk.attend import engine as A
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     p = att.plan(0, 1500)
     assert len(timed) == T.ROUNDS * len(shapes) and what(p) == what(favourite)
@@ -742,7 +742,7 @@ def test_flash_coded_heads_per_workgroup_fixed_by_the_caller(make_arena, activat
     arena, stored = _filled_arena(make_arena, activate, rng, hd, n_kv, n_ctx, art, "f16")
     att = arena.attention(n_kv * g)
     att.path = "flash"
-    allowed = [hb for hb, _ in att.flash_coded_options(0)]
+    allowed = [hb for hb, _ in att.shapes.flash_coded_options(0)]
     assert allowed == [4, 2, 1]
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
     for hb in allowed:
@@ -784,10 +784,10 @@ def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
     monkeypatch.setattr(T, "FLUSH_BYTES", 1 << 20)
     s = att.time_plan(0, 700, plan)
     assert s is None or s > 0
-    made = dict(att._flush)
+    made = dict(att.buffers.flush_scratch)
     assert list(made) == [(1 << 20) // 4]  # words read
     att.time_plan(0, 700, plan)
-    assert att._flush == made  # not made again
+    assert att.buffers.flush_scratch == made  # not made again
     _check(arena, stored, 0, rng.standard_normal((4, 64), dtype=np.float32), 700)
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(T, "WARM_S", 0.0)
@@ -803,14 +803,14 @@ def test_tuner_timing_can_flush_the_l2_first(make_arena, monkeypatch):
     assert T.choose(("sig",), 700, other, lambda sh: calls.append(sh) or 1e-3) in other
     assert len(calls) == 3 * once
     att.free()
-    assert att._flush == {}  # freed with the engine
+    assert att.buffers.flush_scratch == {}  # freed with the engine
 
 
 def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
     """What planning reads of a layer on every step — the flash kernels' workgroup sizes,
     whether one fits, the tuner's layer signature — depends on the layout, the group and the
     device's limits only: derived on the first plan, not again on later ones."""
-    from kvdict_vk.vk.attend import engine as A
+    from kvdict_vk.vk.attend import engine as A, flash as F
     from kvdict_vk.vk.attend import tune as T
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(T, "WARM_S", 0.0)
@@ -824,18 +824,18 @@ def test_flash_layer_facts_are_derived_once_per_layer(make_arena, monkeypatch):
             calls[name] += 1
             return fn(*a, **kw)
         return wrapped
-    monkeypatch.setattr(A, "flash_units", counting("units", A.flash_units))
+    monkeypatch.setattr(F, "flash_units", counting("units", F.flash_units))
     monkeypatch.setattr(T, "layer_signature", counting("signature", T.layer_signature))
     monkeypatch.setattr(A, "timestamps_usable", lambda dev: True)
     monkeypatch.setattr(att, "time_plan", lambda layer, n_used, plan: 1e-3)
     first = [att.plan(0, n) for n in (100, 300, 700)]
     derived = dict(calls)  # units: the sizes, and each build's end per workgroup size
-    assert derived["signature"] == 1 and 1 <= derived["units"] <= 1 + len(A.FLASH_KERNELS) * len(att.flash_locals(0))
+    assert derived["signature"] == 1 and 1 <= derived["units"] <= 1 + len(A.FLASH_KERNELS) * len(att.shapes.flash_locals(0))
     assert [att.plan(0, n) for n in (100, 300, 700)] == first and calls == derived
-    assert T.signature(att.layer_signature(0), 700) in T.measured()
-    locals_ = att.flash_locals(0)
+    assert T.signature(att.shapes.layer_signature(0), 700) in T.measured()
+    locals_ = att.shapes.flash_locals(0)
     locals_.clear()  # the caller's copy: the cached sizes stay
-    assert att.flash_locals(0) and att.flash_local(0) == first[0].local
+    assert att.shapes.flash_locals(0) and att.shapes.flash_local(0) == first[0].local
 
 
 def test_workgroup_sizes_keep_within_both_device_limits():
@@ -843,7 +843,7 @@ def test_workgroup_sizes_keep_within_both_device_limits():
     (flash kernels, attend_merge_head) — is the lesser of maxComputeWorkGroupInvocations
     and maxComputeWorkGroupSize[0]."""
     import types
-    from kvdict_vk.vk.attend.engine.engine import Attention
+    from kvdict_vk.vk.attend.engine import Attention
     from kvdict_vk.vk.attend.specs import merge_head_local
 
     def fake(invocations, size_x):

@@ -39,16 +39,23 @@ class F32Rows:
 
 
 class PassBuilder:
-    def __init__(self, att):
-        self.att, self.layout, self.device = att, att.layout, att.device
+    """The passes of one engine, given explicitly what they bind and read: ``memory`` (the
+    arena's memory: device, layout, seq_ctx, layer_buffer(layer), upload_buffer), ``buffers``
+    (attend.buffers.AttendBuffers: the engine's scratch and their Sizes), ``shapes``
+    (attend.flash.FlashShapes: the flash kernels' sizes and builds) and ``grid``
+    (attend.plan.Grid: group, head block, units, workgroup, splits)."""
+
+    def __init__(self, memory, buffers, shapes, grid):
+        self.memory, self.buffers, self.shapes, self.grid = memory, buffers, shapes, grid
+        self.layout, self.device = memory.layout, memory.device
         self._kernels: dict = {}
         self._ops: dict = {}
 
     # --- pipelines and operations -------------------------------------------------------------
     def _kernel(self, key, shader: str, buffers, items: int, **spec) -> Kernel:
         if key not in self._kernels:
-            att = self.att
-            spec = {"HEAD_DIM": self.layout.head_dim, "GROUP": att.group, "LOCAL": att.local, "HB": att.hb, **spec}
+            grid = self.grid
+            spec = {"HEAD_DIM": self.layout.head_dim, "GROUP": grid.group, "LOCAL": grid.local, "HB": grid.hb, **spec}
             self._kernels[key] = Kernel(self.device, shader, buffers, spec, max_items=items)
         return self._kernels[key]
 
@@ -91,15 +98,15 @@ class PassBuilder:
                 n_splits: int, split_len: int, split0: int, scale: float, fresh_words=(0, 0)):
         """One attend_direct dispatch over tokens [t_first, n_used) of `cache` (k, v: its
         streams' StreamLayouts, or None for f32 rows at source's k_word / v_word)."""
-        att, lay = self.att, self.layout
-        upload = att.arena.upload_buffer
+        b, grid, lay = self.buffers, self.grid, self.layout
+        upload = self.memory.upload_buffer
         if k.half != v.half or k.q8 or v.q8:
             raise E.ArenaError("attend_direct reads K and V rows in one format, f16 or f32 (q8_0: attend_flash)")
         spec = dict(K_SPARSITY=k.sparsity if k.coded else 0, K_BITS=k.residual_bits,
                     V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits, ROW_HALF=int(k.half))
         kernel = self._kernel(("direct",) + key, "attend_direct",
-                              [cache, cache, upload, upload, att.q, att.accs, att.stats, att.out],
-                              att.units * att.max_splits, **spec)
+                              [cache, cache, upload, upload, b.q, b.accs, b.stats, b.out],
+                              grid.units * grid.max_splits, **spec)
         write_out = int(plan.write_out and t_first == 0)
         use_mean = int(write_out and v.coded and v.has_mean)
         return kernel.op(**source, fresh_k_word=fresh_words[0], fresh_v_word=fresh_words[1], t_first=t_first,
@@ -115,14 +122,14 @@ class PassBuilder:
         """attend_merge (one invocation per output quad: the direct path's, shaped for CPU
         drivers) or, ``per_head`` (the flash paths), attend_merge_head (a workgroup per query
         head, of each of n_seqs sequences) where its workgroup fits the device."""
-        att, lay = self.att, self.layout
+        b, grid, lay = self.buffers, self.grid, self.layout
         use_mean = int(v is not None and v.coded and v.has_mean)
-        n_heads = att.sizes.seqs * lay.n_kv_heads * att.group
-        local = merge_head_local(lay.head_dim, att.max_local()) if per_head else 0
+        n_heads = b.sizes.seqs * lay.n_kv_heads * grid.group
+        local = merge_head_local(lay.head_dim, self.shapes.max_local()) if per_head else 0
         mean = dict(use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
                     head_vec=v.head_vec_stride if use_mean else 0)
         if local:
-            kernel = self._kernel(("merge_head",) + key, "attend_merge_head", [buf, att.stats, att.accs, att.out],
+            kernel = self._kernel(("merge_head",) + key, "attend_merge_head", [buf, b.stats, b.accs, b.out],
                                   n_heads * local, LOCAL=local)
             op = self._cached_op(("merge", local) + key, kernel, n_kv=n_seqs * lay.n_kv_heads, n_splits=records,
                                  seq_heads=lay.n_kv_heads, **mean)
@@ -130,10 +137,10 @@ class PassBuilder:
             if n_seqs > 1:
                 raise E.ArenaError(f"{self.device.name}: batched attention merges with attend_merge_head, whose "
                                    f"workgroup does not fit this device")
-            kernel = self._kernel(("merge",) + key, "attend_merge", [buf, att.stats, att.accs, att.out],
+            kernel = self._kernel(("merge",) + key, "attend_merge", [buf, b.stats, b.accs, b.out],
                                   n_heads * lay.head_dim // 4)
             op = self._cached_op(("merge", local) + key, kernel, n_kv=lay.n_kv_heads, n_splits=records, **mean)
-        return [self.sync(att.stats, att.accs), op]
+        return [self.sync(b.stats, b.accs), op]
 
     # --- one attention ------------------------------------------------------------------------------
     def ops(self, layer: int, plan, n_used: int, n_cached: int, scale: float, fresh_words=(0, 0)) -> list:
@@ -141,7 +148,7 @@ class PassBuilder:
         n_cached on fresh (in the upload buffer at fresh_words)."""
         lay = self.layout
         k, v = lay.layers[layer].streams
-        buf = self.att.arena.layer_buffer(layer)
+        buf = self.memory.layer_buffer(layer)
         source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx)
         key = ("layer", layer)
         if plan.path == "flash":  # reads the layer only: a step's scatter and barrier come first
@@ -159,56 +166,56 @@ class PassBuilder:
     def flash_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
         """attend_flash (an uncoded layer) or attend_table + attend_flash_coded (a dict-coded
         one) over tokens [0, n_used), then attend_merge."""
-        att, lay = self.att, self.layout
+        lay = self.layout
         k, v = lay.layers[layer].streams
-        buf = att.arena.layer_buffer(layer)
+        buf = self.memory.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
-        source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, seq_rows=att.arena.seq_ctx)
-        return self._flash_rows(("layer", layer), buf, v, source, plan.local or att.flash_local(layer),
+        source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, seq_rows=self.memory.seq_ctx)
+        return self._flash_rows(("layer", layer), buf, v, source, plan.local or self.shapes.flash_local(layer),
                                 int(k.half), int(k.q8), plan, n_used, scale)
 
     def _flash_rows(self, key, buf, v, source: dict, local: int, half: int, q8: int, plan, n_used: int,
                     scale: float) -> list:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
         rows per KV head; plan.seqs sequences seq_rows apart), then attend_merge_head."""
-        att, lay = self.att, self.layout
+        b, grid, lay = self.buffers, self.grid, self.layout
         wide = plan.kernel == "wide_end"
-        variant = att.flash_variant(local, "attend_flash_wide" if wide else "attend_flash")
-        end_elems = att.flash_end_elems(local, plan.kernel)
+        variant = self.shapes.flash_variant(local, "attend_flash_wide" if wide else "attend_flash")
+        end_elems = self.shapes.flash_end_elems(local, plan.kernel)
         kernel = self._kernel(("flash", variant) + key + (local, end_elems), variant,
-                              [buf, buf, att.q, att.accs, att.stats],
-                              att.sizes.seqs * lay.n_kv_heads * att.max_splits * local, LOCAL=local, HB=1,
+                              [buf, buf, b.q, b.accs, b.stats],
+                              b.sizes.seqs * lay.n_kv_heads * grid.max_splits * local, LOCAL=local, HB=1,
                               ROW_HALF=half, ROW_Q8=q8, END_ELEMS=end_elems)
         op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
                        n_kv=lay.n_kv_heads, n_seqs=plan.seqs, score_scale=scale)
         return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
 
     def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
-        att, lay = self.att, self.layout
+        b, grid, lay = self.buffers, self.grid, self.layout
         k, v = lay.layers[layer].streams
-        n_kv, buf = lay.n_kv_heads, att.arena.layer_buffer(layer)
+        n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
         # the q·atom table of every (KV head, query head): one invocation per atom and head block
-        table = self._kernel(("table_all", layer), "attend_table", [buf, att.q, att.table],
-                             att.sizes.seqs * att.units * lay.n_atoms)
+        table = self._kernel(("table_all", layer), "attend_table", [buf, b.q, b.table],
+                             b.sizes.seqs * grid.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
-                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs), self.sync(att.table)]
+                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs), self.sync(b.table)]
         # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
-        options = att.flash_coded_options(layer, plan.kernel)
+        options = self.shapes.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
         local = plan.local or dict(options)[hb][0]
         variant = "attend_flash_coded"  # CODED_KERNELS' one kernel
         kernel = self._kernel(("flash_coded", variant, layer, local, hb), variant,
-                              [buf, buf, att.table, att.q, att.accs, att.stats],
-                              att.sizes.seqs * n_kv * (att.group // hb) * att.max_splits * local, LOCAL=local, HB=hb,
+                              [buf, buf, b.table, b.q, b.accs, b.stats],
+                              b.sizes.seqs * n_kv * (grid.group // hb) * grid.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
                               K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity,
-                              BUCKET=att.flash_coded_bucket(layer, hb, local))
+                              BUCKET=self.shapes.flash_coded_bucket(layer, hb, local))
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                              split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word,
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
-                             n_seqs=plan.seqs, seq_rows=att.arena.seq_ctx, score_scale=scale))
+                             n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale))
         return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
@@ -226,23 +233,23 @@ class PassBuilder:
     # --- the table path ---------------------------------------------------------------------------
     def _table_ops(self, layer: int, plan, n_cached: int, scale: float) -> list:
         """attend_table (K dict-coded), then attend_split_coded over the cached tokens."""
-        att, lay = self.att, self.layout
-        n_kv, buf = lay.n_kv_heads, att.arena.layer_buffer(layer)
+        b, grid, lay = self.buffers, self.grid, self.layout
+        n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
         k, v = lay.layers[layer].streams
         ops = []
         if k.coded:
             # a few contiguous runs of atoms per hardware thread (the query reload is the
             # cost), each within the loop budget
-            runs = max(att.preferred_splits * att.units, -(-att.units * lay.n_atoms // (LOOP_BUDGET // 2)))
-            table = self._kernel(("table", layer), "attend_table", [buf, att.q, att.table],
-                                 min(att.units * lay.n_atoms, runs))
+            runs = max(grid.preferred_splits * grid.units, -(-grid.units * lay.n_atoms // (LOOP_BUDGET // 2)))
+            table = self._kernel(("table", layer), "attend_table", [buf, b.q, b.table],
+                                 min(grid.units * lay.n_atoms, runs))
             ops += [self._cached_op(("table", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
-                                    n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(att.table)]
+                                    n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(b.table)]
         spec = dict(K_CODED=int(k.coded), K_BITS=k.residual_bits, V_CODED=int(v.coded), V_BITS=v.residual_bits)
         # unused bindings: the query (read-only) for the table, a dummy for the weights
         split = self._kernel(("split_coded", layer), "attend_split_coded",
-                             [buf, buf, att.q, att.accs, att.stats, att.table if k.coded else att.q,
-                              att.bins if v.coded else att.dummy, att.scores], att.units * att.max_splits, **spec)
+                             [buf, buf, b.q, b.accs, b.stats, b.table if k.coded else b.q,
+                              b.bins if v.coded else b.dummy, b.scores], grid.units * grid.max_splits, **spec)
         ops.append(split.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_cached,
                             split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, n_atoms=max(lay.n_atoms, 1),
                             k_sparsity=k.sparsity if k.coded else 0, v_sparsity=v.sparsity if v.coded else 0,
@@ -253,22 +260,23 @@ class PassBuilder:
 
     def _table_tail(self, layer: int, plan) -> list:
         """attend_combine → attend_atoms (V dict-coded) → attend_reduce over plan.records splits."""
-        att, lay, sz = self.att, self.layout, self.att.sizes
-        n_kv, buf, records = lay.n_kv_heads, att.arena.layer_buffer(layer), plan.records
+        b, grid, lay = self.buffers, self.grid, self.layout
+        sz = b.sizes
+        n_kv, buf, records = lay.n_kv_heads, self.memory.layer_buffer(layer), plan.records
         v = lay.layers[layer].v
-        ops = [self.sync(att.stats, att.accs, *([att.bins] if v.coded else []))]
-        combine = self._kernel(("combine",), "attend_combine", [att.stats], n_kv * att.group)
+        ops = [self.sync(b.stats, b.accs, *([b.bins] if v.coded else []))]
+        combine = self._kernel(("combine",), "attend_combine", [b.stats], n_kv * grid.group)
         ops += [self._cached_op(("combine",), combine, n_kv=n_kv, n_splits=records, f_word=sz.f_word,
-                                inv_l_word=sz.inv_l_word), self.sync(att.stats)]
+                                inv_l_word=sz.inv_l_word), self.sync(b.stats)]
         if v.coded:  # the atom weights times the atoms (and the bins cleared for the next call)
-            atoms = self._kernel(("atoms", layer), "attend_atoms", [buf, att.stats, att.bins, att.blocks],
-                                 att.units * n_blocks(lay.n_atoms))
+            atoms = self._kernel(("atoms", layer), "attend_atoms", [buf, b.stats, b.bins, b.blocks],
+                                 grid.units * n_blocks(lay.n_atoms))
             ops += [self._cached_op(("atoms", layer), atoms, atoms_word=v.atoms_word, head_atoms=v.head_atoms_stride,
                                     n_atoms=lay.n_atoms, n_kv=n_kv, n_splits=records, f_word=sz.f_word),
-                    self.sync(att.blocks)]
+                    self.sync(b.blocks)]
         reduce = self._kernel(("reduce", layer), "attend_reduce",
-                              [buf, att.stats, att.accs, att.blocks if v.coded else att.accs, att.out],
-                              n_kv * att.group * lay.head_dim // 4)
+                              [buf, b.stats, b.accs, b.blocks if v.coded else b.accs, b.out],
+                              n_kv * grid.group * lay.head_dim // 4)
         use_mean = v.coded and v.has_mean
         ops.append(self._cached_op(("reduce", layer), reduce, n_kv=n_kv, n_splits=records, f_word=sz.f_word,
                                    inv_l_word=sz.inv_l_word, n_blocks=n_blocks(lay.n_atoms) if v.coded else 0,
@@ -283,7 +291,7 @@ class PassBuilder:
             from ..read.reader import ReadPlan
             for old in [k for k in self._kernels if k[0] == "recon_plan"]:
                 del self._kernels[old]  # its pipelines live in the arena's cache
-            self._kernels[key] = ReadPlan(self.att.arena, layer, 0, n_used, out=out)
+            self._kernels[key] = ReadPlan(self.memory, layer, 0, n_used, out=out)
         return self._kernels[key]
 
     def free(self) -> None:

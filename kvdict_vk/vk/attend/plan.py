@@ -126,7 +126,7 @@ class Plan:
     fresh_len: int = 0
     local: int = 0  # flash: invocations per workgroup (0: the kernel's default for the layer)
     heads: int = 0  # flash over codes: query heads per workgroup (0: the layer's default)
-    kernel: str = "float"  # flash: the build (attend.FLASH_KERNELS over rows, attend.CODED_KERNELS over codes)
+    kernel: str = "float"  # flash: the build (flash.FLASH_KERNELS over rows, flash.CODED_KERNELS over codes)
     seqs: int = 1  # flash: sequences attended in one dispatch (batched decode), n_splits each
 
     @property
@@ -138,6 +138,18 @@ class Plan:
     def write_out(self) -> bool:
         """One direct split covers every token: it writes the output, no merge pass."""
         return self.path == "direct" and self.n_splits == 1
+
+
+@dataclass
+class Grid:
+    """How one engine divides an attention into invocations and splits (kvdict_vk.vk.attend.engine
+    makes it; the planner and the passes, kvdict_vk.vk.attend.ops, read it)."""
+    group: int  # query heads per KV head
+    hb: int  # query heads per invocation of the direct and table passes (engine.head_block)
+    units: int  # (KV head, head block) pairs
+    local: int  # the direct and table passes' workgroup: a SIMD row (CPU drivers) or GPU_LOCAL
+    preferred_splits: int  # splits per KV head the plans aim at (tests lower it)
+    max_splits: int  # records per KV head the buffers hold
 
 
 def plan(k, v, head_dim: int, hb: int, n_atoms: int, n_used: int, n_cached: int, preferred: int,

@@ -337,6 +337,46 @@ def _flash_coded_extents(p, s):
             [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
+FLASH_KIVI_BIAS_LANES = 8  # attend_flash_kivi.comp's BIAS_LANES (partial sums of q·min per query head)
+
+
+def flash_kivi_fits(head_dim: int, group: int, local: int) -> bool:
+    """Whether attend_flash_kivi.comp runs at ``local`` invocations: head_dim a multiple of 32
+    (value dim groups; BIAS_LANES channels a lane), ``local`` a multiple of head_dim (an
+    invocation owns one value element of some query heads) holding the group's heads
+    (one invocation per head keeps its softmax state), at most FLASH_MAX_GROUP heads."""
+    return (head_dim % 32 == 0 and local % head_dim == 0 and group <= min(FLASH_MAX_GROUP, local)
+            and group * head_dim <= FLASH_MAX_GROUP * local)
+
+
+def flash_kivi_shared_bytes(head_dim: int, group: int) -> int:
+    """attend_flash_kivi.comp's shared memory: the queries and the folded queries, the bias
+    partials, a chunk's scores, two floats a head."""
+    return 4 * (2 * group * head_dim + group * FLASH_KIVI_BIAS_LANES + group * 32 + 2 * group)
+
+
+def _flash_kivi_extents(p, s):
+    """attend_flash_kivi.comp: of KV heads 0 .. n_kv-1, the K and V rows of tokens [0, n_used)
+    (whatever the state word says is quantised), the keys' group statistics of those tokens'
+    groups, both exact windows, the state word; the queries; records 0 .. n_splits."""
+    from ... import kivi as K
+    hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
+           and p["n_splits"] * p["split_len"] >= used and p["window"] >= 1, "attend_flash_kivi", p)
+    _check(flash_kivi_fits(hd, g, local) and all(K.MIN_BITS <= s[b] <= K.MAX_BITS for b in ("K_BITS", "V_BITS")),
+           "attend_flash_kivi (specialization)", s)
+    n_ctx, n_groups = p["n_ctx"], -(-p["n_ctx"] // K.GROUP)
+    k_row, v_row = K.key_row_words(hd, s["K_BITS"]), K.value_row_words(hd, s["V_BITS"])
+    window = K.window_words_per_head(p["window"], hd)
+    words = [_span(p["k_word"], ((n_kv - 1) * n_ctx + used) * k_row),
+             _span(p["v_word"], ((n_kv - 1) * n_ctx + used) * v_row),
+             _span(p["stats_word"], ((n_kv - 1) * n_groups + -(-used // K.GROUP)) * hd),
+             _span(p["k_window_word"], n_kv * window), _span(p["v_window_word"], n_kv * window),
+             _span(p["state_word"], 1)]
+    records = n_kv * p["n_splits"] * g
+    return [words, [_span(0, query_words(1, n_kv * g, hd))], [_span(0, records * hd)], [_span(0, 2 * records)]]
+
+
 def _merge_extents(p, s):
     hd, g, n_kv = s["HEAD_DIM"], s["GROUP"], p["n_kv"]
     _check(n_kv >= 1 and p["n_splits"] >= 1 and p["use_mean"] <= 1, "attend_merge", p)
@@ -379,4 +419,5 @@ EXTENTS = {
     **{name: _flash_extents for name in ("attend_flash", "attend_flash_sg", "attend_flash_wide",
                                          "attend_flash_wide_sg")},
     "attend_flash_coded": _flash_coded_extents,
+    "attend_flash_kivi": _flash_kivi_extents,
 }

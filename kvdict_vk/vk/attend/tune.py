@@ -21,7 +21,7 @@ device, driver and SPIR-V — the layer signature holds all three — takes them
 
 The candidate workgroup sizes (FLASH_LOCALS, FLASH_CODED_LOCALS) live here with the
 candidate workgroup counts (workgroup_counts: whole multiples of the device's multiprocessors
-where it reports them); kvdict_vk.vk.attend.engine keeps those a layer and the device allow, and
+where it reports them); kvdict_vk.vk.attend.flash keeps those a layer and the device allow, and
 rounds a count's splits down, so an attention never launches more workgroups than its count.
 CPU drivers (llvmpipe) do not tune: they do not plan the flash kernels by default, and
 their fixed choice (the first size allowed) is what the tests pin.
@@ -80,22 +80,22 @@ def bucket(n_used: int) -> int:
 class Shape:
     """One flash launch shape: invocations per workgroup, workgroups per attention, and over
     the codes query heads per workgroup (0: attend_flash, one KV head's group) and the kernel
-    (attend.CODED_KERNELS over the codes, attend.FLASH_KERNELS over rows)."""
+    (flash.CODED_KERNELS over the codes, flash.FLASH_KERNELS over rows)."""
     local: int
     workgroups: int
     heads: int = 0
     kernel: str = "float"
 
 
-def layer_signature(att, layer: int) -> tuple:
-    """What the launch shape of ``layer`` depends on besides the context: the device, driver
-    and SPIR-V (choice_store.device_identity), the streams' format, n_kv, group, head_dim,
-    n_atoms — fixed for an engine's life (Attention caches it per layer)."""
-    lay = att.layout
+def layer_signature(device, lay, group: int, layer: int) -> tuple:
+    """What the launch shape of ``layer`` of layout ``lay`` depends on besides the context: the
+    device, driver and SPIR-V (choice_store.device_identity), the streams' format, n_kv, the
+    query heads per KV head (``group``), head_dim, n_atoms — fixed for an engine's life
+    (kvdict_vk.vk.attend.flash.FlashShapes caches it per layer)."""
     k, v = lay.layers[layer].streams
     fmt = tuple((st.coded, st.sparsity, st.residual_bits, st.rows, st.n_dict_heads) for st in (k, v))
-    return choice_store.device_identity(att.device, TUNED_VARIANTS) + (fmt, lay.n_kv_heads, att.group,
-                                                                        lay.head_dim, lay.n_atoms)
+    return choice_store.device_identity(device, TUNED_VARIANTS) + (fmt, lay.n_kv_heads, group,
+                                                                    lay.head_dim, lay.n_atoms)
 
 
 def signature(layer_sig: tuple, n_used: int) -> tuple:
