@@ -56,7 +56,7 @@ def test_residual_only_uses_the_codec_stage_and_group_scales_cost_4_bytes():
 def test_exact_mask_keeps_sink_and_recent_groups():
     class Window(llama.KVHook):
         exact_sink, exact_recent, exact_group = 1, 32, 32
-    keep = llama._exact_mask(Window(), np.array([100]), 101)[0]
+    keep = llama.exact_mask(Window(), np.array([100]), 101)[0]
     assert list(np.flatnonzero(keep)) == [0] + list(range(64, 101))
 
 

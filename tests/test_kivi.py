@@ -70,7 +70,7 @@ def test_quantised_end_is_the_forge_windows_rule(recent):
     hook = forge_kivi.KiviHook(4, 4, recent)
     hook.exact_recent = recent
     t = np.arange(300)
-    mask = llama._exact_mask(hook, t, 300) if recent else np.zeros((300, 300), bool)
+    mask = llama.exact_mask(hook, t, 300) if recent else np.zeros((300, 300), bool)
     for n in (1, 31, 32, 33, 160, 161, 200, 300):
         q = K.quantised_end(n, recent)
         assert q % K.GROUP == 0 and q <= max(0, n - recent)

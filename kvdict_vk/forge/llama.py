@@ -96,7 +96,7 @@ def _causal_mask(T: int) -> np.ndarray:
     return mask
 
 
-def _exact_mask(hook: KVHook, rows: np.ndarray, T: int) -> np.ndarray:
+def exact_mask(hook: KVHook, rows: np.ndarray, T: int) -> np.ndarray:
     """(len(rows), T) bool: which keys the query at each row reads in full precision."""
     j = np.arange(T)
     group_end = (j // hook.exact_group) * hook.exact_group + hook.exact_group - 1
@@ -112,7 +112,7 @@ def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 
     group are stacked so each KV head takes one matmul. Queries go in blocks that only
     score the keys they can see, which skips ~40 % of the causal triangle's wasted work.
     ``exact`` = (hook, k_exact, v_exact): per (query, key) the exact vectors replace the
-    coded ones where ``_exact_mask`` says so.
+    coded ones where ``exact_mask`` says so.
     """
     n_heads, T, d = q.shape
     n_kv = k.shape[0]
@@ -129,7 +129,7 @@ def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 
         scores = scores.reshape(n_kv, group, e - s, e)
         if exact is not None:
             hook, k_x, v_x = exact
-            keep = _exact_mask(hook, np.arange(s, e), e)
+            keep = exact_mask(hook, np.arange(s, e), e)
             sx = (qg[:, :, s:e].reshape(n_kv, rows, d) @ k_x[:, :e].transpose(0, 2, 1)).reshape(scores.shape)
             scores = np.where(keep, sx, scores)
         scores += mask[s:e, :e]

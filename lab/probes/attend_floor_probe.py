@@ -33,6 +33,7 @@ import numpy as np
 from kvdict_vk.bench import attention as BA, common
 from kvdict_vk.vk import KvArena, spirv
 from kvdict_vk.vk.attend import engine as A
+from kvdict_vk.vk.attend import flash as F
 from kvdict_vk.vk.submit import Recording
 
 
@@ -92,12 +93,12 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
     if a.locals:  # what Attention.flash_locals_of offers (attend imports the tuner's tuple)
-        A.FLASH_LOCALS = tuple(int(x) for x in a.locals.split(","))
+        F.FLASH_LOCALS = tuple(int(x) for x in a.locals.split(","))
     if a.end_elems:  # what Attention.flash_end_elems offers
-        A.FLASH_END_ELEMS = tuple(int(x) for x in a.end_elems.split(","))
+        F.FLASH_END_ELEMS = tuple(int(x) for x in a.end_elems.split(","))
     if a.float_end_elems:  # what Attention.flash_end_elems offers the float builds, and the builds
-        A.FLASH_FLOAT_END_ELEMS = {n: int(e) for n, e in (x.split("=") for x in a.float_end_elems.split(","))}
-        A.FLASH_KERNELS = tuple(A.FLASH_FLOAT_END_ELEMS) + ("wide_end",)
+        F.FLASH_FLOAT_END_ELEMS = {n: int(e) for n, e in (x.split("=") for x in a.float_end_elems.split(","))}
+        F.FLASH_KERNELS = tuple(F.FLASH_FLOAT_END_ELEMS) + ("wide_end",)
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))
     before = None
     if a.l2_flush_mib:
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
                             os.environ[spirv.SPV_DIR_ENV] = os.path.abspath(build[1])
                         else:
                             os.environ.pop(spirv.SPV_DIR_ENV, None)
-                        att = A.Attention(arena, q.shape[0])
+                        att = A.Attention(arena.memory, q.shape[0])
                     att.path, att.flash_workgroups, att.coded_workgroups = "flash", w or None, w or None  # (CPU: direct)
                     att.flash_kernel, att.coded_heads = kernel, heads
                     rec = att.recording(0, q, n, timestamps="ops")

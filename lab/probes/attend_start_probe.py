@@ -88,7 +88,7 @@ def main(argv=None) -> None:
             rec("up_other_flush", [*other, *flush])
             rec("up_other", other)
             # the same ahead of it from another engine: its own scratch buffers, the same SPIR-V
-            twin = A.Attention(arena, q.shape[0])
+            twin = A.Attention(arena.memory, q.shape[0])
             twin.path = "flash"
             twin_ops = twin.passes.ops(1, twin.plan(1, n), n, n, scale)
             rec("up_twin_flush", [twin.passes.q_upload(twin.q), *twin_ops, twin.barrier_op(), *flush])

@@ -161,7 +161,7 @@ def main(argv=None):
                         else:
                             os.environ.pop(spirv.SPV_DIR_ENV, None)
                         run_name = (name if kernel == "float" else f"{name}:{kernel}") + (f"@{cname}" if cname else "")
-                        att = A.Attention(arena, n_kv * gqa)
+                        att = A.Attention(arena.memory, n_kv * gqa)
                         att.path, att.coded_kernel = "flash", kernel
                         try:
                             for n in ns:
@@ -175,11 +175,11 @@ def main(argv=None):
                                                                          dicts[1], n, 1.0 / np.sqrt(hd))
                                     res["nmse_vs_float64"] = float(nmse(ref, check))
                                 res["nmse_vs_first_build"] = float(nmse(first[n].astype(np.float64), check))
-                                shapes = [T.Shape(local, wg, hb, kernel) for hb, locals_ in att.flash_coded_options(0, kernel)
+                                shapes = [T.Shape(local, wg, hb, kernel) for hb, locals_ in att.shapes.flash_coded_options(0, kernel)
                                           for local in locals_ for wg in (int(w) for w in a.workgroups.split(","))]
-                                warm(att, n, att.flash_shaped(n, shapes[0]))
+                                warm(att, n, att.shapes.flash_shaped(n, shapes[0]))
                                 for sh in shapes:
-                                    plan = att.flash_shaped(n, sh)
+                                    plan = att.shapes.flash_shaped(n, sh)
                                     res["shapes"].append({"heads": sh.heads, "local": sh.local, "workgroups": sh.workgroups,
                                                           "n_splits": plan.n_splits, "gpu_s": timed(att, n, plan)})
                                 best = min(res["shapes"], key=lambda r: r["gpu_s"] or 1e9)

@@ -52,6 +52,10 @@ class PassBuilder:
         self._ops: dict = {}
 
     # --- pipelines and operations -------------------------------------------------------------
+    def pipeline_keys(self) -> set:
+        """The keys of the pipelines (and read plans) built so far: a steady decode adds none."""
+        return set(self._kernels)
+
     def _kernel(self, key, shader: str, buffers, items: int, **spec) -> Kernel:
         if key not in self._kernels:
             grid = self.grid
@@ -171,6 +175,8 @@ class PassBuilder:
         buf = self.memory.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
+        if k.kivi:
+            return self._flash_kivi_ops(layer, plan, n_used, scale)
         source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, seq_rows=self.memory.seq_ctx)
         return self._flash_rows(("layer", layer), buf, v, source, plan.local or self.shapes.flash_local(layer),
                                 int(k.half), int(k.q8), plan, n_used, scale)
@@ -217,6 +223,22 @@ class PassBuilder:
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                              n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale))
         return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
+
+    def _flash_kivi_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
+        """attend_flash_kivi over a KIVI layer's words (one sequence: KIVI arenas hold one),
+        then attend_merge_head — the records attend_flash writes. The kernel reads the layer's
+        state word itself, so the operation stays right as appends quantise more groups."""
+        b, grid, lay = self.buffers, self.grid, self.layout
+        k, v = lay.layers[layer].streams
+        n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
+        kernel = self._kernel(("flash_kivi", layer, plan.local), "attend_flash_kivi", [buf, b.q, b.accs, b.stats],
+                              n_kv * grid.max_splits * plan.local, LOCAL=plan.local, HB=1,
+                              K_BITS=k.kivi_bits, V_BITS=v.kivi_bits)
+        op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
+                       split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, stats_word=k.stats_word,
+                       k_window_word=k.window_word, v_window_word=v.window_word, window=k.window_tokens,
+                       state_word=k.state_word, score_scale=scale)
+        return [op] + self._merge(("layer", layer), buf, None, plan.records, per_head=True)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,

@@ -320,7 +320,7 @@ def _flash_coded_extents(p, s):
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
            and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
-    # the bucket's size against the device's shared memory is the caller's (attend.flash_coded_bucket)
+    # the bucket's size against the device's shared memory is the caller's (attend.flash.FlashShapes.flash_coded_bucket)
     fits = s["BUCKET"] >= 1 and flash_coded_fits(hd, hb, local, s["N_ATOMS"], s["V_SPARSITY"])
     _check(g % hb == 0 and fits, "attend_flash_coded (specialization)", s)
     last, heads = _seq_rows(p, "attend_flash_coded"), p["n_seqs"] * n_kv  # virtual heads
