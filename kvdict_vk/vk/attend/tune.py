@@ -7,15 +7,13 @@ atom weights take 2 · HB · n_atoms words of shared memory, so fewer heads mean
 workgroups resident per multiprocessor, each reading every V atom once at its end).
 Which pair is fastest depends on the GPU (multiprocessors, registers, shared memory per
 multiprocessor — Vulkan core reports none of the first two), on the layer's format and on
-the context: on an H200, 256-invocation workgroups won over 3 × 3 heads at 131 072 tokens
-while 128-invocation ones won over 8 × 4 heads, and the best workgroup count moved with
-n_used (one probe run, the session's closing note). So the first attention over a layer in
+the context: the best workgroup size and count moved with the heads' shape and with n_used
+(lab/NOTEBOOK.md, "Launch shapes and the tuner"). So the first attention over a layer in
 each context bucket (n_used rounded up to a power of two) times every candidate pair on
 the device's timestamps and keeps the fastest — per process, for every arena of the same
-device and layer signature, so an engine pays it once per bucket (0.2-0.5 s on an H200, and
-1.4-3.9 s on a layer's first: every candidate's pipeline is compiled, unless the driver's
-own shader cache holds it from an earlier process — docs/results/h200/probes/choice_store.json,
-choice_store_driver_cache.json). With ``$KVDICT_VK_TUNE_CACHE`` naming a JSON file
+device and layer signature, so an engine pays it once per bucket (more on a layer's first:
+every candidate's pipeline is compiled, unless the driver's own shader cache holds it from an
+earlier process). With ``$KVDICT_VK_TUNE_CACHE`` naming a JSON file
 the choices also outlive the process (kvdict_vk.vk.choice_store): a later one on the same
 device, driver and SPIR-V — the layer signature holds all three — takes them from the file.
 
