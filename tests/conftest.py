@@ -185,7 +185,7 @@ def stable_seed(case) -> int:
     return zlib.crc32(repr(case).encode())
 
 
-def _stream_entry(e):
+def stream_entry(e):
     """A ``streams`` entry: None (passthrough), s, or (s, residual_bits)."""
     return (None, 0) if e is None else (e if isinstance(e, tuple) else (e, 0))
 
@@ -208,7 +208,7 @@ def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_
     for pair in streams:
         out = []
         for e in pair:
-            s, bits = _stream_entry(e)
+            s, bits = stream_entry(e)
             if s is None:
                 out.append(None)
                 continue
@@ -220,7 +220,7 @@ def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_
             out.append(StreamDict(atoms, mean=mean, sparsity=s, residual_bits=bits, residual_scale=scale))
             count += 1
         layers.append(tuple(out))
-    s_max = max([_stream_entry(e)[0] for p in streams for e in p if e is not None] or [1])
+    s_max = max([stream_entry(e)[0] for p in streams for e in p if e is not None] or [1])
     return KvDictArtifact(head_dim, n_atoms, s_max, tuple(layers))
 
 

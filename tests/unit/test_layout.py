@@ -18,7 +18,7 @@ from kvdict_vk.dictionary import KvDictArtifact, StreamDict, is_f16_exact, round
 from kvdict_vk.residual import residual_words
 from kvdict_vk.vk import abi
 
-SHADERS = Path(__file__).resolve().parent.parent / "shaders"
+SHADERS = Path(__file__).resolve().parents[2] / "shaders"
 
 
 def _artifact(rng, hd=16, na=8, pairs=((4, None), (None, None), (2, 4)), n_heads=1, bits=None):

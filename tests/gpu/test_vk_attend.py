@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import _stream_entry, random_artifact, stable_seed
+from conftest import stream_entry, random_artifact, stable_seed
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
 from kvdict_vk.metrics import nmse
@@ -176,7 +176,7 @@ def test_the_grid_is_covered():
         seen["n_used"].update(n_used)
         seen["heads"].add(per_head and n_kv > 1)
         for e in (e for p in layers for e in p if e is not None):
-            s, bits = _stream_entry(e)
+            s, bits = stream_entry(e)
             seen["s"].add(s)
             seen["res"].add(bits > 0)
     assert set(N_USED) <= seen.pop("n_used")
@@ -259,7 +259,7 @@ def test_flash_end_elems_that_do_not_divide_a_unit_are_refused(make_arena, monke
     _check(arena, stored, 0, q, n_ctx)
 
 
-MERGE_HEAD_SOURCE = Path(__file__).resolve().parent.parent / "shaders" / "attend_merge_head.comp"
+MERGE_HEAD_SOURCE = Path(__file__).resolve().parents[2] / "shaders" / "attend_merge_head.comp"
 
 
 @pytest.mark.parametrize("workgroups", [1, 5, 1024])

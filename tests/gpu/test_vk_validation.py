@@ -50,7 +50,7 @@ def _run(tmp_path: Path, mode: str) -> str:
     (settings / "vk_layer_settings.txt").write_text(conftest.layer_settings(log))
     env = {**os.environ, "VK_LAYER_SETTINGS_PATH": str(settings), "VK_INSTANCE_LAYERS": conftest.LAYER}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
+                          cwd=Path(__file__).resolve().parents[2], timeout=300)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout + proc.stderr
     assert log.exists(), "the validation layer did not open its log: is it loaded?"
     return log.read_bytes().replace(b"\0", b"").decode(errors="replace")

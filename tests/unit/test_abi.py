@@ -15,7 +15,7 @@ from kvdict_vk.vk import abi, shader_build as sb, spirv
 from kvdict_vk.vk.shaders import SHADERS
 from kvdict_vk.vk.vulkan_info import SUBGROUP_OPERATIONS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", sorted(abi.DECLARATIONS))

@@ -15,7 +15,7 @@ from kvdict_vk.vk import abi
 from kvdict_vk.vk import shader_build as sb
 from kvdict_vk.vk import spirv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 needs_tools = pytest.mark.skipif(shutil.which("glslangValidator") is None or shutil.which("spirv-val") is None,
                                  reason="glslangValidator/spirv-val not installed")
 

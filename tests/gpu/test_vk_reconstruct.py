@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import _stream_entry, check_guards, random_artifact, stable_seed
+from conftest import stream_entry, check_guards, random_artifact, stable_seed
 from kvdict_vk import codec
 from kvdict_vk.metrics import nmse
 from kvdict_vk.synthetic import random_codes, random_slots
@@ -190,7 +190,7 @@ def test_the_grid_is_covered():
         seen["na"].add(na)
         seen["heads"].add("per-head" if per_head and n_kv > 1 else "shared")
         for e in (e for p in layers for e in p if e is not None):
-            s, bits = _stream_entry(e)
+            s, bits = stream_entry(e)
             seen["s"].add(s)
             seen["bits"].add(bits)
     assert seen == {"hd": set(HEAD_DIMS), "na": set(N_ATOMS), "s": set(SPARSITIES),
