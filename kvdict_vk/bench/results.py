@@ -1,5 +1,5 @@
 """Rows of ``summary.json`` (docs/results/<device>/): one per measured case, the schema
-every benchmark writes and the README quotes (tests/test_readme_figures.py).
+every benchmark writes and the README quotes (tests/unit/test_readme_figures.py).
 
 A row: benchmark, case (unique within the benchmark: ``rows[<benchmark>/<case>]`` names
 it), cache (one of CACHES; None for what has no cache: the copy, encoders),
