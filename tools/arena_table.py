@@ -25,38 +25,45 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "python tools/arena_table.py --out docs/results/arena.json"
 
 MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=8192)
+LENGTHS = (8192, 32768, 131072)  # the model's context, 32 k and 128 k tokens (issue 51)
 DICT_DEFAULT = dict(n_atoms=1024, per_kv_head=True, has_mean=True, atoms_f16=True,
                     k=dict(sparsity=4, residual_bits=6), v=dict(sparsity=4, residual_bits=4))
 
 
 def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int):
-    from kvdict_vk.layout import DictSpec, StreamSpec
+    from kvdict_vk.memory_report import dictionary_spec as spec
     d = DICT_DEFAULT
-    g = n_kv_heads if d["per_kv_head"] else 1
-    k = StreamSpec(True, d["k"]["sparsity"], d["has_mean"], d["k"]["residual_bits"], g)
-    v = StreamSpec(True, d["v"]["sparsity"], d["has_mean"], d["v"]["residual_bits"], g)
-    return DictSpec(head_dim, d["n_atoms"], max(d["k"]["sparsity"], d["v"]["sparsity"]),
-                    tuple((k, v) for _ in range(n_layers)), g, d["atoms_f16"])
+    return spec(n_layers, n_kv_heads, head_dim, d["n_atoms"], (d["k"]["sparsity"], d["k"]["residual_bits"]),
+                (d["v"]["sparsity"], d["v"]["residual_bits"]), per_head=d["per_kv_head"], has_mean=d["has_mean"],
+                atoms_f16=d["atoms_f16"])
 
 
 def rows() -> list[dict]:
-    from kvdict_vk.cli.dump import describe
-    from kvdict_vk.layout import build_layout
+    """One row per cache at the model's context (the keys kept from before) and, under
+    ``lengths``, the whole arena at 8 192, 32 768 and 131 072 tokens — every number from
+    ``kvdict_vk.memory_report.arena_memory`` (``build_layout``'s layer buffers)."""
+    from kvdict_vk.memory_report import arena_memory, build
     m = MODEL
-    dims = (m["n_layers"], m["n_kv_heads"], m["head_dim"], m["n_ctx"])
+    shapes = (m["n_layers"], m["n_kv_heads"], m["head_dim"])
     vectors_per_token = m["n_layers"] * m["n_kv_heads"] * 2
-    cases = [("f16", dict(cache="f16")), ("f32", dict(cache="f32")), ("q8_0", dict(cache="q8_0")),
-             ("kivi", dict(cache="kivi")), ("dict", dict(dictionary=dictionary_spec(*dims[:3])))]
+    cases = [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("kivi", "kivi"), ("dict", dictionary_spec(*shapes))]
     out = []
-    for name, kw in cases:
-        lay = build_layout(*dims, **kw)
-        t = describe(lay)["totals"]
-        out.append(dict(cache=name, mode=lay.mode, arena_bytes=t["bytes"], arena_mib=t["bytes"] / 2 ** 20,
-                        region_bytes=t["region_bytes"], tail_bytes=t["tail_bytes"],
-                        padding_bytes=t["padding_bytes"], bytes_per_token=t["bytes_per_token"],
-                        bytes_per_head_vector=t["bytes_per_token"] / vectors_per_token,
-                        region_bytes_per_head_vector=t["region_bytes"] / (m["n_ctx"] * vectors_per_token),
-                        compression_vs_f16=t["compression_vs_f16"]))
+    for name, cache in cases:
+        at = arena_memory(*shapes, cache, LENGTHS)
+        t = at[LENGTHS.index(m["n_ctx"])]
+        mode = build(*shapes, m["n_ctx"], cache).mode
+        out.append(dict(cache=name, mode=mode, arena_bytes=t.arena_bytes, arena_mib=t.arena_bytes / 2 ** 20,
+                        region_bytes=t.region_bytes, tail_bytes=t.tail_bytes,
+                        padding_bytes=t.padding_bytes, bytes_per_token=t.bytes_per_token,
+                        bytes_per_head_vector=t.bytes_per_token / vectors_per_token,
+                        region_bytes_per_head_vector=t.region_bytes / (m["n_ctx"] * vectors_per_token),
+                        compression_vs_f16=m["n_layers"] * m["n_kv_heads"] * 2 * m["head_dim"] * 2 / t.bytes_per_token,
+                        effective_bytes_per_head_vector=t.effective_bytes_per_vector,
+                        lengths={str(a.n_ctx): dict(arena_bytes=a.arena_bytes, arena_mib=a.arena_bytes / 2 ** 20,
+                                                    tail_bytes=a.tail_bytes,
+                                                    effective_bytes_per_vector=a.effective_bytes_per_vector,
+                                                    f16_arena_bytes=a.f16_arena_bytes, vs_f16=a.vs_f16)
+                                 for a in at}))
     return out
 
 
@@ -66,7 +73,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     doc = dict(command=COMMAND, model=MODEL, dictionary_default=DICT_DEFAULT,
                kivi_default=dict(k_bits=4, v_bits=4, recent=128),
-               notes=["every number from kvdict_vk.layout.build_layout (kvdict-dump's totals)",
+               lengths=list(LENGTHS),
+               notes=["every number from kvdict_vk.memory_report.arena_memory, which sums the layer buffers "
+                      "kvdict_vk.layout.build_layout computes (kvdict-dump's totals)",
+                      "lengths.N: the whole arena (regions + tails + padding) at N tokens; "
+                      "effective_bytes_per_vector = arena_bytes / (n_layers * n_kv_heads * 2 * N): the "
+                      "dictionaries amortised over the tokens",
                       "bytes_per_head_vector = bytes_per_token / (n_layers * n_kv_heads * 2); the dictionary's "
                       "tail (atoms, means, scales, binary16 atoms) is fixed and counted in arena_bytes, not "
                       "in bytes_per_token"],
@@ -74,7 +86,9 @@ def main(argv=None) -> int:
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     for r in doc["rows"]:
         print(f"{r['cache']:<5} {r['bytes_per_head_vector']:7.2f} B/vector  {r['arena_mib']:8.2f} MiB "
-              f"(regions {r['region_bytes'] / 2 ** 20:.2f}, tail {r['tail_bytes'] / 2 ** 20:.2f})", file=sys.stderr)
+              f"(regions {r['region_bytes'] / 2 ** 20:.2f}, tail {r['tail_bytes'] / 2 ** 20:.2f}); effective "
+              + ", ".join(f"{v['effective_bytes_per_vector']:.2f} B at {n}" for n, v in r["lengths"].items()),
+              file=sys.stderr)
     return 0
 
 

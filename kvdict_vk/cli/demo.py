@@ -166,13 +166,32 @@ def _run(a) -> int:
         memory=dict(f32_bytes_per_token=f32_layout.bytes_per_token, dict_bytes_per_token=coded_layout.bytes_per_token,
                     compression_vs_f32=f32_layout.bytes_per_token / coded_layout.bytes_per_token,
                     compression_vs_f16=f32_layout.bytes_per_token / 2 / coded_layout.bytes_per_token,
-                    dictionary_tail_bytes=coded_layout.tail_bytes),
+                    dictionary_tail_bytes=coded_layout.tail_bytes,
+                    arena=arena_memory(runtime.snapshot().artifact, coded_layout, cert)),
         validation=dict(cases=len(rows), passed=sum(r["passed"] for r in rows), worst_nmse=worst.get("nmse"),
                         worst_encoder_rel_err_diff=worst.get("rel_err_diff")),
         seconds=time.perf_counter() - t0,
     )
     print(json.dumps(report, indent=1) if a.json else format_report(report))
     return 0 if reproduced else 1
+
+
+def arena_memory(art, layout, cert=None) -> dict:
+    """The whole arena (regions + tails) of the dictionary cache the demo decodes through, at
+    the model's context (the certificate's, else SmolLM2's 8 192), 32 768 and 131 072 tokens,
+    and the f16 cache's of the same shapes (kvdict_vk.memory_report, as kvdict-dump shows it)."""
+    from ..memory_report import memory_block, report_lengths
+    from .dump import model_n_ctx
+    return memory_block(layout.n_layers, layout.n_kv_heads, layout.head_dim, art,
+                        report_lengths(None, model_n_ctx(cert)))
+
+
+def format_arena(block: dict) -> list[str]:
+    """The demo's lines for a memory block: one per context length."""
+    mib = 2 ** 20
+    return [f"  whole arena     {m['n_ctx']:>6} tokens: {m['arena_bytes'] / mib:7.1f} MiB (dictionaries "
+            f"{m['tail_bytes'] / mib:.1f}) = {m['effective_bytes_per_vector']:.1f} B/vector effective; f16 cache "
+            f"{m['f16_arena_bytes'] / mib:.1f} MiB: {m['vs_f16']:.2f}× its size" for m in block["lengths"]]
 
 
 def format_report(r: dict) -> str:
@@ -197,6 +216,7 @@ def format_report(r: dict) -> str:
         f"(the engine's default) and {m['f32_bytes_per_token']} for f32: "
         f"{m['compression_vs_f16']:.2f}× vs f16, {m['compression_vs_f32']:.2f}× vs f32 "
         f"(+ {m['dictionary_tail_bytes'] / 2**20:.1f} MiB of dictionaries once)",
+        *(format_arena(m["arena"]) if m.get("arena") else []),
         f"  speed           f32 cache {f['tokens_per_s']:.1f} tok/s, dict cache {c['tokens_per_s']:.1f} tok/s",
         f"  validation      {v['passed']}/{v['cases']} shader cases pass vs NumPy: worst NMSE {v['worst_nmse']:.1e} "
         f"(reconstruct ≤ 1e-12, attention ≤ 1e-9); GPU vs CPU OMP error differs by "

@@ -4,6 +4,11 @@
     kvdict-dump --n-layers 30 --n-kv-heads 3 --head-dim 64 --n-ctx 4096   # the f16 layout (--cache f32)
     kvdict-dump smollm2.q42art --json --layer 0      # JSON to stdout, one layer
 
+After the layout, a "memory" table: the whole arena (regions + tails) and the bytes per
+head vector effective at that length (dictionaries amortised) at --n-ctx, at the model's
+context (the artifact's recorded n_ctx, else SmolLM2's 8 192), 32 768 and 131 072 tokens,
+beside the f16 cache of the same shapes (kvdict_vk.memory_report; --json: "memory").
+
 Needs neither Vulkan nor Kompute: every number comes from kvdict_vk.layout (the module
 the GPU backend allocates from). Logs and errors go to stderr; exit status 1 on bad input.
 """
@@ -15,6 +20,7 @@ import sys
 
 from .. import errors as E
 from .. import layout as L
+from .. import memory_report as M
 from ..artifact import read_artifact
 
 
@@ -119,7 +125,29 @@ def format_table(d: dict) -> str:
     lines.append(f"per token     {t['bytes_per_token']} B (f16 cache {t['f32_bytes_per_token'] // 2} B, f32 "
                  f"{t['f32_bytes_per_token']} B): {t['compression_vs_f16']:.2f}× vs f16, "
                  f"{t['compression_vs_f32']:.2f}× vs f32")
+    mem = d.get("memory")
+    if mem:
+        lines.append("")
+        lines.append(f"memory        the whole arena (regions + tails) of {mem['cache']} per sequence, and bytes per "
+                     f"head vector effective at that length (arena / {mem['vectors_per_token']} vectors a token), "
+                     f"beside the f16 cache of the same shapes:")
+        lines += M.format_memory(mem, "  ")
     return "\n".join(lines)
+
+
+def model_n_ctx(cert) -> int:
+    """The model's context length: the one the certificate records (model.n_ctx), else SmolLM2's."""
+    n = (cert.model.get("n_ctx") if cert is not None else None)
+    return n if type(n) is int and 0 < n <= 1 << 24 else M.MODEL_N_CTX
+
+
+def memory_cache(lay: L.ArenaLayout, art):
+    """The cache description of a layout kvdict-dump built (for kvdict_vk.memory_report)."""
+    if lay.mode == "dict":
+        return art
+    if lay.mode == L.KIVI_CACHE:
+        return lay.kivi
+    return lay.mode
 
 
 def main(argv=None) -> int:
@@ -155,6 +183,8 @@ def main(argv=None) -> int:
         if a.layer is not None and not 0 <= a.layer < lay.n_layers:
             raise E.LayerIndexError(f"--layer {a.layer} outside 0..{lay.n_layers - 1}")
         d = describe(lay, cert, a.artifact, a.layer)
+        d["memory"] = M.memory_block(lay.n_layers, lay.n_kv_heads, lay.head_dim, memory_cache(lay, art),
+                                     M.report_lengths(a.n_ctx, model_n_ctx(cert)))
     except (E.KvDictError, OSError) as e:
         print(f"kvdict-dump: error: {sanitise(e, 300)}", file=sys.stderr)
         return 1

@@ -276,14 +276,26 @@ def make_cert(results: dict, cfg: ForgeConfig, sets: list, art: KvDictArtifact) 
         threshold=cfg.threshold, baseline_ppl=worst.baseline_ppl, coded_ppl=worst.coded_ppl,
         eval_tokens=sum(r.eval_tokens for r in results.values()), eval_text_sha256=set_sha, payload_sha256="",
         model=dict(name="SmolLM2-135M-Instruct", gguf_sha256=m.sha256, n_layers=c.n_layers,
-                   n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim),
+                   n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, n_ctx=c.context_length),
         producer=dict(PRODUCER, config=_jsonable(dataclasses.asdict(cfg)), config_key=config_key(cfg),
                       bytes_per_vector=bytes_per_vector(art, c.head_dim),
+                      memory=cert_memory(art, c.n_layers, c.n_kv_heads, c.head_dim, c.context_length),
                       blas_core=parallel.learning_core() or "native"),  # the kernels it was learned on
         extra=dict(ci95=list(worst.ci95), worst_text=worst_name, windows=sum(len(es.windows) for es in sets),
                    window=cfg.window, gate_rule="upper end of the 95 % CI <= threshold on every text",
                    texts=per_text, calibration=calibration_sha256(calibration_files(cfg.calib_files))),
     )
+
+
+def cert_memory(art: KvDictArtifact, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int) -> dict:
+    """The whole arena (regions + tails) of this dictionary's cache at the model's context and
+    at 32 k and 128 k tokens, bytes per head vector effective there, and the f16 cache's arena
+    (kvdict_vk.memory_report). An optional producer field: readers ignore it when absent."""
+    from ..memory_report import arena_memory, report_lengths
+    at = arena_memory(n_layers, n_kv_heads, head_dim, art, report_lengths(None, n_ctx))
+    return dict(n_ctx=int(n_ctx), arena_bytes={str(a.n_ctx): a.arena_bytes for a in at},
+                tail_bytes=at[0].tail_bytes, f16_arena_bytes={str(a.n_ctx): a.f16_arena_bytes for a in at},
+                effective_bytes_per_vector={str(a.n_ctx): a.effective_bytes_per_vector for a in at})
 
 
 def dict_row_name(cfg: ForgeConfig) -> str:

@@ -19,7 +19,8 @@ import numpy as np
 from .. import errors as E
 from . import abi, spirv
 from .device import Device, kp
-from .shaders import SHADERS
+from . import shaders
+from .shaders import SHADERS  # noqa: F401 (every registered variant: tests, tools)
 
 WG_SIZE = abi.WG_SIZE  # the shaders' local_size_x (common.glsl), unless specialized (abi.Variant.local)
 MAX_WORKGROUPS = 4096  # soft cap; grid-stride loops cover any excess work
@@ -90,8 +91,8 @@ class Kernel:
 
     def __init__(self, device: Device, shader: str, buffers: list[Buffer], spec: dict | None = None,
                  max_items: int = 1):
-        self.device, self.shader = device, SHADERS[shader]
-        self.buffers, self.spec = list(buffers), {**dict(SHADERS[shader].optional_spec), **(spec or {})}
+        self.device, self.shader = device, shaders.spec(shader)
+        self.buffers, self.spec = list(buffers), {**dict(self.shader.optional_spec), **(spec or {})}
         sh = self.shader
         code = spirv.load(sh.variant)
         r = spirv.reflect(code)

@@ -1,20 +1,18 @@
 """``SHADERS``: every variant's declaration (kvdict_vk/vk/abi.py) joined with the arithmetic
 of its dispatches — which words of each binding a dispatch touches (extents) and how many
-invocations share a row (groups) — from the modules that own that arithmetic:
-kvdict_vk/vk/extents.py (the arena's shaders), attend/specs.py, encode/specs.py.
-
-Imports: abi, extents and the two spec modules, none of which imports this module or
-kernels; kernels.Kernel looks variants up here.
+invocations share a row (groups) — registered by the modules that own that arithmetic:
+kvdict_vk/vk/extents.py (the arena's shaders, here), and each wing's specs module when it is
+imported (attend/specs.py, encode/specs.py), so the floor imports no wing.
+kernels.Kernel looks variants up here (``spec``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import errors as E
 from . import abi
 from . import extents as core_extents
-from .attend import specs as attend_specs
-from .encode import specs as encode_specs
 
 
 def one_group(spec) -> int:
@@ -61,20 +59,29 @@ class ShaderSpec:
         return self.decl.features
 
 
-def _assemble() -> dict:
-    extents, groups = {}, {}
-    for more, more_groups in ((core_extents.EXTENTS, core_extents.GROUPS), (attend_specs.EXTENTS, {}),
-                              (encode_specs.EXTENTS, encode_specs.GROUPS)):
-        if set(extents) & set(more):
-            raise ValueError(f"extents declared twice for {sorted(set(extents) & set(more))}")
-        extents.update(more)
-        groups.update(more_groups)
-    if set(extents) != set(abi.DECLARATIONS) or not set(groups) <= set(abi.DECLARATIONS):
-        raise ValueError(f"extents without a declaration {sorted(set(extents) - set(abi.DECLARATIONS))}, "
-                         f"declarations without extents {sorted(set(abi.DECLARATIONS) - set(extents))}, "
-                         f"undeclared groups {sorted(set(groups) - set(abi.DECLARATIONS))}")
-    return {name: ShaderSpec(decl, extents[name], groups.get(name, one_group))
-            for name, decl in abi.DECLARATIONS.items()}
+SHADERS: dict = {}  # variant name -> ShaderSpec, filled by register()
 
 
-SHADERS: dict = _assemble()
+def register(extents: dict, groups: dict | None = None) -> None:
+    """Add variants' dispatch arithmetic: ``extents`` (and ``groups``) by variant name, each a
+    declared variant (a wing registers its own when its specs module is imported)."""
+    groups = groups or {}
+    unknown = (set(extents) | set(groups)) - set(abi.DECLARATIONS)
+    if unknown or not set(groups) <= set(extents):
+        raise ValueError(f"extents or groups for undeclared variants {sorted(unknown)}, "
+                         f"groups without extents {sorted(set(groups) - set(extents))}")
+    SHADERS.update({name: ShaderSpec(abi.DECLARATIONS[name], f, groups.get(name, one_group))
+                    for name, f in extents.items()})
+
+
+def spec(name: str) -> ShaderSpec:
+    """The variant's ShaderSpec; a declared variant whose wing has not been imported yet, or
+    an unknown name, is a DispatchError."""
+    if name in SHADERS:
+        return SHADERS[name]
+    if name in abi.DECLARATIONS:
+        raise E.DispatchError(f"{name}: no dispatch arithmetic registered (import its wing's specs module)")
+    raise E.DispatchError(f"unknown shader variant {name!r}")
+
+
+register(core_extents.EXTENTS, core_extents.GROUPS)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvdict_vk.vk import abi, shader_build as sb, spirv
+import kvdict_vk.vk.attend.specs  # noqa: F401 (registers its variants' dispatch arithmetic)
+import kvdict_vk.vk.encode.specs  # noqa: F401 (the same)
 from kvdict_vk.vk.shaders import SHADERS
 from kvdict_vk.vk.vulkan_info import SUBGROUP_OPERATIONS
 
@@ -90,3 +92,15 @@ def test_shader_build_loads_by_path_without_the_package(tmp_path):
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(len(abi.DECLARATIONS)), "True"]
+
+
+def test_a_variant_whose_wing_is_not_registered_is_a_typed_error(monkeypatch):
+    from kvdict_vk import errors as E
+    from kvdict_vk.vk import shaders
+    monkeypatch.delitem(shaders.SHADERS, "attend_flash")
+    with pytest.raises(E.DispatchError, match="no dispatch arithmetic registered"):
+        shaders.spec("attend_flash")
+    with pytest.raises(E.DispatchError, match="unknown shader variant"):
+        shaders.spec("no_such_variant")
+    with pytest.raises(ValueError, match="undeclared"):
+        shaders.register({"no_such_variant": lambda p, s: []})

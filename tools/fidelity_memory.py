@@ -1,0 +1,119 @@
+"""Add each fidelity row's memory at SmolLM2's context and at 32 k / 128 k tokens (issue 51).
+
+    python tools/fidelity_memory.py [--file docs/results/fidelity.json]
+
+For every row of every text in docs/results/fidelity.json this adds, from
+``kvdict_vk.memory_report.arena_memory`` (the layer buffers ``kvdict_vk.layout.build_layout``
+computes) for SmolLM2-135M's shapes (30 layers, 3 KV heads, head_dim 64):
+
+* ``"effective_bytes_per_vector": {"8192": …, "32768": …, "131072": …}`` — the whole arena
+  (regions + tails) at that many tokens over n_layers · n_kv_heads · 2 · tokens head vectors:
+  the dictionaries, KIVI statistics and exact windows amortised over the tokens;
+* ``"arena_bytes": {"8192": …}`` — the whole arena at the model's context;
+* ``"memory_model"`` — "engine" when the row's cache is one the engine keeps (the arena is
+  exactly KvArena's), else how it was modelled (a lever the engine does not run: an engine
+  layout plus the bytes the lever adds, stated).
+
+A row's configuration is read from its name (the forge's table names them by their
+settings: ``KIVI 4 bit + 128 recent``, ``KIVI K5 V4``, ``dict 1024 atoms, K 4+6 b, V 4+4 b``,
+``residual only (s 0) K4 V3 b``, ``Hadamard + q4_1``, ``q8_0``); an unknown name stops the
+script. The file's ``"memory"`` records the command and the model's shapes. Idempotent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvdict_vk import kivi as K  # noqa: E402
+from kvdict_vk import memory_report as M  # noqa: E402
+
+COMMAND = "python tools/fidelity_memory.py --file docs/results/fidelity.json"
+MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=M.MODEL_N_CTX)
+LENGTHS = M.REPORT_LENGTHS  # 8192, 32768, 131072
+SINK_RECENT = 1 + 32  # forge.levers: token 0 and the 32 most recent tokens in binary16
+
+
+def cache_of(row: dict, shapes=(MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["head_dim"])):
+    """(cache description for memory_report, memory_model) of a fidelity row, from its name."""
+    n_layers, n_kv, hd = shapes
+    name, bpv = row["name"], float(row["bytes_per_vector"])
+    if name in ("f16", "f32", "q8_0"):
+        return name, "engine"
+    m = re.fullmatch(r"KIVI (?:(\d) bit|K(\d) V(\d))(?: \+ (\d+) recent)?", name)
+    if m:
+        kb, vb = (int(m[1]), int(m[1])) if m[1] else (int(m[2]), int(m[3]))
+        return K.KiviSpec(kb, vb, int(m[4] or 0)), "engine"
+    m = re.fullmatch(r"dict (\d+) atoms, K (\d+)\+(\d+) b, V (\d+)\+(\d+) b( \+ .*)?", name)
+    if m:
+        spec = M.dictionary_spec(n_layers, n_kv, hd, int(m[1]), (int(m[2]), int(m[3])), (int(m[4]), int(m[5])))
+        lever = (m[6] or "")[3:]
+        if not lever:
+            return spec, "engine"
+        slot_bpv = M.build(n_layers, n_kv, hd, 64, spec).bytes_per_token / (n_layers * n_kv * 2)
+        if lever == "sink + 32 recent":
+            fixed = n_layers * 2 * n_kv * SINK_RECENT * hd * 2
+            return M.Modelled(spec, 0.0, fixed, "the engine's dictionary arena + a binary16 window of token 0 "
+                                                "and the 32 most recent tokens per KV head, beside the codes"), \
+                "modelled: the dictionary arena + 33 binary16 rows per (layer, stream, KV head)"
+        if lever == "group scales":
+            return M.Modelled(spec, bpv - slot_bpv, 0, "per-32-token residual scales"), \
+                f"modelled: the dictionary arena + {bpv - slot_bpv:g} B per vector of group scales"
+        raise SystemExit(f"fidelity_memory: unknown dictionary lever {lever!r} in row {name!r}")
+    m = re.fullmatch(r"residual only \(s 0\) K(\d) V(\d) b( \+ group scales)?", name)
+    if m:  # per (layer, stream, KV head): a float32 mean, and a static scale unless group scales
+        fixed = n_layers * 2 * n_kv * hd * 4 * (1 if m[3] else 2)
+        return M.Modelled(None, bpv, fixed, "residual-only rows"), \
+            "modelled: the row's bytes per vector + float32 means" + ("" if m[3] else " and scales")
+    if re.fullmatch(r"Hadamard \+ q\d_\d", name):
+        return M.Modelled(None, bpv, 0, "rotated block rows"), \
+            "modelled: the row's bytes per vector (a fixed Hadamard transform, nothing stored)"
+    raise SystemExit(f"fidelity_memory: no cache configuration known for row {name!r}")
+
+
+def add_memory(doc: dict) -> dict:
+    shapes = (MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["head_dim"])
+    for text in doc["texts"].values():
+        for row in text["rows"]:
+            cache, how = cache_of(row, shapes)
+            at = M.arena_memory(*shapes, cache, LENGTHS)
+            row["effective_bytes_per_vector"] = {str(a.n_ctx): a.effective_bytes_per_vector for a in at}
+            row["arena_bytes"] = {str(at[0].n_ctx): at[0].arena_bytes}
+            row["memory_model"] = how
+    doc["memory"] = dict(
+        command=COMMAND, model=MODEL, lengths=list(LENGTHS),
+        notes=["effective_bytes_per_vector[N] = the whole arena at N tokens (regions + tails + padding, "
+               "kvdict_vk.memory_report.arena_memory over kvdict_vk.layout.build_layout's layer buffers) / "
+               "(n_layers * n_kv_heads * 2 * N)",
+               "bytes_per_vector is the forge's figure at the gate's 1024-token windows (an exact window "
+               "charged at that context); the memory fields are the arena's at N tokens",
+               "memory_model 'engine': the arena KvArena allocates for that cache; 'modelled: …' a lever "
+               "the engine does not run, as stated"])
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", default=str(ROOT / "docs" / "results" / "fidelity.json"))
+    a = ap.parse_args(argv)
+    p = Path(a.file)
+    doc = add_memory(json.loads(p.read_text()))
+    p.write_text(json.dumps(doc, indent=1))  # the forge writes it so (no final newline)
+    seen = set()
+    for row in next(iter(doc["texts"].values()))["rows"]:
+        if row["name"] not in seen:
+            seen.add(row["name"])
+            e = row["effective_bytes_per_vector"]
+            print(f"{row['name']:<55} {row['bytes_per_vector']:6.1f} B  effective {e['8192']:7.2f} / "
+                  f"{e['32768']:7.2f} / {e['131072']:7.2f} B  arena@8192 {row['arena_bytes']['8192'] / 2 ** 20:7.2f} MiB",
+                  file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
