@@ -8,15 +8,15 @@ Two ways work reaches the queue:
   timestamp before the first op and after the ops it reads: ``"spans"`` (or True) before
   the ``core`` ops' first op and after their last, around the ``untimed`` ones and after the
   last op — so no timestamp falls inside a timed span (each waits for the work before it:
-  ~1 µs on an H200, scripts/kp_patch.py item 3); ``"ops"`` after every op
+  scripts/kp_patch.py item 3); ``"ops"`` after every op
   (:meth:`Recording.op_seconds`, for probes). :meth:`Recording.gpu_seconds` gives the last
   run's GPU time (first to last, in the device's timestampPeriod, masked by the queue's
   timestampValidBits; less the ``untimed`` ops, put there for the timing's sake),
   :meth:`Recording.core_seconds` that of its ``core`` ops.
 * :meth:`Submitter.submit` — record these ops and evaluate them once, on a sequence the
   device keeps and records again (``Device.submit``; kernels.run). Kompute 0.9.0 made a new
-  sequence — a command pool, a command buffer, a fence — for every call: 284–356 µs a call
-  on an NVIDIA H200. scripts/kp_patch.py makes a sequence cheap to clear and re-record and
+  sequence — a command pool, a command buffer, a fence — for every call, hundreds of µs a
+  call on a GPU. scripts/kp_patch.py makes a sequence cheap to clear and re-record and
   to evaluate again (one fence, reset and polled).
 
 Both go through Device.guard, which serialises every Kompute call on a device.

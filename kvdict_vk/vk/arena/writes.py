@@ -82,9 +82,9 @@ class ArenaWrites:
     # --- the scatter ------------------------------------------------------------------------------
     def _scatter(self, layer: int, n_words: int | None = None) -> Kernel:
         """The scatter pipeline for an upload of n_words (None: any size). Two sizes: a
-        dispatch is sized when its pipeline is made, and llvmpipe spends a few µs on every
-        workgroup even when its grid-stride loop has nothing to do — a one-token append
-        through the upload-sized pipeline (4096 workgroups) took 10–20 ms."""
+        dispatch is sized when its pipeline is made, and llvmpipe pays for every workgroup
+        even when its grid-stride loop has nothing to do, so a one-token append through the
+        upload-sized pipeline would cost milliseconds."""
         mem = self.memory
         small_words = mem.token_upload_words * C.SMALL_SCATTER_TOKENS
         small = n_words is not None and n_words <= small_words

@@ -24,15 +24,15 @@ FLASH_MIN_SPLIT_TOKENS = 128  # attend_flash: a split's fixed costs (queries, re
 # (and few: attend_tune.workgroup_counts)
 FLASH_CODED_MIN_SPLIT_TOKENS = 512
 # The kernels over the codes, the untuned default first (the tuner times each): "float"
-# (attend_flash_coded). Its fixed-point sibling lost everywhere on an H200 once the float
-# kernel's atom weights became owned (docs/DESIGN.md) and went; a kernel over the codes for
-# another device class would join here.
+# (attend_flash_coded). Its fixed-point sibling lost everywhere once the float kernel's atom
+# weights became owned (lab/NOTEBOOK.md) and went; a kernel over the codes for another device
+# class would join here.
 CODED_KERNELS = ("float",)
 # attend_flash's builds, the untuned default first: "float" (attend_flash: the split's end 2
 # elements of a unit a pass through shared memory, attend_specs.FLASH_FLOAT_END_ELEMS) and
 # "wide_end" (attend_flash_wide: the end in a few barriers). The wide end is shorter, but its
-# registers halve the token loop's occupancy on an H200, up to a third slower at long contexts
-# (docs/DESIGN.md): the tuner times both.
+# registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
+# "Registers"): the tuner times both.
 FLASH_KERNELS = ("float", "wide_end")
 
 
@@ -284,7 +284,7 @@ class FlashShapes:
     def splits_wanted(self, shape: T.Shape, seqs: int = 1) -> int:
         """Splits per virtual head (sequence × KV head) that make at most ``shape.workgroups``
         workgroups over the virtual heads and head blocks — rounded down, so a count of whole
-        waves stays whole (rounded up, 264 workgroups over 64 virtual heads became 320: a wave
-        and a fifth, 25 % slower at B = 8 on an H200, docs/DESIGN.md) — within the capacity."""
+        waves stays whole (rounded up, a count can become a wave and a fraction, which measured
+        slower: lab/NOTEBOOK.md, "Batched decode") — within the capacity."""
         blocks = seqs * self.layout.n_kv_heads * (self.group // shape.heads if shape.heads else 1)
         return min(self.max_splits, max(1, shape.workgroups // blocks))

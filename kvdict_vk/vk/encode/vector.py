@@ -5,11 +5,11 @@ dictionary head.
 Why a second kernel: a decode step encodes one token per KV head. In the tiled kernel such a
 batch is one 4-vector tile per dictionary head with one live lane, and each vector's serial
 work — Gram–Schmidt against its basis, the back-substitution, the residual stage's 64-element
-loops in df64 — runs in one invocation while the rest of the workgroup waits (measured on
-the H200: 13–17 µs per OMP step, 45 µs for the residual stage, one token of 8 KV heads in
-106 µs). The vector kernel gives each vector a workgroup and spreads all of that work over
-it; the correlations take 4 adjacent atoms per invocation, one vec4 load per dimension,
-coalesced from the transposed image (one token of 8 KV heads in ~40 µs of GPU time: docs/results/h200).
+loops in df64 — runs in one invocation while the rest of the workgroup waits. The vector
+kernel gives each vector a workgroup and spreads all of that work over it; the correlations
+take 4 adjacent atoms per invocation, one vec4 load per dimension, coalesced from the
+transposed image (about two and a half times faster for a decode step's token:
+lab/NOTEBOOK.md, "The GPU encoder"; docs/BENCHMARKS.md, "Encode").
 
 The shape (workgroup size, partial-sum widths) is chosen from the device's limits, so no
 optional feature is needed; where the shared arrays do not fit, there is no vector form and
@@ -23,9 +23,8 @@ LOCALS = (256, 128, 64)  # workgroup sizes tried, largest first (powers of two: 
 ATOMS_PER = 4  # the shader's atoms per invocation per pass (one vec4 load per dimension)
 SHARED_BUDGET = 48 * 1024  # bytes: at most this much of the device's shared memory
 # Batches with at most this many vectors per dictionary head take the vector form (a
-# workgroup per vector); larger ones the tiled kernel. Measured on the H200 (8 KV heads,
-# 1024 atoms, d64, s 4, 4-bit residual): 32 per head 47.9 µs against the tiled kernel's
-# 109.8; level at 64.
+# workgroup per vector); larger ones the tiled kernel (where the two met on the H200:
+# lab/NOTEBOOK.md, "The GPU encoder").
 MAX_PER_HEAD = 32
 
 
