@@ -151,8 +151,10 @@ def _modes(arenas, args, n_heads: int) -> dict:
         if c != "q8_0" and not args.engine_paths_only \
                 and arenas[c].attention(n_heads).plan(0, args.n_used_list[0]).path != "direct":
             modes[f"{c}_cache_direct"] = (arenas[c], c, None, "direct", False)
-    # the KIVI cache: reconstruct-then-attend is its only path (no kernel reads its words in place)
-    modes["kivi_cache"] = (arenas[KIVI], KIVI, None, None, True)
+    # the KIVI cache: attend_flash_kivi over its words, and its read-out path (rows) beside it
+    modes["kivi_cache"] = (arenas[KIVI], KIVI, None, None, False)
+    if not args.engine_paths_only:
+        modes["kivi_cache_rows"] = (arenas[KIVI], KIVI, None, "rows", True)
     for bits in args.format_list:
         f = format_name(bits)
         modes[f"dict_{f}"] = (arenas[f], "dict", f, None, False)
@@ -202,6 +204,8 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
         checks = {"f16_vs_f32_nmse": _nmse(outputs["f16_cache"], outputs["f32_cache"]),
                   "q8_0_vs_f32_nmse": _nmse(outputs["q8_0_cache"], outputs["f32_cache"]),
                   "kivi_vs_f32_nmse": _nmse(outputs["kivi_cache"], outputs["f32_cache"])}
+        if "kivi_cache_rows" in outputs:
+            checks["kivi_cache_rows_vs_kivi_cache_nmse"] = _nmse(outputs["kivi_cache_rows"], outputs["kivi_cache"])
         for c in UNCODED:
             if f"{c}_cache_direct" in outputs:
                 checks[f"{c}_cache_direct_vs_{c}_cache_nmse"] = _nmse(outputs[f"{c}_cache_direct"], outputs[f"{c}_cache"])

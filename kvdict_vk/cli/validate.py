@@ -4,6 +4,7 @@
     kvdict-validate --report               # host, versions, devices, artifact, tuner cache, SPIR-V
     kvdict-validate                        # the shape grid on the default device
     kvdict-validate --device 1 --json      # another device, machine-readable
+    kvdict-validate --abi                  # every SPIR-V variant's contract, JSON (docs/EMBEDDING.md)
 
 Each row is one operation at one shape: reconstruct (read), append (encode + scatter,
 checked through a read), attention over the dict-coded and the f32 cache, and the GPU
@@ -190,7 +191,13 @@ def main(argv=None) -> int:
                          "with limits and features, artifact, tuner cache, SPIR-V) and exit")
     ap.add_argument("--quick", action="store_true", help="the small grid the demo runs")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--abi", action="store_true",
+                    help="print the SPIR-V variants' embedding contract (kvdict_vk/spv/abi.json) and exit")
     a = ap.parse_args(argv)
+    if a.abi:  # no device needed: the shipped abi.json's text, from the one declaration
+        from ..vk import shader_build
+        sys.stdout.write(shader_build.abi_json())
+        return 0
     if a.report:  # every section says its own errors: exit 0 whatever the machine has
         if a.json:
             print(json.dumps(diagnostics.report(), indent=1, default=str))

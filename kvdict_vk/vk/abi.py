@@ -135,6 +135,11 @@ ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word",
                                      "n_splits", "n_kv", "v_atoms_word", "head_atoms", "k_scale_word",
                                      "v_scale_word", "head_vec", "n_seqs", "seq_rows", floats=("score_scale",),
                                      defaults=dict(n_seqs=1, seq_rows=0))
+# attend_flash_kivi: attend_flash's over a KIVI layer (single sequence): its K/V regions, the
+# keys' group statistics, the two exact windows (rings of `window` binary16 rows), the state word
+ATTEND_FLASH_KIVI_PUSH = uint_block("AttendFlashKiviPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
+                                    "n_splits", "n_kv", "stats_word", "k_window_word", "v_window_word", "window",
+                                    "state_word", floats=("score_scale",))
 ATTEND_MERGE_PUSH = uint_block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
 ATTEND_MERGE_HEAD_PUSH = uint_block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word",
                                     "head_vec", "seq_heads")
@@ -259,6 +264,9 @@ def _declare() -> tuple:
     out.append(_attend("attend_flash_coded", (ro("CacheWords"), ro("CacheQuads", 4), ro("Table"), ro("Query"),
                                               rw("Accs"), rw("Stats")),
                        ATTEND_FLASH_CODED_PUSH, flash_coded, optional=(("K_BITS", 0), ("V_BITS", 0))))
+    # attend_flash over the KIVI cache's words (K_BITS, V_BITS: 2 .. 8; core Vulkan 1.1 only)
+    out.append(_attend("attend_flash_kivi", (ro("LayerWords"), ro("Query"), rw("Accs"), rw("Stats")),
+                       ATTEND_FLASH_KIVI_PUSH, ATTEND_SPEC + ("K_BITS", "V_BITS")))
     # attend_flash summing a token's partial scores by subgroup shuffles (GPUs that have them);
     # attend_flash_wide: the split's end in a few barriers (the tuner times it beside attend_flash)
     for name, defines, ops in (("attend_flash_sg", (("SUBGROUP", 1),), _SG),
@@ -310,3 +318,75 @@ VARIANTS: dict = {v.name: (v.source, v.defines_dict) for v in DECLARATIONS.value
 # source declares the same one)
 PUSH_BLOCKS: dict = {v.push.name: v.push for v in DECLARATIONS.values()}
 SHADER_PUSH_BLOCKS: dict = {v.source: v.push for v in DECLARATIONS.values()}
+
+
+# --- the embedding contract: the declarations as JSON (kvdict_vk/spv/abi.json) ---------------
+
+ABI_SCHEMA_VERSION = 1  # bump on any change of abi.json's shape (not of its variants)
+TARGET_ENV = "vulkan1.1"  # glslangValidator / spirv-val --target-env (shader_build's)
+_SCALAR_TYPES = {"uint": "uint32", "float": "float32"}
+# specialization constants the GLSL declares ``bool`` (reconstruct.comp): 4 bytes too, VkBool32,
+# 0 or 1 — every other one is a ``uint`` (the test holds both against the SPIR-V)
+BOOL_SPEC = frozenset({"PIPELINED", "ATOMS_F16"})
+
+
+def _variant_manifest(v: Variant) -> dict:
+    optional = dict(v.optional_spec)
+    defaults = dict(v.push.defaults)
+    if isinstance(v.local, str):
+        workgroup = {"x": None, "x_constant_id": v.spec.index(v.local), "x_constant": v.local,
+                     "x_default": WG_SIZE, "y": 1, "z": 1}
+    else:
+        workgroup = {"x": v.local, "x_constant_id": None, "x_constant": None, "x_default": v.local, "y": 1, "z": 1}
+    return {
+        "name": v.name,
+        "spv": f"{v.name}.spv",
+        "source": v.source,
+        "defines": {k: val for k, val in v.defines},
+        "bindings": [{"set": 0, "binding": i, "type": "storage_buffer", "block": b.name,
+                      "element_words": b.lanes, "element_bytes": b.lanes * WORD_BYTES,
+                      "access": "readwrite" if b.writes else "readonly"}
+                     for i, b in enumerate(v.bindings)],
+        "push_constants": {
+            "struct": v.push.name, "size_bytes": v.push.size_bytes,
+            "fields": [{"name": n, "offset": i * WORD_BYTES, "type": _SCALAR_TYPES[t],
+                        **({"default": defaults[n]} if n in defaults else {})}
+                       for i, (n, t) in enumerate(v.push.fields)]},
+        "specialization_constants": [{"constant_id": i, "name": n, "type": "bool" if n in BOOL_SPEC else "uint32",
+                                      "size_bytes": WORD_BYTES, "required": n not in optional,
+                                      **({"default": optional[n]} if n in optional else {})}
+                                     for i, n in enumerate(v.spec)],
+        "workgroup_size": workgroup,
+        "required_features": {"subgroup_operations": list(v.subgroup_ops), "features": list(v.features)},
+    }
+
+
+def manifest() -> dict:
+    """Every variant's contract as plain JSON data: what an engine in another language needs to
+    create its pipeline and record its dispatch (docs/EMBEDDING.md). shader_build writes it
+    as ``kvdict_vk/spv/abi.json`` beside the .spv files; tests hold it against their reflection."""
+    return {
+        "schema": "kvdict_vk.abi",
+        "schema_version": ABI_SCHEMA_VERSION,
+        "target_env": TARGET_ENV,
+        "conventions": {
+            "descriptor_set": 0,
+            "descriptor_type": "VK_DESCRIPTOR_TYPE_STORAGE_BUFFER",
+            "bindings": "set 0, bindings 0..n-1, every one bound; a block's offsets (push fields *_word) "
+                        "count 32-bit words into the bound buffer, whatever its element width",
+            "access": "readonly: NonWritable in the SPIR-V; readwrite: the shader may write it "
+                      "(some are GLSL writeonly): barrier it as written",
+            "push_constants": "one 32-bit word per field at its offset, stage COMPUTE; float32 fields "
+                              "are IEEE binary32 bits; a field with a default may be left at it",
+            "specialization_constants": "4 bytes each (uint32, or bool: VkBool32 0/1); required ones have no usable default; give every "
+                                        "constant_id 0..n-1 a VkSpecializationMapEntry",
+            "workgroup_size": "x fixed, or set by the constant x_constant_id (local_size_x_id; "
+                              "x_default when unspecialized); y = z = 1",
+            "required_features": "subgroup_operations: VkSubgroupFeatureFlagBits the device must report "
+                                 "for the compute stage; features: other optional device features",
+        },
+        "word_bytes": WORD_BYTES,
+        "default_workgroup_x": WG_SIZE,
+        "optional_features": list(FEATURES),
+        "variants": {name: _variant_manifest(v) for name, v in DECLARATIONS.items()},
+    }

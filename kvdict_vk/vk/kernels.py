@@ -11,7 +11,9 @@ its buffers: a mismatch is a :class:`~kvdict_vk.errors.DispatchError`, never a c
 """
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +51,8 @@ class Buffer:
         with device.guard(f"allocating {name} ({4 * words} bytes, {kind})"):
             self.tensor = device.manager.tensor_t(data, self._KINDS[kind])
         self.alive = True
+        self.uid = next(_BUFFER_IDS)
+        self.pipeline_keys: set = set()  # the device's cached pipelines that bind this buffer
 
     def host_words(self) -> np.ndarray:
         """A uint32 view of the host-visible memory (host buffers, or the staging copy of
@@ -58,10 +62,58 @@ class Buffer:
         return self.tensor.data()
 
     def destroy(self) -> None:
+        """Free the buffer, and first every cached pipeline of the device that binds it."""
         if self.alive:
             self.alive = False
             with self.device.guard(f"freeing {self.name}"):
+                pipelines = _PIPELINES.get(self.device, {})
+                for key in self.pipeline_keys:
+                    kernel = pipelines.pop(key, None)
+                    if kernel is not None:
+                        kernel.destroy()
+                self.pipeline_keys.clear()
                 self.tensor.destroy()
+
+
+_BUFFER_IDS = itertools.count()
+# Each device's pipelines (pipeline()): key -> Kernel. Kompute binds buffers when it makes a
+# pipeline, so a pipeline lives as long as the first of its buffers (Buffer.destroy).
+_PIPELINES: "weakref.WeakKeyDictionary[Device, dict]" = weakref.WeakKeyDictionary()
+
+
+def pipeline(device: Device, shader: str, buffers: list, spec: dict | None = None, max_items: int = 1) -> "Kernel":
+    """The device's pipeline for this variant, specialization, buffers and size: made on
+    first use and shared by every owner that asks for the same one afterwards (the arena's
+    writes and reads, the attention passes, the encoder), freed with its buffers. Owners
+    keep no pipelines of their own and never destroy one."""
+    key = (shader, tuple(sorted((spec or {}).items())), tuple(b.uid for b in buffers), int(max_items))
+    with device.guard(f"looking up pipeline {shader}"):
+        pipelines = _PIPELINES.setdefault(device, {})
+        made = pipelines.get(key)
+        if made is None:
+            made = Kernel(device, shader, buffers, spec, max_items)
+            pipelines[key] = made
+            for b in buffers:
+                b.pipeline_keys.add(key)
+        return made
+
+
+def release(made: "Kernel") -> None:
+    """Drop one pipeline from its device's cache and destroy it now, for an owner that bounds
+    how many of its pipelines live at once (the encoder's, one per destination buffer)."""
+    device = made.device
+    with device.guard(f"releasing pipeline {made.shader.variant}"):
+        pipelines = _PIPELINES.get(device, {})
+        for key in [k for k, v in pipelines.items() if v is made]:
+            del pipelines[key]
+            for b in made.buffers:
+                b.pipeline_keys.discard(key)
+        made.destroy()
+
+
+def pipeline_count(device: Device) -> int:
+    """How many pipelines the device's cache holds (a steady decode adds none)."""
+    return len(_PIPELINES.get(device, {}))
 
 
 @dataclass(frozen=True)

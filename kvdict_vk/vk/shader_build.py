@@ -8,8 +8,13 @@ come from :mod:`kvdict_vk.vk.abi`, loaded by path the same way there), and lazil
 
 A variant is stale when its .spv is missing, older than its source or any file the source
 includes, or was built from different text/flags (a content hash in ``manifest.json`` —
-checkouts do not preserve mtimes). ``glslangValidator`` and ``spirv-val`` must be silent:
-any diagnostic, on either stream, or a non-zero exit is a :class:`ShaderBuildError`.
+checkouts do not preserve mtimes; build bookkeeping, not shipped). ``glslangValidator`` and
+``spirv-val`` must be silent: any diagnostic, on either stream, or a non-zero exit is a
+:class:`ShaderBuildError`.
+
+Beside the .spv files every build writes ``abi.json`` (:data:`ABI_FILE`) — the embedding
+contract, :func:`kvdict_vk.vk.abi.manifest` as JSON (docs/EMBEDDING.md) — whenever its text
+differs from the declarations'; it ships in the wheel, ``manifest.json`` does not.
 """
 from __future__ import annotations
 
@@ -42,11 +47,12 @@ except ImportError:  # the same: load the declarations (standard library only) b
 
     abi = _load_abi()
 
-TARGET_ENV = "vulkan1.1"
+TARGET_ENV = abi.TARGET_ENV  # "vulkan1.1"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # …/kvdict_vk
 SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # exists in a checkout only
 SPV_DIR = PACKAGE_DIR / "spv"
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # build hashes (staleness), not package data
+ABI_FILE = "abi.json"  # the embedding contract (abi.manifest()), package data
 
 # output name → (source file, preprocessor defines): from the one declaration of every variant
 VARIANTS: dict[str, tuple[str, dict]] = abi.VARIANTS
@@ -146,8 +152,30 @@ def stale(shader_dir: Path = SHADER_DIR, out_dir: Path = SPV_DIR) -> list[str]:
     return out
 
 
+def abi_json() -> str:
+    """abi.json's text: the declarations' manifest, deterministic (what build writes)."""
+    return json.dumps(abi.manifest(), indent=1) + "\n"
+
+
+def write_abi(out_dir: Path = SPV_DIR) -> bool:
+    """Write ``out_dir/abi.json`` if its text differs from :func:`abi_json`; True if written."""
+    out_dir, text = Path(out_dir), abi_json()
+    target = out_dir / ABI_FILE
+    try:
+        if target.read_text() == text:
+            return False
+    except OSError:
+        pass
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{ABI_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, target)
+    return True
+
+
 def build(shader_dir: Path = SHADER_DIR, out_dir: Path = SPV_DIR, *, force: bool = False) -> list[str]:
-    """(Re)build the stale variants (all with ``force``); returns the names built."""
+    """(Re)build the stale variants (all with ``force``), and abi.json where it differs;
+    returns the names built."""
     shader_dir, out_dir = Path(shader_dir), Path(out_dir)
     names = list(VARIANTS) if force else stale(shader_dir, out_dir)
     manifest = _manifest(out_dir)
@@ -157,6 +185,7 @@ def build(shader_dir: Path = SHADER_DIR, out_dir: Path = SPV_DIR, *, force: bool
         manifest[name] = _digest(shader_dir / source_name, defines)
     if names:
         (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    write_abi(out_dir)
     return names
 
 

@@ -9,8 +9,9 @@ how an engine author tries a modified shader under kvdict-validate, and how the 
 that kvdict-validate catches a broken one.
 
 The reflection reads the module itself — descriptor bindings (and each one's block name,
-element width and writability), the push-constant block's size, the specialization-constant IDs, the workgroup size, capabilities and extensions —
-so the Python-side checks compare a dispatch with what the shader really declares
+element width and writability), the push-constant block's size (and its members' offsets
+and types), the specialization-constant IDs (and types), the workgroup size, capabilities and
+extensions — so the Python-side checks compare a dispatch with what the shader really declares
 (Kompute segfaults when a shader declares more bindings than it was given tensors).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ MAGIC = 0x07230203
 _OP_NAME, _OP_EXTENSION, _OP_EXECUTION_MODE, _OP_CAPABILITY = 5, 10, 16, 17
 _OP_TYPE_INT, _OP_TYPE_FLOAT, _OP_TYPE_VECTOR, _OP_TYPE_STRUCT, _OP_TYPE_POINTER = 21, 22, 23, 30, 32
 _OP_TYPE_RUNTIME_ARRAY, _OP_SPEC_CONSTANT_COMPOSITE = 29, 51
+_OP_SPEC_CONSTANT = 50
 _OP_VARIABLE, _OP_DECORATE, _OP_MEMBER_DECORATE = 59, 71, 72
 _DEC_SPEC_ID, _DEC_ARRAY_STRIDE, _DEC_NON_WRITABLE, _DEC_BINDING, _DEC_SET, _DEC_OFFSET = 1, 6, 24, 33, 34, 35
 _DEC_BUILTIN, _BUILTIN_WORKGROUP_SIZE = 11, 25
@@ -56,6 +58,11 @@ class Reflection:
     # array — 4 for vec4/uvec4 —, whether any member is writable)
     buffers: tuple = ()
     local_size_spec_id: int | None = None  # the SpecId that sets local_size_x (local_size_x_id), if any
+    # the push-constant block: its struct name, and per member (declaration order) its
+    # (byte offset, size in bytes, scalar type: "uint32", "int32", "float32", …)
+    push_block: str = ""
+    push_members: tuple = ()
+    spec_types: tuple = ()  # per SpecId in spec_ids order: its scalar type ("uint32", …; "bool")
 
 
 def _ensure_built() -> None:
@@ -103,6 +110,7 @@ def reflect(spirv: bytes) -> Reflection:
     ints, floats, vectors, pointers, structs = {}, {}, {}, {}, {}
     decor, member_offsets, variables = {}, {}, []
     names, runtime_arrays, non_writable, spec_composites = {}, {}, {}, {}
+    signed, spec_type_of = {}, {}  # int type id → signedness; spec constant id → its type id
     local_size, caps, exts = (1, 1, 1), [], []
     i = 5  # header: magic, version, generator, bound, schema
     while i < len(w):
@@ -122,7 +130,13 @@ def reflect(spirv: bytes) -> Reflection:
             exts.append(_string(w[i + 1:i + count]))
         elif op == _OP_EXECUTION_MODE and a[1] == _MODE_LOCAL_SIZE:
             local_size = tuple(a[2:5])
+        elif op == _OP_SPEC_CONSTANT:
+            spec_type_of[a[1]] = a[0]
+        elif op in (48, 49):  # OpSpecConstantTrue / False
+            spec_type_of[a[1]] = None
         elif op == _OP_TYPE_INT or op == _OP_TYPE_FLOAT:
+            if op == _OP_TYPE_INT:
+                signed[a[0]] = a[2]
             (ints if op == _OP_TYPE_INT else floats)[a[0]] = a[1] // 8
         elif op == _OP_TYPE_VECTOR:
             vectors[a[0]] = (a[1], a[2])
@@ -155,7 +169,15 @@ def reflect(spirv: bytes) -> Reflection:
         writable = any(m not in non_writable.get(struct, set()) for m in range(len(members)))
         return names.get(struct, ""), stride // 4, writable
 
-    bindings, buffers, push_bytes = [], {}, 0
+    def scalar_name(t) -> str:
+        if t is None:
+            return "bool"
+        if t in vectors:
+            return f"{scalar_name(vectors[t][0])}x{vectors[t][1]}"
+        kind = "float" if t in floats else ("int" if signed.get(t) else "uint")
+        return f"{kind}{size_of(t) * 8}"
+
+    bindings, buffers, push_bytes, push_block, push_members = [], {}, 0, "", ()
     for var, ptr, sc in variables:
         if sc in (_SC_STORAGE_BUFFER, _SC_UNIFORM) and _DEC_BINDING in decor.get(var, {}):
             key = (decor[var].get(_DEC_SET, 0), decor[var][_DEC_BINDING])
@@ -165,13 +187,18 @@ def reflect(spirv: bytes) -> Reflection:
             struct = pointers[ptr][1]
             offsets = member_offsets.get(struct, {})
             push_bytes = max((offsets[m] + size_of(t) for m, t in enumerate(structs[struct])), default=0)
+            push_block = names.get(struct, "")
+            push_members = tuple((offsets[m], size_of(t), scalar_name(t)) for m, t in enumerate(structs[struct]))
     spec_ids = sorted(d[_DEC_SPEC_ID] for d in decor.values() if _DEC_SPEC_ID in d)
+    spec_types = {d[_DEC_SPEC_ID]: scalar_name(spec_type_of[t]) for t, d in decor.items()
+                  if _DEC_SPEC_ID in d and t in spec_type_of}
     local_id = None
     for target, d in decor.items():
         if d.get(_DEC_BUILTIN) == _BUILTIN_WORKGROUP_SIZE and target in spec_composites:
             local_id = decor.get(spec_composites[target][0], {}).get(_DEC_SPEC_ID)
     return Reflection(tuple(sorted(bindings)), push_bytes, tuple(spec_ids), local_size,
-                      tuple(caps), tuple(exts), tuple(buffers[k] for k in sorted(bindings)), local_id)
+                      tuple(caps), tuple(exts), tuple(buffers[k] for k in sorted(bindings)), local_id,
+                      push_block, push_members, tuple(spec_types.get(i, "") for i in spec_ids))
 
 
 # SPIR-V's GroupNonUniform* capabilities (61 … 68) by the Vulkan subgroup operation class

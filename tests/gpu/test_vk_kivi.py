@@ -70,7 +70,9 @@ def test_a_recorded_read_stays_right_as_groups_are_quantised(make_arena):
     assert not np.array_equal(first[0], again[0])  # exact at first, quantised now
 
 
-@pytest.mark.parametrize("path", [None, "flash"])  # the device's choice (attend_direct on CPU drivers); attend_flash
+# None, "flash": attend_flash_kivi; "rows": the read-out path — read_rows_kivi, then the rows
+# attended (attend_flash on GPUs, attend_direct on CPU drivers: Attention.rows_plan)
+@pytest.mark.parametrize("path", [None, "flash", "rows"])
 @pytest.mark.parametrize("group", [1, 3])
 def test_attention_and_steps_match_the_reference(group, path, make_arena):
     spec = K.KiviSpec()
@@ -82,7 +84,7 @@ def test_attention_and_steps_match_the_reference(group, path, make_arena):
     q = rng.standard_normal((n_kv * group, hd)).astype(np.float32)
     att = arena.attention(n_kv * group)
     att.path = path
-    assert att.rows_plan(300).path == (path or ("flash" if att.local == 64 else "direct"))
+    assert att.rows_plan(300).path == (path if path == "flash" else ("flash" if att.local == 64 else "direct"))
     for n_used in (1, 150, 300):
         kr, vr = K.cache_rows(k, v, 300, spec)
         ref = attention_ref.attend(q, kr, vr, n_used)
@@ -92,8 +94,11 @@ def test_attention_and_steps_match_the_reference(group, path, make_arena):
         kr, vr = K.cache_rows(k, v, t + 1, spec)
         assert nmse(attention_ref.attend(q, kr, vr, t + 1), out) <= 1e-9
         assert np.isfinite(out).all()
-    with pytest.raises(E.ArenaError, match="reconstruct-then-attend"):
-        arena.attention(n_kv * group).plan(0, 10)
+    # attend_flash_kivi reads the words in place (tests/gpu/test_vk_attend_kivi.py); the read-out
+    # path is Attention.attend_reconstructed's (path "rows"), not a plan's
+    assert arena.attention(n_kv * group).plan(0, 10, path="flash").kernel == "kivi"
+    with pytest.raises(E.ArenaError, match="attend_reconstructed"):
+        arena.attention(n_kv * group).plan(0, 10, path="rows")
 
 
 def test_bad_input_is_refused_and_changes_nothing(make_arena):

@@ -1,8 +1,8 @@
 """The device memory of one KvArena, and what its wings (the write paths, the reads, the
 attention engine) are given to work on: the device, the layout, one storage buffer per
-layer, the host-visible upload buffer, the shared read-back buffers, the arena's pipeline
-cache, the limits all of them were sized against, and the token count of every (layer,
-sequence).
+layer, the host-visible upload buffer, the shared read-back buffers, the limits all of them
+were sized against, and the token count of every (layer, sequence). Pipelines are the
+device's (kernels.pipeline), freed with the buffers they bind.
 
 Sizing happens before anything is allocated (ArenaTooLargeError on a device that cannot
 hold the arena); everything is freed with ``free()``, after which every use raises
@@ -15,7 +15,7 @@ import numpy as np
 from ... import errors as E
 from ... import layout as L
 from ..device import Device, kp
-from ..kernels import Buffer, Kernel, run
+from ..kernels import Buffer, pipeline, run
 from . import config as C
 
 
@@ -37,7 +37,6 @@ class ArenaMemory:
         self.shader_mapping = shader_mapping
         self._caps = self._check_limits()  # ArenaTooLargeError before anything is allocated
         self._layers: list[Buffer] = []
-        self._kernels: dict = {}
         self._outs: dict[int, Buffer] = {}
         self._upload = None
         self._n_tokens = [[0] * self._seqs for _ in range(layout.n_layers)]  # [layer][sequence]
@@ -121,27 +120,18 @@ class ArenaMemory:
             self._outs[cls] = Buffer(self.device, cls, "device", f"read-back buffer ({cls} words)")
         return self._outs[cls]
 
-    def cached_kernel(self, key, make) -> Kernel:
-        """The arena's pipeline for ``key``, made by ``make()`` on first use and freed with
-        the arena (Kompute binds buffers when a pipeline is made)."""
-        self.check_live()
-        if key not in self._kernels:
-            self._kernels[key] = make()
-        return self._kernels[key]
-
     def layer_words(self, layer: int) -> np.ndarray:
         """A copy of a layer buffer's raw words (uint32), for tests and the dump tool."""
         i = self.layer_index(layer)
         src = self._layers[i]
         dst = Buffer(self.device, src.words, "device", f"layer {i} read-back")
-        kernel = Kernel(self.device, "copy_scalar", [src, dst], max_items=src.words)
         try:
-            run(self.device, kernel.op(src_word=0, dst_word=0, n_words=src.words),
+            copy = pipeline(self.device, "copy_scalar", [src, dst], max_items=src.words)
+            run(self.device, copy.op(src_word=0, dst_word=0, n_words=src.words),
                 kp.OpTensorSyncLocal([dst.tensor]), what=f"reading layer {i} back")
             return np.array(dst.host_words(), np.uint32)
         finally:
-            kernel.destroy()
-            dst.destroy()
+            dst.destroy()  # and the copy's pipeline with it
 
     # --- sequences and token counts ---------------------------------------------------------------
     @property
@@ -194,14 +184,12 @@ class ArenaMemory:
         return int(seq)
 
     def free(self) -> None:
-        """Destroy every pipeline and buffer. Idempotent; any later use raises ArenaError."""
+        """Destroy every buffer (and so every pipeline that binds one). Idempotent; any later
+        use raises ArenaError."""
         self._freed = True
-        for k in list(self._kernels.values()):
-            k.destroy()
         for b in [*self._outs.values(), *self._layers, self._upload]:
             if b is not None:
                 b.destroy()
-        self._kernels.clear()
         self._outs.clear()
         self._layers = []
         self._upload = None

@@ -21,7 +21,7 @@ from ... import errors as E
 from ... import layout as L
 from ... import rows as R
 from ..encode import choice as encode_choice
-from ..kernels import Kernel, Write, barrier, run
+from ..kernels import Kernel, Write, barrier, pipeline, run
 from . import config as C
 from .kivi_store import KiviStore
 from .memory import ArenaMemory
@@ -89,8 +89,8 @@ class ArenaWrites:
         small_words = mem.token_upload_words * C.SMALL_SCATTER_TOKENS
         small = n_words is not None and n_words <= small_words
         items = small_words if small else mem.upload_words
-        return mem.cached_kernel(("scatter", layer, small), lambda: Kernel(
-            mem.device, "scatter", [mem.upload_buffer, mem.layer_buffer(layer)], max_items=items))
+        mem.check_live()
+        return pipeline(mem.device, "scatter", [mem.upload_buffer, mem.layer_buffer(layer)], max_items=items)
 
     def _scatter_op(self, layer: int, src_word: int, st: L.StreamLayout, t0: int, t_new: int):
         """The scatter of t_new tokens' rows of stream `st` (n_kv × t_new × row_words words

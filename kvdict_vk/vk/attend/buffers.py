@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import kp
-from ..kernels import Buffer, Kernel, barrier
+from ..kernels import Buffer, barrier, pipeline
 from .specs import Sizes, lengths_word
 
 
@@ -97,14 +97,14 @@ class AttendBuffers:
         if words not in self.flush_scratch:
             src = Buffer(self.device, words, "storage", "L2 flush source")
             sink = Buffer(self.device, 4, "storage", "L2 flush sink")
-            self.flush_scratch[words] = (Kernel(self.device, "l2_flush", [src, sink], max_items=words // 4), src, sink)
-        kernel, _, sink = self.flush_scratch[words]
-        return [kernel.op(n_words=words), barrier(sink)]
+            flush = pipeline(self.device, "l2_flush", [src, sink], max_items=words // 4)
+            self.flush_scratch[words] = (flush, src, sink)
+        flush, _, sink = self.flush_scratch[words]
+        return [flush.op(n_words=words), barrier(sink)]
 
     def free_flush(self) -> None:
         flushes, self.flush_scratch = self.flush_scratch, {}
-        for kernel, src, sink in flushes.values():
-            kernel.destroy()
+        for _, src, sink in flushes.values():  # and with them the flush's pipeline
             sink.destroy()
             src.destroy()
 

@@ -18,7 +18,7 @@ from ... import errors as E
 from .plan import LOOP_BUDGET
 from .specs import merge_head_local, n_blocks
 from ..device import kp
-from ..kernels import Kernel, barrier
+from ..kernels import Kernel, barrier, pipeline
 
 OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (never in steady decode)
 
@@ -57,10 +57,12 @@ class PassBuilder:
         return set(self._kernels)
 
     def _kernel(self, key, shader: str, buffers, items: int, **spec) -> Kernel:
+        # the device's pipeline (shared with any owner that asks for the same), memoised by
+        # this builder's key so a steady decode looks nothing up
         if key not in self._kernels:
             grid = self.grid
             spec = {"HEAD_DIM": self.layout.head_dim, "GROUP": grid.group, "LOCAL": grid.local, "HB": grid.hb, **spec}
-            self._kernels[key] = Kernel(self.device, shader, buffers, spec, max_items=items)
+            self._kernels[key] = pipeline(self.device, shader, buffers, spec, max_items=items)
         return self._kernels[key]
 
     def _cached_op(self, key, kernel: Kernel, **push):
@@ -312,14 +314,12 @@ class PassBuilder:
         if key not in self._kernels:
             from ..read.reader import ReadPlan
             for old in [k for k in self._kernels if k[0] == "recon_plan"]:
-                del self._kernels[old]  # its pipelines live in the arena's cache
+                del self._kernels[old]  # its pipelines are the device's
             self._kernels[key] = ReadPlan(self.memory, layer, 0, n_used, out=out)
         return self._kernels[key]
 
     def free(self) -> None:
+        """Forget the operations; the pipelines go with the buffers they bind."""
         self._ops.clear()
-        for k in self._kernels.values():
-            if isinstance(k, Kernel):
-                k.destroy()
         self._kernels.clear()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ... import errors as E
 from ... import layout as L
 from ...layout import row_words
+from .. import shaders
 
 ATOM_BLOCK = 16  # atoms per attend_atoms.comp invocation (its ATOM_BLOCK)
 FLASH_MAX_GROUP = 8  # attend_flash.comp's MAX_G: query heads per KV head it keeps in registers
@@ -421,3 +422,5 @@ EXTENTS = {
     "attend_flash_coded": _flash_coded_extents,
     "attend_flash_kivi": _flash_kivi_extents,
 }
+
+shaders.register(EXTENTS)

@@ -39,7 +39,7 @@ from .specs import n_blocks
 from .tiled import VECTOR_FORM, TiledKernels, tile_for
 from .tiled import max_batch as max_tiled_batch
 from .vector import MAX_PER_HEAD
-from ..kernels import Buffer, Kernel, barrier, run
+from ..kernels import Buffer, Kernel, barrier, pipeline, release, run
 
 TILE = 64  # tokens per workgroup (the shaders' WG_SIZE)
 # Workgroups per correlation/metric dispatch: a kp pipeline has a fixed count, and those two
@@ -141,12 +141,12 @@ class GpuEncoder:
                 self._tiled = TiledKernels(self.device, d, (self._variants["tiled"], self._variants["vector"]),
                                            b["dict"], b["x"], self.capacity, image.n_steps, vector_per_head)
             for w in DISPATCH_WIDTHS if not tiled else ():
-                self._kernels[("corr", w)] = Kernel(self.device, self._variants["corr"],
+                self._kernels[("corr", w)] = pipeline(self.device, self._variants["corr"],
                                                     [b["dict"], b["state_elems"], b["keys"]],
                                                     {"DIM": d.head_dim, "ATOM_BLOCK": self.atom_block},
                                                     max_items=w)
                 if d.metric is not None:
-                    self._kernels[("metric", w)] = Kernel(self.device, self._variants["metric"],
+                    self._kernels[("metric", w)] = pipeline(self.device, self._variants["metric"],
                                                           [b["dict"], b["state_elems"]],
                                                           {"DIM": d.head_dim, "METRIC_ROWS": self.metric_rows},
                                                           max_items=w)
@@ -162,7 +162,7 @@ class GpuEncoder:
         staging = Buffer(self.device, step, "host", "encoder dictionary staging")
         copy = None
         try:
-            copy = Kernel(self.device, "copy_vec4", [staging, dst], max_items=step // 4)
+            copy = pipeline(self.device, "copy_vec4", [staging, dst], max_items=step // 4)
             for start in range(0, words.size, step):
                 part = words[start:start + step]
                 staging.host_words()[:part.size] = part
@@ -173,7 +173,7 @@ class GpuEncoder:
             raise
         finally:
             if copy is not None:
-                copy.destroy()
+                release(copy)
             staging.destroy()
         return dst
 
@@ -184,12 +184,12 @@ class GpuEncoder:
         if kern is not None and kern.buffers[-1] is dest:
             return kern
         if kern is not None:  # a freed buffer's id was reused
-            self._kernels.pop(key).destroy()
+            release(self._kernels.pop(key))
         picks = [k for k in self._kernels if k[0] == "pick"]
         if len(picks) >= _MAX_DEST_KERNELS:
-            self._kernels.pop(picks[0]).destroy()
+            release(self._kernels.pop(picks[0]))
         b = self._buffers
-        self._kernels[key] = Kernel(self.device, self._variants["pick"],
+        self._kernels[key] = pipeline(self.device, self._variants["pick"],
                                     [b["x"], b["dict"], b["dict"], b["state_elems"], b["state_words"],
                                      b["keys"], dest], self._spec, max_items=self.capacity // TILE)
         return self._kernels[key]
@@ -343,7 +343,7 @@ class GpuEncoder:
         if self._tiled is not None:
             self._tiled.destroy()
         for k in self._kernels.values():
-            k.destroy()
+            release(k)
         for b in self._buffers.values():
             b.destroy()
         self._kernels.clear()

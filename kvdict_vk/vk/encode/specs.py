@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ... import errors as E
 from ...residual import slot_words
-from .. import abi
+from .. import abi, shaders
 
 
 def n_blocks(n_atoms: int, atom_block: int) -> int:
@@ -144,3 +144,5 @@ EXTENTS = {
 # of TILE_VECTORS vectors, the vector one a vector per workgroup (1).
 GROUPS = {f"omp_encode_{k}_{v}": _per_workgroup for k in ("corr", "metric", "pick", "pick_residual")
           for v in _VECS}
+
+shaders.register(EXTENTS, GROUPS)

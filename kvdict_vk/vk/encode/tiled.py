@@ -19,7 +19,7 @@ from ... import errors as E
 from . import vector as V
 from .image import LOOP_BUDGET, LOOP_ITERATION_CAP, caps_loops, step_multipliers
 from .specs import state_words
-from ..kernels import Buffer, Kernel
+from ..kernels import Buffer, Kernel, pipeline, release
 
 # Vectors per workgroup, largest first (each a multiple of 4): a batch asks for the largest
 # and tile_shape falls back to the next where it does not fit the device's shared memory (a
@@ -222,19 +222,19 @@ class TiledKernels:
         if kern is not None and kern.buffers[-1] is dest:
             return kern
         if kern is not None:  # a freed buffer's id was reused
-            self._kernels.pop(key).destroy()
+            release(self._kernels.pop(key))
         same = [k for k in self._kernels if k[0] == tile_vectors]
         if len(same) >= max_dests:
-            self._kernels.pop(same[0]).destroy()
+            release(self._kernels.pop(same[0]))
         b = self.dict_buffer
         if tile_vectors == VECTOR_FORM:
-            kern = Kernel(self.device, self.vector_variant, [self.x_buffer, b, b, dest],
+            kern = pipeline(self.device, self.vector_variant, [self.x_buffer, b, b, dest],
                           V.spec(self.stream, shape, self.n_steps), max_items=workgroups * shape.local)
         else:
-            kern = Kernel(self.device, self.variant, [self.x_buffer, b, b, basis, words, dest], self.spec(shape),
+            kern = pipeline(self.device, self.variant, [self.x_buffer, b, b, basis, words, dest], self.spec(shape),
                           max_items=workgroups * shape.local)
         if kern.workgroups > workgroups:  # the state holds a region per workgroup
-            kern.destroy()
+            release(kern)
             raise E.DispatchError(f"{self.variant}: {kern.workgroups} workgroups, state for {workgroups}")
         self._kernels[key] = kern
         return kern
@@ -245,7 +245,7 @@ class TiledKernels:
 
     def destroy(self) -> None:
         for k in self._kernels.values():
-            k.destroy()
+            release(k)
         for _, basis, words, _ in self._state.values():
             for buf in (basis, words):
                 if buf is not None:

@@ -19,7 +19,7 @@ import numpy as np
 from ... import errors as E
 from ... import kivi as K
 from ..device import kp
-from ..kernels import Buffer, Kernel
+from ..kernels import Buffer, Kernel, pipeline
 from ..submit import Recording
 from . import mapping as M
 
@@ -84,44 +84,40 @@ class ReadPlan:
                           n_rows=n_kv * n_tok, out_word=j * n_kv * n_tok * hd)
             if st.coded:
                 halves = int(st.atoms16_word is not None)  # gather the binary16 copy of the atoms
-                kern = self._kernel(("reconstruct", layer, st.sparsity, st.residual_bits, halves, out.words),
-                                    "reconstruct", [layer_buf, layer_buf, out, layer_buf], SPARSITY=st.sparsity,
+                kern = self._kernel("reconstruct", [layer_buf, layer_buf, out, layer_buf], SPARSITY=st.sparsity,
                                     RES_BITS=st.residual_bits, ATOMS_F16=halves)
                 self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word, n_atoms=lay.n_atoms,
                                         scale_word=st.scale_word, head_atoms=st.head_atoms_stride,
                                         head_vec=st.head_vec_stride, atoms16_word=st.atoms16_word or 0, **common))
             elif st.kivi:
-                kern = self._kernel(("read_rows_kivi", layer, st.stream, out.words), "read_rows_kivi",
-                                    [layer_buf, out], BITS=st.kivi_bits, KEYS=int(st.stream == "k"), GROUP=K.GROUP)
+                kern = self._kernel("read_rows_kivi", [layer_buf, out], BITS=st.kivi_bits,
+                                    KEYS=int(st.stream == "k"), GROUP=K.GROUP)
                 self.ops.append(kern.op(stats_word=st.stats_word or 0, window_word=st.window_word,
                                         window=st.window_tokens, state_word=st.state_word, **common))
             elif st.half or st.q8:
                 shader = "read_rows_f16" if st.half else "read_rows_q8"
-                kern = self._kernel((shader, layer, out.words), shader, [layer_buf, out])
+                kern = self._kernel(shader, [layer_buf, out])
                 self.ops.append(kern.op(**common))
             else:
-                kern = self._kernel(("copy_rows", layer, out.words), "copy_rows", [layer_buf, out])
+                kern = self._kernel("copy_rows", [layer_buf, out])
                 self.ops.append(kern.op(**common))
         self._recordings: dict = {}
 
-    def _kernel(self, key, shader: str, buffers, **spec) -> Kernel:
+    def _kernel(self, shader: str, buffers, **spec) -> Kernel:
         a = self.arena
-        key = key + (id(buffers[-1]),)  # one pipeline per output buffer (Kompute binds at creation)
-
-        def make() -> Kernel:
-            if shader in ("read_rows_f16", "read_rows_q8", "read_rows_kivi"):  # an invocation per 2 / 4 elements
-                per = 2 if shader == "read_rows_f16" else 4
-                return Kernel(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim, **spec},
-                              max_items=buffers[-1].words // per)
-            variant = f"{shader}_{'vec4' if M.vec4_rows(a) else 'scalar'}"
-            if shader == "reconstruct":
-                chunks, pipelined = M.reconstruct_mapping(a, spec["SPARSITY"], bool(spec["ATOMS_F16"]))
-                mapping = {"CHUNKS": chunks, "PIPELINED": int(pipelined)}
-            else:
-                mapping = {"CHUNKS": M.row_chunks(a)}
-            return Kernel(a.device, variant, buffers, {"HEAD_DIM": a.layout.head_dim, **mapping, **spec},
-                          max_items=buffers[-1].words // a.layout.head_dim)
-        return a.cached_kernel(key, make)
+        a.check_live()
+        if shader in ("read_rows_f16", "read_rows_q8", "read_rows_kivi"):  # an invocation per 2 / 4 elements
+            per = 2 if shader == "read_rows_f16" else 4
+            return pipeline(a.device, shader, buffers, {"HEAD_DIM": a.layout.head_dim, **spec},
+                          max_items=buffers[-1].words // per)
+        variant = f"{shader}_{'vec4' if M.vec4_rows(a) else 'scalar'}"
+        if shader == "reconstruct":
+            chunks, pipelined = M.reconstruct_mapping(a, spec["SPARSITY"], bool(spec["ATOMS_F16"]))
+            mapping = {"CHUNKS": chunks, "PIPELINED": int(pipelined)}
+        else:
+            mapping = {"CHUNKS": M.row_chunks(a)}
+        return pipeline(a.device, variant, buffers, {"HEAD_DIM": a.layout.head_dim, **mapping, **spec},
+                      max_items=buffers[-1].words // a.layout.head_dim)
 
     def recording(self, part: str = "run", timestamps: bool | str = False) -> Recording:
         """The recorded sequence of ``part``: "dispatch" (the GPU work only), "readback"
