@@ -51,7 +51,7 @@ class Modelled:
 
 
 @dataclass(frozen=True)
-class ArenaMemory:
+class ArenaFootprint:
     """One cache at one context length (bytes; ``vs_f16`` = arena / the f16 arena)."""
     n_ctx: int
     arena_bytes: int
@@ -125,7 +125,7 @@ def split(lay: L.ArenaLayout) -> tuple[int, int, int]:
     return region * w, tail * w, lay.total_bytes - (region + tail) * w
 
 
-def arena_memory(n_layers: int, n_kv_heads: int, head_dim: int, cache, lengths) -> list[ArenaMemory]:
+def arena_memory(n_layers: int, n_kv_heads: int, head_dim: int, cache, lengths) -> list[ArenaFootprint]:
     """The whole arena of ``cache`` for these shapes at each of ``lengths`` tokens."""
     out = []
     vectors = n_layers * n_kv_heads * STREAMS
@@ -146,7 +146,7 @@ def arena_memory(n_layers: int, n_kv_heads: int, head_dim: int, cache, lengths) 
         total, region, tail = total + added + extra_fixed, region + added, tail + extra_fixed
         per_token += extra_vec * vectors
         per_token = int(per_token) if float(per_token).is_integer() else per_token
-        out.append(ArenaMemory(n, total, region, tail, pad, per_token, total / (vectors * n), f16, total / f16))
+        out.append(ArenaFootprint(n, total, region, tail, pad, per_token, total / (vectors * n), f16, total / f16))
     return out
 
 
