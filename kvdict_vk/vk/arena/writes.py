@@ -37,6 +37,8 @@ class ArenaWrites:
         self._kivi = KiviStore(self.layout) if self.layout.mode == L.KIVI_CACHE else None
         self._encoders: dict = {}  # (layer, "k"/"v") → GpuEncoder, made on first GPU-encoded append
         self._step_barriers: dict = {}  # layer → the barrier after a step's scatter (made once)
+        # (layer, small) → the device's scatter pipeline: looked up once, not on every append
+        self._scatters: dict = {}
 
     @property
     def kivi(self) -> bool:
@@ -86,11 +88,15 @@ class ArenaWrites:
         even when its grid-stride loop has nothing to do, so a one-token append through the
         upload-sized pipeline would cost milliseconds."""
         mem = self.memory
+        mem.check_live()
         small_words = mem.token_upload_words * C.SMALL_SCATTER_TOKENS
         small = n_words is not None and n_words <= small_words
-        items = small_words if small else mem.upload_words
-        mem.check_live()
-        return pipeline(mem.device, "scatter", [mem.upload_buffer, mem.layer_buffer(layer)], max_items=items)
+        made = self._scatters.get((layer, small))
+        if made is None:
+            made = self._scatters[(layer, small)] = pipeline(
+                mem.device, "scatter", [mem.upload_buffer, mem.layer_buffer(layer)],
+                max_items=small_words if small else mem.upload_words)
+        return made
 
     def _scatter_op(self, layer: int, src_word: int, st: L.StreamLayout, t0: int, t_new: int):
         """The scatter of t_new tokens' rows of stream `st` (n_kv × t_new × row_words words
@@ -291,3 +297,4 @@ class ArenaWrites:
             enc.free()
         self._encoders.clear()
         self._step_barriers.clear()
+        self._scatters.clear()

@@ -138,6 +138,7 @@ class Attention:
         self.grid = P.Grid(group, hb, units, CPU_SIMD_LANES if cpu else GPU_LOCAL, preferred, needed)
         self.shapes = FlashShapes(self.device, lay, group, needed)
         self._warm_layers: set[int] = set()
+        self._kivi_candidates: dict[int, list] = {}  # layer → attend_flash_kivi's launch shapes
         self.passes = None
         sizes = Sizes(n_kv, group, hd, max(lay.n_atoms, 1), seq_ctx, needed, self.seqs)
         self.buffers = AttendBuffers(self.device, sizes, n_heads, self.any_k_coded, self.any_v_coded)
@@ -230,7 +231,13 @@ class Attention:
 
     def kivi_candidates(self, layer: int) -> list[T.Shape]:
         """attend_flash_kivi's launch shapes the tuner times, the untuned one first: every
-        workgroup size of kivi_locals at every count of attend_tune.workgroup_counts (attend_flash's)."""
+        workgroup size of kivi_locals at every count of attend_tune.workgroup_counts (attend_flash's).
+        Fixed by the layout and the device: derived once per layer, not on every attention."""
+        if layer not in self._kivi_candidates:
+            self._kivi_candidates[layer] = self._derive_kivi_candidates(layer)
+        return self._kivi_candidates[layer]
+
+    def _derive_kivi_candidates(self, layer: int) -> list[T.Shape]:
         locals_ = self.kivi_locals(layer)
         if not locals_:
             raise E.ArenaError(f"layer {layer}: attend_flash_kivi cannot attend over it here (head_dim "

@@ -75,29 +75,25 @@ class PassBuilder:
             op = self._ops[k] = kernel.op(**push)
         return op
 
-    def sync(self, *buffers):
-        """The compute→compute barrier on what was just written (kernels.barrier)."""
-        k = ("sync",) + tuple(id(b) for b in buffers)
+    def _buffer_op(self, what: str, buffers, make):
+        """``make()``, the op ``what`` over ``buffers``, made once and kept with the others."""
+        k = (what,) + tuple(id(b) for b in buffers)
         op = self._ops.get(k)
         if op is None:
-            op = self._ops[k] = barrier(*buffers)
+            op = self._ops[k] = make()
         return op
+
+    def sync(self, *buffers):
+        """The compute→compute barrier on what was just written (kernels.barrier)."""
+        return self._buffer_op("sync", buffers, lambda: barrier(*buffers))
 
     def q_upload(self, buf):
         """The copy of the query from its staging buffer to the device (once per submission)."""
-        k = ("q_upload", id(buf))
-        op = self._ops.get(k)
-        if op is None:
-            op = self._ops[k] = kp.OpTensorSyncDevice([buf.tensor])
-        return op
+        return self._buffer_op("q_upload", (buf,), lambda: kp.OpTensorSyncDevice([buf.tensor]))
 
     def read_back(self, buf):
         """The copy of ``buf`` to its staging buffer, for the host (once per submission)."""
-        k = ("read_back", id(buf))
-        op = self._ops.get(k)
-        if op is None:
-            op = self._ops[k] = kp.OpTensorSyncLocal([buf.tensor])
-        return op
+        return self._buffer_op("read_back", (buf,), lambda: kp.OpTensorSyncLocal([buf.tensor]))
 
     # --- the direct path ------------------------------------------------------------------------
     def _direct(self, key, cache, k, v, source: dict, plan, n_used: int, n_cached: int, t_first: int,
