@@ -92,6 +92,7 @@ def pipeline(device: Device, shader: str, buffers: list, spec: dict | None = Non
         made = pipelines.get(key)
         if made is None:
             made = Kernel(device, shader, buffers, spec, max_items)
+            made.cache_key = key
             pipelines[key] = made
             for b in buffers:
                 b.pipeline_keys.add(key)
@@ -103,9 +104,9 @@ def release(made: "Kernel") -> None:
     how many of its pipelines live at once (the encoder's, one per destination buffer)."""
     device = made.device
     with device.guard(f"releasing pipeline {made.shader.variant}"):
-        pipelines = _PIPELINES.get(device, {})
-        for key in [k for k, v in pipelines.items() if v is made]:
-            del pipelines[key]
+        key = made.cache_key
+        if key is not None and _PIPELINES.get(device, {}).get(key) is made:
+            del _PIPELINES[device][key]
             for b in made.buffers:
                 b.pipeline_keys.discard(key)
         made.destroy()
@@ -140,6 +141,8 @@ def workgroups_for(device: Device, items: int, groups: int = 1, local: int = WG_
 
 class Kernel:
     """One shader variant bound to buffers, with its specialization constants."""
+
+    cache_key = None  # its key in the device's pipeline cache (pipeline()), None outside it
 
     def __init__(self, device: Device, shader: str, buffers: list[Buffer], spec: dict | None = None,
                  max_items: int = 1):
