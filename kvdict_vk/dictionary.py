@@ -20,6 +20,9 @@ MAX_N_ATOMS = 1 << 16  # a code word's atom index is 16 bits
 # code words a slot the forge learns by default (forge.pipeline.ForgeConfig, both streams): the
 # certified format's, and the benchmarks' default (bench.common)
 FORGE_SPARSITY = 4
+# residual bits (K, V) the forge certifies by default (forge.pipeline.ForgeConfig): the
+# benchmarks mark this format's rows ``default``
+FORGE_RESIDUAL_BITS = (6, 4)
 
 
 def _frozen_f32(a, shape: tuple[int, ...], what: str) -> np.ndarray:

@@ -44,8 +44,22 @@
 #ifndef SCATTER
 #define SCATTER 1
 #endif
+// KIVI 1: the attend_flash_kivi builds, over the KIVI cache's words (kvdict_vk.kivi,
+// shaders/kivi.glsl): a key unit's levels and its channels' group statistics (loaded once a
+// round: an invocation's tokens of a round are consecutive and within one 32-token key group,
+// the splits whole groups — host-checked), a value unit's levels and its dim group's stats
+// word; tokens at or past the layer's quantised end (its state word, read here: a recorded
+// attention stays right as appends quantise more groups) from the exact windows' binary16
+// rings. Decoded to floats per unit (kivi_unit_x: no int→float conversion), then the same
+// scores, softmax and end as the other rows.
+#ifndef KIVI
+#define KIVI 0
+#endif
 #include "common.glsl"
 #include "attend_common.glsl"
+#if KIVI
+#include "kivi.glsl"
+#endif
 
 layout(constant_id = 4) const uint ROW_HALF = 1u;  // 1: f16 rows (two halves a word), 0: f32
 // 1: q8_0 rows (ROW_HALF 0): the block scales (f16 pairs), then the int8 values four to a word
@@ -66,6 +80,13 @@ layout(constant_id = 6) const uint END_ELEMS = 1u;
 const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2
 const uint Q8_SCALE_WORDS = (HEAD_DIM / 32u + 1u) / 2u;
 const uint ROW_WORDS = ROW_Q8 > 0u ? Q8_SCALE_WORDS + HEAD_DIM / 4u : (ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM);
+#if KIVI
+layout(constant_id = 7) const uint K_BITS = 4u;  // 2 .. 8 (kvdict_vk.kivi.KiviSpec)
+layout(constant_id = 8) const uint V_BITS = 4u;
+const uint K_ROW = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);                       // a key: its levels
+const uint V_STATS = HEAD_DIM / KIVI_GROUP;                                     // a value: its dim
+const uint V_ROW = V_STATS + SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);             // groups' stats, levels
+#endif
 // a row unit: 8 elements — a uvec4 of halves, two of floats, two q8_0 value words (rows of
 // whole units: HEAD_DIM % 8 == 0, host-checked)
 const uint UNIT_DIMS = 8u;
@@ -76,12 +97,19 @@ const uint TLANES = LOCAL / UNITS;        // tokens in flight per workgroup
 // q8_0 rows, f32 rows — twice the registers a unit — won without (lab/NOTEBOOK.md,
 // "attend_flash, the f16 flash kernel"). Build-time knobs for such probes.
 #ifndef TOKENS_PER_LANE
-#define TOKENS_PER_LANE 2u
+#define TOKENS_PER_LANE (KIVI > 0 ? 4u : 2u)
 #endif
 #ifndef PREFETCH
 #define PREFETCH (ROW_Q8 > 0u || ROW_HALF > 0u)
 #endif
 const uint TB = TOKENS_PER_LANE;
+// Split token of an invocation's b-th token of the round from `first`: KIVI, TB consecutive
+// tokens (one key group: TB divides 32); else TLANES apart (each load a coalesced run).
+#if KIVI
+#define TOKEN_OF(first, b) ((first) + tlane * TB + (b))
+#else
+#define TOKEN_OF(first, b) ((first) + tlane + (b) * TLANES)
+#endif
 const uint MAX_G = 8u;  // registers per query head are unrolled up to this; GROUP <= MAX_G (host)
 // SCATTER: the group padded to a power of two (its padding heads' scores are 0, never used), and
 // the lanes of a token that end with one head's score (HEAD_LANES neighbours a head)
@@ -106,6 +134,14 @@ layout(push_constant) uniform AttendFlashPush {
     uint n_kv;
     uint n_seqs;    // sequences (attend_common.glsl: batched decode)
     uint seq_rows;  // rows between two sequences' first tokens in a KV head
+    // the KIVI builds' (one sequence): the keys' group statistics ((g * ceil(n_ctx / 32) +
+    // group) * HEAD_DIM + c), the exact windows (rings of `window` binary16 rows per KV head),
+    // the layer's quantised end (tokens below it are quantised)
+    uint stats_word;
+    uint k_window_word;
+    uint v_window_word;
+    uint window;
+    uint state_word;
     float score_scale;
 } pc;
 
@@ -174,6 +210,12 @@ void load_unit(uint base, uint unit, out uvec4 a, out uvec4 b) {  // base: the r
     }
 }
 
+// A unit of 8 halves as two vec4s.
+void half_unit(uvec4 a, out vec4 lo, out vec4 hi) {
+    lo = vec4(unpackHalf2x16(a.x), unpackHalf2x16(a.y));
+    hi = vec4(unpackHalf2x16(a.z), unpackHalf2x16(a.w));
+}
+
 // The unit's 8 elements as two vec4s.
 void unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
     if (ROW_Q8 > 0u) {
@@ -181,22 +223,61 @@ void unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
         lo = int8x4(a.x) * d;
         hi = int8x4(a.y) * d;
     } else if (ROW_HALF > 0u) {
-        lo = vec4(unpackHalf2x16(a.x), unpackHalf2x16(a.y));
-        hi = vec4(unpackHalf2x16(a.z), unpackHalf2x16(a.w));
+        half_unit(a, lo, hi);
     } else {
         lo = uintBitsToFloat(a);
         hi = uintBitsToFloat(b);
     }
 }
 
+#if KIVI
+// Token t's (of KV head g) key unit into ka — its level words (quantised: kivi_unit_words of
+// them, clamped to the row) or its binary16 window quad (exact) — and value unit into va: the
+// dim group's stats word then the level words, or the window quad.
+void kivi_load(uint g, uint t, bool quant, uint unit, out uvec4 ka, out uvec4 va) {
+    if (quant) {
+        uint kw = pc.k_word + (g * pc.n_ctx + t) * K_ROW, k0 = kivi_unit_word(unit, K_BITS);
+        uint vw = pc.v_word + (g * pc.n_ctx + t) * V_ROW, v0 = kivi_unit_word(unit, V_BITS);
+        ka = uvec4(cache_words[kw + k0], 0u, 0u, 0u);
+        if (kivi_unit_words(K_BITS) > 1u)
+            ka.y = cache_words[kw + min(k0 + 1u, K_ROW - 1u)];
+        if (kivi_unit_words(K_BITS) > 2u)
+            ka.z = cache_words[kw + min(k0 + 2u, K_ROW - 1u)];
+        va = uvec4(cache_words[vw + unit * KIVI_UNIT / KIVI_GROUP], cache_words[vw + V_STATS + v0], 0u, 0u);
+        if (kivi_unit_words(V_BITS) > 1u)
+            va.z = cache_words[vw + V_STATS + min(v0 + 1u, V_ROW - V_STATS - 1u)];
+        if (kivi_unit_words(V_BITS) > 2u)
+            va.w = cache_words[vw + V_STATS + min(v0 + 2u, V_ROW - V_STATS - 1u)];
+    } else {
+        ka = cache_quads[(kivi_window_row(pc.k_window_word, g, t, pc.window, HEAD_DIM) >> 2u) + unit];
+        va = cache_quads[(kivi_window_row(pc.v_window_word, g, t, pc.window, HEAD_DIM) >> 2u) + unit];
+    }
+}
+
+// The round's units (above) of this invocation's TB tokens from split token `first` (past the
+// split's end: its last token, unused), all in one key group: whether it is quantised (quant)
+// and then its statistics for the unit's 8 channels (sa, sb).
+#define LOAD_ROUND(first) { \
+        uint tq = t0 + min(TOKEN_OF(first, 0u), n_tok - 1u); \
+        quant = tq < q_end; \
+        if (quant) { \
+            uint sq = (pc.stats_word + (g * n_groups + tq / KIVI_GROUP) * HEAD_DIM) / 4u + 2u * unit; \
+            sa = cache_quads[sq]; \
+            sb = cache_quads[sq + 1u]; \
+        } \
+        [[unroll]] for (uint b = 0u; b < TB; ++b) \
+            kivi_load(g, t0 + min(TOKEN_OF(first, b), n_tok - 1u), quant, unit, ka[b], va[b]); \
+    }
+#else
 // The units of this invocation's TB tokens of the round starting at split token `first`
 // (past the split's end: its last token, unused) into ka/kb (K) and va/vb (V).
 #define LOAD_ROUND(first) \
     [[unroll]] for (uint b = 0u; b < TB; ++b) { \
-        uint t = min((first) + tlane + b * TLANES, n_tok - 1u); \
+        uint t = min(TOKEN_OF(first, b), n_tok - 1u); \
         load_unit(k_base + t * ROW_WORDS, unit, ka[b], kb[b]); \
         load_unit(v_base + t * ROW_WORDS, unit, va[b], vb[b]); \
     }
+#endif
 
 void main() {
     // lane_index(): with subgroups the UNITS invocations of a token are neighbours in one
@@ -242,19 +323,56 @@ void main() {
         // TB tokens' units, loaded together; with PREFETCH the next round's are in flight
         // while this round computes (else loaded after it)
         uvec4 ka[TB], kb[TB], va[TB], vb[TB];
+#if KIVI
+        const uint q_end = cache_words[pc.state_word];
+        const uint n_groups = (pc.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP;
+        bool quant = false;  // the loaded round's tokens are quantised; their key group's stats:
+        uvec4 sa = uvec4(0u), sb = uvec4(0u);
+#endif
         if (n_tok > 0u)
             LOAD_ROUND(0u);
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
             vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
+#if KIVI
+            {
+                // the key group's (S, B) per channel of the unit (kivi.glsl: value = x·S + B)
+                vec4 ks_lo = vec4(1.0), ks_hi = vec4(1.0), kb_lo = vec4(0.0), kb_hi = vec4(0.0);
+                if (quant) {
+                    uint sw[8] = uint[8](sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w);
+                    vec2 f[8];
+                    [[unroll]] for (uint c = 0u; c < 8u; ++c)
+                        f[c] = kivi_fold(sw[c], K_BITS);
+                    ks_lo = vec4(f[0].x, f[1].x, f[2].x, f[3].x);
+                    ks_hi = vec4(f[4].x, f[5].x, f[6].x, f[7].x);
+                    kb_lo = vec4(f[0].y, f[1].y, f[2].y, f[3].y);
+                    kb_hi = vec4(f[4].y, f[5].y, f[6].y, f[7].y);
+                }
+                [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                    if (quant) {
+                        kivi_unit_x(ka[b].xyz, kivi_unit_bit(unit, K_BITS), K_BITS, k_lo[b], k_hi[b]);
+                        k_lo[b] = k_lo[b] * ks_lo + kb_lo;
+                        k_hi[b] = k_hi[b] * ks_hi + kb_hi;
+                        vec2 sv = kivi_fold(va[b].x, V_BITS);
+                        kivi_unit_x(va[b].yzw, kivi_unit_bit(unit, V_BITS), V_BITS, v_lo[b], v_hi[b]);
+                        v_lo[b] = v_lo[b] * sv.x + sv.y;
+                        v_hi[b] = v_hi[b] * sv.x + sv.y;
+                    } else {
+                        half_unit(ka[b], k_lo[b], k_hi[b]);
+                        half_unit(va[b], v_lo[b], v_hi[b]);
+                    }
+                }
+            }
+#else
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 unit_values(ka[b], kb[b], unit, k_lo[b], k_hi[b]);
                 unit_values(va[b], vb[b], unit, v_lo[b], v_hi[b]);
             }
+#endif
             uint next = r0 + TLANES * TB;
             if (PREFETCH && next < n_tok)
                 LOAD_ROUND(next);
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                bool live = r0 + tlane + b * TLANES < n_tok;
+                bool live = TOKEN_OF(r0, b) < n_tok;
                 float s[MAX_G];
                 [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
                     s[h] = dot(k_lo[b], q_lo[h]) + dot(k_hi[b], q_hi[h]);

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dictionary import FORGE_RESIDUAL_BITS
 from . import attention_batch, common, results, roofline, timing, torch_anchor, traffic
 from .attention_common import (FLUSH_WAYS, dict_arena, flush_before, format_name,  # noqa: F401  (public here too)
                                our_flush_bytes, our_recording_args, random_rows)
@@ -49,6 +50,7 @@ PRESETS = {"quick": ["--n-used", "1024,4096", "--per-head", "--repeats", "5", "-
 USES_DEVICE, REQUIRES = True, {}
 UNCODED = ("f16", "f32", "q8_0")
 KIVI = "kivi"  # KvArena(cache="kivi"), default settings
+DEFAULT_FORMAT = format_name(FORGE_RESIDUAL_BITS)  # the forge's default format: its rows say "default"
 
 
 def parse_args(argv=None):
@@ -190,7 +192,7 @@ def bench_n_used(n, modes, q, anchor, shape, args, roof) -> dict:
                 candidates[mode] = rec
                 p = att.plan(0, n, path=path)
                 moved = traffic.bytes_moved("attend", arena.layout, 0, n, plan=p, n_heads=q.shape[0])
-                plan = {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len,
+                plan = {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len, "variant": att.variant(0, p),
                         **({"local": p.local, "heads": p.heads} if p.path == "flash" else {}),
                         **({"kernel": p.kernel} if p.path == "flash" else {})}
             info[mode] = {"cache": cache, "format": fmt, "forced": path, "plan": plan, "bytes": moved}
@@ -242,7 +244,7 @@ def case_name(mode_info, shape, n) -> str:
 def _launch(plan: dict) -> dict:
     """A flash row's launch shape, as its tuner chose it (the kernel's build, invocations and
     query heads per workgroup, splits): what a row's time depends on besides its bytes."""
-    return {k: plan[k] for k in ("kernel", "local", "heads", "n_splits") if k in plan}
+    return {k: plan[k] for k in ("variant", "kernel", "local", "heads", "n_splits") if k in plan}
 
 
 def make_rows(result) -> list[dict]:
@@ -258,7 +260,8 @@ def make_rows(result) -> list[dict]:
                     NAME, name, m["seconds"], cache=m["cache"], n_used=r["n_used"], batch=batch,
                     n_kv=shape[0], gqa=shape[1], head_dim=shape[2], moved=m["bytes"], roofline=result["roofline"],
                     torch_sdpa_f16_s=r["torch_sdpa_f16_s"], mode=mode, path=m["plan"]["path"], format=m["format"],
-                    device_kind=kind, **_launch(m["plan"])))
+                    device_kind=kind, **_launch(m["plan"]),
+                    **({"default": True} if m["cache"] == "dict" and m["format"] == DEFAULT_FORMAT else {})))
     return rows
 
 

@@ -63,7 +63,7 @@ def bench_batch(batch: int, shape, args, dev, rng, anchor, roof) -> dict:
             info[mode] = {"cache": cache, "format": fmt, "forced": None, "bytes":
                           traffic.bytes_moved("attend", arena.layout, 0, n_used, plan=p, n_heads=n_kv * gqa),
                           "plan": {"path": p.path, "n_splits": p.n_splits, "split_len": p.split_len, "local": p.local,
-                                   "heads": p.heads, "seqs": p.seqs, "kernel": p.kernel}}
+                                   "heads": p.heads, "seqs": p.seqs, "kernel": p.kernel, "variant": att.variant(0, p)}}
         times = timing.measure(recs, args.repeats, budget_s=args.case_budget_s,
                                warm_s=timing.warm_for(dev), before=flush_before(recs, args, anchor))
     finally:

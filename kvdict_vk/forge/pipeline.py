@@ -25,7 +25,7 @@ import numpy as np
 from .. import artifact as A
 from .. import errors as E
 from .. import codec, runtime
-from ..dictionary import FORGE_SPARSITY, KvDictArtifact, StreamDict
+from ..dictionary import FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact, StreamDict
 from . import certify, llama, parallel, table, texts as T, tokenizer
 from .gguf_model import load_model
 from .learn import learn_stream
@@ -42,8 +42,8 @@ class ForgeConfig:
     # residual stage bits (0 = atoms only). K 6 / V 4 (60 B a head vector): the smallest
     # measured that passes the gate — upper 95 % bound ≤ +1 % — on every evaluation text
     # (K 4 / V 3 at 48 B and K 5 / V 4 at 56 B fail on pydoc: docs/results/fidelity.json)
-    k_bits: int = 6
-    v_bits: int = 4
+    k_bits: int = FORGE_RESIDUAL_BITS[0]
+    v_bits: int = FORGE_RESIDUAL_BITS[1]
     per_head: bool = True  # one dictionary per KV head (else shared by a layer's heads)
     iters: int = 6
     method: str = "ksvd"

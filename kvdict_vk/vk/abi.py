@@ -127,19 +127,17 @@ ATTEND_DIRECT_PUSH = uint_block("AttendDirectPush", "k_word", "v_word", "n_ctx",
                                 "n_atoms", "k_atoms_word", "v_atoms_word", "head_atoms", "k_scale_word",
                                 "v_scale_word", "head_vec", "write_out", "use_mean", "mean_word",
                                 floats=("score_scale",))
-# the flash paths batch sequences (n_seqs, seq_rows, seq_heads: shaders/attend_common.glsl)
+# the flash paths batch sequences (n_seqs, seq_rows, seq_heads: shaders/attend_common.glsl);
+# attend_flash's KIVI builds (one sequence) read a KIVI layer's keys' group statistics, its two
+# exact windows (rings of `window` binary16 rows) and its state word (the quantised end)
+_KIVI_WORDS = ("stats_word", "k_window_word", "v_window_word", "window", "state_word")
 ATTEND_FLASH_PUSH = uint_block("AttendFlashPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
-                               "n_kv", "n_seqs", "seq_rows", floats=("score_scale",),
-                               defaults=dict(n_seqs=1, seq_rows=0))
+                               "n_kv", "n_seqs", "seq_rows", *_KIVI_WORDS, floats=("score_scale",),
+                               defaults=dict(n_seqs=1, seq_rows=0, **{n: 0 for n in _KIVI_WORDS}))
 ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
                                      "n_splits", "n_kv", "v_atoms_word", "head_atoms", "k_scale_word",
                                      "v_scale_word", "head_vec", "n_seqs", "seq_rows", floats=("score_scale",),
                                      defaults=dict(n_seqs=1, seq_rows=0))
-# attend_flash_kivi: attend_flash's over a KIVI layer (single sequence): its K/V regions, the
-# keys' group statistics, the two exact windows (rings of `window` binary16 rows), the state word
-ATTEND_FLASH_KIVI_PUSH = uint_block("AttendFlashKiviPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
-                                    "n_splits", "n_kv", "stats_word", "k_window_word", "v_window_word", "window",
-                                    "state_word", floats=("score_scale",))
 ATTEND_MERGE_PUSH = uint_block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
 ATTEND_MERGE_HEAD_PUSH = uint_block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word",
                                     "head_vec", "seq_heads")
@@ -264,9 +262,6 @@ def _declare() -> tuple:
     out.append(_attend("attend_flash_coded", (ro("CacheWords"), ro("CacheQuads", 4), ro("Table"), ro("Query"),
                                               rw("Accs"), rw("Stats")),
                        ATTEND_FLASH_CODED_PUSH, flash_coded, optional=(("K_BITS", 0), ("V_BITS", 0))))
-    # attend_flash over the KIVI cache's words (K_BITS, V_BITS: 2 .. 8; core Vulkan 1.1 only)
-    out.append(_attend("attend_flash_kivi", (ro("LayerWords"), ro("Query"), rw("Accs"), rw("Stats")),
-                       ATTEND_FLASH_KIVI_PUSH, ATTEND_SPEC + ("K_BITS", "V_BITS")))
     # attend_flash summing a token's partial scores by subgroup shuffles (GPUs that have them);
     # attend_flash_wide: the split's end in a few barriers (the tuner times it beside attend_flash)
     for name, defines, ops in (("attend_flash_sg", (("SUBGROUP", 1),), _SG),
@@ -274,6 +269,13 @@ def _declare() -> tuple:
                                ("attend_flash_wide_sg", (("WIDE_END", 1), ("SUBGROUP", 1)), _SG)):
         out.append(_attend(name, flash_bindings, ATTEND_FLASH_PUSH, flash, source="attend_flash.comp",
                            defines=defines, optional=flash_optional, subgroup_ops=ops))
+    # attend_flash over the KIVI cache's words (K_BITS, V_BITS: 2 .. 8; its exact windows are
+    # binary16 rows: ROW_HALF 1), with and without shuffles
+    for name, defines, ops in (("attend_flash_kivi", (("KIVI", 1),), ()),
+                               ("attend_flash_kivi_sg", (("KIVI", 1), ("SUBGROUP", 1)), _SG)):
+        out.append(_attend(name, flash_bindings, ATTEND_FLASH_PUSH, flash + ("K_BITS", "V_BITS"),
+                           source="attend_flash.comp", defines=defines, optional=flash_optional,
+                           subgroup_ops=ops))
     # GPU OMP encoder (kvdict_vk/vk/encode/): stepwise kernels, then the one-dispatch ones
     vecs = (("vec4", 4), ("scalar", 1))
     for v, n in vecs:

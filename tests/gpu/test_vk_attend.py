@@ -324,10 +324,14 @@ def test_flash_splits_are_whole_rounds(make_arena):
     from kvdict_vk.vk.attend import specs as S
     from kvdict_vk.vk.attend import tune as T
     flash_src = (MERGE_HEAD_SOURCE.parent / "attend_flash.comp").read_text()
-    assert int(re.search(r"#define TOKENS_PER_LANE (\d+)u", flash_src).group(1)) == S.FLASH_TOKENS_PER_LANE
+    kivi_tb, rows_tb = re.search(r"#define TOKENS_PER_LANE \(KIVI > 0 \? (\d+)u : (\d+)u\)", flash_src).groups()
+    assert (int(kivi_tb), int(rows_tb)) == (S.FLASH_KIVI_TOKENS_PER_LANE, S.FLASH_TOKENS_PER_LANE)
     assert int(re.search(r"const uint UNIT_DIMS = (\d+)u;", flash_src).group(1)) == S.FLASH_UNIT_DIMS
     assert S.flash_round_tokens(128, 256, coded=False) == 256 // 16 * S.FLASH_TOKENS_PER_LANE == 32
     assert S.flash_round_tokens(64, 256, coded=True) == 256
+    # KIVI: a lane's tokens of a round share a key group, a split starts on one
+    assert S.flash_round_tokens(64, 256, False, kivi=True) == 32 * S.FLASH_KIVI_TOKENS_PER_LANE == 128
+    assert S.flash_round_tokens(128, 64, False, kivi=True) == 32  # 4 lanes × 4 tokens: two rounds a group
     n_kv, g, hd = 2, 4, 128
     arena = make_arena(1, n_kv, hd, 40000, cache="f16", shader_mapping="chunk")
     att = arena.attention(n_kv * g)

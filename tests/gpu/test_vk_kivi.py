@@ -70,7 +70,7 @@ def test_a_recorded_read_stays_right_as_groups_are_quantised(make_arena):
     assert not np.array_equal(first[0], again[0])  # exact at first, quantised now
 
 
-# None, "flash": attend_flash_kivi; "rows": the read-out path — read_rows_kivi, then the rows
+# None, "flash": attend_flash_kivi (attend_flash.comp's KIVI build); "rows": the read-out path — read_rows_kivi, then the rows
 # attended (attend_flash on GPUs, attend_direct on CPU drivers: Attention.rows_plan)
 @pytest.mark.parametrize("path", [None, "flash", "rows"])
 @pytest.mark.parametrize("group", [1, 3])
@@ -96,7 +96,7 @@ def test_attention_and_steps_match_the_reference(group, path, make_arena):
         assert np.isfinite(out).all()
     # attend_flash_kivi reads the words in place (tests/gpu/test_vk_attend_kivi.py); the read-out
     # path is Attention.attend_reconstructed's (path "rows"), not a plan's
-    assert arena.attention(n_kv * group).plan(0, 10, path="flash").kernel == "kivi"
+    assert arena.attention(n_kv * group).plan(0, 10, path="flash").path == "flash"
     with pytest.raises(E.ArenaError, match="attend_reconstructed"):
         arena.attention(n_kv * group).plan(0, 10, path="rows")
 

@@ -16,8 +16,8 @@ attend_combine → attend_atoms (dict-coded V) → attend_reduce, never decoding
 (flash-decoding); each (KV head, block of query heads, split) is one invocation writing a
 record (attend_common.glsl) that the last passes merge. On GPUs the flash kernels
 (kvdict_vk.vk.attend.flash: their launch shapes) attend instead. A KIVI layer attends by
-attend_flash_kivi over its words (every device; Attention.kivi_plan), or — ``path`` "rows" —
-by reading its rows out to f32 and attending over those (attend_reconstructed).
+attend_flash's KIVI build over its words (every device), or — ``path`` "rows" — by reading
+its rows out to f32 and attending over those (attend_reconstructed).
 
 Between dependent dispatches of one submission we record a compute→compute barrier on
 the buffers just written (kvdict_vk.vk.kernels.barrier: Kompute's OpMemoryBarrier, which
@@ -45,7 +45,7 @@ from .plan import LOOP_BUDGET, loop_iterations  # noqa: F401 (re-exported: tests
 from .buffers import AttendBuffers
 from .flash import CODED_KERNELS, FLASH_KERNELS, FlashShapes, max_local  # noqa: F401 (re-exported: tests, tools)
 from .ops import PassBuilder
-from .specs import FLASH_MAX_GROUP, Sizes, flash_kivi_fits, flash_kivi_shared_bytes
+from .specs import FLASH_MAX_GROUP, Sizes
 from . import tune as T
 from ..submit import Recording, timestamps_usable
 
@@ -56,10 +56,6 @@ GPU_LOCAL = 64
 HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps for its block of heads
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
 PATHS = (None, "direct", "table", "flash", "rows")  # "rows": a KIVI layer read out to f32 rows, then attended
-# attend_flash_kivi's workgroup sizes (multiples of head_dim: attend_specs.flash_kivi_fits), the
-# preferred first on GPUs; CPU drivers take the smallest that fits
-KIVI_LOCALS = (128, 64, 256)
-KIVI_MIN_SPLIT_TOKENS = 128  # attend_flash_kivi: a split's fixed costs (queries, record, merge) stay small
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -138,7 +134,6 @@ class Attention:
         self.grid = P.Grid(group, hb, units, CPU_SIMD_LANES if cpu else GPU_LOCAL, preferred, needed)
         self.shapes = FlashShapes(self.device, lay, group, needed)
         self._warm_layers: set[int] = set()
-        self._kivi_candidates: dict[int, list] = {}  # layer → attend_flash_kivi's launch shapes
         self.passes = None
         sizes = Sizes(n_kv, group, hd, max(lay.n_atoms, 1), seq_ctx, needed, self.seqs)
         self.buffers = AttendBuffers(self.device, sizes, n_heads, self.any_k_coded, self.any_v_coded)
@@ -168,7 +163,11 @@ class Attention:
             if path in ("direct", "table", "rows"):
                 raise E.ArenaError(f"layer {layer}: a KIVI layer attends by attend_flash_kivi (path None or "
                                    f"'flash'); its read-out path ({path!r}) runs in Attention.attend_reconstructed")
-            return self.kivi_plan(layer, n_used)
+            if not self.shapes.flash_fits(layer):
+                raise E.ArenaError(f"layer {layer}: attend_flash_kivi cannot attend over it here (head_dim "
+                                   f"{self.layout.head_dim}, {self.grid.group} query heads per KV head, at most "
+                                   f"{FLASH_MAX_GROUP}); Attention.attend_reconstructed can")
+            return self._flash_plan(layer, n_used)
         if path == "rows":
             raise E.ArenaError(f"layer {layer}: path 'rows' (read out, then attend) is a KIVI layer's only")
         n_cached = n_used if n_cached is None else n_cached
@@ -195,62 +194,10 @@ class Attention:
                                f"{self.grid.max_splits}")
         return p
 
-    def kivi_locals(self, layer: int) -> list[int]:
-        """attend_flash_kivi's workgroup sizes over a KIVI ``layer``, preferred first (empty:
-        it cannot attend over it): those of KIVI_LOCALS the device allows, the kernel fits
-        (attend_specs.flash_kivi_fits) and whose shared memory the device holds; on CPU
-        drivers the smallest first."""
-        hd, group = self.layout.head_dim, self.grid.group
-        fits = [n for n in KIVI_LOCALS if n <= self.max_local() and flash_kivi_fits(hd, group, n)
-                and flash_kivi_shared_bytes(hd, group) <= self.device.limit("max_compute_shared_memory_size")]
-        return sorted(fits) if self.grid.local != GPU_LOCAL else fits
-
-    def kivi_plan(self, layer: int, n_used: int) -> P.Plan:
-        """attend_flash_kivi's plan over a KIVI ``layer``: a launch shape (workgroup size of
-        kivi_locals, workgroups) — on GPUs timed on the device among kivi_candidates (attend_tune,
-        as attend_flash's: once per layer signature, bits and context bucket) where the engine
-        tunes and the device has timestamps, else the first candidate; ``flash_workgroups``
-        fixes the count; CPU drivers take the engine's preferred splits — and the splits that
-        make that many workgroups over the KV heads, each at least KIVI_MIN_SPLIT_TOKENS and a
-        whole number of 32-token key groups (the kernel's chunks)."""
-        shapes = self.kivi_candidates(layer)
-        fixed = self.shapes.flash_workgroups
-        n_kv = self.layout.n_kv_heads
-        if fixed is not None:
-            return self._kivi_shaped(n_used, shapes[0].local, fixed // n_kv)
-        if self.grid.local != GPU_LOCAL and not self.tune:  # CPU drivers, untuned
-            return self._kivi_shaped(n_used, shapes[0].local, self.grid.preferred_splits)
-        if self.tune and timestamps_usable(self.device):
-            k, v = self.layout.layers[layer].streams
-            shape = T.choose(self.shapes.layer_signature(layer) + (("kivi", k.kivi_bits, v.kivi_bits),), n_used,
-                             shapes, lambda sh: self.time_plan(layer, n_used,
-                                                               self._kivi_shaped(n_used, sh.local, sh.workgroups // n_kv)))
-        else:
-            shape = shapes[0]
-        return self._kivi_shaped(n_used, shape.local, shape.workgroups // n_kv)
-
-    def kivi_candidates(self, layer: int) -> list[T.Shape]:
-        """attend_flash_kivi's launch shapes the tuner times, the untuned one first: every
-        workgroup size of kivi_locals at every count of attend_tune.workgroup_counts (attend_flash's).
-        Fixed by the layout and the device: derived once per layer, not on every attention."""
-        if layer not in self._kivi_candidates:
-            self._kivi_candidates[layer] = self._derive_kivi_candidates(layer)
-        return self._kivi_candidates[layer]
-
-    def _derive_kivi_candidates(self, layer: int) -> list[T.Shape]:
-        locals_ = self.kivi_locals(layer)
-        if not locals_:
-            raise E.ArenaError(f"layer {layer}: attend_flash_kivi cannot attend over it here (head_dim "
-                               f"{self.layout.head_dim}, {self.grid.group} query heads per KV head, at most "
-                               f"{FLASH_MAX_GROUP}); Attention.attend_reconstructed can")
-        return [T.Shape(n, w, 0, "kivi") for n in locals_ for w in T.workgroup_counts(self.shapes.compute_units, False)]
-
-    def _kivi_shaped(self, n_used: int, local: int, splits: int) -> P.Plan:
-        """attend_flash_kivi's plan at ``local`` invocations and about ``splits`` splits (within
-        the engine's records)."""
-        wanted = max(1, min(self.grid.max_splits, splits))
-        n, split_len = P.split_count(n_used, wanted, KIVI_MIN_SPLIT_TOKENS, n_used + 32, 32)
-        return P.Plan("flash", n, split_len, local=local, kernel="kivi")
+    def variant(self, layer: int, plan: P.Plan) -> str:
+        """The SPIR-V variant that runs ``plan`` over ``layer`` (its main pass: what
+        kvdict-validate lists and benchmark rows name)."""
+        return self.passes.variant(layer, plan)
 
     def _flash_plan(self, layer: int, n_used: int, seqs: int = 1) -> P.Plan:
         """The flash kernel's plan (FlashShapes.plan): its launch shape timed on the device
@@ -351,7 +298,7 @@ class Attention:
             return
         k, v = self.layout.layers[layer].streams
         if k.kivi:  # attend_flash_kivi's one pipeline (and the merge's)
-            self.passes.ops(layer, self.kivi_plan(layer, n_used), n_used, n_used, scale)
+            self.passes.ops(layer, self.plan(layer, n_used), n_used, n_used, scale)
             self._warm_layers.add(layer)
             return
         plans = []

@@ -1,4 +1,5 @@
-"""The flash kernels' launch shapes (attend_flash over rows, attend_flash_coded over the codes):
+"""The flash kernels' launch shapes (attend_flash over rows — f16, f32, q8_0, and its KIVI
+builds over the KIVI cache's words —, attend_flash_coded over the codes):
 which kernels fit a layer, their workgroup sizes, query heads per workgroup, split ends and
 shared-memory buckets on this device, the candidates the tuner (kvdict_vk.vk.attend.tune)
 times, and the flash plan of a launch shape.
@@ -32,7 +33,7 @@ CODED_KERNELS = ("float",)
 # elements of a unit a pass through shared memory, attend_specs.FLASH_FLOAT_END_ELEMS) and
 # "wide_end" (attend_flash_wide: the end in a few barriers). The wide end is shorter, but its
 # registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
-# "Registers"): the tuner times both.
+# "Registers"): the tuner times both. The KIVI builds (attend_flash_kivi) have the first only.
 FLASH_KERNELS = ("float", "wide_end")
 
 
@@ -114,11 +115,11 @@ class FlashShapes:
         return [] if k.coded else self.flash_locals_of(k.rows)
 
     def flash_locals_of(self, rows: str) -> list[int]:
-        """attend_flash's workgroup sizes over ``rows`` ("f16", "f32", "q8_0"), preferred
+        """attend_flash's workgroup sizes over ``rows`` ("f16", "f32", "q8_0", "kivi"), preferred
         first (flash_locals; the reconstruct-then-attend path asks for "f32")."""
         def derive() -> tuple[int, ...]:
             hd = self.layout.head_dim
-            if self.group > FLASH_MAX_GROUP or hd % (32 if rows == "q8_0" else 8):
+            if self.group > FLASH_MAX_GROUP or hd % (32 if rows in ("q8_0", "kivi") else 8):
                 return ()
             most, units = self.max_local(), flash_units(hd)
             return tuple(n for n in FLASH_LOCALS if n <= most and n % units == 0
@@ -141,13 +142,19 @@ class FlashShapes:
         offers = (FLASH_END_ELEMS, tuple(FLASH_FLOAT_END_ELEMS.items()))  # tests replace them
         return self._per_layer("flash_end_elems", (local, kernel) + offers, derive)
 
+    def flash_kernels(self, layer: int) -> tuple[str, ...]:
+        """attend_flash's builds over an uncoded ``layer`` (FLASH_KERNELS; a KIVI layer's the first)."""
+        return FLASH_KERNELS[:1] if self.layout.layers[layer].k.kivi else FLASH_KERNELS
+
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
         """attend_flash's workgroup sizes over an uncoded ``layer`` for build ``kernel``
         (FLASH_KERNELS): those of flash_locals whose split end fits (flash_end_elems)."""
+        if kernel in FLASH_KERNELS and kernel not in self.flash_kernels(layer):
+            return []  # (an unknown one: flash_end_elems says so)
         return [n for n in self.flash_locals(layer) if self.flash_end_elems(n, kernel)]
 
     def flash_variant(self, local: int, shader: str = "attend_flash") -> str:
-        """The SPIR-V of ``shader`` — attend_flash or its wide end, spreading a token over
+        """The SPIR-V of ``shader`` — attend_flash, its wide end or its KIVI build, spreading a token over
         flash_units(head_dim) invocations — at ``local`` invocations: its _sg
         build where the device's subgroups can sum a token's partial scores
         (attend_specs.flash_subgroup_fits) and ``subgroups`` allows, else the plain one
@@ -235,7 +242,7 @@ class FlashShapes:
                                        f"serves {self.coded_heads or 'any number of'} query heads per workgroup "
                                        f"here (they can: {can})")
             else:
-                for kernel in FLASH_KERNELS if self.flash_kernel is None else (self.flash_kernel,):
+                for kernel in self.flash_kernels(layer) if self.flash_kernel is None else (self.flash_kernel,):
                     shapes += T.candidates([(0, self.flash_kernel_locals(layer, kernel))],
                                            T.workgroup_counts(self.compute_units, False), kernel)
                 if not shapes:
@@ -257,8 +264,10 @@ class FlashShapes:
         shapes = self.flash_candidates(layer, seqs)
         fixed = self.coded_workgroups if coded else self.flash_workgroups
 
+        kivi = self.layout.layers[layer].k.kivi
+
         def shaped(shape: T.Shape) -> P.Plan:
-            return self.flash_shaped(n_used, shape, seqs)
+            return self.flash_shaped(n_used, shape, seqs, kivi)
         if fixed is None and time_plan is not None:
             forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None) if coded else \
                 ((self.flash_kernel,) if self.flash_kernel is not None else ())
@@ -270,15 +279,18 @@ class FlashShapes:
             shape = T.Shape(first.local, fixed or first.workgroups, first.heads, first.kernel)
         return shaped(shape)
 
-    def flash_shaped(self, n_used: int, shape: T.Shape, seqs: int = 1) -> P.Plan:
-        """The flash plan of a launch shape (over the codes where ``shape.heads`` is set): the
-        splits that make ``shape.workgroups`` workgroups over the KV heads (and head blocks) of
-        ``seqs`` sequences, each at least FLASH_(CODED_)MIN_SPLIT_TOKENS long and a whole number
-        of the kernel's rounds (attend_specs.flash_round_tokens)."""
+    def flash_shaped(self, n_used: int, shape: T.Shape, seqs: int = 1, kivi: bool = False) -> P.Plan:
+        """The flash plan of a launch shape (over the codes where ``shape.heads`` is set, over a
+        KIVI layer's words where ``kivi``): the splits that make ``shape.workgroups`` workgroups
+        over the KV heads (and head blocks) of ``seqs`` sequences, each at least
+        FLASH_(CODED_)MIN_SPLIT_TOKENS long and a whole number of the kernel's rounds
+        (attend_specs.flash_round_tokens)."""
         coded = shape.heads > 0
-        rounds = flash_round_tokens(self.layout.head_dim, shape.local, coded)
+        rounds = flash_round_tokens(self.layout.head_dim, shape.local, coded, kivi)
         min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS if coded else FLASH_MIN_SPLIT_TOKENS
-        n, split_len = P.split_count(n_used, self.splits_wanted(shape, seqs), min_tokens, n_used, rounds)
+        # a KIVI split starts on a key group: a whole number of rounds always, or the only split
+        most = n_used + rounds if kivi else n_used
+        n, split_len = P.split_count(n_used, self.splits_wanted(shape, seqs), min_tokens, most, rounds)
         return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel, seqs=seqs)
 
     def splits_wanted(self, shape: T.Shape, seqs: int = 1) -> int:

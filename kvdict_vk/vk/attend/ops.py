@@ -173,27 +173,40 @@ class PassBuilder:
         buf = self.memory.layer_buffer(layer)
         if k.coded:
             return self._flash_coded_ops(layer, plan, n_used, scale)
-        if k.kivi:
-            return self._flash_kivi_ops(layer, plan, n_used, scale)
         source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, seq_rows=self.memory.seq_ctx)
-        return self._flash_rows(("layer", layer), buf, v, source, plan.local or self.shapes.flash_local(layer),
-                                int(k.half), int(k.q8), plan, n_used, scale)
+        local = plan.local or self.shapes.flash_local(layer)
+        if k.kivi:  # the KIVI build: the layer's statistics, exact windows (binary16 rows) and state word
+            source.update(stats_word=k.stats_word, k_window_word=k.window_word, v_window_word=v.window_word,
+                          window=k.window_tokens, state_word=k.state_word)
+            return self._flash_rows(("layer", layer), buf, None, source, local, 1, 0, plan, n_used, scale,
+                                    kivi=(k.kivi_bits, v.kivi_bits))
+        return self._flash_rows(("layer", layer), buf, v, source, local, int(k.half), int(k.q8), plan, n_used, scale)
 
     def _flash_rows(self, key, buf, v, source: dict, local: int, half: int, q8: int, plan, n_used: int,
-                    scale: float) -> list:
+                    scale: float, kivi: tuple | None = None) -> list:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
-        rows per KV head; plan.seqs sequences seq_rows apart), then attend_merge_head."""
+        rows per KV head; plan.seqs sequences seq_rows apart) — its KIVI build where ``kivi``
+        gives (K bits, V bits) —, then attend_merge_head."""
         b, grid, lay = self.buffers, self.grid, self.layout
-        wide = plan.kernel == "wide_end"
-        variant = self.shapes.flash_variant(local, "attend_flash_wide" if wide else "attend_flash")
+        variant = self.shapes.flash_variant(local, _flash_shader(bool(kivi), plan.kernel))
         end_elems = self.shapes.flash_end_elems(local, plan.kernel)
+        bits = dict(K_BITS=kivi[0], V_BITS=kivi[1]) if kivi else {}
         kernel = self._kernel(("flash", variant) + key + (local, end_elems), variant,
                               [buf, buf, b.q, b.accs, b.stats],
                               b.sizes.seqs * lay.n_kv_heads * grid.max_splits * local, LOCAL=local, HB=1,
-                              ROW_HALF=half, ROW_Q8=q8, END_ELEMS=end_elems)
+                              ROW_HALF=half, ROW_Q8=q8, END_ELEMS=end_elems, **bits)
         op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
                        n_kv=lay.n_kv_heads, n_seqs=plan.seqs, score_scale=scale)
         return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
+
+    def variant(self, layer: int, plan) -> str:
+        """The SPIR-V variant that runs ``plan``'s attention over ``layer`` (its main pass)."""
+        k = self.layout.layers[layer].k
+        if plan.path != "flash":
+            return "attend_direct" if plan.path == "direct" else "attend_split_coded"
+        if k.coded:
+            return "attend_flash_coded"
+        return self.shapes.flash_variant(plan.local or self.shapes.flash_local(layer), _flash_shader(k.kivi, plan.kernel))
 
     def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
         b, grid, lay = self.buffers, self.grid, self.layout
@@ -221,22 +234,6 @@ class PassBuilder:
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                              n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale))
         return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
-
-    def _flash_kivi_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
-        """attend_flash_kivi over a KIVI layer's words (one sequence: KIVI arenas hold one),
-        then attend_merge_head — the records attend_flash writes. The kernel reads the layer's
-        state word itself, so the operation stays right as appends quantise more groups."""
-        b, grid, lay = self.buffers, self.grid, self.layout
-        k, v = lay.layers[layer].streams
-        n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
-        kernel = self._kernel(("flash_kivi", layer, plan.local), "attend_flash_kivi", [buf, b.q, b.accs, b.stats],
-                              n_kv * grid.max_splits * plan.local, LOCAL=plan.local, HB=1,
-                              K_BITS=k.kivi_bits, V_BITS=v.kivi_bits)
-        op = kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
-                       split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, stats_word=k.stats_word,
-                       k_window_word=k.window_word, v_window_word=v.window_word, window=k.window_tokens,
-                       state_word=k.state_word, score_scale=scale)
-        return [op] + self._merge(("layer", layer), buf, None, plan.records, per_head=True)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,
@@ -319,3 +316,7 @@ class PassBuilder:
         self._ops.clear()
         self._kernels.clear()
 
+
+def _flash_shader(kivi: bool, kernel: str) -> str:
+    """attend_flash's shader over rows: its KIVI build, its wide end (build "wide_end") or itself."""
+    return "attend_flash_kivi" if kivi else ("attend_flash_wide" if kernel == "wide_end" else "attend_flash")

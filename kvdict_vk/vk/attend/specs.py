@@ -6,9 +6,11 @@ in kvdict_vk/vk/abi.py; kvdict_vk/vk/shaders.py joins the two into SHADERS.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ... import errors as E
+from ... import kivi as K
 from ... import layout as L
 from ...layout import row_words
 from .. import shaders
@@ -48,14 +50,22 @@ def flash_units(head_dim: int) -> int:
     return head_dim // FLASH_UNIT_DIMS
 
 
-FLASH_TOKENS_PER_LANE = 2  # attend_flash.comp's TOKENS_PER_LANE (its default; a test reads the shader's)
+# attend_flash.comp's TOKENS_PER_LANE (its defaults; a test reads the shader's): rows, and the
+# KIVI builds (a round's tokens of an invocation share their key group's statistics)
+FLASH_TOKENS_PER_LANE = 2
+FLASH_KIVI_TOKENS_PER_LANE = 4
 
 
-def flash_round_tokens(head_dim: int, local: int, coded: bool) -> int:
+def flash_round_tokens(head_dim: int, local: int, coded: bool, kivi: bool = False) -> int:
     """Tokens a flash workgroup takes in one round of its token loop (a split shorter than a
     whole number of rounds still runs its last round whole): attend_flash_coded a chunk of
-    ``local`` tokens (one an invocation), attend_flash its token lanes × TOKENS_PER_LANE."""
-    return local if coded else local // flash_units(head_dim) * FLASH_TOKENS_PER_LANE
+    ``local`` tokens (one an invocation), attend_flash its token lanes × TOKENS_PER_LANE —
+    over a KIVI layer, a whole number of 32-token key groups too (its splits start on one)."""
+    if coded:
+        return local
+    if kivi:
+        return math.lcm(local // flash_units(head_dim) * FLASH_KIVI_TOKENS_PER_LANE, K.GROUP)
+    return local // flash_units(head_dim) * FLASH_TOKENS_PER_LANE
 
 
 def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
@@ -297,6 +307,8 @@ def _flash_extents(p, s):
     """attend_flash.comp: K and V rows of tokens [0, n_used) of every KV head, the queries,
     records 0 .. n_splits of every (KV head, query head)."""
     hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
+    if "K_BITS" in s:
+        return _flash_kivi_extents(p, s)
     rows = "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32")
     row, units = row_words(hd, 0, 0, rows), flash_units(hd)
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
@@ -312,6 +324,35 @@ def _flash_extents(p, s):
     quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
     queries = query_words(p["n_seqs"], n_kv * g, hd)
     return [rows, quads, [_span(0, queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
+
+
+def _flash_kivi_extents(p, s):
+    """attend_flash.comp's KIVI builds: of KV heads 0 .. n_kv-1, the K and V rows of tokens
+    [0, n_used) (whatever the state word says is quantised), the keys' group statistics of
+    those tokens' groups, both exact windows, the state word; the queries; records 0 .. n_splits.
+    A split starts on a key group (whole groups long, or the only split), the exact windows'
+    rows are binary16 (ROW_HALF 1)."""
+    hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
+    units = flash_units(hd)
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["n_seqs"] == 1
+           and p["n_splits"] * p["split_len"] >= used and p["window"] >= 1
+           and p["split_len"] > 0 and (p["split_len"] % K.GROUP == 0 or p["n_splits"] == 1)
+           and all(p[w] % 4 == 0 for w in ("stats_word", "k_window_word", "v_window_word")), "attend_flash_kivi", p)
+    _check(g <= FLASH_MAX_GROUP and hd % K.GROUP == 0 and units <= local and local % units == 0
+           and s["ROW_HALF"] == 1 and s["ROW_Q8"] == 0 and 0 < s["END_ELEMS"] and FLASH_UNIT_DIMS % s["END_ELEMS"] == 0
+           and K.GROUP % FLASH_KIVI_TOKENS_PER_LANE == 0
+           and all(K.MIN_BITS <= s[b] <= K.MAX_BITS for b in ("K_BITS", "V_BITS")),
+           "attend_flash_kivi (specialization)", dict(p, **s))
+    n_ctx, n_groups = p["n_ctx"], -(-p["n_ctx"] // K.GROUP)
+    k_row, v_row = K.key_row_words(hd, s["K_BITS"]), K.value_row_words(hd, s["V_BITS"])
+    window = K.window_words_per_head(p["window"], hd)
+    stats = _span(p["stats_word"], ((n_kv - 1) * n_groups + -(-used // K.GROUP)) * hd)
+    windows = [_span(p["k_window_word"], n_kv * window), _span(p["v_window_word"], n_kv * window)]
+    words = [_span(p["k_word"], ((n_kv - 1) * n_ctx + used) * k_row),
+             _span(p["v_word"], ((n_kv - 1) * n_ctx + used) * v_row), _span(p["state_word"], 1)]
+    records = n_kv * p["n_splits"] * g
+    return [words, [stats] + windows, [_span(0, query_words(1, n_kv * g, hd))], [_span(0, records * hd)],
+            [_span(0, 2 * records)]]
 
 
 def _flash_coded_extents(p, s):
@@ -336,46 +377,6 @@ def _flash_coded_extents(p, s):
     queries = query_words(p["n_seqs"], n_kv * g, hd)
     return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(0, queries)],
             [_span(0, records * hd)], [_span(0, 2 * records)]]
-
-
-FLASH_KIVI_BIAS_LANES = 8  # attend_flash_kivi.comp's BIAS_LANES (partial sums of q·min per query head)
-
-
-def flash_kivi_fits(head_dim: int, group: int, local: int) -> bool:
-    """Whether attend_flash_kivi.comp runs at ``local`` invocations: head_dim a multiple of 32
-    (value dim groups; BIAS_LANES channels a lane), ``local`` a multiple of head_dim (an
-    invocation owns one value element of some query heads) holding the group's heads
-    (one invocation per head keeps its softmax state), at most FLASH_MAX_GROUP heads."""
-    return (head_dim % 32 == 0 and local % head_dim == 0 and group <= min(FLASH_MAX_GROUP, local)
-            and group * head_dim <= FLASH_MAX_GROUP * local)
-
-
-def flash_kivi_shared_bytes(head_dim: int, group: int) -> int:
-    """attend_flash_kivi.comp's shared memory: the queries and the folded queries, the bias
-    partials, a chunk's scores, two floats a head."""
-    return 4 * (2 * group * head_dim + group * FLASH_KIVI_BIAS_LANES + group * 32 + 2 * group)
-
-
-def _flash_kivi_extents(p, s):
-    """attend_flash_kivi.comp: of KV heads 0 .. n_kv-1, the K and V rows of tokens [0, n_used)
-    (whatever the state word says is quantised), the keys' group statistics of those tokens'
-    groups, both exact windows, the state word; the queries; records 0 .. n_splits."""
-    from ... import kivi as K
-    hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
-    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
-           and p["n_splits"] * p["split_len"] >= used and p["window"] >= 1, "attend_flash_kivi", p)
-    _check(flash_kivi_fits(hd, g, local) and all(K.MIN_BITS <= s[b] <= K.MAX_BITS for b in ("K_BITS", "V_BITS")),
-           "attend_flash_kivi (specialization)", s)
-    n_ctx, n_groups = p["n_ctx"], -(-p["n_ctx"] // K.GROUP)
-    k_row, v_row = K.key_row_words(hd, s["K_BITS"]), K.value_row_words(hd, s["V_BITS"])
-    window = K.window_words_per_head(p["window"], hd)
-    words = [_span(p["k_word"], ((n_kv - 1) * n_ctx + used) * k_row),
-             _span(p["v_word"], ((n_kv - 1) * n_ctx + used) * v_row),
-             _span(p["stats_word"], ((n_kv - 1) * n_groups + -(-used // K.GROUP)) * hd),
-             _span(p["k_window_word"], n_kv * window), _span(p["v_window_word"], n_kv * window),
-             _span(p["state_word"], 1)]
-    records = n_kv * p["n_splits"] * g
-    return [words, [_span(0, query_words(1, n_kv * g, hd))], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _merge_extents(p, s):
@@ -419,8 +420,8 @@ EXTENTS = {
     "attend_merge_head": _merge_head_extents,
     **{name: _flash_extents for name in ("attend_flash", "attend_flash_sg", "attend_flash_wide",
                                          "attend_flash_wide_sg")},
+    **{name: _flash_kivi_extents for name in ("attend_flash_kivi", "attend_flash_kivi_sg")},
     "attend_flash_coded": _flash_coded_extents,
-    "attend_flash_kivi": _flash_kivi_extents,
 }
 
 shaders.register(EXTENTS)
