@@ -247,6 +247,58 @@ def spirv_manifest() -> dict:
     return out
 
 
+# --- which kernel each cache attends by ------------------------------------------------------
+
+VARIANT_CACHES = ("f16", "f32", "q8_0", "kivi", "dict")
+
+
+def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, n_used: int = 32768) -> list[dict]:
+    """Per cache type (VARIANT_CACHES; "dict": the forge's default format over random per-head
+    dictionaries of 1 024 atoms), the SPIR-V variant ``device`` attends one layer of
+    ``n_kv`` × ``gqa`` heads at ``head_dim`` over ``n_used`` tokens by — the engine's plan,
+    untuned (the tuner picks a launch shape and, for f16/f32/q8_0 rows, may pick
+    attend_flash's wide end) — with the path, its workgroup size and the optional device
+    features the variant needs."""
+    import numpy as np
+
+    from . import kivi as K
+    from . import runtime, synthetic
+    from .dictionary import FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact
+    from .vk import KvArena, abi
+    out = []
+    for cache in VARIANT_CACHES:
+        row = {"cache": cache}
+        try:
+            if cache == "dict":
+                dicts = synthetic.random_dicts(np.random.default_rng(0), head_dim, 1024, FORGE_SPARSITY,
+                                               FORGE_RESIDUAL_BITS, n_kv)
+                with runtime.enabled_with(KvDictArtifact(head_dim, 1024, FORGE_SPARSITY, ((dicts[0], dicts[1]),)),
+                                          allow_uncertified=True):
+                    arena = KvArena(1, n_kv, head_dim, n_used, device=device, cache="dict")
+            else:
+                arena = KvArena(1, n_kv, head_dim, n_used, device=device, cache=cache,
+                                **({"kivi": K.KiviSpec()} if cache == "kivi" else {}))
+            with arena:
+                att = arena.attention(n_kv * gqa)
+                att.tune = False
+                plan = att.plan(0, n_used)
+                variant = att.variant(0, plan)
+                v = abi.DECLARATIONS[variant]
+                row.update(variant=variant, path=plan.path, local=plan.local or None,
+                           needs=list(v.subgroup_ops and ("subgroups",)) + list(v.features))
+        except Exception as e:  # a cache this device cannot serve says why, the rest go on
+            row["error"] = f"{type(e).__name__}: {e}"
+        out.append(row)
+    return out
+
+
+def variant_lines(rows: list[dict]) -> list[str]:
+    return [f"{r['cache']:>5}: " + (r["error"] if "error" in r else
+                                   f"{r['variant']} ({r['path']}{', ' + str(r['local']) + ' invocations' if r['local'] else ''}"
+                                   f"{', needs ' + ' + '.join(r['needs']) if r['needs'] else ''})")
+            for r in rows]
+
+
 # --- the report -----------------------------------------------------------------------------
 
 def report() -> dict:

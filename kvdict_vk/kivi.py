@@ -212,7 +212,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_tokens: int, n_used: i
            scale: float | None = None) -> np.ndarray:
     """The float64 reference of attention over a KIVI cache holding the first n_tokens of
     k, v (n_kv, ≥ n_tokens, d): query q (n_heads, d) over its first n_used tokens as the cache
-    returns them (cache_rows) — what the fused kernel (shaders/attend_flash_kivi.comp) and the
+    returns them (cache_rows) — what the fused kernel (attend_flash.comp's KIVI build) and the
     read-out path must equal."""
     from .attention_ref import attend as attend_rows  # attention_ref imports the codec: only here
     kr, vr = cache_rows(k, v, n_tokens, spec)

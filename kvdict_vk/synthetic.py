@@ -13,7 +13,18 @@ from __future__ import annotations
 import numpy as np
 
 from . import codec
-from .dictionary import StreamDict
+from .dictionary import StreamDict, round_to_f16
+
+
+def random_dicts(rng: np.random.Generator, head_dim: int, n_atoms: int, sparsity: int, bits, heads: int = 1) -> list:
+    """(K, V) StreamDicts of ``heads`` dictionaries each (per KV head where heads > 1):
+    random binary16 atoms (as the forge rounds them), a small mean, residual stages of
+    ``bits`` = (K bits, V bits) (0: atoms only) with positive scales."""
+    return [StreamDict(round_to_f16(rng.standard_normal((heads, n_atoms, head_dim), dtype=np.float32)
+                                    / np.sqrt(head_dim)),
+                       mean=rng.standard_normal((heads, head_dim), dtype=np.float32) * 0.1, sparsity=sparsity,
+                       residual_bits=b, residual_scale=rng.random((heads, head_dim), dtype=np.float32) + 0.5 if b else None)
+            for b in bits]
 
 
 def random_codes(rng: np.random.Generator, shape, n_atoms: int, *, out_of_range: float = 0.0) -> np.ndarray:

@@ -25,13 +25,10 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1, fill: bool 
     artifact takes (reconstruct gathering the arena's binary16 copy). ``fill`` False: the arena
     left empty (for appends)."""
     from kvdict_vk import runtime, synthetic
-    from kvdict_vk.dictionary import KvDictArtifact, StreamDict, round_to_f16
+    from kvdict_vk.dictionary import KvDictArtifact
     from kvdict_vk.vk import KvArena
-    heads, na = (n_kv if args.per_head else 1), args.n_atoms
-    dicts = [StreamDict(round_to_f16(rng.standard_normal((heads, na, hd), dtype=np.float32) / np.sqrt(hd)),
-                        mean=rng.standard_normal((heads, hd), dtype=np.float32) * 0.1, sparsity=args.sparsity,
-                        residual_bits=b, residual_scale=rng.random((heads, hd), dtype=np.float32) + 0.5 if b else None)
-             for b in bits]
+    na = args.n_atoms
+    dicts = synthetic.random_dicts(rng, hd, na, args.sparsity, bits, n_kv if args.per_head else 1)
     with runtime.enabled_with(KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),)), allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict", seqs=seqs)
     slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]

@@ -5,6 +5,7 @@
     kvdict-validate                        # the shape grid on the default device
     kvdict-validate --device 1 --json      # another device, machine-readable
     kvdict-validate --abi                  # every SPIR-V variant's contract, JSON (docs/EMBEDDING.md)
+    kvdict-validate --variants             # the kernel each cache type attends by on this device
 
 Each row is one operation at one shape: reconstruct (read), append (encode + scatter,
 checked through a read), attention over the dict-coded and the f32 cache, and the GPU
@@ -193,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--abi", action="store_true",
                     help="print the SPIR-V variants' embedding contract (kvdict_vk/spv/abi.json) and exit")
+    ap.add_argument("--variants", action="store_true",
+                    help="list the kernel variant each cache type attends by on the device (8 x 4 heads, "
+                         "head_dim 64, 32 768 tokens) and exit")
     a = ap.parse_args(argv)
     if a.abi:  # no device needed: the shipped abi.json's text, from the one declaration
         from ..vk import shader_build
@@ -215,11 +219,19 @@ def main(argv=None) -> int:
         print(f"kvdict-validate: no usable Vulkan device: {e}", file=sys.stderr)
         return 2
     print(f"[validate] device: {dev.name}", file=sys.stderr)
+    variants = diagnostics.attention_variants(dev)
+    if a.variants:
+        print(json.dumps(dict(device=dev.name, variants=variants), indent=1) if a.json else
+              "\n".join([f"attention variants on {dev.name} (8 x 4 heads, d64, 32 768 tokens):"]
+                        + diagnostics.variant_lines(variants)))
+        return 0 if all("error" not in r for r in variants) else 1
     rows = run_validation(dev, quick=a.quick)
     ok = all(r["passed"] for r in rows)
     if a.json:
-        print(json.dumps(dict(device=dev.name, passed=ok, rows=rows), indent=1))
+        print(json.dumps(dict(device=dev.name, passed=ok, rows=rows, variants=variants), indent=1))
     else:
+        print("\n".join(["attention by cache type (8 x 4 heads, d64, 32 768 tokens):"]
+                        + ["  " + line for line in diagnostics.variant_lines(variants)]))
         print(f"{'op':<34} {'metric':<12} {'value':>9} {'max|Δ|':>9}  {'ok':<4} shape")
         for r in rows:
             print(f"{r['op']:<34} {r['metric']:<12} {r['nmse']:9.1e} {r['max_abs']:9.1e}  "

@@ -71,3 +71,22 @@ def test_list_devices_and_bad_device():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no usable Vulkan device" in proc.stderr
     assert proc.stderr.count("\n") == 1  # one clear line
+
+
+def test_variants_name_the_kernel_each_cache_attends_by(vk_device, capsys):
+    """kvdict-validate --variants: per cache type the SPIR-V variant the engine plans on this
+    device (its declaration exists, its features the device has); the KIVI and q8_0 caches
+    always attend by attend_flash's builds, the others by their device class's paths."""
+    from kvdict_vk import diagnostics
+    from kvdict_vk.vk import abi
+    rows = diagnostics.attention_variants(vk_device, n_kv=2, gqa=3, head_dim=64, n_used=4096)
+    by = {r["cache"]: r for r in rows}
+    assert set(by) == set(diagnostics.VARIANT_CACHES) and all("error" not in r for r in rows), rows
+    assert all(r["variant"] in abi.DECLARATIONS for r in rows)
+    assert by["kivi"]["variant"].startswith("attend_flash_kivi") and by["kivi"]["path"] == "flash"
+    assert by["q8_0"]["variant"] in ("attend_flash", "attend_flash_sg", "attend_flash_wide", "attend_flash_wide_sg")
+    sg = vk_device.shuffle_subgroup_size() > 0
+    assert by["kivi"]["variant"].endswith("_sg") == sg and (("subgroups" in by["kivi"]["needs"]) == sg)
+    assert validate.main(["--variants"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{r['cache']:>5}: {r['variant']}" in out for r in rows)
