@@ -1,0 +1,124 @@
+"""Probe: attend_flash's KIVI build under other build-time knobs (tokens per lane, prefetch),
+timed beside the shipped build, attend_flash over an f16 cache of the same rows and torch
+SDPA over f16, in one run on one device; each build's output against the float64 reference.
+
+Build the knob variants here (glslangValidator), then run on the GPU; each variant runs in
+its own process with $KVDICT_VK_SPV_DIR pointing at its SPIR-V:
+
+    python lab/probes/kivi_variants_probe.py --build lab/spv_probe
+    python lab/probes/kivi_variants_probe.py --spv lab/spv_probe [--n-ctx 131072] > $OUT/kivi_variants.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+KNOBS = {"tb2": {"TOKENS_PER_LANE": "2u"}, "tb8": {"TOKENS_PER_LANE": "8u"}, "noprefetch": {"PREFETCH": "false"}}
+VARIANTS = ("attend_flash_kivi", "attend_flash_kivi_sg")
+SHAPES = ((8, 4, 64), (8, 4, 128), (3, 3, 64))
+FLUSH = 128 << 20
+
+
+def build(root: Path) -> None:
+    from kvdict_vk.vk import abi, shader_build
+    for label, extra in KNOBS.items():
+        out = root / label
+        out.mkdir(parents=True, exist_ok=True)
+        for name in VARIANTS:
+            v = abi.DECLARATIONS[name]
+            cmd = ["glslangValidator", "-V", "--target-env", abi.TARGET_ENV,
+                   *[f"-D{k}={val}" for k, val in sorted({**v.defines_dict, **extra}.items())],
+                   "-o", str(out / f"{name}.spv"), str(shader_build.SHADER_DIR / v.source)]
+            subprocess.run(cmd, check=True, capture_output=True)
+        print(f"built {label} into {out}", file=sys.stderr)
+
+
+def _filled(cache: str, rows, n_ctx: int):
+    from kvdict_vk.vk import KvArena
+    k, v = rows
+    arena = KvArena(1, k.shape[0], k.shape[2], n_ctx, cache=cache)
+    for t0 in range(0, n_ctx, 1 << 15):
+        arena.append(0, k[:, t0:t0 + (1 << 15)], v[:, t0:t0 + (1 << 15)])
+    return arena
+
+
+def _core_us(att, q, n, repeats: int = 15, warm_s: float = 1.0) -> float:
+    rec = att.recording(0, q, n, timestamps=True, flush_bytes=FLUSH, primed=True)
+    try:
+        t_end = time.time() + warm_s  # clocks up from idle first: a cold process's first timings ran 2-5x long
+        while time.time() < t_end:
+            rec.run()
+        ts = []
+        for _ in range(repeats):
+            rec.run()
+            ts.append(rec.core_seconds())
+        return float(np.median(ts)) * 1e6
+    finally:
+        rec.free()
+
+
+def measure(label: str, n_ctx: int, baseline: bool) -> dict:
+    """One build (the SPIR-V $KVDICT_VK_SPV_DIR holds, else the shipped one): its KIVI
+    attention per shape — time, plan, NMSE against float64 — and with ``baseline`` f16's and SDPA's."""
+    from kvdict_vk import kivi as K
+    from kvdict_vk.attention_ref import attend as ref_attend
+    from kvdict_vk.metrics import nmse
+    out = {}
+    for n_kv, g, hd in SHAPES:
+        rng = np.random.default_rng(hd + g)
+        block = rng.standard_normal((2, n_kv, 4096, hd), dtype=np.float32)
+        rows = [np.ascontiguousarray(np.tile(b, (1, n_ctx // 4096, 1))) for b in block]
+        q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+        row, t = {}, time.time()
+        with _filled("kivi", rows, n_ctx) as ka:
+            att = ka.attention(n_kv * g)
+            plan = att.plan(0, n_ctx)
+            row.update(kivi_us=_core_us(att, q, n_ctx), plan=str(plan), variant=att.variant(0, plan))
+            kr, vr = K.cache_rows(rows[0], rows[1], n_ctx, ka.layout.kivi)  # as the cache holds them
+            row["nmse_8192"] = float(nmse(ref_attend(q, kr, vr, 8192), ka.attend(0, q, 8192)))
+        if baseline:
+            from kvdict_vk.bench.torch_anchor import Anchor
+            with _filled("f16", rows, n_ctx) as fa:
+                row["f16_us"] = _core_us(fa.attention(n_kv * g), q, n_ctx)
+            s = Anchor().seconds(n_kv, g, hd, n_ctx)
+            row["torch_sdpa_f16_us"] = s * 1e6 if s else None
+        row["setup_s"] = time.time() - t
+        out[f"{n_kv}x{g}_d{hd}"] = row
+        print(f"[{label}] {n_kv}x{g} d{hd}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", type=Path, help="compile the knob variants into this directory and exit")
+    ap.add_argument("--spv", type=Path, default=Path("lab/spv_probe"), help="the --build directory")
+    ap.add_argument("--n-ctx", type=int, default=131072)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: this label's build
+    a = ap.parse_args(argv)
+    if a.build:
+        return build(a.build)
+    if a.one:
+        json.dump(measure(a.one, a.n_ctx, a.one == "shipped"), sys.stdout)
+        return None
+    result = {"n_ctx": a.n_ctx, "knobs": KNOBS, "builds": {}}
+    for label in ("shipped",) + tuple(KNOBS):
+        env = dict(os.environ)
+        if label != "shipped":
+            env["KVDICT_VK_SPV_DIR"] = str(a.spv / label)
+        proc = subprocess.run([sys.executable, __file__, "--one", label, "--n-ctx", str(a.n_ctx)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+        result["builds"][label] = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.returncode}
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "kivi_variants.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
