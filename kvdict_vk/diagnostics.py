@@ -123,10 +123,14 @@ def versions(devices_: list | None = None) -> dict:
 def features(info) -> dict:
     """The optional features a DeviceInfo reports that the kernels choose variants by: the
     subgroup size and operation classes of compute shaders (shuffle: the attend_flash_sg
-    variants), timestamps (GPU time), and the multiprocessor count (where reported)."""
+    variants), the optional features beyond Vulkan 1.1 core (abi.FEATURES) it reports and
+    those of them kp enables, timestamps (GPU time), and the multiprocessor count (where reported)."""
+    from .vk.abi import ENABLED_FEATURES
     lim = info.limits
     ops = tuple(lim.get("subgroup_operations", ()))
+    reported = list(lim.get("optional_features", ()))
     return {"subgroup_size": lim.get("subgroup_size", 0), "subgroup_operations": list(ops),
+            "optional_reported": reported, "optional_enabled": [f for f in reported if f in ENABLED_FEATURES],
             "subgroup_shuffle": {"basic", "shuffle"} <= set(ops),
             "timestamps": bool(lim.get("timestamp_valid_bits", 0)) and bool(lim.get("timestamp_period_ns", 0)),
             "compute_units": lim.get("compute_units") or None}
@@ -328,7 +332,7 @@ def _value(v) -> str:
     return "-" if v is None else str(v)
 
 
-_FEATURE_LIMITS = ("subgroup_size", "subgroup_operations", "compute_units")  # shown as features
+_FEATURE_LIMITS = ("subgroup_size", "subgroup_operations", "compute_units", "optional_features")  # shown as features
 
 
 def _kp_line(kp: dict) -> str:

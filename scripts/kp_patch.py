@@ -28,6 +28,16 @@
    ``Sequence.record_unlatched(op)`` records an op with none after it; the timestamps
    written are numbered in order, and ``get_timestamps`` returns those (the first, before any op, and one per latched op).
 
+4. **Optional device features, enabled where the device reports them** (src/Manager.cpp):
+   16-bit storage, float16/int8 arithmetic, 8-bit storage, integer dot products and float
+   atomics — the feature structs kvdict_vk/vk/vulkan_info.py reads, chained into
+   VkDeviceCreateInfo as vkGetPhysicalDeviceFeatures2 fills them (with their extensions;
+   Kompute's instance is Vulkan 1.1), so a kernel variant that declares one
+   (kvdict_vk/vk/abi.py's FEATURES) runs wherever the device has it. No Vulkan 1.0 core
+   feature is enabled (robustBufferAccess would cost every load a bounds check). Cooperative
+   matrices are not enabled yet: no variant uses them, and Debian 12's validation layer
+   (1.3.239) predates VK_KHR_cooperative_matrix's feature struct.
+
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
 import sys
@@ -48,6 +58,53 @@ BARRIER = """    // kvdict_vk patch: a compute->compute barrier (scripts/kp_patc
             vk::PipelineStageFlagBits::eComputeShader,
             true);
       }));
+
+"""
+
+DEVICE_ANCHOR = """    vk::DeviceCreateInfo deviceCreateInfo(vk::DeviceCreateFlags(),
+                                          deviceQueueCreateInfos.size(),
+                                          deviceQueueCreateInfos.data(),
+                                          {},
+                                          {},
+                                          validExtensions.size(),
+                                          validExtensions.data());
+"""
+DEVICE_FEATURES = """    // kvdict_vk patch: the optional features kernel variants may need, enabled where the
+    // device reports them (scripts/kp_patch.py; kvdict_vk/vk/vulkan_info.py reads the same)
+    struct KvFeatureBools {
+        VkStructureType sType;
+        void* pNext;
+        VkBool32 bools[12];  // the longest of the structs below (atomic float: 12)
+    };
+    const int kvStructCount = 5;
+    const std::pair<const char*, int> kvFeatureStructs[] = {
+        { nullptr, 1000083000 },                              // 16-bit storage (Vulkan 1.1)
+        { "VK_KHR_shader_float16_int8", 1000082000 },
+        { "VK_KHR_8bit_storage", 1000177000 },
+        { "VK_KHR_shader_integer_dot_product", 1000280000 },
+        { "VK_EXT_shader_atomic_float", 1000260000 },
+    };
+    KvFeatureBools kvStructs[kvStructCount] = {};
+    VkPhysicalDeviceFeatures2 kvFeatures2 = {};
+    kvFeatures2.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2;
+    void** kvTail = &kvFeatures2.pNext;
+    for (int i = 0; i < kvStructCount; ++i) {
+        const char* ext = kvFeatureStructs[i].first;
+        if (ext != nullptr) {
+            if (uniqueExtensionNames.count(ext) == 0)
+                continue;
+            bool listed = false;
+            for (const char* have : validExtensions)
+                listed = listed || std::string(have) == ext;
+            if (!listed)
+                validExtensions.push_back(ext);
+        }
+        kvStructs[i].sType = static_cast<VkStructureType>(kvFeatureStructs[i].second);
+        *kvTail = &kvStructs[i];
+        kvTail = &kvStructs[i].pNext;
+    }
+    vkGetPhysicalDeviceFeatures2(static_cast<VkPhysicalDevice>(physicalDevice), &kvFeatures2);
+    kvFeatures2.features = VkPhysicalDeviceFeatures{};  // no Vulkan 1.0 feature
 
 """
 
@@ -171,6 +228,8 @@ def main(src: str) -> int:
     if MARK in bindings.read_text():
         return 0  # already patched
     _edit(bindings, BARRIER_ANCHOR, BARRIER + BARRIER_ANCHOR)
+    _edit(root / "src" / "Manager.cpp", DEVICE_ANCHOR,
+          DEVICE_FEATURES + DEVICE_ANCHOR + "    deviceCreateInfo.setPNext(&kvFeatures2);  // kvdict_vk patch\n")
     for rel, anchor, replacement in SEQUENCE_EDITS:
         _edit(root / rel, anchor, replacement)
     return 0

@@ -32,8 +32,18 @@ uint grid_stride() { return gl_NumWorkGroups.x * WG_SIZE; }
 
 // --- q8_0 rows (docs/ARENA.md, kvdict_vk.layout.q8_0_words) ------------------------------------
 // The four int8 values of a word (element 4k in the low byte), as floats: bitfieldExtract of
-// a signed int sign-extends.
+// a signed int sign-extends. INT8_BY_BITS (a build-time knob for probes): without an
+// int→float conversion — each byte + 128 in the mantissa of 2^23, minus 2^23 + 128 (exact).
+#ifndef INT8_BY_BITS
+#define INT8_BY_BITS 0
+#endif
 vec4 int8x4(uint w) {
+#if INT8_BY_BITS
+    uint u = w ^ 0x80808080u;
+    return uintBitsToFloat(uvec4(u & 0xFFu, (u >> 8u) & 0xFFu, (u >> 16u) & 0xFFu, u >> 24u) | 0x4B000000u)
+           - 8388736.0;
+#else
     int s = int(w);
     return vec4(bitfieldExtract(s, 0, 8), bitfieldExtract(s, 8, 8), bitfieldExtract(s, 16, 8), bitfieldExtract(s, 24, 8));
+#endif
 }

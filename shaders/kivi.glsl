@@ -49,8 +49,25 @@ float kivi_level_x(uint win, uint sh, uint bits) {
 
 // A unit's 8 levels as 1 + level / 2^bits, from its words w (kivi_unit_words of them, the
 // rest any value) whose first level starts at bit `bit` of w.x: element j into lo/hi.
+// LEVELS_BY_HALVES (a build-time knob for probes): 4-bit levels two at a time — elements j
+// and j + 4, 16 bits apart, moved to the top of two binary16 1.0s' mantissas and widened
+// (one shift, one and-or, one unpack for two).
+#ifndef LEVELS_BY_HALVES
+#define LEVELS_BY_HALVES 0
+#endif
 void kivi_unit_x(uvec3 w, uint bit, uint bits, out vec4 lo, out vec4 hi) {
     uint n0 = level_window(w.x, w.y, bit), n1 = level_window(w.y, w.z, bit);  // the unit's 64 bits
+#if LEVELS_BY_HALVES
+    if (bits == 4u) {
+        vec2 p0 = unpackHalf2x16(((n0 << 6u) & 0x03C003C0u) | 0x3C003C00u);  // elements 0, 4
+        vec2 p1 = unpackHalf2x16(((n0 << 2u) & 0x03C003C0u) | 0x3C003C00u);  // 1, 5
+        vec2 p2 = unpackHalf2x16(((n0 >> 2u) & 0x03C003C0u) | 0x3C003C00u);  // 2, 6
+        vec2 p3 = unpackHalf2x16(((n0 >> 6u) & 0x03C003C0u) | 0x3C003C00u);  // 3, 7
+        lo = vec4(p0.x, p1.x, p2.x, p3.x);
+        hi = vec4(p0.y, p1.y, p2.y, p3.y);
+        return;
+    }
+#endif
     float x[8];
     [[unroll]] for (uint j = 0u; j < KIVI_UNIT; ++j) {
         uint sh = j * bits;

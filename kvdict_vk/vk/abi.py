@@ -31,9 +31,13 @@ except ImportError:  # loaded by path (shader_build from setup.py), outside the 
 WORD_BYTES = 4
 WG_SIZE = 64  # common.glsl's WG_SIZE: the local_size_x of every shader that does not specialize it
 # optional device features a variant may need beyond Vulkan 1.1 core compute, besides
-# subgroup operation classes (Variant.subgroup_ops); no variant needs one yet, and
-# kernels.Kernel refuses one that does until the device reports them
+# subgroup operation classes (Variant.subgroup_ops): vulkan_info reads which the device
+# reports, kp enables them at device creation (scripts/kp_patch.py; ENABLED_FEATURES below),
+# kernels.Kernel refuses a variant whose feature the device lacks. No variant needs one yet.
 FEATURES = ("float16", "int8", "integer_dot", "cooperative_matrix", "float_atomics")
+# those kp enables at device creation where the device reports them (scripts/kp_patch.py,
+# item 4): cooperative matrices are reported, not enabled yet
+ENABLED_FEATURES = ("float16", "int8", "integer_dot", "float_atomics")
 
 
 # --- push-constant blocks (the ONE definition; GLSL mirrors it, a test checks) ----------------

@@ -15,6 +15,7 @@ import threading
 import kp
 
 from .. import errors as E
+from .abi import ENABLED_FEATURES
 from .vulkan_info import DeviceInfo, query_devices
 
 ENV_DEVICE = "KVDICT_VK_DEVICE"
@@ -98,6 +99,15 @@ class Device:
         """The subgroup operation classes compute shaders may use (vulkan_info; none known:
         empty)."""
         return tuple(self.info.limits.get("subgroup_operations", ()))
+
+    def reported_features(self) -> tuple:
+        """The optional features (abi.FEATURES) the device reports (vulkan_info)."""
+        return tuple(self.info.limits.get("optional_features", ()))
+
+    def features(self) -> tuple:
+        """The optional features a variant may use here: those the device reports that
+        kp enables at device creation (scripts/kp_patch.py: ENABLED_FEATURES)."""
+        return tuple(f for f in self.reported_features() if f in ENABLED_FEATURES)
 
     def shuffle_subgroup_size(self) -> int:
         """The subgroup size where compute shaders may use subgroup shuffles (the basic and

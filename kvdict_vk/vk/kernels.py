@@ -157,9 +157,10 @@ class Kernel:
         if missing:
             raise E.DispatchError(f"{sh.variant}: uses subgroup operations {sorted(missing)} that "
                                   f"{device.name} does not report for compute shaders")
-        if sh.features:  # (abi.FEATURES: none is queried from the device yet)
-            raise E.DispatchError(f"{sh.variant}: needs device features {list(sh.features)} this backend "
-                                  f"cannot check on {device.name}")
+        lacking = [f for f in sh.features if f not in device.features()]
+        if lacking:
+            raise E.DispatchError(f"{sh.variant}: needs device features {lacking} that {device.name} does not "
+                                  f"report or this backend does not enable (Device.features)")
         if len(r.bindings) > device.limit("max_per_stage_storage_buffers"):
             raise E.DispatchError(f"{sh.variant}: binds {len(r.bindings)} storage buffers, the device "
                                   f"allows {device.limit('max_per_stage_storage_buffers')} per stage")

@@ -104,6 +104,62 @@ class _ShaderCoreAMD(ctypes.Structure):  # VK_AMD_shader_core_properties (the fi
                 ("shaderArraysPerEngineCount", _u32), ("computeUnitsPerShaderArray", _u32), ("rest", _u32 * 11)]
 
 
+class _Features2(ctypes.Structure):  # VkPhysicalDeviceFeatures2: the 55 core VkBool32s, unread
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("features", _u32 * 55)]
+
+
+def _bools(name: str, fields: str):
+    """A VkPhysicalDevice*Features struct: sType, pNext, then VkBool32 ``fields``."""
+    return type(name, (ctypes.Structure,), {"_fields_": [("sType", _i32), ("pNext", ctypes.c_void_p)]
+                                                        + [(f, _u32) for f in fields.split()]})
+
+
+# The optional features a kernel variant may need (abi.FEATURES), as Vulkan reports them: per
+# name, the device extensions it needs (Kompute's instance is Vulkan 1.1, so features promoted
+# to 1.2/1.3 come through their extensions), and the feature structs' (sType, VkBool32 fields,
+# the fields that must all be set). scripts/kp_patch.py enables the same at device creation.
+_FEATURE_STRUCTS = {
+    "16bit_storage": (1000083000, "storageBuffer16BitAccess uniformAndStorageBuffer16BitAccess "
+                                  "storagePushConstant16 storageInputOutput16"),
+    "float16_int8": (1000082000, "shaderFloat16 shaderInt8"),
+    "8bit_storage": (1000177000, "storageBuffer8BitAccess uniformAndStorageBuffer8BitAccess storagePushConstant8"),
+    "integer_dot": (1000280000, "shaderIntegerDotProduct"),
+    "atomic_float": (1000260000, "shaderBufferFloat32Atomics shaderBufferFloat32AtomicAdd shaderBufferFloat64Atomics "
+                                 "shaderBufferFloat64AtomicAdd shaderSharedFloat32Atomics shaderSharedFloat32AtomicAdd "
+                                 "shaderSharedFloat64Atomics shaderSharedFloat64AtomicAdd shaderImageFloat32Atomics "
+                                 "shaderImageFloat32AtomicAdd sparseImageFloat32Atomics sparseImageFloat32AtomicAdd"),
+}
+# struct → the device extension that must be present to chain it (None: core in Vulkan 1.1)
+_STRUCT_EXTENSION = {"16bit_storage": None, "float16_int8": "VK_KHR_shader_float16_int8",
+                     "8bit_storage": "VK_KHR_8bit_storage", "integer_dot": "VK_KHR_shader_integer_dot_product",
+                     "atomic_float": "VK_EXT_shader_atomic_float"}
+# abi.FEATURES name → the (struct, field) pairs it needs, all set (cooperative_matrix: below)
+FEATURE_NEEDS = {
+    "float16": (("float16_int8", "shaderFloat16"), ("16bit_storage", "storageBuffer16BitAccess")),
+    "int8": (("float16_int8", "shaderInt8"), ("8bit_storage", "storageBuffer8BitAccess")),
+    "integer_dot": (("integer_dot", "shaderIntegerDotProduct"),),
+    "float_atomics": (("atomic_float", "shaderBufferFloat32AtomicAdd"), ("atomic_float", "shaderSharedFloat32AtomicAdd")),
+}
+_ST_FEATURES2 = 1000059000
+
+
+def _optional_features(vk, handle, exts: set) -> tuple[str, ...]:
+    """The abi.FEATURES names the device reports every part of (vkGetPhysicalDeviceFeatures2)."""
+    structs = {name: _bools(f"_{name}", fields)(st) for name, (st, fields) in _FEATURE_STRUCTS.items()
+               if _STRUCT_EXTENSION[name] is None or _STRUCT_EXTENSION[name] in exts}
+    feats = _Features2(_ST_FEATURES2, None)
+    tail = feats
+    for s in structs.values():
+        tail.pNext = ctypes.cast(ctypes.pointer(s), ctypes.c_void_p)
+        tail = s
+    vk.vkGetPhysicalDeviceFeatures2(ctypes.c_void_p(handle), ctypes.byref(feats))
+    have = [name for name, needs in FEATURE_NEEDS.items()
+            if all(st in structs and getattr(structs[st], f) for st, f in needs)]
+    # cooperative matrices: reported by their extension (its feature struct is newer than
+    # Debian 12's validation layer, which flags it in a chain); not enabled yet (kp_patch)
+    return tuple(have + (["cooperative_matrix"] if "VK_KHR_cooperative_matrix" in exts else []))
+
+
 class _ExtensionProps(ctypes.Structure):
     _fields_ = [("extensionName", ctypes.c_char * 256), ("specVersion", _u32)]
 
@@ -279,6 +335,8 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
                                      and subgroup.supportedOperations >> bit & 1),
         "compute_units": sm_nv.shaderSMCount or (core_amd.shaderEngineCount * core_amd.shaderArraysPerEngineCount
                                                  * core_amd.computeUnitsPerShaderArray),
+        # optional features beyond Vulkan 1.1 core compute that a variant may need (abi.FEATURES)
+        "optional_features": _optional_features(vk, handle, exts) if base.apiVersion >= _make_version(1, 1) else (),
     }
     heaps = tuple((int(mem.memoryHeaps[2 * i]), bool(mem.memoryHeaps[2 * i + 1] & _HEAP_DEVICE_LOCAL))
                   for i in range(mem.memoryHeapCount))

@@ -1,6 +1,7 @@
-"""Probe: attend_flash's KIVI build under other build-time knobs (tokens per lane, prefetch),
-timed beside the shipped build, attend_flash over an f16 cache of the same rows and torch
-SDPA over f16, in one run on one device; each build's output against the float64 reference.
+"""Probe: attend_flash's KIVI and q8_0 builds under other build-time knobs (tokens per lane,
+prefetch, levels decoded two at a time through binary16, int8 widened without a conversion),
+timed beside the shipped builds, attend_flash over an f16 cache of the same rows and torch
+SDPA over f16, in one run on one device; each KIVI build's output against the float64 reference.
 
 Build the knob variants here (glslangValidator), then run on the GPU; each variant runs in
 its own process with $KVDICT_VK_SPV_DIR pointing at its SPIR-V:
@@ -20,18 +21,23 @@ from pathlib import Path
 
 import numpy as np
 
-KNOBS = {"tb2": {"TOKENS_PER_LANE": "2u"}, "tb8": {"TOKENS_PER_LANE": "8u"}, "noprefetch": {"PREFETCH": "false"}}
-VARIANTS = ("attend_flash_kivi", "attend_flash_kivi_sg")
+KIVI_VARIANTS = ("attend_flash_kivi", "attend_flash_kivi_sg")
+ROW_VARIANTS = ("attend_flash", "attend_flash_sg")
+# label → (the variants it rebuilds, the defines it adds)
+KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "8u"}),
+         "noprefetch": (KIVI_VARIANTS, {"PREFETCH": "false"}),
+         "halves": (KIVI_VARIANTS, {"LEVELS_BY_HALVES": "1"}),
+         "int8bits": (ROW_VARIANTS, {"INT8_BY_BITS": "1"})}
 SHAPES = ((8, 4, 64), (8, 4, 128), (3, 3, 64))
 FLUSH = 128 << 20
 
 
 def build(root: Path) -> None:
     from kvdict_vk.vk import abi, shader_build
-    for label, extra in KNOBS.items():
+    for label, (variants, extra) in KNOBS.items():
         out = root / label
         out.mkdir(parents=True, exist_ok=True)
-        for name in VARIANTS:
+        for name in variants:
             v = abi.DECLARATIONS[name]
             cmd = ["glslangValidator", "-V", "--target-env", abi.TARGET_ENV,
                    *[f"-D{k}={val}" for k, val in sorted({**v.defines_dict, **extra}.items())],
@@ -64,7 +70,7 @@ def _core_us(att, q, n, repeats: int = 15, warm_s: float = 1.0) -> float:
         rec.free()
 
 
-def measure(label: str, n_ctx: int, baseline: bool) -> dict:
+def measure(label: str, n_ctx: int, baseline: bool, cache: str | None) -> dict:
     """One build (the SPIR-V $KVDICT_VK_SPV_DIR holds, else the shipped one): its KIVI
     attention per shape — time, plan, NMSE against float64 — and with ``baseline`` f16's and SDPA's."""
     from kvdict_vk import kivi as K
@@ -77,12 +83,16 @@ def measure(label: str, n_ctx: int, baseline: bool) -> dict:
         rows = [np.ascontiguousarray(np.tile(b, (1, n_ctx // 4096, 1))) for b in block]
         q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
         row, t = {}, time.time()
-        with _filled("kivi", rows, n_ctx) as ka:
-            att = ka.attention(n_kv * g)
-            plan = att.plan(0, n_ctx)
-            row.update(kivi_us=_core_us(att, q, n_ctx), plan=str(plan), variant=att.variant(0, plan))
-            kr, vr = K.cache_rows(rows[0], rows[1], n_ctx, ka.layout.kivi)  # as the cache holds them
-            row["nmse_8192"] = float(nmse(ref_attend(q, kr, vr, 8192), ka.attend(0, q, 8192)))
+        if cache in ("kivi", None):
+            with _filled("kivi", rows, n_ctx) as ka:
+                att = ka.attention(n_kv * g)
+                plan = att.plan(0, n_ctx)
+                row.update(kivi_us=_core_us(att, q, n_ctx), plan=str(plan), variant=att.variant(0, plan))
+                kr, vr = K.cache_rows(rows[0], rows[1], n_ctx, ka.layout.kivi)  # as the cache holds them
+                row["nmse_8192"] = float(nmse(ref_attend(q, kr, vr, 8192), ka.attend(0, q, 8192)))
+        if cache in ("q8_0", None):
+            with _filled("q8_0", rows, n_ctx) as qa:
+                row["q8_0_us"] = _core_us(qa.attention(n_kv * g), q, n_ctx)
         if baseline:
             from kvdict_vk.bench.torch_anchor import Anchor
             with _filled("f16", rows, n_ctx) as fa:
@@ -100,15 +110,19 @@ def main(argv=None) -> None:
     ap.add_argument("--build", type=Path, help="compile the knob variants into this directory and exit")
     ap.add_argument("--spv", type=Path, default=Path("lab/spv_probe"), help="the --build directory")
     ap.add_argument("--n-ctx", type=int, default=131072)
+    ap.add_argument("--only", help="these knob labels (comma-separated) after the shipped build")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: this label's build
     a = ap.parse_args(argv)
     if a.build:
         return build(a.build)
     if a.one:
-        json.dump(measure(a.one, a.n_ctx, a.one == "shipped"), sys.stdout)
+        rebuilt = KNOBS[a.one][0] if a.one in KNOBS else None
+        cache = None if rebuilt is None else ("kivi" if rebuilt == KIVI_VARIANTS else "q8_0")
+        json.dump(measure(a.one, a.n_ctx, a.one == "shipped", cache), sys.stdout)
         return None
-    result = {"n_ctx": a.n_ctx, "knobs": KNOBS, "builds": {}}
-    for label in ("shipped",) + tuple(KNOBS):
+    result = {"n_ctx": a.n_ctx, "knobs": {k: {"variants": v, "defines": d} for k, (v, d) in KNOBS.items()},
+              "builds": {}}
+    for label in ("shipped",) + tuple(a.only.split(",") if a.only else KNOBS):
         env = dict(os.environ)
         if label != "shipped":
             env["KVDICT_VK_SPV_DIR"] = str(a.spv / label)

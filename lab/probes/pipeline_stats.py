@@ -69,16 +69,19 @@ def engine_workloads(dev, a) -> None:
     candidates are built and timed on its first call)."""
     rng = np.random.default_rng(0)
     ns = [int(x) for x in a.n_used.split(",")]
-    for shape in a.shapes.split(","):
-        n_kv, gqa, hd = common.dims(shape)
-        arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache="f16")
-        rows = BA.random_rows(rng, n_kv, max(ns), hd)
-        arena.append(0, rows, rows)
-        q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
-        for n in ns:
-            arena.attend(0, q, n)
-            print(f"[stats] f16 attention {shape} n_used {n}", file=sys.stderr, flush=True)
-        arena.free()
+    for cache in a.caches.split(","):
+        for shape in a.shapes.split(","):
+            n_kv, gqa, hd = common.dims(shape)
+            arena = KvArena(1, n_kv, hd, max(ns), device=dev, cache=cache)
+            rows = BA.random_rows(rng, n_kv, max(ns), hd)
+            arena.append(0, rows, rows)
+            q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+            for n in ns:
+                arena.attend(0, q, n)
+                print(f"[stats] {cache} attention {shape} n_used {n}", file=sys.stderr, flush=True)
+            arena.free()
+    if a.no_codes:
+        return
     # the codes: the certified shape's format (s 4, 4-bit residual, per-head, 1024 atoms)
     args = reconstruct.parse_args(["--n-kv", "8", "--head-dim", "64", "--n-ctx", str(a.coded_tokens),
                                    "--sparsity", "4", "--residual-bits", "4", "--per-head", "--sweep="])
@@ -198,6 +201,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="3x3x64,8x4x64,3x3x128,8x4x128", help="n_kv x gqa x head_dim, comma-separated")
     ap.add_argument("--n-used", default="32768,131072")
     ap.add_argument("--coded-tokens", type=int, default=32768, help="tokens per KV head of the coded arenas")
+    ap.add_argument("--caches", default="f16", help="row caches attended over (f16, f32, q8_0, kivi), comma-separated")
+    ap.add_argument("--no-codes", action="store_true", help="skip the coded arenas")
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))

@@ -155,3 +155,33 @@ def test_dispatch_contract_is_checked_before_the_driver(vk_device):
     for x in (k, c):
         x.destroy()
     b.destroy()
+
+
+def test_optional_features_are_read_and_gate_the_variants_that_need_them(vk_device, monkeypatch):
+    """vulkan_info reads the optional features (abi.FEATURES) from the driver's feature structs;
+    lavapipe (Mesa 22.3) reports every one but cooperative matrices, an NVIDIA H100/H200 all of
+    them. kp enables ENABLED_FEATURES of those at device creation (scripts/kp_patch.py: the
+    session's validation gate would flag a shader using one that is not). A variant that
+    declares a feature the device lacks is refused with a typed error before the driver sees it."""
+    from kvdict_vk.vk import abi, kernels, shaders
+    reported = vk_device.reported_features()
+    assert set(reported) <= set(abi.FEATURES) and set(vk_device.features()) == set(reported) & set(abi.ENABLED_FEATURES)
+    if vk_device.info.driver_name.lower().startswith("llvmpipe") or "llvmpipe" in vk_device.name:
+        assert set(reported) == {"float16", "int8", "integer_dot", "float_atomics"}
+    a = kernels.Buffer(vk_device, 64, "storage", "a")
+    b = kernels.Buffer(vk_device, 64, "storage", "b")
+    try:
+        import dataclasses
+        real = shaders.spec
+        spec = real("copy_vec4")
+        needs = dataclasses.replace(spec, decl=dataclasses.replace(spec.decl, features=("float16",)))
+        monkeypatch.setattr(shaders, "spec", lambda name: needs if name == "copy_vec4" else real(name))
+        monkeypatch.setattr(type(vk_device), "features", lambda self: ())
+        with pytest.raises(E.DispatchError, match="float16"):
+            kernels.Kernel(vk_device, "copy_vec4", [a, b], max_items=16)
+        monkeypatch.setattr(type(vk_device), "features", lambda self: ("float16",))
+        k = kernels.Kernel(vk_device, "copy_vec4", [a, b], max_items=16)
+        k.destroy()
+    finally:
+        a.destroy()
+        b.destroy()
