@@ -231,42 +231,33 @@ void unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
 }
 
 #if KIVI
-// Token t's (of KV head g) key unit into ka — its level words (quantised: kivi_unit_words of
-// them, clamped to the row) or its binary16 window quad (exact) — and value unit into va: the
-// dim group's stats word then the level words, or the window quad.
-void kivi_load(uint g, uint t, bool quant, uint unit, out uvec4 ka, out uvec4 va) {
-    if (quant) {
-        uint kw = pc.k_word + (g * pc.n_ctx + t) * K_ROW, k0 = kivi_unit_word(unit, K_BITS);
-        uint vw = pc.v_word + (g * pc.n_ctx + t) * V_ROW, v0 = kivi_unit_word(unit, V_BITS);
-        ka = uvec4(cache_words[kw + k0], 0u, 0u, 0u);
-        if (kivi_unit_words(K_BITS) > 1u)
-            ka.y = cache_words[kw + min(k0 + 1u, K_ROW - 1u)];
-        if (kivi_unit_words(K_BITS) > 2u)
-            ka.z = cache_words[kw + min(k0 + 2u, K_ROW - 1u)];
-        va = uvec4(cache_words[vw + unit * KIVI_UNIT / KIVI_GROUP], cache_words[vw + V_STATS + v0], 0u, 0u);
-        if (kivi_unit_words(V_BITS) > 1u)
-            va.z = cache_words[vw + V_STATS + min(v0 + 1u, V_ROW - V_STATS - 1u)];
-        if (kivi_unit_words(V_BITS) > 2u)
-            va.w = cache_words[vw + V_STATS + min(v0 + 2u, V_ROW - V_STATS - 1u)];
-    } else {
-        ka = cache_quads[(kivi_window_row(pc.k_window_word, g, t, pc.window, HEAD_DIM) >> 2u) + unit];
-        va = cache_quads[(kivi_window_row(pc.v_window_word, g, t, pc.window, HEAD_DIM) >> 2u) + unit];
-    }
+// Quantised token t's (of KV head g) level words of the unit: K's into kq (kivi_unit_words of
+// them, clamped to the row), V's dim group's stats word then its level words into vq.
+void kivi_load(uint g, uint t, uint unit, out uvec3 kq, out uvec4 vq) {
+    uint kw = pc.k_word + (g * pc.n_ctx + t) * K_ROW, k0 = kivi_unit_word(unit, K_BITS);
+    uint vw = pc.v_word + (g * pc.n_ctx + t) * V_ROW, v0 = kivi_unit_word(unit, V_BITS);
+    kq = uvec3(cache_words[kw + k0], 0u, 0u);
+    if (kivi_unit_words(K_BITS) > 1u)
+        kq.y = cache_words[kw + min(k0 + 1u, K_ROW - 1u)];
+    if (kivi_unit_words(K_BITS) > 2u)
+        kq.z = cache_words[kw + min(k0 + 2u, K_ROW - 1u)];
+    vq = uvec4(cache_words[vw + unit * KIVI_UNIT / KIVI_GROUP], cache_words[vw + V_STATS + v0], 0u, 0u);
+    if (kivi_unit_words(V_BITS) > 1u)
+        vq.z = cache_words[vw + V_STATS + min(v0 + 1u, V_ROW - V_STATS - 1u)];
+    if (kivi_unit_words(V_BITS) > 2u)
+        vq.w = cache_words[vw + V_STATS + min(v0 + 2u, V_ROW - V_STATS - 1u)];
 }
 
-// The round's units (above) of this invocation's TB tokens from split token `first` (past the
-// split's end: its last token, unused), all in one key group: whether it is quantised (quant)
-// and then its statistics for the unit's 8 channels (sa, sb).
-#define LOAD_ROUND(first) { \
-        uint tq = t0 + min(TOKEN_OF(first, 0u), n_tok - 1u); \
-        quant = tq < q_end; \
-        if (quant) { \
-            uint sq = (pc.stats_word + (g * n_groups + tq / KIVI_GROUP) * HEAD_DIM) / 4u + 2u * unit; \
-            sa = cache_quads[sq]; \
-            sb = cache_quads[sq + 1u]; \
-        } \
+// The quantised round from split token `first`: this invocation's TB tokens (past q_rel: the
+// last quantised one, unused), all in one key group, and that group's statistics for the
+// unit's 8 channels (sa, sb).
+#define LOAD_QUANT_ROUND(first) { \
+        uint tq = t0 + min(TOKEN_OF(first, 0u), q_rel - 1u); \
+        uint sq = (pc.stats_word + (g * n_groups + tq / KIVI_GROUP) * HEAD_DIM) / 4u + 2u * unit; \
+        sa = cache_quads[sq]; \
+        sb = cache_quads[sq + 1u]; \
         [[unroll]] for (uint b = 0u; b < TB; ++b) \
-            kivi_load(g, t0 + min(TOKEN_OF(first, b), n_tok - 1u), quant, unit, ka[b], va[b]); \
+            kivi_load(g, t0 + min(TOKEN_OF(first, b), q_rel - 1u), unit, kq[b], vq[b]); \
     }
 #else
 // The units of this invocation's TB tokens of the round starting at split token `first`
@@ -279,12 +270,137 @@ void kivi_load(uint g, uint t, bool quant, uint unit, out uvec4 ka, out uvec4 va
     }
 #endif
 
+// An invocation's state over one item (a split of a KV head), private: its place among the
+// workgroup's lanes, its unit of each query head (times the score scale), its token lane's
+// reference and sum of p per head (SCATTERED: those of its own head, m_own and l_own, handed to
+// m and l after the token loop) and its unit of each head's sum of p·v.
+uint tid, unit, tlane;
+#if SUBGROUP
+uint lane0;  // the token's first lane in the subgroup
+#endif
+vec4 q_lo[MAX_G], q_hi[MAX_G];
+float m[MAX_G], l[MAX_G];
+float m_own, l_own;
+vec4 acc_lo[MAX_G], acc_hi[MAX_G];
+
+// One token of the invocation's token lane (``live``: within the split; every lane of the
+// subgroup calls it, live or not — its shuffles and barriers need them all): its unit of the
+// key and value decoded, its scores summed over the token's lanes, the softmax step, p·v.
+void take_token(vec4 k_lo, vec4 k_hi, vec4 v_lo, vec4 v_hi, bool live) {
+    float s[MAX_G];
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+        s[h] = dot(k_lo, q_lo[h]) + dot(k_hi, q_hi[h]);
+    // the token's scores: its lanes' partial scores summed (the same in each lane)
+#if SUBGROUP
+    if (SCATTERED) {
+        // recursive halving: at each exchange a lane keeps half of its heads (the
+        // upper half where its unit has the mask's bit) and adds its partner's sums of
+        // them; `width` heads are left after it
+        [[unroll]] for (uint width = MAX_G / 2u; width >= 1u; width >>= 1u) {
+            if (width < GROUP_POW2) {
+                uint mask = HEAD_LANES * width;
+                bool upper = (unit & mask) != 0u;
+                [[unroll]] for (uint x = 0u; x < MAX_G / 2u; ++x) {
+                    if (x < width) {
+                        float send = upper ? s[x] : s[x + width];
+                        float keep = upper ? s[x + width] : s[x];
+                        s[x] = keep + subgroupShuffleXor(send, mask);
+                    }
+                }
+            }
+        }
+        for (uint w = HEAD_LANES / 2u; w > 0u; w >>= 1u)
+            s[0] += subgroupShuffleXor(s[0], w);
+        // s[0]: the token's score for head unit / HEAD_LANES. Its softmax step here
+        // with one exp and no branch: the reference moves (as below) when the score
+        // passes it by GROW_MARGIN, and then the exp is the factor exp(m_old - m)
+        // (0 on the lane's first token), sent with its sign bit set (the token's
+        // probability is e^0 = 1); else it is the probability. Lanes past the
+        // split's end send 0 and keep their state. The shuffles sit outside any
+        // branch: every lane of the subgroup takes part.
+        bool moved = live && s[0] > m_own + GROW_MARGIN;
+        float e = exp(moved ? m_own - s[0] : s[0] - m_own);
+        m_own = moved ? s[0] : m_own;
+        l_own = live ? (moved ? l_own * e + 1.0 : l_own + e) : l_own;
+        uint sent = live ? (floatBitsToUint(e) | (moved ? 0x80000000u : 0u)) : 0u;
+        uint got[MAX_G];
+        uint signs = 0u;
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+            got[h] = 0u;
+            if (h < GROUP) {
+                got[h] = subgroupShuffle(sent, lane0 + h * HEAD_LANES);
+                signs |= got[h];
+            }
+        }
+        if (live) {
+            [[dont_flatten]] if (signs >= 0x80000000u) {  // rare: a head's reference moved
+                [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                    if (h < GROUP && got[h] >= 0x80000000u) {
+                        float corr = uintBitsToFloat(got[h] & 0x7fffffffu);
+                        acc_lo[h] *= corr;
+                        acc_hi[h] *= corr;
+                        got[h] = floatBitsToUint(1.0);
+                    }
+                }
+            }
+            [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                if (h < GROUP) {
+                    float p = uintBitsToFloat(got[h]);
+                    acc_lo[h] += p * v_lo;
+                    acc_hi[h] += p * v_hi;
+                }
+            }
+        }
+    } else {
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+            if (h < GROUP)
+                for (uint w = 1u; w < UNITS; w <<= 1u)
+                    s[h] += subgroupShuffleXor(s[h], w);
+    }
+#else
+    barrier();  // the last token's partials are read
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+        if (h < GROUP)
+            red_sh[h * LOCAL + tid] = s[h];
+    barrier();
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+        if (h < GROUP) {
+            float a = 0.0;
+            for (uint u = 0u; u < UNITS; ++u)
+                a += red_sh[h * LOCAL + tlane * UNITS + u];
+            s[h] = a;
+        }
+    }
+#endif
+    if (!SCATTERED && live) {
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+            if (h < GROUP) {
+                if (s[h] > m[h] + GROW_MARGIN) {  // the reference moves up to the score
+                    float corr = exp(m[h] - s[h]);  // 0 on the lane's first token
+                    m[h] = s[h];
+                    l[h] *= corr;
+                    acc_lo[h] *= corr;
+                    acc_hi[h] *= corr;
+                }
+                float p = exp(s[h] - m[h]);
+                l[h] += p;
+                acc_lo[h] += p * v_lo;
+                acc_hi[h] += p * v_hi;
+            }
+        }
+    }
+}
+
 void main() {
     // lane_index(): with subgroups the UNITS invocations of a token are neighbours in one
     // subgroup (the host makes LOCAL a multiple of the subgroup size and UNITS a power of two
     // dividing it)
-    const uint tid = lane_index();
-    const uint unit = tid % UNITS, tlane = tid / UNITS;
+    tid = lane_index();
+    unit = tid % UNITS;
+    tlane = tid / UNITS;
+#if SUBGROUP
+    lane0 = gl_SubgroupInvocationID - unit;
+#endif
     uint items = pc.n_kv * pc.n_splits * pc.n_seqs;
     for (uint item = gl_WorkGroupID.x; item < items; item += gl_NumWorkGroups.x) {
         uint g = item % pc.n_kv;
@@ -295,15 +411,8 @@ void main() {
         uint t0 = i * pc.split_len;
         uint n_tok = t0 < n_used ? min(t0 + pc.split_len, n_used) - t0 : 0u;  // 0: an empty split
 
-        vec4 q_lo[MAX_G], q_hi[MAX_G];  // this unit of each query head, times the score scale
-        float m[MAX_G], l[MAX_G];       // the token lane's reference and sum of p
-        // SCATTERED: the reference and sum of p of this lane's own head (unit / HEAD_LANES),
-        // handed to m and l after the loop; the token's first lane in the subgroup
-        float m_own = NEG_INF, l_own = 0.0;
-#if SUBGROUP
-        const uint lane0 = gl_SubgroupInvocationID - unit;
-#endif
-        vec4 acc_lo[MAX_G], acc_hi[MAX_G];  // the unit's elements of each head's sum of p·v
+        m_own = NEG_INF;
+        l_own = 0.0;
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
             q_lo[h] = vec4(0.0);
             q_hi[h] = vec4(0.0);
@@ -318,167 +427,78 @@ void main() {
             acc_hi[h] = vec4(0.0);
         }
 
+#if KIVI
+        // The split's quantised tokens [0, q_rel) (below the layer's quantised end), then its
+        // exact ones [q_rel, n_tok) from the windows: two loops, so the quantised one keeps only
+        // its few level words a token (the exact one, short, loads binary16 units).
+        const uint q_end = cache_words[pc.state_word];
+        const uint n_groups = (pc.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP;
+        const uint q_rel = q_end > t0 ? min(q_end - t0, n_tok) : 0u;
+        // TB tokens' level words (K: kivi_unit_words(K_BITS); V: its dim group's stats word, then
+        // its level words) and their key group's stats for the unit's 8 channels (sa, sb), loaded
+        // together; the next round's in flight while this round computes
+        uvec3 kq[TB];
+        uvec4 vq[TB];
+        uvec4 sa, sb;
+        if (q_rel > 0u)
+            LOAD_QUANT_ROUND(0u);
+        for (uint r0 = 0u; r0 < q_rel; r0 += TLANES * TB) {
+            uvec3 kc[TB] = kq;
+            uvec4 vc[TB] = vq;
+            // the key group's (S, B) per channel of the unit (kivi.glsl: value = x·S + B)
+            uint sw[8] = uint[8](sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w);
+            vec2 f[8];
+            [[unroll]] for (uint c = 0u; c < 8u; ++c)
+                f[c] = kivi_fold(sw[c], K_BITS);
+            vec4 ks_lo = vec4(f[0].x, f[1].x, f[2].x, f[3].x), ks_hi = vec4(f[4].x, f[5].x, f[6].x, f[7].x);
+            vec4 kb_lo = vec4(f[0].y, f[1].y, f[2].y, f[3].y), kb_hi = vec4(f[4].y, f[5].y, f[6].y, f[7].y);
+            uint next = r0 + TLANES * TB;
+            if (next < q_rel)
+                LOAD_QUANT_ROUND(next);
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                vec4 k_lo, k_hi, v_lo, v_hi;
+                kivi_unit_x(kc[b], kivi_unit_bit(unit, K_BITS), K_BITS, k_lo, k_hi);
+                vec2 sv = kivi_fold(vc[b].x, V_BITS);
+                kivi_unit_x(vc[b].yzw, kivi_unit_bit(unit, V_BITS), V_BITS, v_lo, v_hi);
+                take_token(k_lo * ks_lo + kb_lo, k_hi * ks_hi + kb_hi, v_lo * sv.x + sv.y, v_hi * sv.x + sv.y,
+                           TOKEN_OF(r0, b) < q_rel);
+            }
+        }
+        for (uint r0 = q_rel - q_rel % (TLANES * TB); r0 < n_tok; r0 += TLANES * TB) {
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                uint t = TOKEN_OF(r0, b);
+                uint tw = t0 + min(t, n_tok - 1u);  // any token's ring row is in the buffer
+                vec4 k_lo, k_hi, v_lo, v_hi;
+                half_unit(cache_quads[(kivi_window_row(pc.k_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                          k_lo, k_hi);
+                half_unit(cache_quads[(kivi_window_row(pc.v_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                          v_lo, v_hi);
+                take_token(k_lo, k_hi, v_lo, v_hi, t >= q_rel && t < n_tok);
+            }
+        }
+#else
         uint k_base = pc.k_word + (g * pc.n_ctx + seq * pc.seq_rows + t0) * ROW_WORDS;
         uint v_base = pc.v_word + (g * pc.n_ctx + seq * pc.seq_rows + t0) * ROW_WORDS;
         // TB tokens' units, loaded together; with PREFETCH the next round's are in flight
         // while this round computes (else loaded after it)
         uvec4 ka[TB], kb[TB], va[TB], vb[TB];
-#if KIVI
-        const uint q_end = cache_words[pc.state_word];
-        const uint n_groups = (pc.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP;
-        bool quant = false;  // the loaded round's tokens are quantised; their key group's stats:
-        uvec4 sa = uvec4(0u), sb = uvec4(0u);
-#endif
         if (n_tok > 0u)
             LOAD_ROUND(0u);
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
             vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
-#if KIVI
-            {
-                // the key group's (S, B) per channel of the unit (kivi.glsl: value = x·S + B)
-                vec4 ks_lo = vec4(1.0), ks_hi = vec4(1.0), kb_lo = vec4(0.0), kb_hi = vec4(0.0);
-                if (quant) {
-                    uint sw[8] = uint[8](sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w);
-                    vec2 f[8];
-                    [[unroll]] for (uint c = 0u; c < 8u; ++c)
-                        f[c] = kivi_fold(sw[c], K_BITS);
-                    ks_lo = vec4(f[0].x, f[1].x, f[2].x, f[3].x);
-                    ks_hi = vec4(f[4].x, f[5].x, f[6].x, f[7].x);
-                    kb_lo = vec4(f[0].y, f[1].y, f[2].y, f[3].y);
-                    kb_hi = vec4(f[4].y, f[5].y, f[6].y, f[7].y);
-                }
-                [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                    if (quant) {
-                        kivi_unit_x(ka[b].xyz, kivi_unit_bit(unit, K_BITS), K_BITS, k_lo[b], k_hi[b]);
-                        k_lo[b] = k_lo[b] * ks_lo + kb_lo;
-                        k_hi[b] = k_hi[b] * ks_hi + kb_hi;
-                        vec2 sv = kivi_fold(va[b].x, V_BITS);
-                        kivi_unit_x(va[b].yzw, kivi_unit_bit(unit, V_BITS), V_BITS, v_lo[b], v_hi[b]);
-                        v_lo[b] = v_lo[b] * sv.x + sv.y;
-                        v_hi[b] = v_hi[b] * sv.x + sv.y;
-                    } else {
-                        half_unit(ka[b], k_lo[b], k_hi[b]);
-                        half_unit(va[b], v_lo[b], v_hi[b]);
-                    }
-                }
-            }
-#else
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 unit_values(ka[b], kb[b], unit, k_lo[b], k_hi[b]);
                 unit_values(va[b], vb[b], unit, v_lo[b], v_hi[b]);
             }
-#endif
             uint next = r0 + TLANES * TB;
             if (PREFETCH && next < n_tok)
                 LOAD_ROUND(next);
-            [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                bool live = TOKEN_OF(r0, b) < n_tok;
-                float s[MAX_G];
-                [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                    s[h] = dot(k_lo[b], q_lo[h]) + dot(k_hi[b], q_hi[h]);
-                // the token's scores: its lanes' partial scores summed (the same in each lane)
-#if SUBGROUP
-                if (SCATTERED) {
-                    // recursive halving: at each exchange a lane keeps half of its heads (the
-                    // upper half where its unit has the mask's bit) and adds its partner's sums of
-                    // them; `width` heads are left after it
-                    [[unroll]] for (uint width = MAX_G / 2u; width >= 1u; width >>= 1u) {
-                        if (width < GROUP_POW2) {
-                            uint mask = HEAD_LANES * width;
-                            bool upper = (unit & mask) != 0u;
-                            [[unroll]] for (uint x = 0u; x < MAX_G / 2u; ++x) {
-                                if (x < width) {
-                                    float send = upper ? s[x] : s[x + width];
-                                    float keep = upper ? s[x + width] : s[x];
-                                    s[x] = keep + subgroupShuffleXor(send, mask);
-                                }
-                            }
-                        }
-                    }
-                    for (uint w = HEAD_LANES / 2u; w > 0u; w >>= 1u)
-                        s[0] += subgroupShuffleXor(s[0], w);
-                    // s[0]: the token's score for head unit / HEAD_LANES. Its softmax step here
-                    // with one exp and no branch: the reference moves (as below) when the score
-                    // passes it by GROW_MARGIN, and then the exp is the factor exp(m_old - m)
-                    // (0 on the lane's first token), sent with its sign bit set (the token's
-                    // probability is e^0 = 1); else it is the probability. Lanes past the
-                    // split's end send 0 and keep their state. The shuffles sit outside any
-                    // branch: every lane of the subgroup takes part.
-                    bool moved = live && s[0] > m_own + GROW_MARGIN;
-                    float e = exp(moved ? m_own - s[0] : s[0] - m_own);
-                    m_own = moved ? s[0] : m_own;
-                    l_own = live ? (moved ? l_own * e + 1.0 : l_own + e) : l_own;
-                    uint sent = live ? (floatBitsToUint(e) | (moved ? 0x80000000u : 0u)) : 0u;
-                    uint got[MAX_G];
-                    uint signs = 0u;
-                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                        got[h] = 0u;
-                        if (h < GROUP) {
-                            got[h] = subgroupShuffle(sent, lane0 + h * HEAD_LANES);
-                            signs |= got[h];
-                        }
-                    }
-                    if (live) {
-                        [[dont_flatten]] if (signs >= 0x80000000u) {  // rare: a head's reference moved
-                            [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                                if (h < GROUP && got[h] >= 0x80000000u) {
-                                    float corr = uintBitsToFloat(got[h] & 0x7fffffffu);
-                                    acc_lo[h] *= corr;
-                                    acc_hi[h] *= corr;
-                                    got[h] = floatBitsToUint(1.0);
-                                }
-                            }
-                        }
-                        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                            if (h < GROUP) {
-                                float p = uintBitsToFloat(got[h]);
-                                acc_lo[h] += p * v_lo[b];
-                                acc_hi[h] += p * v_hi[b];
-                            }
-                        }
-                    }
-                } else {
-                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                        if (h < GROUP)
-                            for (uint w = 1u; w < UNITS; w <<= 1u)
-                                s[h] += subgroupShuffleXor(s[h], w);
-                }
-#else
-                barrier();  // the last token's partials are read
-                [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-                    if (h < GROUP)
-                        red_sh[h * LOCAL + tid] = s[h];
-                barrier();
-                [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                    if (h < GROUP) {
-                        float a = 0.0;
-                        for (uint u = 0u; u < UNITS; ++u)
-                            a += red_sh[h * LOCAL + tlane * UNITS + u];
-                        s[h] = a;
-                    }
-                }
-#endif
-                if (!SCATTERED && live) {
-                    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-                        if (h < GROUP) {
-                            if (s[h] > m[h] + GROW_MARGIN) {  // the reference moves up to the score
-                                float corr = exp(m[h] - s[h]);  // 0 on the lane's first token
-                                m[h] = s[h];
-                                l[h] *= corr;
-                                acc_lo[h] *= corr;
-                                acc_hi[h] *= corr;
-                            }
-                            float p = exp(s[h] - m[h]);
-                            l[h] += p;
-                            acc_lo[h] += p * v_lo[b];
-                            acc_hi[h] += p * v_hi[b];
-                        }
-                    }
-                }
-            }
+            [[unroll]] for (uint b = 0u; b < TB; ++b)
+                take_token(k_lo[b], k_hi[b], v_lo[b], v_hi[b], TOKEN_OF(r0, b) < n_tok);
             if (!(PREFETCH) && next < n_tok)
                 LOAD_ROUND(next);
         }
+#endif
 #if SUBGROUP
         if (SCATTERED)  // every head's reference and sum from the lanes that kept them
             [[unroll]] for (uint h = 0u; h < MAX_G; ++h)

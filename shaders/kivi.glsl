@@ -53,7 +53,7 @@ float kivi_level_x(uint win, uint sh, uint bits) {
 // and j + 4, 16 bits apart, moved to the top of two binary16 1.0s' mantissas and widened
 // (one shift, one and-or, one unpack for two).
 #ifndef LEVELS_BY_HALVES
-#define LEVELS_BY_HALVES 0
+#define LEVELS_BY_HALVES 1
 #endif
 void kivi_unit_x(uvec3 w, uint bit, uint bits, out vec4 lo, out vec4 hi) {
     uint n0 = level_window(w.x, w.y, bit), n1 = level_window(w.y, w.z, bit);  // the unit's 64 bits

@@ -1,5 +1,5 @@
 """Probe: attend_flash's KIVI and q8_0 builds under other build-time knobs (tokens per lane,
-prefetch, levels decoded two at a time through binary16, int8 widened without a conversion),
+levels decoded one at a time rather than two through binary16, int8 widened without a conversion),
 timed beside the shipped builds, attend_flash over an f16 cache of the same rows and torch
 SDPA over f16, in one run on one device; each KIVI build's output against the float64 reference.
 
@@ -25,8 +25,7 @@ KIVI_VARIANTS = ("attend_flash_kivi", "attend_flash_kivi_sg")
 ROW_VARIANTS = ("attend_flash", "attend_flash_sg")
 # label → (the variants it rebuilds, the defines it adds)
 KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "8u"}),
-         "noprefetch": (KIVI_VARIANTS, {"PREFETCH": "false"}),
-         "halves": (KIVI_VARIANTS, {"LEVELS_BY_HALVES": "1"}),
+         "nohalves": (KIVI_VARIANTS, {"LEVELS_BY_HALVES": "0"}),
          "int8bits": (ROW_VARIANTS, {"INT8_BY_BITS": "1"})}
 SHAPES = ((8, 4, 64), (8, 4, 128), (3, 3, 64))
 FLUSH = 128 << 20
