@@ -50,8 +50,10 @@
 // the splits whole groups — host-checked), a value unit's levels and its dim group's stats
 // word; tokens at or past the layer's quantised end (its state word, read here: a recorded
 // attention stays right as appends quantise more groups) from the exact windows' binary16
-// rings. Decoded to floats per unit (kivi_unit_x: no int→float conversion), then the same
-// scores, softmax and end as the other rows.
+// rings, in a loop of their own after the quantised tokens' (so the quantised loop holds a
+// few level words a token, not binary16 units: registers bound this build). Decoded to floats
+// per unit as each token is taken (kivi_unit_x: no int→float conversion), then the same
+// step (take_token) and end as the other rows.
 #ifndef KIVI
 #define KIVI 0
 #endif

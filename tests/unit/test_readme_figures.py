@@ -280,7 +280,10 @@ def test_committed_results_have_the_schema():
         for key in ("device", "driver", "command", "when", "roofline", "fixed_costs_us", "rows"):
             assert key in s, f"{path}: no {key}"
         assert s["roofline"]["bytes_per_s"] > 0 and s["roofline"]["bytes"] > 0, path
-        assert s["fixed_costs_us"]["submit_roundtrip"] > 0, path
+        if "fixed" in s.get("benchmarks", {}) and "failed" in s["benchmarks"]["fixed"]:
+            assert s["fixed_costs_us"] is None, path  # a run of some benchmarks only (docs/results/h100)
+        else:
+            assert s["fixed_costs_us"]["submit_roundtrip"] > 0, path
         assert s["rows"], f"{path}: no rows"
         for r in s["rows"]:
             assert all(k in r for k in REQUIRED), (path, r.get("case"))
