@@ -75,7 +75,7 @@ DEFAULT_DEVICE = "llvmpipe"  # Mesa lavapipe: the device scripts/setup.sh instal
 def run_decode(tokens, n_ctx: int, label: str, dev, cache: str | None = None):
     """A GPU decode — ``cache`` as KvArena takes it (None: the runtime switch decides) —
     checked step by step against the NumPy reference cache: (DecodeResult, arena layout,
-    ReferenceCheck)."""
+    ReferenceCheck, the SPIR-V variant its attention ran on at the last step)."""
     from ..forge import decode
     from ..forge.gguf_model import load_model
     from ..vk import KvArena
@@ -87,7 +87,10 @@ def run_decode(tokens, n_ctx: int, label: str, dev, cache: str | None = None):
         step = max(1, len(tokens) // 4)
         res = decode.decode(tokens, arena, observe=check,
                             progress=lambda p: (p + 1) % step == 0 and _log(f"{label}: {p + 1}/{len(tokens)}"))
-        return res, arena.layout, check
+        att = arena.attention(c.n_heads)
+        variant = att.variant(0, att.plan(0, len(tokens)))
+        _log(f"{label}: attention ran on {variant}")
+        return res, arena.layout, check, variant
 
 
 def nll_agreement(gpu_nll: np.ndarray, cpu_nll: np.ndarray) -> dict:
@@ -143,11 +146,11 @@ def _run(a) -> int:
     n_ctx = -(-len(tokens) // 64) * 64
     runtime.deactivate()
     # the f32 cache (not the f16 default): the cache the certificate's ΔPPL is relative to
-    f32, f32_layout, f32_steps = run_decode(tokens, n_ctx, "f32 cache", dev, cache="f32")
+    f32, f32_layout, f32_steps, f32_variant = run_decode(tokens, n_ctx, "f32 cache", dev, cache="f32")
     _log("f32 cache: the forge's batched CPU forward on the same tokens")
     f32_nll = nll_agreement(f32.nll, llama.token_nll(tokens))
     runtime.activate(path)
-    coded, coded_layout, coded_steps = run_decode(tokens, n_ctx, "dict cache", dev)
+    coded, coded_layout, coded_steps, coded_variant = run_decode(tokens, n_ctx, "dict cache", dev)
     steps_ok = max(f32_steps.worst_nmse, coded_steps.worst_nmse) <= NMSE_ATTEND
     reproduced = steps_ok and f32_nll["max_abs_nll_diff"] <= NLL_TOLERANCE
 
@@ -160,9 +163,9 @@ def _run(a) -> int:
         decode=dict(tokens=len(tokens), reproduces_cpu_path=reproduced,
                     step_nmse_tolerance=NMSE_ATTEND, nll_tolerance_nats=NLL_TOLERANCE,
                     f32=dict(steps=f32_steps.steps, worst_step_nmse=f32_steps.worst_nmse,
-                             nll_vs_cpu_forward=f32_nll, tokens_per_s=f32.tokens_per_s),
+                             nll_vs_cpu_forward=f32_nll, tokens_per_s=f32.tokens_per_s, variant=f32_variant),
                     dict=dict(steps=coded_steps.steps, worst_step_nmse=coded_steps.worst_nmse,
-                              tokens_per_s=coded.tokens_per_s)),
+                              tokens_per_s=coded.tokens_per_s, variant=coded_variant)),
         memory=dict(f32_bytes_per_token=f32_layout.bytes_per_token, dict_bytes_per_token=coded_layout.bytes_per_token,
                     compression_vs_f32=f32_layout.bytes_per_token / coded_layout.bytes_per_token,
                     compression_vs_f16=f32_layout.bytes_per_token / 2 / coded_layout.bytes_per_token,
@@ -217,7 +220,8 @@ def format_report(r: dict) -> str:
         f"{m['compression_vs_f16']:.2f}× vs f16, {m['compression_vs_f32']:.2f}× vs f32 "
         f"(+ {m['dictionary_tail_bytes'] / 2**20:.1f} MiB of dictionaries once)",
         *(format_arena(m["arena"]) if m.get("arena") else []),
-        f"  speed           f32 cache {f['tokens_per_s']:.1f} tok/s, dict cache {c['tokens_per_s']:.1f} tok/s",
+        f"  speed           f32 cache {f['tokens_per_s']:.1f} tok/s, dict cache {c['tokens_per_s']:.1f} tok/s "
+        f"(attention kernels on this device: f32 {f['variant']}, dict {c['variant']}; kvdict-validate --variants)",
         f"  validation      {v['passed']}/{v['cases']} shader cases pass vs NumPy: worst NMSE {v['worst_nmse']:.1e} "
         f"(reconstruct ≤ 1e-12, attention ≤ 1e-9); GPU vs CPU OMP error differs by "
         f"{100 * (v['worst_encoder_rel_err_diff'] or 0):.2g} % at most",

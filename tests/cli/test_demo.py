@@ -17,8 +17,9 @@ def _report(reproduces: bool = True) -> dict:
                        eval_tokens=7161, threshold=0.01, worst_text="pydoc",
                        texts={"gpl3": [0.0010, 0.0090], "pydoc": [0.0019, 0.0099]}),
         decode=dict(tokens=256, reproduces_cpu_path=reproduces, step_nmse_tolerance=1e-9, nll_tolerance_nats=1e-3,
-                    f32=dict(steps=7680, worst_step_nmse=2e-14, nll_vs_cpu_forward=nll, tokens_per_s=5.1),
-                    dict=dict(steps=7680, worst_step_nmse=3e-13, tokens_per_s=4.9)),
+                    f32=dict(steps=7680, worst_step_nmse=2e-14, nll_vs_cpu_forward=nll, tokens_per_s=5.1,
+                             variant="attend_direct"),
+                    dict=dict(steps=7680, worst_step_nmse=3e-13, tokens_per_s=4.9, variant="attend_split_coded")),
         memory=dict(f32_bytes_per_token=46080, dict_bytes_per_token=9360, compression_vs_f32=4.92,
                     compression_vs_f16=2.46, dictionary_tail_bytes=47278080),
         validation=dict(cases=27, passed=27, worst_nmse=1e-14, worst_encoder_rel_err_diff=0.001),
@@ -30,6 +31,7 @@ def test_report_says_the_certified_delta_ppl_once_and_what_the_decode_verified()
     assert text.count("ΔPPL") == 1 and "+0.64 %" in text and "+0.19 … +1.09 %" in text
     assert "reproduce the CPU path" in text and "15360 (layer, token) steps" in text
     assert "max |Δ| 3.8e-05 ≤ 0.001 nats" in text
+    assert "f32 attend_direct, dict attend_split_coded" in text  # the kernels the decodes ran on
     assert "worst of its texts (pydoc)" in text and "gpl3 [+0.10, +0.90] %" in text and "on every text" in text
     first = text.splitlines()[0]
     assert "llvmpipe" in first and "the embedded default" in first
