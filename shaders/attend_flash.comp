@@ -466,7 +466,8 @@ void main() {
                            TOKEN_OF(r0, b) < q_rel);
             }
         }
-        for (uint r0 = q_rel - q_rel % (TLANES * TB); r0 < n_tok; r0 += TLANES * TB) {
+        // (from the round holding q_rel; none where every token is quantised)
+        for (uint r0 = q_rel < n_tok ? q_rel - q_rel % (TLANES * TB) : n_tok; r0 < n_tok; r0 += TLANES * TB) {
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 uint t = TOKEN_OF(r0, b);
                 uint tw = t0 + min(t, n_tok - 1u);  // any token's ring row is in the buffer
