@@ -161,9 +161,9 @@ def _demo_report(block):
                 certified=dict(delta_ppl=0.003, ci95=[0.001, 0.005], baseline_ppl=19.8, coded_ppl=19.9,
                                eval_tokens=7168, threshold=0.01, worst_text="gpl3", texts={}),
                 decode=dict(tokens=8, reproduces_cpu_path=True, step_nmse_tolerance=1e-9, nll_tolerance_nats=1e-3,
-                            f32=dict(steps=8, worst_step_nmse=1e-12, tokens_per_s=1.0,
+                            f32=dict(steps=8, worst_step_nmse=1e-12, tokens_per_s=1.0, variant="attend_direct",
                                      nll_vs_cpu_forward=dict(max_abs_nll_diff=1e-5)),
-                            dict=dict(steps=8, worst_step_nmse=1e-12, tokens_per_s=1.0)),
+                            dict=dict(steps=8, worst_step_nmse=1e-12, tokens_per_s=1.0, variant="attend_direct")),
                 memory=dict(f32_bytes_per_token=46080, dict_bytes_per_token=10800, compression_vs_f32=4.27,
                             compression_vs_f16=2.13, dictionary_tail_bytes=1 << 20, arena=block),
                 validation=dict(cases=1, passed=1, worst_nmse=1e-12, worst_encoder_rel_err_diff=0.0), seconds=1.0)
