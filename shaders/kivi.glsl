@@ -1,8 +1,8 @@
-// The KIVI cache's words (kvdict_vk.kivi, docs/ARENA.md) and their ONE decoder: how a stats
-// word, a unit of levels and a window row decode. attend_flash.comp's KIVI build (and
-// read_rows_kivi.comp's reference-shaped read-out) share it; pure functions of words (the
-// includer owns its buffers). Needs slot.glsl (level_window: the levels' bitstream is the
-// slot's residual's).
+// The KIVI cache's words (kvdict_vk.kivi, docs/ARENA.md) and their decoder for attention: how
+// a stats word, a unit of levels and a window row decode (attend_flash.comp's KIVI build; the
+// read-out, read_rows_kivi.comp, decodes a level at a time as the reference does). Pure
+// functions of words (the includer owns its buffers). Needs slot.glsl (level_window: the
+// levels' bitstream is the slot's residual's).
 //   stats word   binary16 scale in the low half, binary16 minimum in the high half
 //   level        element e of a row at bit e*b of its level words (possibly straddling two)
 //   window       a ring of `window` binary16 rows per KV head: token t at slot t mod window
@@ -12,19 +12,11 @@ const uint KIVI_UNIT = 8u;    // elements a unit decodes at once (attend_flash's
 // (scale, min) of a stats word
 vec2 kivi_scale_min(uint stats) { return unpackHalf2x16(stats); }
 
-// level * scale + min (the reference rounds twice; a fused multiply-add differs by an ulp at
-// most, far inside the attention's 1e-9 NMSE)
-float kivi_value(uint level, vec2 scale_min) { return float(level) * scale_min.x + scale_min.y; }
-
 // The first word of KV head h's window row of token t: a ring of `window` rows of
 // head_dim / 2 words each, from word `base`.
 uint kivi_window_row(uint base, uint h, uint t, uint window, uint head_dim) {
     return base + (h * window + t % window) * (head_dim / 2u);
 }
-
-// Whether element e's level (bits e*b .. e*b+b-1 of the row's level words) reaches into the
-// next word: only then is that word read.
-bool kivi_straddles(uint e, uint bits) { return ((e * bits) & 31u) + bits > 32u; }
 
 // --- units: KIVI_UNIT levels decoded together, without an int→float conversion -------------
 // A level l of b bits is read as x = 1 + l / 2^b (its bits at the top of 1.0's mantissa: a
