@@ -35,7 +35,7 @@ WG_SIZE = 64  # common.glsl's WG_SIZE: the local_size_x of every shader that doe
 # reports, kp enables them at device creation (scripts/kp_patch.py; ENABLED_FEATURES below),
 # kernels.Kernel refuses a variant whose feature the device lacks. No variant needs one yet.
 FEATURES = ("float16", "int8", "integer_dot", "cooperative_matrix", "float_atomics")
-# those kp enables at device creation where the device reports them (scripts/kp_patch.py,
+# the FEATURES kp enables at device creation where the device reports them (scripts/kp_patch.py,
 # item 4): cooperative matrices are reported, not enabled yet
 ENABLED_FEATURES = ("float16", "int8", "integer_dot", "float_atomics")
 

@@ -77,7 +77,7 @@ class PassBuilder:
 
     def _buffer_op(self, what: str, buffers, make):
         """``make()``, the op ``what`` over ``buffers``, made once and kept with the others."""
-        k = (what,) + tuple(id(b) for b in buffers)
+        k = (what,) + tuple(b.uid for b in buffers)
         op = self._ops.get(k)
         if op is None:
             op = self._ops[k] = make()

@@ -307,8 +307,6 @@ def _flash_extents(p, s):
     """attend_flash.comp: K and V rows of tokens [0, n_used) of every KV head, the queries,
     records 0 .. n_splits of every (KV head, query head)."""
     hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
-    if "K_BITS" in s:
-        return _flash_kivi_extents(p, s)
     rows = "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32")
     row, units = row_words(hd, 0, 0, rows), flash_units(hd)
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
