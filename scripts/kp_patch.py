@@ -35,8 +35,9 @@
    Kompute's instance is Vulkan 1.1), so a kernel variant that declares one
    (kvdict_vk/vk/abi.py's FEATURES) runs wherever the device has it. No Vulkan 1.0 core
    feature is enabled (robustBufferAccess would cost every load a bounds check). Cooperative
-   matrices are not enabled yet: no variant uses them, and Debian 12's validation layer
-   (1.3.239) predates VK_KHR_cooperative_matrix's feature struct.
+   matrices come through VK_NV_cooperative_matrix (attend_mma; with the Vulkan memory model,
+   which glslang builds them under): Debian 12's glslang cannot build
+   GL_KHR_cooperative_matrix, and its validation layer (1.3.239) predates the KHR feature struct.
 
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
@@ -76,13 +77,15 @@ DEVICE_FEATURES = """    // kvdict_vk patch: the optional features kernel varian
         void* pNext;
         VkBool32 bools[12];  // the longest of the structs below (atomic float: 12)
     };
-    const int kvStructCount = 5;
+    const int kvStructCount = 7;
     const std::pair<const char*, int> kvFeatureStructs[] = {
         { nullptr, 1000083000 },                              // 16-bit storage (Vulkan 1.1)
         { "VK_KHR_shader_float16_int8", 1000082000 },
         { "VK_KHR_8bit_storage", 1000177000 },
         { "VK_KHR_shader_integer_dot_product", 1000280000 },
         { "VK_EXT_shader_atomic_float", 1000260000 },
+        { "VK_NV_cooperative_matrix", 1000249000 },
+        { "VK_KHR_vulkan_memory_model", 1000211000 },  // glslang builds NV cooperative matrices under it
     };
     KvFeatureBools kvStructs[kvStructCount] = {};
     VkPhysicalDeviceFeatures2 kvFeatures2 = {};

@@ -33,11 +33,24 @@ WG_SIZE = 64  # common.glsl's WG_SIZE: the local_size_x of every shader that doe
 # optional device features a variant may need beyond Vulkan 1.1 core compute, besides
 # subgroup operation classes (Variant.subgroup_ops): vulkan_info reads which the device
 # reports, kp enables them at device creation (scripts/kp_patch.py; ENABLED_FEATURES below),
-# kernels.Kernel refuses a variant whose feature the device lacks. No variant needs one yet.
-FEATURES = ("float16", "int8", "integer_dot", "cooperative_matrix", "float_atomics")
+# kernels.Kernel refuses a variant whose feature the device lacks. cooperative_matrix is the KHR
+# extension (reported only: Debian 12's glslang cannot build it), cooperative_matrix_nv the NV one
+# with the shape attend_mma uses (vulkan_info.COOPMAT_NV_SHAPE).
+FEATURES = ("float16", "int8", "integer_dot", "cooperative_matrix", "cooperative_matrix_nv", "float_atomics")
 # the FEATURES kp enables at device creation where the device reports them (scripts/kp_patch.py,
-# item 4): cooperative matrices are reported, not enabled yet
-ENABLED_FEATURES = ("float16", "int8", "integer_dot", "float_atomics")
+# item 4)
+ENABLED_FEATURES = ("float16", "int8", "integer_dot", "cooperative_matrix_nv", "float_atomics")
+# SPIR-V capabilities and extensions by the FEATURE that allows them (a variant declaring the
+# feature may use them). cooperative_matrix_nv: glslang builds GL_NV_cooperative_matrix under the
+# Vulkan memory model, so kp enables vulkanMemoryModel with it (vulkan_info.FEATURE_NEEDS).
+FEATURE_CAPABILITIES = {
+    "float16": ((9,), ()),  # Float16
+    "int8": ((39,), ()),  # Int8
+    "integer_dot": ((6016, 6017, 6018, 6019), ("SPV_KHR_integer_dot_product",)),
+    "cooperative_matrix": ((6022,), ("SPV_KHR_cooperative_matrix",)),
+    "cooperative_matrix_nv": ((5345, 5357), ("SPV_KHR_vulkan_memory_model", "SPV_NV_cooperative_matrix")),
+    "float_atomics": ((6033,), ("SPV_EXT_shader_atomic_float_add",)),
+}
 
 
 # --- push-constant blocks (the ONE definition; GLSL mirrors it, a test checks) ----------------
@@ -207,6 +220,8 @@ class Variant:
 
 
 _SG = ("basic", "shuffle")  # attend_flash's SUBGROUP build: a token's partial scores summed by shuffles
+_MMA_SG = ("basic", "vote", "shuffle")  # attend_mma: a tile's maxima and sums across its lanes
+MMA_FEATURES = ("float16", "cooperative_matrix_nv")  # attend_mma's binary16 matrices
 ATTEND_SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")  # attend_common.glsl's (LOCAL: local_size_x_id 2)
 
 
@@ -280,6 +295,14 @@ def _declare() -> tuple:
         out.append(_attend(name, flash_bindings, ATTEND_FLASH_PUSH, flash + ("K_BITS", "V_BITS"),
                            source="attend_flash.comp", defines=defines, optional=flash_optional,
                            subgroup_ops=ops))
+    # attend_flash's cooperative-matrix sibling (shaders/attend_mma.comp: GL_NV_cooperative_matrix
+    # in binary16 with float32 accumulators; subgroups of 32 with shuffles and votes): the same
+    # buffers, push block and records, over rows (f16, q8_0) and the KIVI cache's words
+    mma_spec = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8")
+    for name, defines, spec in (("attend_mma", (), mma_spec),
+                                ("attend_mma_kivi", (("KIVI", 1),), mma_spec + ("K_BITS", "V_BITS"))):
+        out.append(Variant(name, "attend_mma.comp", defines, flash_bindings, ATTEND_FLASH_PUSH, spec,
+                           (("ROW_HALF", 0), ("ROW_Q8", 0)), "LOCAL", _MMA_SG, MMA_FEATURES))
     # GPU OMP encoder (kvdict_vk/vk/encode/): stepwise kernels, then the one-dispatch ones
     vecs = (("vec4", 4), ("scalar", 1))
     for v, n in vecs:
@@ -328,7 +351,7 @@ SHADER_PUSH_BLOCKS: dict = {v.source: v.push for v in DECLARATIONS.values()}
 
 # --- the embedding contract: the declarations as JSON (kvdict_vk/spv/abi.json) ---------------
 
-ABI_SCHEMA_VERSION = 1  # bump on any change of abi.json's shape (not of its variants)
+ABI_SCHEMA_VERSION = 2  # bump on any change of abi.json's shape (not of its variants)
 TARGET_ENV = "vulkan1.1"  # glslangValidator / spirv-val --target-env (shader_build's)
 _SCALAR_TYPES = {"uint": "uint32", "float": "float32"}
 # specialization constants the GLSL declares ``bool`` (reconstruct.comp): 4 bytes too, VkBool32,
@@ -363,7 +386,9 @@ def _variant_manifest(v: Variant) -> dict:
                                       **({"default": optional[n]} if n in optional else {})}
                                      for i, n in enumerate(v.spec)],
         "workgroup_size": workgroup,
-        "required_features": {"subgroup_operations": list(v.subgroup_ops), "features": list(v.features)},
+        "required_features": {"subgroup_operations": list(v.subgroup_ops), "features": list(v.features),
+                              "spirv_capabilities": sorted({c for f in v.features for c in FEATURE_CAPABILITIES[f][0]}),
+                              "spirv_extensions": sorted({x for f in v.features for x in FEATURE_CAPABILITIES[f][1]})},
     }
 
 
@@ -389,7 +414,9 @@ def manifest() -> dict:
             "workgroup_size": "x fixed, or set by the constant x_constant_id (local_size_x_id; "
                               "x_default when unspecialized); y = z = 1",
             "required_features": "subgroup_operations: VkSubgroupFeatureFlagBits the device must report "
-                                 "for the compute stage; features: other optional device features",
+                                 "for the compute stage; features: other optional device features (enable them at "
+                                 "device creation); spirv_capabilities/spirv_extensions: what the module "
+                                 "declares for them beyond Shader and the subgroup operations",
         },
         "word_bytes": WORD_BYTES,
         "default_workgroup_x": WG_SIZE,

@@ -152,7 +152,7 @@ class Kernel:
         code = spirv.load(sh.variant)
         r = spirv.reflect(code)
         spirv.check_portable(sh.variant, r, min(128, device.limit("max_compute_work_group_invocations")),
-                             sh.subgroup_ops)
+                             sh.subgroup_ops, sh.features)
         missing = set(sh.subgroup_ops) - set(device.subgroup_operations())
         if missing:
             raise E.DispatchError(f"{sh.variant}: uses subgroup operations {sorted(missing)} that "

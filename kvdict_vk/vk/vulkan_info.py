@@ -124,6 +124,9 @@ _FEATURE_STRUCTS = {
     "float16_int8": (1000082000, "shaderFloat16 shaderInt8"),
     "8bit_storage": (1000177000, "storageBuffer8BitAccess uniformAndStorageBuffer8BitAccess storagePushConstant8"),
     "integer_dot": (1000280000, "shaderIntegerDotProduct"),
+    "cooperative_matrix_nv": (1000249000, "cooperativeMatrix cooperativeMatrixRobustBufferAccess"),
+    "vulkan_memory_model": (1000211000, "vulkanMemoryModel vulkanMemoryModelDeviceScope "
+                                        "vulkanMemoryModelAvailabilityVisibilityChains"),
     "atomic_float": (1000260000, "shaderBufferFloat32Atomics shaderBufferFloat32AtomicAdd shaderBufferFloat64Atomics "
                                  "shaderBufferFloat64AtomicAdd shaderSharedFloat32Atomics shaderSharedFloat32AtomicAdd "
                                  "shaderSharedFloat64Atomics shaderSharedFloat64AtomicAdd shaderImageFloat32Atomics "
@@ -132,19 +135,54 @@ _FEATURE_STRUCTS = {
 # struct → the device extension that must be present to chain it (None: core in Vulkan 1.1)
 _STRUCT_EXTENSION = {"16bit_storage": None, "float16_int8": "VK_KHR_shader_float16_int8",
                      "8bit_storage": "VK_KHR_8bit_storage", "integer_dot": "VK_KHR_shader_integer_dot_product",
-                     "atomic_float": "VK_EXT_shader_atomic_float"}
-# abi.FEATURES name → the (struct, field) pairs it needs, all set (cooperative_matrix: below)
+                     "atomic_float": "VK_EXT_shader_atomic_float", "cooperative_matrix_nv": "VK_NV_cooperative_matrix",
+                     "vulkan_memory_model": "VK_KHR_vulkan_memory_model"}
+# abi.FEATURES name → the (struct, field) pairs it needs, all set (cooperative_matrix_nv also
+# needs the shape its variants use among the driver's: COOPMAT_NV_SHAPE; cooperative_matrix,
+# the KHR extension: reported by its extension, below)
 FEATURE_NEEDS = {
     "float16": (("float16_int8", "shaderFloat16"), ("16bit_storage", "storageBuffer16BitAccess")),
     "int8": (("float16_int8", "shaderInt8"), ("8bit_storage", "storageBuffer8BitAccess")),
     "integer_dot": (("integer_dot", "shaderIntegerDotProduct"),),
     "float_atomics": (("atomic_float", "shaderBufferFloat32AtomicAdd"), ("atomic_float", "shaderSharedFloat32AtomicAdd")),
+    # glslang builds GL_NV_cooperative_matrix under the Vulkan memory model (spirv.FEATURE_CAPABILITIES)
+    "cooperative_matrix_nv": (("cooperative_matrix_nv", "cooperativeMatrix"), ("vulkan_memory_model", "vulkanMemoryModel")),
 }
+# The one cooperative-matrix shape the attend_mma variants use (GL_NV_cooperative_matrix, subgroup
+# scope): (M, N, K, A, B, C, D types) — 16×16 binary16 times 16×8 binary16 into 16×8 float32.
+COOPMAT_NV_SHAPE = (16, 8, 16, "f16", "f16", "f32", "f32")
+_COMPONENT_NV = {0: "f16", 1: "f32", 2: "f64", 3: "i8", 4: "i16", 5: "i32", 6: "i64", 7: "u8", 8: "u16", 9: "u32",
+                 10: "u64"}
+_SCOPE_SUBGROUP_NV = 3
+
+
+class _CoopMatPropsNV(ctypes.Structure):  # VkCooperativeMatrixPropertiesNV
+    _fields_ = [("sType", _i32), ("pNext", ctypes.c_void_p), ("MSize", _u32), ("NSize", _u32), ("KSize", _u32),
+                ("AType", _i32), ("BType", _i32), ("CType", _i32), ("DType", _i32), ("scope", _i32)]
+
+
+def _coopmat_nv_shapes(vk, instance, handle) -> tuple:
+    """The subgroup-scope shapes vkGetPhysicalDeviceCooperativeMatrixPropertiesNV reports, as
+    (M, N, K, A, B, C, D types) (empty where the loader has no such function)."""
+    proto = ctypes.CFUNCTYPE(_i32, ctypes.c_void_p, ctypes.POINTER(_u32), ctypes.c_void_p)
+    vk.vkGetInstanceProcAddr.restype = ctypes.c_void_p
+    addr = vk.vkGetInstanceProcAddr(instance, b"vkGetPhysicalDeviceCooperativeMatrixPropertiesNV")
+    if not addr:
+        return ()
+    get = proto(addr)
+    count = _u32(0)
+    get(ctypes.c_void_p(handle), ctypes.byref(count), None)
+    props = (_CoopMatPropsNV * count.value)(*[_CoopMatPropsNV(1000249001, None) for _ in range(count.value)])
+    get(ctypes.c_void_p(handle), ctypes.byref(count), props)
+    name = lambda t: _COMPONENT_NV.get(t, str(t))  # noqa: E731
+    return tuple(sorted({(p.MSize, p.NSize, p.KSize, name(p.AType), name(p.BType), name(p.CType), name(p.DType))
+                         for p in props[:count.value] if p.scope == _SCOPE_SUBGROUP_NV}))
 _ST_FEATURES2 = 1000059000
 
 
-def _optional_features(vk, handle, exts: set) -> tuple[str, ...]:
-    """The abi.FEATURES names the device reports every part of (vkGetPhysicalDeviceFeatures2)."""
+def _optional_features(vk, handle, exts: set, coopmat_nv_shapes: tuple = ()) -> tuple[str, ...]:
+    """The abi.FEATURES names the device reports every part of (vkGetPhysicalDeviceFeatures2;
+    cooperative_matrix_nv: with COOPMAT_NV_SHAPE among ``coopmat_nv_shapes``)."""
     structs = {name: _bools(f"_{name}", fields)(st) for name, (st, fields) in _FEATURE_STRUCTS.items()
                if _STRUCT_EXTENSION[name] is None or _STRUCT_EXTENSION[name] in exts}
     feats = _Features2(_ST_FEATURES2, None)
@@ -154,9 +192,11 @@ def _optional_features(vk, handle, exts: set) -> tuple[str, ...]:
         tail = s
     vk.vkGetPhysicalDeviceFeatures2(ctypes.c_void_p(handle), ctypes.byref(feats))
     have = [name for name, needs in FEATURE_NEEDS.items()
-            if all(st in structs and getattr(structs[st], f) for st, f in needs)]
-    # cooperative matrices: reported by their extension (its feature struct is newer than
-    # Debian 12's validation layer, which flags it in a chain); not enabled yet (kp_patch)
+            if all(st in structs and getattr(structs[st], f) for st, f in needs)
+            and (name != "cooperative_matrix_nv" or COOPMAT_NV_SHAPE in coopmat_nv_shapes)]
+    # cooperative matrices (KHR): reported by their extension (its feature struct is newer than
+    # Debian 12's validation layer, which flags it in a chain, and Debian 12's glslang cannot
+    # build GL_KHR_cooperative_matrix); not enabled (kp_patch). The NV extension serves instead.
     return tuple(have + (["cooperative_matrix"] if "VK_KHR_cooperative_matrix" in exts else []))
 
 
@@ -266,7 +306,7 @@ def query_devices() -> list[DeviceInfo]:
         vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), None)
         handles = (ctypes.c_void_p * count.value)()
         vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), handles)
-        return [_describe(vk, i, h, api) for i, h in enumerate(handles[:count.value])]
+        return [_describe(vk, instance, i, h, api) for i, h in enumerate(handles[:count.value])]
     finally:
         vk.vkDestroyInstance(instance, None)
 
@@ -280,7 +320,7 @@ def _extensions(vk, handle) -> set[str]:
     return {e.extensionName.decode(errors="replace") for e in props[:count.value]}
 
 
-def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
+def _describe(vk, instance, index: int, handle, instance_api: int) -> DeviceInfo:
     base = _Properties()
     vk.vkGetPhysicalDeviceProperties(ctypes.c_void_p(handle), ctypes.byref(base))
     # the chain: maintenance3 → subgroup properties (core in 1.1) → driver properties (1.2)
@@ -314,6 +354,7 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
     # Kompute submits to the first family with compute: its timestamps are the ones we read
     compute = [f for f in families if f.queueFlags & _QUEUE_COMPUTE]
     lim = base.limits
+    coopmat_nv = _coopmat_nv_shapes(vk, instance, handle) if "VK_NV_cooperative_matrix" in exts else ()
     limits = {
         "max_storage_buffer_range": lim.maxStorageBufferRange,
         "max_memory_allocation_size": maint3.maxMemoryAllocationSize,
@@ -335,8 +376,11 @@ def _describe(vk, index: int, handle, instance_api: int) -> DeviceInfo:
                                      and subgroup.supportedOperations >> bit & 1),
         "compute_units": sm_nv.shaderSMCount or (core_amd.shaderEngineCount * core_amd.shaderArraysPerEngineCount
                                                  * core_amd.computeUnitsPerShaderArray),
+        # cooperative-matrix shapes (VK_NV_cooperative_matrix, subgroup scope): (M, N, K, types)
+        "cooperative_matrix_nv_shapes": coopmat_nv,
         # optional features beyond Vulkan 1.1 core compute that a variant may need (abi.FEATURES)
-        "optional_features": _optional_features(vk, handle, exts) if base.apiVersion >= _make_version(1, 1) else (),
+        "optional_features": (_optional_features(vk, handle, exts, coopmat_nv)
+                              if base.apiVersion >= _make_version(1, 1) else ()),
     }
     heaps = tuple((int(mem.memoryHeaps[2 * i]), bool(mem.memoryHeaps[2 * i + 1] & _HEAP_DEVICE_LOCAL))
                   for i in range(mem.memoryHeapCount))

@@ -76,6 +76,9 @@ def engine_workloads(dev, a) -> None:
             rows = BA.random_rows(rng, n_kv, max(ns), hd)
             arena.append(0, rows, rows)
             q = rng.standard_normal((n_kv * gqa, hd), dtype=np.float32)
+            if a.flash_kernel:  # one build only (e.g. attend_mma: "mma")
+                att = arena.attention(n_kv * gqa)
+                att.path, att.flash_kernel = "flash", a.flash_kernel
             for n in ns:
                 arena.attend(0, q, n)
                 print(f"[stats] {cache} attention {shape} n_used {n}", file=sys.stderr, flush=True)
@@ -134,14 +137,26 @@ class StatsDevice:
                       if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT)
         queue = vk.VkDeviceQueueCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, queueFamilyIndex=family,
                                            queueCount=1, pQueuePriorities=[1.0])
-        feature = None
+        feature, enabled = None, [EXTENSION] if self.supported else []
+        # attend_mma's features, as kp enables them (scripts/kp_patch.py): binary16 arithmetic,
+        # NV cooperative matrices and the Vulkan memory model glslang builds them under
+        mma = ("VK_KHR_shader_float16_int8", "VK_NV_cooperative_matrix", "VK_KHR_vulkan_memory_model")
+        if set(mma) <= exts:
+            enabled += list(mma)
+            feature = vk.VkPhysicalDeviceShaderFloat16Int8Features(
+                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES, shaderFloat16=vk.VK_TRUE,
+                pNext=vk.VkPhysicalDeviceCooperativeMatrixFeaturesNV(
+                    sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV, cooperativeMatrix=vk.VK_TRUE,
+                    pNext=vk.VkPhysicalDeviceVulkanMemoryModelFeatures(
+                        sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES,
+                        vulkanMemoryModel=vk.VK_TRUE)))
         if self.supported:
             feature = vk.VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR(
                 sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR,
-                pipelineExecutableInfo=vk.VK_TRUE)
+                pipelineExecutableInfo=vk.VK_TRUE, pNext=feature)
         info = vk.VkDeviceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=feature, queueCreateInfoCount=1,
-                                     pQueueCreateInfos=[queue], enabledExtensionCount=int(self.supported),
-                                     ppEnabledExtensionNames=[EXTENSION] if self.supported else [])
+                                     pQueueCreateInfos=[queue], enabledExtensionCount=len(enabled),
+                                     ppEnabledExtensionNames=enabled)
         self.device = vk.vkCreateDevice(pd, info, None)
         if self.supported:
             self._props = vk.vkGetDeviceProcAddr(self.device, "vkGetPipelineExecutablePropertiesKHR")
@@ -203,6 +218,8 @@ def main(argv=None) -> None:
     ap.add_argument("--coded-tokens", type=int, default=32768, help="tokens per KV head of the coded arenas")
     ap.add_argument("--caches", default="f16", help="row caches attended over (f16, f32, q8_0, kivi), comma-separated")
     ap.add_argument("--no-codes", action="store_true", help="skip the coded arenas")
+    ap.add_argument("--flash-kernel", default="", help="the rows' flash build to inspect only (attend.FLASH_KERNELS, "
+                                                        "attend.MMA_KERNEL); default: the tuner's candidates")
     ap.add_argument("--device", default=os.environ.get("KVDICT_VK_DEVICE", "0"))
     a = ap.parse_args(argv)
     dev = common.open_device(SimpleNamespace(device=a.device, validation=False))

@@ -87,7 +87,7 @@ def test_shipped_spirv_matches_its_contract(name):
     spec = SHADERS[name]
     # Shader capability only (and the subgroup classes a variant declares), no extension, ≤ 128
     # invocations
-    spirv.check_portable(name, r, subgroup_ops=spec.subgroup_ops)
+    spirv.check_portable(name, r, subgroup_ops=spec.subgroup_ops, features=spec.features)
     if not spec.subgroup_ops:
         assert r.capabilities == (1,)
     assert r.local_size == (64, 1, 1)

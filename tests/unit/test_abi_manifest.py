@@ -60,12 +60,14 @@ def mismatches(entry: dict, r: spirv.Reflection) -> list[str]:
     if wg["x_constant_id"] is not None:
         check("x_constant", spec[wg["x_constant_id"]]["name"] if wg["x_constant_id"] < len(spec) else None,
               wg["x_constant"])
-    # required features: the subgroup capabilities are exactly the declared classes', no other
-    # capability than Shader, no extension
+    # required features: the subgroup capabilities are exactly the declared classes', the others
+    # Shader and the declared features' (their capabilities and extensions)
     used = sorted(spirv.SUBGROUP_CAPABILITIES[c] for c in set(r.capabilities) if c in spirv.SUBGROUP_CAPABILITIES)
     check("subgroup_operations", sorted(entry["required_features"]["subgroup_operations"]), used)
-    check("other capabilities", sorted(set(r.capabilities) - set(spirv.SUBGROUP_CAPABILITIES)), [_CAP_SHADER])
-    check("extensions", list(r.extensions), [])
+    req = entry["required_features"]
+    check("other capabilities", sorted(set(r.capabilities) - set(spirv.SUBGROUP_CAPABILITIES)),
+          sorted([_CAP_SHADER] + req["spirv_capabilities"]))
+    check("extensions", sorted(r.extensions), req["spirv_extensions"])
     return bad
 
 
@@ -82,7 +84,7 @@ def test_abi_json_on_disk_is_the_declarations_manifest(shipped):
 def test_manifest_is_json_with_its_schema(shipped):
     text = sb.abi_json()
     assert json.loads(text) == shipped
-    assert shipped["schema"] == "kvdict_vk.abi" and shipped["schema_version"] == abi.ABI_SCHEMA_VERSION == 1
+    assert shipped["schema"] == "kvdict_vk.abi" and shipped["schema_version"] == abi.ABI_SCHEMA_VERSION == 2
     assert shipped["target_env"] == sb.TARGET_ENV == "vulkan1.1" and shipped["word_bytes"] == 4
     assert list(shipped["variants"]) == list(abi.DECLARATIONS) and set(shipped["variants"]) == set(sb.VARIANTS)
     for name, e in shipped["variants"].items():
@@ -131,7 +133,7 @@ def test_a_wrong_entry_is_caught(shipped):
 
 def test_build_regenerates_a_stale_abi_json(tmp_path):
     assert sb.write_abi(tmp_path) is True and sb.write_abi(tmp_path) is False
-    (tmp_path / sb.ABI_FILE).write_text(sb.abi_json().replace('"schema_version": 1', '"schema_version": 0'))
+    (tmp_path / sb.ABI_FILE).write_text(sb.abi_json().replace('"schema_version": 2', '"schema_version": 1'))
     assert sb.write_abi(tmp_path) is True
     assert (tmp_path / sb.ABI_FILE).read_text() == sb.abi_json()
     assert (tmp_path / sb.MANIFEST).exists() is False  # the build hashes are another file

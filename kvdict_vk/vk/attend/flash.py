@@ -15,8 +15,10 @@ from __future__ import annotations
 from ... import errors as E
 from . import plan as P
 from . import tune as T
-from .specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, flash_coded_bucket, flash_round_tokens,
-                    flash_shared_bytes, flash_subgroup_fits, flash_units)
+from .specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, MMA_HEAD_COLUMNS, MMA_KIVI_BITS,
+                    MMA_LOCALS, MMA_MAX_HEAD_DIM, MMA_SUBGROUP, flash_coded_bucket, flash_round_tokens,
+                    flash_shared_bytes, flash_subgroup_fits, flash_units, mma_shared_bytes)
+from ..abi import DECLARATIONS
 from .tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 
 FLASH_MIN_SPLIT_TOKENS = 128  # attend_flash: a split's fixed costs (queries, record, merge) stay small
@@ -35,6 +37,9 @@ CODED_KERNELS = ("float",)
 # registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
 # "Registers"): the tuner times both. The KIVI builds (attend_flash_kivi) have the first only.
 FLASH_KERNELS = ("float", "wide_end")
+# attend_mma (shaders/attend_mma.comp): the same attention on cooperative matrices, offered beside
+# FLASH_KERNELS over f16, q8_0 and KIVI layers where the device has what it needs (mma_fits)
+MMA_KERNEL = "mma"
 
 
 def max_local(device) -> int:
@@ -143,15 +148,40 @@ class FlashShapes:
         return self._per_layer("flash_end_elems", (local, kernel) + offers, derive)
 
     def flash_kernels(self, layer: int) -> tuple[str, ...]:
-        """attend_flash's builds over an uncoded ``layer`` (FLASH_KERNELS; a KIVI layer's the first)."""
-        return FLASH_KERNELS[:1] if self.layout.layers[layer].k.kivi else FLASH_KERNELS
+        """The builds over an uncoded ``layer``: FLASH_KERNELS (a KIVI layer's the first), and
+        MMA_KERNEL where it fits (mma_fits)."""
+        rows = FLASH_KERNELS[:1] if self.layout.layers[layer].k.kivi else FLASH_KERNELS
+        return rows + ((MMA_KERNEL,) if self.mma_locals(layer) else ())
 
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
-        """attend_flash's workgroup sizes over an uncoded ``layer`` for build ``kernel``
-        (FLASH_KERNELS): those of flash_locals whose split end fits (flash_end_elems)."""
+        """The workgroup sizes over an uncoded ``layer`` for build ``kernel`` (FLASH_KERNELS:
+        those of flash_locals whose split end fits, flash_end_elems; MMA_KERNEL: mma_locals)."""
+        if kernel == MMA_KERNEL:
+            return self.mma_locals(layer)
         if kernel in FLASH_KERNELS and kernel not in self.flash_kernels(layer):
             return []  # (an unknown one: flash_end_elems says so)
         return [n for n in self.flash_locals(layer) if self.flash_end_elems(n, kernel)]
+
+    def mma_locals(self, layer: int) -> list[int]:
+        """attend_mma's workgroup sizes over ``layer`` (MMA_LOCALS that fit; empty: it cannot):
+        f16, q8_0 or KIVI rows (KIVI levels of MMA_KIVI_BITS), head_dim a multiple of 32 up to
+        MMA_MAX_HEAD_DIM, at most MMA_HEAD_COLUMNS query heads per KV head, a device with its
+        features (abi.MMA_FEATURES), subgroups of MMA_SUBGROUP with its operations, and
+        ``subgroups`` not False."""
+        def derive() -> tuple[int, ...]:
+            k, v = self.layout.layers[layer].streams
+            rows = "kivi" if k.kivi else k.rows
+            decl = DECLARATIONS["attend_mma_kivi" if k.kivi else "attend_mma"]
+            dev, hd = self.device, self.layout.head_dim
+            fits = (rows in ("f16", "q8_0", "kivi") and k.rows == v.rows and not (k.coded or v.coded)
+                    and hd % 32 == 0 and hd <= MMA_MAX_HEAD_DIM and self.group <= MMA_HEAD_COLUMNS
+                    and (not k.kivi or {k.kivi_bits, v.kivi_bits} <= set(MMA_KIVI_BITS))
+                    and set(decl.features) <= set(dev.features()) and dev.limit("subgroup_size") == MMA_SUBGROUP
+                    and set(decl.subgroup_ops) <= set(dev.limit("subgroup_operations")))
+            limit = dev.limit("max_compute_shared_memory_size")
+            return tuple(n for n in MMA_LOCALS if fits and n <= self.max_local()
+                         and mma_shared_bytes(hd, n, rows) <= limit)
+        return list(self._per_layer("mma_locals", (layer, self.subgroups is False), lambda: () if self.subgroups is False else derive()))
 
     def flash_variant(self, local: int, shader: str = "attend_flash") -> str:
         """The SPIR-V of ``shader`` — attend_flash, its wide end or its KIVI build, spreading a token over
@@ -160,6 +190,9 @@ class FlashShapes:
         (attend_specs.flash_subgroup_fits) and ``subgroups`` allows, else the plain one
         (shared memory, no optional feature). Derived once per (shader, size, setting):
         planning asks on every step."""
+        if shader.startswith("attend_mma"):
+            return shader  # subgroups always (mma_locals)
+
         def derive() -> str:
             fits = flash_subgroup_fits(flash_units(self.layout.head_dim), local, self.device.shuffle_subgroup_size())
             return f"{shader}_sg" if fits and self.subgroups is not False else shader
@@ -286,7 +319,7 @@ class FlashShapes:
         FLASH_(CODED_)MIN_SPLIT_TOKENS long and a whole number of the kernel's rounds
         (attend_specs.flash_round_tokens)."""
         coded = shape.heads > 0
-        rounds = flash_round_tokens(self.layout.head_dim, shape.local, coded, kivi)
+        rounds = flash_round_tokens(self.layout.head_dim, shape.local, coded, kivi, shape.kernel == MMA_KERNEL)
         min_tokens = FLASH_CODED_MIN_SPLIT_TOKENS if coded else FLASH_MIN_SPLIT_TOKENS
         # a KIVI split starts on a key group: a whole number of rounds always, or the only split
         most = n_used + rounds if kivi else n_used

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import errors as E
+from .flash import MMA_KERNEL
 from .plan import LOOP_BUDGET
 from .specs import merge_head_local, n_blocks
 from ..device import kp
@@ -189,12 +190,13 @@ class PassBuilder:
         gives (K bits, V bits) —, then attend_merge_head."""
         b, grid, lay = self.buffers, self.grid, self.layout
         variant = self.shapes.flash_variant(local, _flash_shader(bool(kivi), plan.kernel))
-        end_elems = self.shapes.flash_end_elems(local, plan.kernel)
+        # attend_mma has no split end through shared memory to size
+        end = {} if plan.kernel == MMA_KERNEL else dict(END_ELEMS=self.shapes.flash_end_elems(local, plan.kernel))
         bits = dict(K_BITS=kivi[0], V_BITS=kivi[1]) if kivi else {}
-        kernel = self._kernel(("flash", variant) + key + (local, end_elems), variant,
+        kernel = self._kernel(("flash", variant) + key + (local, end.get("END_ELEMS", 0)), variant,
                               [buf, buf, b.q, b.accs, b.stats],
                               b.sizes.seqs * lay.n_kv_heads * grid.max_splits * local, LOCAL=local, HB=1,
-                              ROW_HALF=half, ROW_Q8=q8, END_ELEMS=end_elems, **bits)
+                              ROW_HALF=half, ROW_Q8=q8, **end, **bits)
         op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
                        n_kv=lay.n_kv_heads, n_seqs=plan.seqs, score_scale=scale)
         return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
@@ -318,5 +320,8 @@ class PassBuilder:
 
 
 def _flash_shader(kivi: bool, kernel: str) -> str:
-    """attend_flash's shader over rows: its KIVI build, its wide end (build "wide_end") or itself."""
+    """The shader of a flash build over rows: attend_mma (build "mma", its KIVI build over a KIVI
+    layer), or attend_flash — its KIVI build, its wide end (build "wide_end") or itself."""
+    if kernel == MMA_KERNEL:
+        return "attend_mma_kivi" if kivi else "attend_mma"
     return "attend_flash_kivi" if kivi else ("attend_flash_wide" if kernel == "wide_end" else "attend_flash")

@@ -50,19 +50,44 @@ def flash_units(head_dim: int) -> int:
     return head_dim // FLASH_UNIT_DIMS
 
 
+# attend_mma.comp: its subgroups' lanes (SG), tokens a tile (TT), query-head columns (HN), the
+# largest head_dim it unrolls (16 × MAX_D16), the KIVI bit widths whose levels fill whole words,
+# and its workgroup sizes (subgroups of 32: the tuner times each that fits)
+MMA_SUBGROUP, MMA_TILE_TOKENS, MMA_HEAD_COLUMNS, MMA_MAX_HEAD_DIM = 32, 16, 8, 128
+MMA_KIVI_BITS = (2, 4, 8)
+MMA_LOCALS = (64, 128)
+
+
+def mma_shared_bytes(head_dim: int, local: int, rows: str) -> int:
+    """attend_mma.comp's shared memory over ``rows`` ("f16", "q8_0", "kivi") at ``local``
+    invocations: the queries and Q^T (the workgroup's), per subgroup the staging tile (or O^T),
+    the tile's scores, P^T, the scales (and for KIVI the folded Q'^T), the end's references and sums."""
+    nw, d32, hn, tt = local // MMA_SUBGROUP, head_dim // 32, MMA_HEAD_COLUMNS, MMA_TILE_TOKENS
+    nblk = d32 if rows == "q8_0" else 1
+    nvg = d32 if rows in ("q8_0", "kivi") else 1
+    qw = head_dim * hn // 2
+    per_sg = tt * head_dim // 2 + nblk * tt * hn + nvg * tt * hn // 2 + tt * (nblk + nvg) + 2 * hn \
+        + (2 * qw if rows == "kivi" else 0)
+    return 4 * (hn * head_dim + 2 * qw + nw * per_sg)
+
+
 # attend_flash.comp's TOKENS_PER_LANE (its defaults; a test reads the shader's): rows, and the
 # KIVI builds (a round's tokens of an invocation share their key group's statistics)
 FLASH_TOKENS_PER_LANE = 2
 FLASH_KIVI_TOKENS_PER_LANE = 4
 
 
-def flash_round_tokens(head_dim: int, local: int, coded: bool, kivi: bool = False) -> int:
+def flash_round_tokens(head_dim: int, local: int, coded: bool, kivi: bool = False, mma: bool = False) -> int:
     """Tokens a flash workgroup takes in one round of its token loop (a split shorter than a
     whole number of rounds still runs its last round whole): attend_flash_coded a chunk of
-    ``local`` tokens (one an invocation), attend_flash its token lanes × TOKENS_PER_LANE —
-    over a KIVI layer, a whole number of 32-token key groups too (its splits start on one)."""
+    ``local`` tokens (one an invocation), attend_flash its token lanes × TOKENS_PER_LANE,
+    attend_mma a tile a subgroup — over a KIVI layer, a whole number of 32-token key groups too
+    (its splits start on one)."""
     if coded:
         return local
+    if mma:
+        tiles = local // MMA_SUBGROUP * MMA_TILE_TOKENS
+        return math.lcm(tiles, K.GROUP) if kivi else tiles
     if kivi:
         return math.lcm(local // flash_units(head_dim) * FLASH_KIVI_TOKENS_PER_LANE, K.GROUP)
     return local // flash_units(head_dim) * FLASH_TOKENS_PER_LANE
@@ -353,6 +378,30 @@ def _flash_kivi_extents(p, s):
             [_span(0, 2 * records)]]
 
 
+def _mma_check(s, rows: str, bits: tuple = ()):
+    hd = s["HEAD_DIM"]
+    _check(s["GROUP"] <= MMA_HEAD_COLUMNS and hd % 32 == 0 and hd <= MMA_MAX_HEAD_DIM
+           and s["LOCAL"] % MMA_SUBGROUP == 0 and all(b in MMA_KIVI_BITS for b in bits)
+           and (rows != "kivi" or (s["ROW_HALF"] == 1 and s["ROW_Q8"] == 0)),
+           "attend_mma (specialization)", s)
+
+
+def _mma_extents(p, s):
+    """attend_mma.comp over rows: what attend_flash reads and writes (the same rows, clamped to
+    the split's last token, as words — staged tiles — and as quads — f16 tiles read whole)."""
+    _mma_check(s, "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32"))
+    _check(s["ROW_HALF"] + s["ROW_Q8"] == 1, "attend_mma (rows: f16 or q8_0)", s)
+    return _flash_extents(p, dict(s, END_ELEMS=1))
+
+
+def _mma_kivi_extents(p, s):
+    """attend_mma.comp's KIVI build: attend_flash_kivi's spans, the statistics and windows read
+    as words (not quads)."""
+    _mma_check(s, "kivi", (s["K_BITS"], s["V_BITS"]))
+    words, quads, *rest = _flash_kivi_extents(p, dict(s, END_ELEMS=1))
+    return [words + quads, [], *rest]
+
+
 def _flash_coded_extents(p, s):
     """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
     V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
@@ -420,6 +469,8 @@ EXTENTS = {
                                          "attend_flash_wide_sg")},
     **{name: _flash_kivi_extents for name in ("attend_flash_kivi", "attend_flash_kivi_sg")},
     "attend_flash_coded": _flash_coded_extents,
+    "attend_mma": _mma_extents,
+    "attend_mma_kivi": _mma_kivi_extents,
 }
 
 shaders.register(EXTENTS)

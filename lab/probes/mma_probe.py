@@ -1,0 +1,158 @@
+"""Probe: attend_mma (cooperative matrices) beside attend_flash's float build over the f16, q8_0
+and KIVI caches of the same rows, each build's launch shape tuned on the device, with torch
+SDPA over f16 — kernel GPU time (timestamps, L2 flushed, primed) in one run on one device —
+and each build's NMSE against the float64 reference over the cached values at 8 192 tokens.
+With --knobs, attend_mma rebuilt under build-time knobs (shaders/attend_mma.comp: EARLY_V,
+V_STAGED, PIPELINE, and the ablations NO_K, NO_V, NO_SOFTMAX), each timed in a process of its own
+($KVDICT_VK_SPV_DIR at its SPIR-V) after the shipped build.
+
+    python lab/probes/mma_probe.py --build lab/spv_probe_mma   # here: the knob builds
+    python lab/probes/mma_probe.py [--n-ctx 32768,131072] [--shapes 8x4x64,...] [--knobs early_v,no_k] \
+        [--spv lab/spv_probe_mma] > $OUT/mma_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+FLUSH = 128 << 20
+KERNELS = ("float", "mma")
+KNOBS = {"pipeline": {"PIPELINE": "1"}, "early_v": {"EARLY_V": "1"}, "v_staged": {"V_STAGED": "1"}, "no_k": {"NO_K": "1"},
+         "no_v": {"NO_V": "1"}, "no_softmax": {"NO_SOFTMAX": "1"}}
+
+
+def build(root: Path) -> None:
+    import subprocess
+    from kvdict_vk.vk import abi, shader_build
+    for label, extra in KNOBS.items():
+        out = root / label
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("attend_mma", "attend_mma_kivi"):
+            v = abi.DECLARATIONS[name]
+            subprocess.run(["glslangValidator", "-V", "--target-env", abi.TARGET_ENV,
+                            *[f"-D{k}={val}" for k, val in sorted({**v.defines_dict, **extra}.items())],
+                            "-o", str(out / f"{name}.spv"), str(shader_build.SHADER_DIR / v.source)],
+                           check=True, capture_output=True)
+        print(f"built {label} into {out}", file=sys.stderr)
+
+
+def _filled(cache: str, rows, n_ctx: int):
+    from kvdict_vk.vk import KvArena
+    k, v = rows
+    arena = KvArena(1, k.shape[0], k.shape[2], n_ctx, cache=cache)
+    for t0 in range(0, n_ctx, 1 << 15):
+        arena.append(0, k[:, t0:t0 + (1 << 15)], v[:, t0:t0 + (1 << 15)])
+    return arena
+
+
+def _core_us(att, q, n, repeats: int = 15, warm_s: float = 0.5) -> float:
+    rec = att.recording(0, q, n, timestamps=True, flush_bytes=FLUSH, primed=True)
+    try:
+        t_end = time.time() + warm_s
+        while time.time() < t_end:
+            rec.run()
+        ts = []
+        for _ in range(repeats):
+            rec.run()
+            ts.append(rec.core_seconds())
+        return float(np.median(ts)) * 1e6
+    finally:
+        rec.free()
+
+
+def _held(cache, k, v, n, spec=None):
+    from kvdict_vk import kivi as K
+    from kvdict_vk.forge import quant
+    if cache == "kivi":
+        return K.cache_rows(k, v, n, spec)
+    if cache == "q8_0":
+        return quant.q8_0(k), quant.q8_0(v)
+    return k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+
+
+def measure(shape: tuple, n_ctx: int, sdpa: bool, kernels=KERNELS) -> dict:
+    from kvdict_vk.attention_ref import attend as ref_attend
+    from kvdict_vk.metrics import nmse
+    n_kv, g, hd = shape
+    rng = np.random.default_rng(hd + g)
+    block = rng.standard_normal((2, n_kv, 4096, hd), dtype=np.float32)
+    block[0, :, :, 3] += 6.0  # an outlier key channel
+    rows = [np.ascontiguousarray(np.tile(b, (1, n_ctx // 4096, 1))) for b in block]
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    row = {}
+    for cache in ("f16", "q8_0", "kivi"):
+        t = time.time()
+        with _filled(cache, rows, n_ctx) as arena:
+            k8, v8 = _held(cache, rows[0][:, :8192], rows[1][:, :8192], 8192,
+                           arena.layout.kivi if cache == "kivi" else None)
+            ref = ref_attend(q, k8, v8, 8192)
+            for kernel in kernels:
+                att = arena.attention(n_kv * g)
+                att.path, att.flash_kernel = "flash", kernel
+                try:
+                    plan = att.plan(0, n_ctx)
+                except Exception as e:  # noqa: BLE001 — a probe records what refused
+                    row[f"{cache}/{kernel}"] = {"error": f"{type(e).__name__}: {e}"}
+                    continue
+                us = _core_us(att, q, n_ctx)
+                err = float(nmse(ref, att_out(arena, q)))
+                row[f"{cache}/{kernel}"] = {"us": us, "plan": str(plan), "variant": att.variant(0, plan), "nmse_8192": err}
+        row[f"{cache}_setup_s"] = time.time() - t
+    if sdpa:
+        from kvdict_vk.bench.torch_anchor import Anchor
+        s = Anchor().seconds(n_kv, g, hd, n_ctx)
+        row["torch_sdpa_f16_us"] = s * 1e6 if s else None
+    return row
+
+
+def att_out(arena, q):
+    return arena.attend(0, q, 8192)
+
+
+def main(argv=None) -> None:
+    import subprocess
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-ctx", default="131072")
+    ap.add_argument("--shapes", default="8x4x64,8x4x128,3x3x64,3x3x128")
+    ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--build", type=Path, help="compile the knob builds into this directory and exit")
+    ap.add_argument("--spv", type=Path, default=Path("lab/spv_probe_mma"))
+    ap.add_argument("--knobs", default="", help="knob labels (comma-separated) timed after the shipped build")
+    ap.add_argument("--knobs-only", action="store_true", help="skip the shipped builds' measurements")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: the mma kernel of this knob's build only
+    a = ap.parse_args(argv)
+    if a.build:
+        return build(a.build)
+    from kvdict_vk.vk import get_device
+    result = {"device": get_device().name, "rows": {}}
+    for n_ctx in (int(x) for x in a.n_ctx.split(",")) if not a.knobs_only else ():
+        for s in a.shapes.split(","):
+            shape = tuple(int(x) for x in s.split("x"))
+            key = f"{s}@{n_ctx}"
+            kernels = ("mma",) if a.one else KERNELS
+            result["rows"][key] = measure(shape, n_ctx, not (a.no_sdpa or a.one), kernels)
+            print(f"[{a.one or 'shipped'}] {key}: {json.dumps(result['rows'][key])}", file=sys.stderr, flush=True)
+            if os.environ.get("OUT") and not a.one:
+                Path(os.environ["OUT"], "mma_probe.json").write_text(json.dumps(result, indent=1))
+    if a.one:
+        json.dump(result, sys.stdout)
+        return None
+    result["knobs"] = {}
+    for label in [x for x in a.knobs.split(",") if x]:
+        env = dict(os.environ, KVDICT_VK_SPV_DIR=str(a.spv / label))
+        proc = subprocess.run([sys.executable, __file__, "--one", label, "--n-ctx", a.n_ctx, "--shapes", a.shapes],
+                              env=env, stdout=subprocess.PIPE, text=True)
+        result["knobs"][label] = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.returncode}
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "mma_probe.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
