@@ -48,11 +48,12 @@ def _force_mma(arena, n_q_heads, workgroups=256):
     return att
 
 
-def test_offered_only_where_the_device_has_it(make_arena):
-    """attend_mma is a candidate (FlashShapes.flash_kernels) over f16, q8_0 and KIVI layers of
+def test_offered_only_where_the_device_has_it(make_arena, monkeypatch):
+    """attend_mma has launch shapes (FlashShapes.mma_locals) over f16, q8_0 and KIVI layers of
     2, 4 or 8 bits exactly where the device reports float16 arithmetic, NV cooperative matrices
-    with its shape, and subgroups of 32; never over f32 rows or other KIVI widths. Elsewhere
-    forcing it is a typed error and the variant itself is refused before the driver sees it."""
+    with its shape, and subgroups of 32; never over f32 rows or other KIVI widths. The tuner
+    times it only with MMA_TUNED. Elsewhere forcing it is a typed error and the variant itself
+    is refused before the driver sees it."""
     from kvdict_vk.vk import kernels
     dev_has = None
     for cache, kw, offered in (("f16", {}, True), ("q8_0", {}, True), ("f32", {}, False),
@@ -61,7 +62,13 @@ def test_offered_only_where_the_device_has_it(make_arena):
         arena = make_arena(1, 2, 64, 256, cache=cache, **kw)
         dev_has = _has_mma(arena.device)
         att = arena.attention(6)
-        assert (MMA_KERNEL in att.shapes.flash_kernels(0)) == (offered and dev_has), cache
+        fits = offered and dev_has
+        assert bool(att.shapes.mma_locals(0)) == fits, cache
+        assert MMA_KERNEL not in att.shapes.flash_kernels(0)  # not tuned (flash.MMA_TUNED)
+        if cache != "f32":
+            with monkeypatch.context() as m:
+                m.setattr(flash, "MMA_TUNED", True)
+                assert (MMA_KERNEL in arena.attention(6).shapes.flash_kernels(0)) == fits, cache
         if not (offered and dev_has):
             att.path, att.flash_kernel = "flash", MMA_KERNEL
             with pytest.raises(E.ArenaError):

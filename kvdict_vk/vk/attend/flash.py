@@ -37,9 +37,13 @@ CODED_KERNELS = ("float",)
 # registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
 # "Registers"): the tuner times both. The KIVI builds (attend_flash_kivi) have the first only.
 FLASH_KERNELS = ("float", "wide_end")
-# attend_mma (shaders/attend_mma.comp): the same attention on cooperative matrices, offered beside
-# FLASH_KERNELS over f16, q8_0 and KIVI layers where the device has what it needs (mma_fits)
+# attend_mma (shaders/attend_mma.comp): the same attention on cooperative matrices, over f16, q8_0
+# and KIVI layers where the device has what it needs (mma_locals). It runs where asked for
+# (Attention.flash_kernel = MMA_KERNEL); the tuner times it beside FLASH_KERNELS only with
+# MMA_TUNED: on an H100 it was slower than attend_flash at every shape measured (lab/NOTEBOOK.md,
+# "attend_mma"), so timing it would only lengthen every first call.
 MMA_KERNEL = "mma"
+MMA_TUNED = False
 
 
 def max_local(device) -> int:
@@ -148,10 +152,10 @@ class FlashShapes:
         return self._per_layer("flash_end_elems", (local, kernel) + offers, derive)
 
     def flash_kernels(self, layer: int) -> tuple[str, ...]:
-        """The builds over an uncoded ``layer``: FLASH_KERNELS (a KIVI layer's the first), and
-        MMA_KERNEL where it fits (mma_fits)."""
+        """The builds the tuner times over an uncoded ``layer``: FLASH_KERNELS (a KIVI layer's the
+        first), and with MMA_TUNED MMA_KERNEL where it fits (mma_locals)."""
         rows = FLASH_KERNELS[:1] if self.layout.layers[layer].k.kivi else FLASH_KERNELS
-        return rows + ((MMA_KERNEL,) if self.mma_locals(layer) else ())
+        return rows + ((MMA_KERNEL,) if MMA_TUNED and self.mma_locals(layer) else ())
 
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
         """The workgroup sizes over an uncoded ``layer`` for build ``kernel`` (FLASH_KERNELS:
