@@ -5,14 +5,15 @@
 // block and split records as attend_flash.comp; attend_merge_head.comp merges the splits.
 //
 // One workgroup per (split, KV head): its NW subgroups take the split's 16-token tiles in turn
-// and meet at the end. The GROUP ≤ 8 query heads are the 8 columns of N (FlashInfer's GQA
+// and meet at the end. A subgroup loads a tile's words while its tile before computes, and
+// stages them through shared memory as binary16 operands. The GROUP ≤ 8 query heads are the 8 columns of N (FlashInfer's GQA
 // decode: the heads packed into one matrix dimension), tokens and channels the 16 of M and K:
 //   scores  S^T (16 tokens × 8 heads) = K tile (16 × 16 channels) · Q^T chunk, over the chunks;
 //   output  O^T (16 channels × 8 heads) += V^T chunk (16 × 16 tokens) · P^T (16 tokens × 8).
 // The query is split into two binary16 parts (hi + lo: ~2^-21 of it left), both multiplied, so
 // scores keep float32's precision over binary16 keys; probabilities enter as binary16 (≤ e^4).
 // Decoded operands are exact in binary16, their scales folded where they are linear:
-//   f16      rows are the operands (full tiles read straight from the cache, no staging);
+//   f16      rows are the operands;
 //   q8_0     int8 levels; a key's block scale multiplies its block's partial score (one
 //            accumulator per 32-channel block), a value's block scale its probability (P^T per
 //            block);
@@ -82,21 +83,8 @@ const uint QW = HEAD_DIM * HN / 2u;    // Q^T (HEAD_DIM × HN binary16) in words
 const uint PW = TT * HN / 2u;          // a P^T (TT × HN binary16) in words
 const uint MAX_WORDS = 32u;            // a lane's words of a tile's rows, unrolled up to this
 const float GROW_MARGIN = 4.0;         // probabilities ≤ e^4: binary16 keeps p × a value scale
-// Build-time knobs for probes (lab/probes/mma_probe.py): EARLY_V loads a whole f16 tile's values
-// with its keys (before the scores); V_STAGED stages f16 values through shared memory as the
-// other rows are; NO_K / NO_V / NO_SOFTMAX leave out the scores' products, the values' or the
-// softmax step (wrong results: an ablation, for time only).
-#ifndef EARLY_V
-#define EARLY_V 0
-#endif
-#ifndef V_STAGED
-#define V_STAGED 0
-#endif
-// PIPELINE: a tile's words (quantised or row tiles) are loaded while the tile before it computes
-// (every tile staged; the f16 tiles too).
-#ifndef PIPELINE
-#define PIPELINE 0
-#endif
+// Build-time knobs for probes (lab/probes/mma_probe.py): NO_K / NO_V / NO_SOFTMAX leave out the
+// scores' products, the values' or the softmax step (wrong results: an ablation, for time only).
 #ifndef NO_K
 #define NO_K 0
 #endif
@@ -108,7 +96,7 @@ const float GROW_MARGIN = 4.0;         // probabilities ≤ e^4: binary16 keeps 
 #endif
 
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };
-layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };
+layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };  // (attend_flash's view; unread)
 layout(std430, binding = 2) readonly buffer Query { float q_floats[]; };
 layout(std430, binding = 3) writeonly buffer Accs { float acc_floats[]; };
 layout(std430, binding = 4) writeonly buffer Stats { float stats[]; };
@@ -314,7 +302,6 @@ void main() {
         const uint n_q = n_tok;
         const uint q_rel = n_tok;
 #else
-        const uint n_groups = (pc.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP;
         const uint q_end = cache_words[pc.state_word];
         const uint q_rel = q_end > t0 ? min(q_end - t0, n_tok) : 0u;  // quantised: [0, q_rel)
         const uint n_q = q_rel;
@@ -331,7 +318,8 @@ void main() {
 
         uint xb = w * XW, sb = w * NBLK * TT * HN, pb = w * NVG * PW;
         uint tiles_q = (n_q + TT - 1u) / TT, tiles = tiles_q + (n_tok - q_rel + TT - 1u) / TT;
-#if PIPELINE
+        // A tile's words are loaded while the subgroup's tile before it computes (staged through
+        // shared memory, f16 rows too: read straight into matrices they waited on each tile).
         uint k_next[MAX_WORDS], v_next[MAX_WORDS];  // the subgroup's next quantised/row tile's words
         if (w < tiles_q) {
             load_raw(true, false, w * TT, n_q, k_next);
@@ -342,13 +330,10 @@ void main() {
         if (w < tiles_q)
             LOAD_KEY_STATS(stats_next, w * TT);
 #endif
-#endif
         for (uint r = w; r < tiles; r += NW) {  // subgroup-uniform
             bool exact = r >= tiles_q;  // (KIVI: the window's tokens)
             uint ts = exact ? q_rel + (r - tiles_q) * TT : r * TT;
             uint te = exact ? n_tok : n_q;  // tokens [ts, te) of the tile are live
-#if PIPELINE
-            const bool direct = false;
             uint k_raw[MAX_WORDS] = k_next, v_raw[MAX_WORDS] = v_next;
 #if KIVI
             uint k_stats[KQ_WORDS] = stats_next;
@@ -360,42 +345,24 @@ void main() {
                 LOAD_KEY_STATS(stats_next, (r + NW) * TT);
 #endif
             }
-#else
-            bool direct = KIVI == 0 && ROW_HALF > 0u && ts + TT <= te;  // f16 rows, whole tile
-#endif
-            bool direct_v = direct && V_STAGED == 0;
-#if EARLY_V
-            CM_A va[MAX_D16];
-            if (direct_v)
-                [[unroll]] for (uint cc = 0u; cc < MAX_D16; ++cc)
-                    if (cc < D16)
-                        coopMatLoadNV(va[cc], cache_quads, row_word(false, false, ts) / 4u + cc * 2u, F16_ROW / 4u, true);
-#endif
             // --- keys: S^T per key block ---
-            if (!direct && NO_K == 0) {
-#if PIPELINE
+            if (NO_K == 0) {
                 if (!exact)
                     put_raw(true, false, k_raw);
                 else
-#endif
-                stage(true, exact, ts, te);
+                    stage(true, exact, ts, te);  // (KIVI: the window's binary16 rows)
             }
             float kbias[2] = float[2](0.0, 0.0);
 #if KIVI
             {   // Q'^T of this tile's key group (its per-channel S), or Q^T for exact rows; the
                 // bias q·B of each of the lane's heads
-                uint sw = pc.stats_word + (g * n_groups + (t0 + ts) / KIVI_GROUP) * HEAD_DIM;
                 vec2 bias = vec2(0.0);
                 [[unroll]] for (uint j = 0u; j < KQ_WORDS; ++j) {
                     uint x = j * SG + lane;  // = c*HN/2 + hp: c = j*8 + tq
                     if (x < QW) {
                         uint c = x / (HN / 2u);
                         vec2 q = vec2(q_sh[2u * hp * HEAD_DIM + c], q_sh[(2u * hp + 1u) * HEAD_DIM + c]);
-#if PIPELINE
                         vec2 sbf = exact ? vec2(1.0, 0.0) : kivi_fold(k_stats[j], K_BITS);
-#else
-                        vec2 sbf = exact ? vec2(1.0, 0.0) : kivi_fold(cache_words[sw + c], K_BITS);
-#endif
                         WRITE_QT(qf_sh, w * 2u * QW, x, q * sbf.x);
                         bias += q * sbf.y;
                     }
@@ -412,10 +379,7 @@ void main() {
                     [[unroll]] for (uint kc = 0u; kc < MAX_D16; ++kc) {
                         if (NO_K == 0 && kc < D16 && (NBLK == 1u || kc / 2u == blk)) {
                             CM_A a;
-                            if (direct)
-                                coopMatLoadNV(a, cache_quads, row_word(true, false, ts) / 4u + kc * 2u, F16_ROW / 4u, false);
-                            else
-                                coopMatLoadNV(a, x_sh, xb + kc * 8u, F16_ROW, false);
+                            coopMatLoadNV(a, x_sh, xb + kc * 8u, F16_ROW, false);
 #if KIVI
                             CM_B bh, bl;
                             coopMatLoadNV(bh, qf_sh, w * 2u * QW + kc * 16u * HN / 2u, HN / 2u, false);
@@ -480,13 +444,11 @@ void main() {
                 sync_subgroup();
             }
             // --- values: P^T per value block, O^T += V^T · P^T ---
-            if (!direct_v && NO_V == 0) {
-#if PIPELINE
+            if (NO_V == 0) {
                 if (!exact)
                     put_raw(false, false, v_raw);
                 else
-#endif
-                stage(false, exact, ts, te);
+                    stage(false, exact, ts, te);
             }
             sync_subgroup();
             [[unroll]] for (uint e2 = 0u; e2 < 2u; ++e2) {
@@ -521,17 +483,8 @@ void main() {
                     coopMatLoadNV(pm, p_sh, pb + vg * PW, HN / 2u, false);
                     [[unroll]] for (uint cc = 0u; cc < MAX_D16; ++cc) {
                         if (NO_V == 0 && cc < D16 && (NVG == 1u || cc / 2u == vg)) {
-#if EARLY_V
-                            if (direct_v) {
-                                o[cc] = coopMatMulAddNV(va[cc], pm, o[cc]);
-                                continue;
-                            }
-#endif
                             CM_A a;
-                            if (direct_v)
-                                coopMatLoadNV(a, cache_quads, row_word(false, false, ts) / 4u + cc * 2u, F16_ROW / 4u, true);
-                            else
-                                coopMatLoadNV(a, x_sh, xb + cc * 8u, F16_ROW, true);
+                            coopMatLoadNV(a, x_sh, xb + cc * 8u, F16_ROW, true);
                             o[cc] = coopMatMulAddNV(a, pm, o[cc]);
                         }
                     }

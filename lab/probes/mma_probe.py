@@ -2,8 +2,8 @@
 and KIVI caches of the same rows, each build's launch shape tuned on the device, with torch
 SDPA over f16 — kernel GPU time (timestamps, L2 flushed, primed) in one run on one device —
 and each build's NMSE against the float64 reference over the cached values at 8 192 tokens.
-With --knobs, attend_mma rebuilt under build-time knobs (shaders/attend_mma.comp: EARLY_V,
-V_STAGED, PIPELINE, and the ablations NO_K, NO_V, NO_SOFTMAX), each timed in a process of its own
+With --knobs, attend_mma rebuilt under build-time knobs (shaders/attend_mma.comp's ablations
+NO_K, NO_V, NO_SOFTMAX), each timed in a process of its own
 ($KVDICT_VK_SPV_DIR at its SPIR-V) after the shipped build.
 
     python lab/probes/mma_probe.py --build lab/spv_probe_mma   # here: the knob builds
@@ -23,7 +23,7 @@ import numpy as np
 
 FLUSH = 128 << 20
 KERNELS = ("float", "mma")
-KNOBS = {"pipeline": {"PIPELINE": "1"}, "early_v": {"EARLY_V": "1"}, "v_staged": {"V_STAGED": "1"}, "no_k": {"NO_K": "1"},
+KNOBS = {"no_k": {"NO_K": "1"},
          "no_v": {"NO_V": "1"}, "no_softmax": {"NO_SOFTMAX": "1"}}
 
 

@@ -388,10 +388,11 @@ def _mma_check(s, rows: str, bits: tuple = ()):
 
 def _mma_extents(p, s):
     """attend_mma.comp over rows: what attend_flash reads and writes (the same rows, clamped to
-    the split's last token, as words — staged tiles — and as quads — f16 tiles read whole)."""
+    the split's last token; as words only)."""
     _mma_check(s, "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32"))
     _check(s["ROW_HALF"] + s["ROW_Q8"] == 1, "attend_mma (rows: f16 or q8_0)", s)
-    return _flash_extents(p, dict(s, END_ELEMS=1))
+    words, _quads, *rest = _flash_extents(p, dict(s, END_ELEMS=1))
+    return [words, [], *rest]
 
 
 def _mma_kivi_extents(p, s):
