@@ -135,7 +135,8 @@ _FEATURE_STRUCTS = {
 # struct → the device extension that must be present to chain it (None: core in Vulkan 1.1)
 _STRUCT_EXTENSION = {"16bit_storage": None, "float16_int8": "VK_KHR_shader_float16_int8",
                      "8bit_storage": "VK_KHR_8bit_storage", "integer_dot": "VK_KHR_shader_integer_dot_product",
-                     "atomic_float": "VK_EXT_shader_atomic_float", "cooperative_matrix_nv": "VK_NV_cooperative_matrix",
+                     "atomic_float": "VK_EXT_shader_atomic_float",
+                     "cooperative_matrix_nv": "VK_NV_cooperative_matrix",
                      "vulkan_memory_model": "VK_KHR_vulkan_memory_model"}
 # abi.FEATURES name → the (struct, field) pairs it needs, all set (cooperative_matrix_nv also
 # needs the shape its variants use among the driver's: COOPMAT_NV_SHAPE; cooperative_matrix,
@@ -144,9 +145,11 @@ FEATURE_NEEDS = {
     "float16": (("float16_int8", "shaderFloat16"), ("16bit_storage", "storageBuffer16BitAccess")),
     "int8": (("float16_int8", "shaderInt8"), ("8bit_storage", "storageBuffer8BitAccess")),
     "integer_dot": (("integer_dot", "shaderIntegerDotProduct"),),
-    "float_atomics": (("atomic_float", "shaderBufferFloat32AtomicAdd"), ("atomic_float", "shaderSharedFloat32AtomicAdd")),
-    # glslang builds GL_NV_cooperative_matrix under the Vulkan memory model (spirv.FEATURE_CAPABILITIES)
-    "cooperative_matrix_nv": (("cooperative_matrix_nv", "cooperativeMatrix"), ("vulkan_memory_model", "vulkanMemoryModel")),
+    "float_atomics": (("atomic_float", "shaderBufferFloat32AtomicAdd"),
+                      ("atomic_float", "shaderSharedFloat32AtomicAdd")),
+    # glslang builds GL_NV_cooperative_matrix under the Vulkan memory model (abi.FEATURE_CAPABILITIES)
+    "cooperative_matrix_nv": (("cooperative_matrix_nv", "cooperativeMatrix"),
+                              ("vulkan_memory_model", "vulkanMemoryModel")),
 }
 # The one cooperative-matrix shape the attend_mma variants use (GL_NV_cooperative_matrix, subgroup
 # scope): (M, N, K, A, B, C, D types) — 16×16 binary16 times 16×8 binary16 into 16×8 float32.

@@ -185,7 +185,9 @@ class FlashShapes:
             limit = dev.limit("max_compute_shared_memory_size")
             return tuple(n for n in MMA_LOCALS if fits and n <= self.max_local()
                          and mma_shared_bytes(hd, n, rows) <= limit)
-        return list(self._per_layer("mma_locals", (layer, self.subgroups is False), lambda: () if self.subgroups is False else derive()))
+        if self.subgroups is False:
+            return []
+        return list(self._per_layer("mma_locals", layer, derive))
 
     def flash_variant(self, local: int, shader: str = "attend_flash") -> str:
         """The SPIR-V of ``shader`` — attend_flash, its wide end or its KIVI build, spreading a token over
