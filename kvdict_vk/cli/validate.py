@@ -8,7 +8,8 @@
     kvdict-validate --variants             # the kernel each cache type attends by on this device
 
 Each row is one operation at one shape: reconstruct (read), append (encode + scatter,
-checked through a read), attention over the dict-coded and the f32 cache, and the GPU
+checked through a read), attention over the dict-coded and the f32 cache (and, where the
+device has cooperative matrices, attend_mma at the fast paths' gate), and the GPU
 OMP encoder — with guard words around every region, compared by NMSE (Σ(a−b)²/Σa²) and
 exact NaN/Inf positions. Exit status 1 if any row fails, 2 if no device could be used.
 """
@@ -31,6 +32,9 @@ from ..metrics import compare
 
 NMSE_READ = 1e-12  # reconstruct / append: float32 GPU vs float64 reference
 NMSE_ATTEND = 1e-9
+# the fast paths' gate (issue #50): attend_mma, binary16 operands with float32 sums, where the
+# device has it
+NMSE_FAST = 1e-5
 
 
 # (head_dim, n_atoms, (K sparsity, K bits) | None, (V sparsity, V bits) | None, per-head, n_ctx, GQA)
@@ -105,8 +109,9 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             rows.append(_row(f"append+read {cache} K", shape, kc, gk, NMSE_READ, None, plain))
             rows.append(_row(f"append+read {cache} V", shape, vc, gv, NMSE_READ, None, plain))
             out = plain.attend(0, q, n_ctx)
-            rows.append(_row(f"attend {cache}", shape, attention_ref.attend(q, kc, vc, n_ctx), out, NMSE_ATTEND,
-                             None, plain))
+            ref = attention_ref.attend(q, kc, vc, n_ctx)
+            rows.append(_row(f"attend {cache}", shape, ref, out, NMSE_ATTEND, None, plain))
+            rows += _mma_rows(plain, q, ref, n_ctx, shape, cache)
     if hd % K.GROUP == 0:  # the KIVI cache: reads against kvdict_vk.kivi's reference, attention over them
         with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, cache="kivi") as kv_arena:
             kc, vc = K.cache_rows(k, v, n_ctx, kv_arena.layout.kivi)
@@ -115,12 +120,26 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             rows.append(_row("append+read kivi K", shape, kc, gk, NMSE_READ, None, kv_arena))
             rows.append(_row("append+read kivi V", shape, vc, gv, NMSE_READ, None, kv_arena))
             out = kv_arena.attend(0, q, n_ctx)
-            rows.append(_row("attend kivi", shape, attention_ref.attend(q, kc, vc, n_ctx), out, NMSE_ATTEND,
-                             None, kv_arena))
+            ref = attention_ref.attend(q, kc, vc, n_ctx)
+            rows.append(_row("attend kivi", shape, ref, out, NMSE_ATTEND, None, kv_arena))
+            rows += _mma_rows(kv_arena, q, ref, n_ctx, shape, "kivi")
     for d, name in ((art.layers[0][0], "K"), (art.layers[0][1], "V")):
         if d is not None:
             rows.append(_encoder_row(dev, d, k[:, :64], f"{shape} stream={name}"))
     return rows
+
+
+def _mma_rows(arena, q, ref, n_ctx, shape, cache) -> list[dict]:
+    """attend_mma over ``arena``'s layer 0 at the fast paths' gate, where the device has it (the
+    tuner does not pick it: forced here, the arena's last use); none elsewhere."""
+    from ..vk.attend.flash import MMA_KERNEL
+    att = arena.attention(q.shape[0])
+    if not att.shapes.mma_locals(0):
+        return []
+    att.path, att.flash_kernel = "flash", MMA_KERNEL
+    out = arena.attend(0, q, n_ctx)
+    row = _row(f"attend {cache}, {att.variant(0, att.plan(0, n_ctx))}", shape, ref, out, NMSE_FAST, None, arena)
+    return [dict(row, metric="nmse_fast")]  # its own worst (worst_by_metric): the exact paths' stays theirs
 
 
 def _row(op, shape, ref, got, tol, seconds, arena) -> dict:
