@@ -261,8 +261,9 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     dictionaries of 1 024 atoms), the SPIR-V variant ``device`` attends one layer of
     ``n_kv`` × ``gqa`` heads at ``head_dim`` over ``n_used`` tokens by — the engine's plan,
     untuned (the tuner picks a launch shape and, for f16/f32/q8_0 rows, may pick
-    attend_flash's wide end) — with the path, its workgroup size and the optional device
-    features the variant needs."""
+    attend_flash's wide end) — with the path, its workgroup size, the optional device
+    features the variant needs, and the kernels it runs by only when asked (``on_request``:
+    attend_mma, where the device has cooperative matrices)."""
     import numpy as np
 
     from . import kivi as K
@@ -289,7 +290,10 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
                 variant = att.variant(0, plan)
                 v = abi.DECLARATIONS[variant]
                 row.update(variant=variant, path=plan.path, local=plan.local or None,
-                           needs=list(v.subgroup_ops and ("subgroups",)) + list(v.features))
+                           needs=list(v.subgroup_ops and ("subgroups",)) + list(v.features),
+                           # kernels this device runs the cache by when asked (Attention.flash_kernel)
+                           on_request=(["attend_mma_kivi" if cache == "kivi" else "attend_mma"]
+                                       if att.shapes.mma_locals(0) else []))
         except Exception as e:  # a cache this device cannot serve says why, the rest go on
             row["error"] = f"{type(e).__name__}: {e}"
         out.append(row)
@@ -299,7 +303,8 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
 def variant_lines(rows: list[dict]) -> list[str]:
     return [f"{r['cache']:>5}: " + (r["error"] if "error" in r else
                                    f"{r['variant']} ({r['path']}{', ' + str(r['local']) + ' invocations' if r['local'] else ''}"
-                                   f"{', needs ' + ' + '.join(r['needs']) if r['needs'] else ''})")
+                                   f"{', needs ' + ' + '.join(r['needs']) if r['needs'] else ''})"
+                                   + (f"; on request: {', '.join(r['on_request'])}" if r.get("on_request") else ""))
             for r in rows]
 
 

@@ -94,6 +94,10 @@ def test_variants_name_the_kernel_each_cache_attends_by(vk_device, capsys):
     assert by["q8_0"]["variant"] in ("attend_flash", "attend_flash_sg", "attend_flash_wide", "attend_flash_wide_sg")
     sg = vk_device.shuffle_subgroup_size() > 0
     assert by["kivi"]["variant"].endswith("_sg") == sg and (("subgroups" in by["kivi"]["needs"]) == sg)
+    mma = set(abi.MMA_FEATURES) <= set(vk_device.features()) and vk_device.limit("subgroup_size") == 32
+    assert by["kivi"]["on_request"] == (["attend_mma_kivi"] if mma else [])
+    assert by["f16"]["on_request"] == by["q8_0"]["on_request"] == (["attend_mma"] if mma else [])
+    assert by["dict"]["on_request"] == by["f32"]["on_request"] == []
     assert validate.main(["--variants"]) == 0
     out = capsys.readouterr().out
     assert all(f"{r['cache']:>5}: {r['variant']}" in out for r in rows)
