@@ -63,3 +63,15 @@ def header_for(payload: bytes, cert: A.CertInfo, **overrides) -> bytes:
 
 def file_with_payload(payload: bytes, cert: A.CertInfo, **header_overrides) -> bytes:
     return frame(header_for(payload, cert, **header_overrides), payload)
+
+
+def rising_keys(rng, n_kv, g, hd, n_ctx):
+    """(q, k, v) whose scores rise along the context (by ~0.05 a token, so a softmax reference
+    that moves by a margin moves dozens of times) with one spike far above the rest at n_ctx // 3."""
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    direction = q.reshape(n_kv, g, hd).mean(axis=1)
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    rise = np.arange(n_ctx, dtype=np.float32)[None, :, None] * 0.4 / np.sqrt(hd) * direction[:, None, :]
+    k = (rng.standard_normal((n_kv, n_ctx, hd)) * 0.3 + rise).astype(np.float32)
+    k[:, n_ctx // 3] += 30.0 * direction  # a spike: the reference jumps, then falls behind the rise
+    return q, k, rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-FLUSH = 128 << 20
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kivi_variants_probe import _core_us, _filled  # noqa: E402  (lab probes share their timing)
+
 KERNELS = ("float", "mma")
 KNOBS = {"no_k": {"NO_K": "1"},
          "no_v": {"NO_V": "1"}, "no_softmax": {"NO_SOFTMAX": "1"}}
@@ -40,30 +42,6 @@ def build(root: Path) -> None:
                             "-o", str(out / f"{name}.spv"), str(shader_build.SHADER_DIR / v.source)],
                            check=True, capture_output=True)
         print(f"built {label} into {out}", file=sys.stderr)
-
-
-def _filled(cache: str, rows, n_ctx: int):
-    from kvdict_vk.vk import KvArena
-    k, v = rows
-    arena = KvArena(1, k.shape[0], k.shape[2], n_ctx, cache=cache)
-    for t0 in range(0, n_ctx, 1 << 15):
-        arena.append(0, k[:, t0:t0 + (1 << 15)], v[:, t0:t0 + (1 << 15)])
-    return arena
-
-
-def _core_us(att, q, n, repeats: int = 15, warm_s: float = 0.5) -> float:
-    rec = att.recording(0, q, n, timestamps=True, flush_bytes=FLUSH, primed=True)
-    try:
-        t_end = time.time() + warm_s
-        while time.time() < t_end:
-            rec.run()
-        ts = []
-        for _ in range(repeats):
-            rec.run()
-            ts.append(rec.core_seconds())
-        return float(np.median(ts)) * 1e6
-    finally:
-        rec.free()
 
 
 def _held(cache, k, v, n, spec=None):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import stream_entry, random_artifact, stable_seed
+from helpers import rising_keys
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
 from kvdict_vk.metrics import nmse
@@ -351,13 +352,7 @@ def test_flash_reference_moves_with_rising_scores(cache, make_arena):
     rng = np.random.default_rng(11)
     hd, g, n_kv, n_ctx = 64, 4, 2, 3000
     arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64, cache=cache)
-    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
-    direction = q.reshape(n_kv, g, hd).mean(axis=1)
-    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
-    rise = np.arange(n_ctx, dtype=np.float32)[None, :, None] * 0.4 / np.sqrt(hd) * direction[:, None, :]
-    k = (rng.standard_normal((n_kv, n_ctx, hd)) * 0.3 + rise).astype(np.float32)
-    k[:, n_ctx // 3] += 30.0 * direction  # a spike: the reference jumps, then falls behind the rise
-    v = rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
+    q, k, v = rising_keys(rng, n_kv, g, hd, n_ctx)
     arena.append(0, k, v)
     if cache == "f16":
         k, v = (x.astype(np.float16).astype(np.float32) for x in (k, v))

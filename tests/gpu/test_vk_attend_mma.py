@@ -18,7 +18,9 @@ from kvdict_vk.metrics import nmse
 from kvdict_vk.vk import abi
 from kvdict_vk.vk.attend import flash
 from kvdict_vk.vk.attend.flash import MMA_KERNEL, MMA_LOCALS
+from helpers import rising_keys
 from test_vk_attend import reference
+from test_vk_attend_kivi import _filled as kivi_filled, _rows
 
 pytestmark = pytest.mark.gpu
 
@@ -29,11 +31,6 @@ def _has_mma(device) -> bool:
     return set(abi.MMA_FEATURES) <= set(device.features()) and device.limit("subgroup_size") == 32
 
 
-def _rows(rng, n_kv, n_ctx, hd, outlier=True):
-    k = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32) * 2
-    if outlier:
-        k[:, :, 3] += 10  # an outlier channel, as real keys have
-    return k, rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
 
 
 def _held(cache, k, v):
@@ -122,13 +119,7 @@ def test_reference_moves_with_rising_scores(cache, make_arena):
     rng = np.random.default_rng(11)
     hd, g, n_kv, n_ctx = 64, 4, 2, 3000
     arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64, cache=cache)
-    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
-    direction = q.reshape(n_kv, g, hd).mean(axis=1)
-    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
-    rise = np.arange(n_ctx, dtype=np.float32)[None, :, None] * 0.4 / np.sqrt(hd) * direction[:, None, :]
-    k = (rng.standard_normal((n_kv, n_ctx, hd)) * 0.3 + rise).astype(np.float32)
-    k[:, n_ctx // 3] += 30.0 * direction
-    v = rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
+    q, k, v = rising_keys(rng, n_kv, g, hd, n_ctx)
     arena.append(0, k, v)
     k, v = _held(cache, k, v)
     _force_mma(arena, n_kv * g)
@@ -160,12 +151,7 @@ def test_kivi_within_the_gate(case, make_arena):
     hd, g, n_kv, spec, steps, used = case
     rng = np.random.default_rng(hd * 7 + g + n_kv)
     n = sum(steps)
-    k, v = _rows(rng, n_kv, n, hd)
-    arena = make_arena(1, n_kv, hd, n, guard_words=64, cache="kivi", kivi=spec)
-    t = 0
-    for s in steps:
-        arena.append(0, k[:, t:t + s], v[:, t:t + s])
-        t += s
+    arena, k, v = kivi_filled(make_arena, rng, hd, n_kv, spec, steps)
     q = rng.standard_normal((n_kv * g, hd)).astype(np.float32)
     att = _force_mma(arena, n_kv * g)
     if not _has_mma(arena.device):
