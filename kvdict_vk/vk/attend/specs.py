@@ -60,15 +60,16 @@ MMA_LOCALS = (64, 128)
 
 def mma_shared_bytes(head_dim: int, local: int, rows: str) -> int:
     """attend_mma.comp's shared memory over ``rows`` ("f16", "q8_0", "kivi") at ``local``
-    invocations: the queries and Q^T (the workgroup's), per subgroup the staging tile (or O^T),
-    the tile's scores, P^T, the scales (and for KIVI the folded Q'^T), the end's references and sums."""
+    invocations: the queries and (rows) Q^T, the workgroup's; per subgroup the staging tile (or
+    O^T), the tile's scores, P^T, the scales (KIVI: and its folded Q'^T), the end's references
+    and sums. (The driver's figure for the H100's builds: lab/results/h100/pipeline_statistics_mma.json.)"""
     nw, d32, hn, tt = local // MMA_SUBGROUP, head_dim // 32, MMA_HEAD_COLUMNS, MMA_TILE_TOKENS
     nblk = d32 if rows == "q8_0" else 1
     nvg = d32 if rows in ("q8_0", "kivi") else 1
     qw = head_dim * hn // 2
     per_sg = tt * head_dim // 2 + nblk * tt * hn + nvg * tt * hn // 2 + tt * (nblk + nvg) + 2 * hn \
         + (2 * qw if rows == "kivi" else 0)
-    return 4 * (hn * head_dim + 2 * qw + nw * per_sg)
+    return 4 * (hn * head_dim + (0 if rows == "kivi" else 2 * qw) + nw * per_sg)
 
 
 # attend_flash.comp's TOKENS_PER_LANE (its defaults; a test reads the shader's): rows, and the
