@@ -31,8 +31,6 @@ def _has_mma(device) -> bool:
     return set(abi.MMA_FEATURES) <= set(device.features()) and device.limit("subgroup_size") == 32
 
 
-
-
 def _held(cache, k, v):
     if cache == "f16":
         return tuple(x.astype(np.float16).astype(np.float32) for x in (k, v))
