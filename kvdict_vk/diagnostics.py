@@ -270,6 +270,8 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     from . import runtime, synthetic
     from .dictionary import FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact
     from .vk import KvArena, abi
+    from .vk.attend.flash import MMA_KERNEL
+    from .vk.attend.ops import flash_shader
     out = []
     for cache in VARIANT_CACHES:
         row = {"cache": cache}
@@ -292,7 +294,7 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
                 row.update(variant=variant, path=plan.path, local=plan.local or None,
                            needs=list(v.subgroup_ops and ("subgroups",)) + list(v.features),
                            # kernels this device runs the cache by when asked (Attention.flash_kernel)
-                           on_request=(["attend_mma_kivi" if cache == "kivi" else "attend_mma"]
+                           on_request=([flash_shader(cache == "kivi", MMA_KERNEL)]
                                        if att.shapes.mma_locals(0) else []))
         except Exception as e:  # a cache this device cannot serve says why, the rest go on
             row["error"] = f"{type(e).__name__}: {e}"

@@ -77,7 +77,6 @@ DEVICE_FEATURES = """    // kvdict_vk patch: the optional features kernel varian
         void* pNext;
         VkBool32 bools[12];  // the longest of the structs below (atomic float: 12)
     };
-    const int kvStructCount = 7;
     const std::pair<const char*, int> kvFeatureStructs[] = {
         { nullptr, 1000083000 },                              // 16-bit storage (Vulkan 1.1)
         { "VK_KHR_shader_float16_int8", 1000082000 },
@@ -87,6 +86,7 @@ DEVICE_FEATURES = """    // kvdict_vk patch: the optional features kernel varian
         { "VK_NV_cooperative_matrix", 1000249000 },
         { "VK_KHR_vulkan_memory_model", 1000211000 },  // glslang builds NV cooperative matrices under it
     };
+    const int kvStructCount = sizeof(kvFeatureStructs) / sizeof(kvFeatureStructs[0]);
     KvFeatureBools kvStructs[kvStructCount] = {};
     VkPhysicalDeviceFeatures2 kvFeatures2 = {};
     kvFeatures2.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2;

@@ -206,20 +206,17 @@ def reflect(spirv: bytes) -> Reflection:
 SUBGROUP_CAPABILITIES = {61 + bit: name for bit, name in enumerate(SUBGROUP_OPERATIONS)}
 
 
-FEATURE_CAPABILITIES = abi.FEATURE_CAPABILITIES  # the optional features' capabilities and extensions
-
-
 def check_portable(name: str, r: Reflection, max_invocations: int = 128, subgroup_ops: tuple = (),
                    features: tuple = ()) -> None:
     """Shader rules: Shader capability only — and the subgroup capabilities of the operation
     classes ``subgroup_ops``, the capabilities and extensions of the optional ``features``
-    (FEATURE_CAPABILITIES; a variant that declares them, for devices that report them) —,
+    (abi.FEATURE_CAPABILITIES; a variant that declares them, for devices that report them) —,
     ≤ 128 invocations, set 0."""
     allowed = {_CAP_SHADER} | {c for c, op in SUBGROUP_CAPABILITIES.items() if op in subgroup_ops}
-    allowed |= {c for f in features for c in FEATURE_CAPABILITIES[f][0]}
+    allowed |= {c for f in features for c in abi.FEATURE_CAPABILITIES[f][0]}
     if set(r.capabilities) - allowed:
         raise E.ShaderBuildError(f"{name}: needs capabilities {r.capabilities} (allowed: {sorted(allowed)})")
-    if set(r.extensions) - {x for f in features for x in FEATURE_CAPABILITIES[f][1]}:
+    if set(r.extensions) - {x for f in features for x in abi.FEATURE_CAPABILITIES[f][1]}:
         raise E.ShaderBuildError(f"{name}: needs SPIR-V extensions {r.extensions}")
     if int(np.prod(r.local_size)) > max_invocations:
         raise E.ShaderBuildError(f"{name}: workgroup {r.local_size} exceeds {max_invocations} invocations")

@@ -31,9 +31,10 @@ SHAPES = ((8, 4, 64), (8, 4, 128), (3, 3, 64))
 FLUSH = 128 << 20
 
 
-def build(root: Path) -> None:
+def build(root: Path, knobs: dict = KNOBS) -> None:
+    """Each knob's variants (``knobs``: label → (variants, extra defines)) compiled into root/label."""
     from kvdict_vk.vk import abi, shader_build
-    for label, (variants, extra) in KNOBS.items():
+    for label, (variants, extra) in knobs.items():
         out = root / label
         out.mkdir(parents=True, exist_ok=True)
         for name in variants:
@@ -43,6 +44,16 @@ def build(root: Path) -> None:
                    "-o", str(out / f"{name}.spv"), str(shader_build.SHADER_DIR / v.source)]
             subprocess.run(cmd, check=True, capture_output=True)
         print(f"built {label} into {out}", file=sys.stderr)
+
+
+def run_child(script: str, label: str, spv: Path | None, argv: list) -> dict:
+    """``script --one label argv…`` in a process of its own — SPIR-V is loaded once a process —
+    with $KVDICT_VK_SPV_DIR at spv/label (None: the shipped build): the JSON it prints."""
+    env = dict(os.environ)
+    if spv is not None:
+        env["KVDICT_VK_SPV_DIR"] = str(spv / label)
+    proc = subprocess.run([sys.executable, script, "--one", label, *argv], env=env, stdout=subprocess.PIPE, text=True)
+    return json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.returncode}
 
 
 def _filled(cache: str, rows, n_ctx: int):
@@ -122,12 +133,8 @@ def main(argv=None) -> None:
     result = {"n_ctx": a.n_ctx, "knobs": {k: {"variants": v, "defines": d} for k, (v, d) in KNOBS.items()},
               "builds": {}}
     for label in ("shipped",) + tuple(a.only.split(",") if a.only else KNOBS):
-        env = dict(os.environ)
-        if label != "shipped":
-            env["KVDICT_VK_SPV_DIR"] = str(a.spv / label)
-        proc = subprocess.run([sys.executable, __file__, "--one", label, "--n-ctx", str(a.n_ctx)], env=env,
-                              stdout=subprocess.PIPE, text=True)
-        result["builds"][label] = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.returncode}
+        result["builds"][label] = run_child(__file__, label, None if label == "shipped" else a.spv,
+                                            ["--n-ctx", str(a.n_ctx)])
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "kivi_variants.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

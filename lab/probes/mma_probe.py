@@ -22,40 +22,28 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kivi_variants_probe import _core_us, _filled  # noqa: E402  (lab probes share their timing)
+from kivi_variants_probe import _core_us, _filled, build, run_child  # noqa: E402  (the probes' shared parts)
 
 KERNELS = ("float", "mma")
-KNOBS = {"no_k": {"NO_K": "1"},
-         "no_v": {"NO_V": "1"}, "no_softmax": {"NO_SOFTMAX": "1"}}
+MMA_VARIANTS = ("attend_mma", "attend_mma_kivi")
+KNOBS = {label: (MMA_VARIANTS, defines) for label, defines in
+         (("no_k", {"NO_K": "1"}), ("no_v", {"NO_V": "1"}), ("no_softmax", {"NO_SOFTMAX": "1"}))}
 
 
-def build(root: Path) -> None:
-    import subprocess
-    from kvdict_vk.vk import abi, shader_build
-    for label, extra in KNOBS.items():
-        out = root / label
-        out.mkdir(parents=True, exist_ok=True)
-        for name in ("attend_mma", "attend_mma_kivi"):
-            v = abi.DECLARATIONS[name]
-            subprocess.run(["glslangValidator", "-V", "--target-env", abi.TARGET_ENV,
-                            *[f"-D{k}={val}" for k, val in sorted({**v.defines_dict, **extra}.items())],
-                            "-o", str(out / f"{name}.spv"), str(shader_build.SHADER_DIR / v.source)],
-                           check=True, capture_output=True)
-        print(f"built {label} into {out}", file=sys.stderr)
+N_CHECK = 8192  # tokens each build's output is checked over
 
 
-def _held(cache, k, v, n, spec=None):
-    from kvdict_vk import kivi as K
-    from kvdict_vk.forge import quant
+def _reference(cache: str, rows, q, n_ctx: int, spec) -> np.ndarray:
+    """float64 attention over the first N_CHECK tokens as the cache of n_ctx tokens holds them
+    (KIVI: quantised up to its window's start; kivi.attend)."""
+    from kvdict_vk import kivi as K, rows as R
+    from kvdict_vk.attention_ref import attend
     if cache == "kivi":
-        return K.cache_rows(k, v, n, spec)
-    if cache == "q8_0":
-        return quant.q8_0(k), quant.q8_0(v)
-    return k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+        return K.attend(q, rows[0], rows[1], n_ctx, N_CHECK, spec)
+    return attend(q, *(R.held_rows(x[:, :N_CHECK], cache) for x in rows), N_CHECK)
 
 
 def measure(shape: tuple, n_ctx: int, sdpa: bool, kernels=KERNELS) -> dict:
-    from kvdict_vk.attention_ref import attend as ref_attend
     from kvdict_vk.metrics import nmse
     n_kv, g, hd = shape
     rng = np.random.default_rng(hd + g)
@@ -67,9 +55,7 @@ def measure(shape: tuple, n_ctx: int, sdpa: bool, kernels=KERNELS) -> dict:
     for cache in ("f16", "q8_0", "kivi"):
         t = time.time()
         with _filled(cache, rows, n_ctx) as arena:
-            k8, v8 = _held(cache, rows[0][:, :8192], rows[1][:, :8192], 8192,
-                           arena.layout.kivi if cache == "kivi" else None)
-            ref = ref_attend(q, k8, v8, 8192)
+            ref = _reference(cache, rows, q, n_ctx, arena.layout.kivi)
             for kernel in kernels:
                 att = arena.attention(n_kv * g)
                 att.path, att.flash_kernel = "flash", kernel
@@ -79,8 +65,9 @@ def measure(shape: tuple, n_ctx: int, sdpa: bool, kernels=KERNELS) -> dict:
                     row[f"{cache}/{kernel}"] = {"error": f"{type(e).__name__}: {e}"}
                     continue
                 us = _core_us(att, q, n_ctx)
-                err = float(nmse(ref, att_out(arena, q)))
-                row[f"{cache}/{kernel}"] = {"us": us, "plan": str(plan), "variant": att.variant(0, plan), "nmse_8192": err}
+                err = float(nmse(ref, arena.attend(0, q, N_CHECK)))
+                row[f"{cache}/{kernel}"] = {"us": us, "plan": str(plan), "variant": att.variant(0, plan),
+                                            f"nmse_{N_CHECK}": err}
         row[f"{cache}_setup_s"] = time.time() - t
     if sdpa:
         from kvdict_vk.bench.torch_anchor import Anchor
@@ -89,12 +76,7 @@ def measure(shape: tuple, n_ctx: int, sdpa: bool, kernels=KERNELS) -> dict:
     return row
 
 
-def att_out(arena, q):
-    return arena.attend(0, q, 8192)
-
-
 def main(argv=None) -> None:
-    import subprocess
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-ctx", default="131072")
     ap.add_argument("--shapes", default="8x4x64,8x4x128,3x3x64,3x3x128")
@@ -106,7 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: the mma kernel of this knob's build only
     a = ap.parse_args(argv)
     if a.build:
-        return build(a.build)
+        return build(a.build, KNOBS)
     from kvdict_vk.vk import get_device
     result = {"device": get_device().name, "rows": {}}
     for n_ctx in (int(x) for x in a.n_ctx.split(",")) if not a.knobs_only else ():
@@ -123,10 +105,7 @@ def main(argv=None) -> None:
         return None
     result["knobs"] = {}
     for label in [x for x in a.knobs.split(",") if x]:
-        env = dict(os.environ, KVDICT_VK_SPV_DIR=str(a.spv / label))
-        proc = subprocess.run([sys.executable, __file__, "--one", label, "--n-ctx", a.n_ctx, "--shapes", a.shapes],
-                              env=env, stdout=subprocess.PIPE, text=True)
-        result["knobs"][label] = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.returncode}
+        result["knobs"][label] = run_child(__file__, label, a.spv, ["--n-ctx", a.n_ctx, "--shapes", a.shapes])
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "mma_probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -12,6 +12,7 @@ import pytest
 from conftest import check_guards
 from kvdict_vk import errors as E
 from kvdict_vk import kivi as K
+from kvdict_vk.cli.validate import NMSE_FAST  # attend_mma's gate (issue #50)
 from kvdict_vk.metrics import nmse
 
 pytestmark = pytest.mark.gpu
@@ -57,9 +58,9 @@ def _check(arena, q, k, v, n_tokens, n_used, spec, scale=None):
     return out
 
 
-def _uses_fused(att, layer: int = 0) -> bool:
+def _uses_fused(att, layer: int = 0, shader: str = "attend_flash_kivi") -> bool:
     keys = att.passes.pipeline_keys()
-    return (any(k[0] == "flash" and k[1].startswith("attend_flash_kivi") and k[3] == layer for k in keys)
+    return (any(k[0] == "flash" and k[1].startswith(shader) and k[3] == layer for k in keys)
             and att.buffers.recon is None)
 
 
@@ -117,9 +118,13 @@ def test_every_bit_width(bits, make_arena):
     check_guards(arena)
 
 
-def test_steps_across_group_boundaries(make_arena):
+@pytest.mark.parametrize("kernel", [None, "mma"])
+def test_steps_across_group_boundaries(kernel, make_arena):
     """KvArena.step (append, then attend) one token at a time across the points where a group
-    leaves the window (the state word moves), then a bigger step: every output the reference."""
+    leaves the window (the state word moves), then a bigger step: every output the reference —
+    through the engine's kernel, and through attend_mma's KIVI build at the fast paths' gate
+    where the device has cooperative matrices (elsewhere forcing it is a typed error)."""
+    from kvdict_vk.vk.attend.flash import MMA_KERNEL
     spec = K.KiviSpec(4, 4, 16)
     rng = np.random.default_rng(8)
     hd, n_kv, g, n_ctx = 64, 2, 3, 160
@@ -127,13 +132,20 @@ def test_steps_across_group_boundaries(make_arena):
     arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64, cache="kivi", kivi=spec)
     arena.append(0, k[:, :40], v[:, :40])
     q = rng.standard_normal((n_kv * g, hd)).astype(np.float32)
+    att, limit = arena.attention(n_kv * g), LIMIT
+    if kernel == MMA_KERNEL:
+        att.path, att.flash_kernel, limit = "flash", MMA_KERNEL, NMSE_FAST
+        if not att.shapes.mma_locals(0):
+            with pytest.raises(E.ArenaError):
+                arena.step(0, k[:, 40:41], v[:, 40:41], q)
+            return
     for t in range(40, 85):  # quantised ends 0 → 32 at 48 tokens, → 64 at 80
         out = arena.step(0, k[:, t:t + 1], v[:, t:t + 1], q)
         err = nmse(K.attend(q, k, v, t + 1, t + 1, spec), out)
-        assert err <= LIMIT and np.isfinite(out).all(), f"step to {t + 1} tokens: NMSE {err:.3g}"
+        assert err <= limit and np.isfinite(out).all(), f"step to {t + 1} tokens: NMSE {err:.3g}"
     out = arena.step(0, k[:, 85:150], v[:, 85:150], q)
-    assert nmse(K.attend(q, k, v, 150, 150, spec), out) <= LIMIT
-    assert _uses_fused(arena.attention(n_kv * g))
+    assert nmse(K.attend(q, k, v, 150, 150, spec), out) <= limit
+    assert _uses_fused(att, shader="attend_mma_kivi" if kernel else "attend_flash_kivi")
     check_guards(arena)
 
 

@@ -4,7 +4,8 @@ caches, against the float64 reference over the same cached values at the fast pa
 (NMSE ≤ 1e-5, issue #50's decision), under the validation layer, every arena guarded.
 
 Where the device lacks what attend_mma needs (lavapipe: no cooperative matrices) it is never
-offered, and forcing it is a typed error — those tests assert that instead."""
+offered, and forcing it is a typed error — those tests assert that instead. (Its KIVI steps
+across group boundaries: test_vk_attend_kivi.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 from conftest import check_guards
 from kvdict_vk import errors as E
 from kvdict_vk import kivi as K
-from kvdict_vk.forge import quant
+from kvdict_vk import rows as R
+from kvdict_vk.cli.validate import NMSE_FAST as GATE  # the fast paths' gate (issue #50)
 from kvdict_vk.metrics import nmse
 from kvdict_vk.vk import abi
 from kvdict_vk.vk.attend import flash
@@ -24,23 +26,25 @@ from test_vk_attend_kivi import _filled as kivi_filled, _rows
 
 pytestmark = pytest.mark.gpu
 
-GATE = 1e-5  # the fast paths' precision gate (issue #50)
-
 
 def _has_mma(device) -> bool:
     return set(abi.MMA_FEATURES) <= set(device.features()) and device.limit("subgroup_size") == 32
 
 
 def _held(cache, k, v):
-    if cache == "f16":
-        return tuple(x.astype(np.float16).astype(np.float32) for x in (k, v))
-    return quant.q8_0(k), quant.q8_0(v)
+    return R.held_rows(k, cache), R.held_rows(v, cache)
 
 
-def _force_mma(arena, n_q_heads, workgroups=256):
+def _force_mma(arena, n_q_heads, attempt):
+    """The arena's attention with attend_mma forced (256 workgroups); where the device lacks it,
+    None once ``attempt()`` — an attention through it — has raised the typed error."""
     att = arena.attention(n_q_heads)
-    att.path, att.flash_kernel, att.flash_workgroups = "flash", MMA_KERNEL, workgroups
-    return att
+    att.path, att.flash_kernel, att.flash_workgroups = "flash", MMA_KERNEL, 256
+    if att.shapes.mma_locals(0):
+        return att
+    with pytest.raises(E.ArenaError):
+        attempt()
+    return None
 
 
 def test_offered_only_where_the_device_has_it(make_arena, monkeypatch):
@@ -92,10 +96,8 @@ def test_rows_within_the_gate(hd, g, n_kv, n_ctx, cache, local, make_arena, monk
     arena.append(0, k, v)
     k, v = _held(cache, k, v)
     q = rng.standard_normal((n_kv * g, hd)).astype(np.float32)
-    att = _force_mma(arena, n_kv * g)
-    if not _has_mma(arena.device):
-        with pytest.raises(E.ArenaError):
-            arena.attend(0, q, n_ctx)
+    att = _force_mma(arena, n_kv * g, lambda: arena.attend(0, q, n_ctx))
+    if att is None:
         return
     assert att.shapes.mma_locals(0) == [local]
     for workgroups in (256, 1):
@@ -120,10 +122,8 @@ def test_reference_moves_with_rising_scores(cache, make_arena):
     q, k, v = rising_keys(rng, n_kv, g, hd, n_ctx)
     arena.append(0, k, v)
     k, v = _held(cache, k, v)
-    _force_mma(arena, n_kv * g)
-    if not _has_mma(arena.device):
-        with pytest.raises(E.ArenaError):
-            arena.attend(0, q, n_ctx)
+    att = _force_mma(arena, n_kv * g, lambda: arena.attend(0, q, n_ctx))
+    if att is None:
         return
     for n_used in (1, 300, n_ctx // 3 + 1, n_ctx):
         err = nmse(reference(q, k, v, None, None, n_used), arena.attend(0, q, n_used))
@@ -151,10 +151,8 @@ def test_kivi_within_the_gate(case, make_arena):
     n = sum(steps)
     arena, k, v = kivi_filled(make_arena, rng, hd, n_kv, spec, steps)
     q = rng.standard_normal((n_kv * g, hd)).astype(np.float32)
-    att = _force_mma(arena, n_kv * g)
-    if not _has_mma(arena.device):
-        with pytest.raises(E.ArenaError):
-            arena.attend(0, q, n)
+    att = _force_mma(arena, n_kv * g, lambda: arena.attend(0, q, n))
+    if att is None:
         return
     for n_used in used:
         plan = att.plan(0, n_used)
@@ -164,27 +162,6 @@ def test_kivi_within_the_gate(case, make_arena):
     err = nmse(K.attend(q, k, v, n, n, spec, 0.05), arena.attend(0, q, n, 0.05))
     assert err <= GATE
     assert any(key[1] == "attend_mma_kivi" for key in att.passes.pipeline_keys())
-    check_guards(arena)
-
-
-def test_kivi_steps_across_group_boundaries(make_arena):
-    """KvArena.step one token at a time while groups leave the window (the state word moves)."""
-    spec = K.KiviSpec(4, 4, 16)
-    rng = np.random.default_rng(8)
-    hd, n_kv, g, n_ctx = 64, 2, 3, 160
-    k, v = _rows(rng, n_kv, n_ctx, hd)
-    arena = make_arena(1, n_kv, hd, n_ctx, guard_words=64, cache="kivi", kivi=spec)
-    arena.append(0, k[:, :40], v[:, :40])
-    q = rng.standard_normal((n_kv * g, hd)).astype(np.float32)
-    _force_mma(arena, n_kv * g)
-    if not _has_mma(arena.device):
-        with pytest.raises(E.ArenaError):
-            arena.step(0, k[:, 40:41], v[:, 40:41], q)
-        return
-    for t in range(40, 85):
-        out = arena.step(0, k[:, t:t + 1], v[:, t:t + 1], q)
-        err = nmse(K.attend(q, k, v, t + 1, t + 1, spec), out)
-        assert err <= GATE, f"step to {t + 1} tokens: NMSE {err:.3g}"
     check_guards(arena)
 
 
@@ -201,10 +178,8 @@ def test_batched_rows_within_the_gate(cache, make_arena):
         arena.append(0, k, v, seq=b)
         held.append(_held(cache, k, v))
     q = rng.standard_normal((len(lengths), n_kv * g, hd), dtype=np.float32)
-    _force_mma(arena, n_kv * g)
-    if not _has_mma(arena.device):
-        with pytest.raises(E.ArenaError):
-            arena.attend_batch(0, q, list(lengths))
+    att = _force_mma(arena, n_kv * g, lambda: arena.attend_batch(0, q, list(lengths)))
+    if att is None:
         return
     for used in (list(lengths), [5, 1, 129, 2]):
         out = arena.attend_batch(0, q, used)

@@ -36,9 +36,9 @@ def test_spirv_reflection_matches_the_declaration(name):
         assert r.local_size_spec_id is None and decl.local == abi.WG_SIZE
     # the capabilities beyond Shader are exactly the declared subgroup classes' and features'
     used = {spirv.SUBGROUP_CAPABILITIES[c] for c in r.capabilities if c in spirv.SUBGROUP_CAPABILITIES}
-    features = {c for f in decl.features for c in spirv.FEATURE_CAPABILITIES[f][0]}
+    features = {c for f in decl.features for c in abi.FEATURE_CAPABILITIES[f][0]}
     assert used == set(decl.subgroup_ops) and set(r.capabilities) - set(spirv.SUBGROUP_CAPABILITIES) - features == {1}
-    assert all(set(spirv.FEATURE_CAPABILITIES[f][0]) & set(r.capabilities) for f in decl.features), name
+    assert all(set(abi.FEATURE_CAPABILITIES[f][0]) & set(r.capabilities) for f in decl.features), name
     spirv.check_portable(name, r, subgroup_ops=decl.subgroup_ops, features=decl.features)
 
 

@@ -181,7 +181,7 @@ class FlashShapes:
                     and hd % 32 == 0 and hd <= MMA_MAX_HEAD_DIM and self.group <= MMA_HEAD_COLUMNS
                     and (not k.kivi or {k.kivi_bits, v.kivi_bits} <= set(MMA_KIVI_BITS))
                     and set(decl.features) <= set(dev.features()) and dev.limit("subgroup_size") == MMA_SUBGROUP
-                    and set(decl.subgroup_ops) <= set(dev.limit("subgroup_operations")))
+                    and set(decl.subgroup_ops) <= set(dev.subgroup_operations()))
             limit = dev.limit("max_compute_shared_memory_size")
             return tuple(n for n in MMA_LOCALS if fits and n <= self.max_local()
                          and mma_shared_bytes(hd, n, rows) <= limit)

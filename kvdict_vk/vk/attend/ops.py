@@ -189,7 +189,7 @@ class PassBuilder:
         rows per KV head; plan.seqs sequences seq_rows apart) — its KIVI build where ``kivi``
         gives (K bits, V bits) —, then attend_merge_head."""
         b, grid, lay = self.buffers, self.grid, self.layout
-        variant = self.shapes.flash_variant(local, _flash_shader(bool(kivi), plan.kernel))
+        variant = self.shapes.flash_variant(local, flash_shader(bool(kivi), plan.kernel))
         # attend_mma has no split end through shared memory to size
         end = {} if plan.kernel == MMA_KERNEL else dict(END_ELEMS=self.shapes.flash_end_elems(local, plan.kernel))
         bits = dict(K_BITS=kivi[0], V_BITS=kivi[1]) if kivi else {}
@@ -208,7 +208,7 @@ class PassBuilder:
             return "attend_direct" if plan.path == "direct" else "attend_split_coded"
         if k.coded:
             return "attend_flash_coded"
-        return self.shapes.flash_variant(plan.local or self.shapes.flash_local(layer), _flash_shader(k.kivi, plan.kernel))
+        return self.shapes.flash_variant(plan.local or self.shapes.flash_local(layer), flash_shader(k.kivi, plan.kernel))
 
     def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
         b, grid, lay = self.buffers, self.grid, self.layout
@@ -319,7 +319,7 @@ class PassBuilder:
         self._kernels.clear()
 
 
-def _flash_shader(kivi: bool, kernel: str) -> str:
+def flash_shader(kivi: bool, kernel: str) -> str:
     """The shader of a flash build over rows: attend_mma (build "mma", its KIVI build over a KIVI
     layer), or attend_flash — its KIVI build, its wide end (build "wide_end") or itself."""
     if kernel == MMA_KERNEL:

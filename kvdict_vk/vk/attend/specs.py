@@ -379,19 +379,21 @@ def _flash_kivi_extents(p, s):
             [_span(0, 2 * records)]]
 
 
-def _mma_check(s, rows: str, bits: tuple = ()):
+def _mma_check(s, bits: tuple = ()):
+    """attend_mma.comp's specialization: its head columns, head_dims, subgroups of 32; a row
+    format (f16 or q8_0 rows; the KIVI build's exact windows are f16 rows); KIVI ``bits`` that
+    fill whole words."""
     hd = s["HEAD_DIM"]
     _check(s["GROUP"] <= MMA_HEAD_COLUMNS and hd % 32 == 0 and hd <= MMA_MAX_HEAD_DIM
            and s["LOCAL"] % MMA_SUBGROUP == 0 and all(b in MMA_KIVI_BITS for b in bits)
-           and (rows != "kivi" or (s["ROW_HALF"] == 1 and s["ROW_Q8"] == 0)),
+           and s["ROW_HALF"] + s["ROW_Q8"] == 1 and (not bits or s["ROW_HALF"] == 1),
            "attend_mma (specialization)", s)
 
 
 def _mma_extents(p, s):
     """attend_mma.comp over rows: what attend_flash reads and writes (the same rows, clamped to
     the split's last token; as words only)."""
-    _mma_check(s, "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32"))
-    _check(s["ROW_HALF"] + s["ROW_Q8"] == 1, "attend_mma (rows: f16 or q8_0)", s)
+    _mma_check(s)
     words, _quads, *rest = _flash_extents(p, dict(s, END_ELEMS=1))
     return [words, [], *rest]
 
@@ -399,7 +401,7 @@ def _mma_extents(p, s):
 def _mma_kivi_extents(p, s):
     """attend_mma.comp's KIVI build: attend_flash_kivi's spans, the statistics and windows read
     as words (not quads)."""
-    _mma_check(s, "kivi", (s["K_BITS"], s["V_BITS"]))
+    _mma_check(s, (s["K_BITS"], s["V_BITS"]))
     words, quads, *rest = _flash_kivi_extents(p, dict(s, END_ELEMS=1))
     return [words + quads, [], *rest]
 
