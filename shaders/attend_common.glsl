@@ -51,11 +51,20 @@ uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
 // b*seq_rows .. of each KV head (n_ctx rows per head in all), its query heads
 // b*n_kv*GROUP + g*GROUP + hj. A sequence's KV head is a "virtual head" v = b*n_kv + g for
 // the queries, the q·atom table, the records and the output; the dictionary head stays g.
-// The query buffer holds the n_seqs × n_kv × GROUP query vectors, then one word per sequence:
-// its n_used as uint bits (the host writes both — kvdict_vk.vk.attend_specs.lengths_word is
-// this offset's twin; clamped to [1, pc.n_used], the most).
+// The query block (from word pc.q_word of the query buffer: a recorded decode step keeps every
+// layer's in one buffer) holds the n_seqs × n_kv × GROUP query vectors, then one word per
+// sequence: its n_used as uint bits (the host writes both — kvdict_vk.vk.attend.specs.lengths_word
+// is this offset's twin; clamped to [1, pc.n_used], the most).
 #define SEQ_USED(qbuf, b) \
-    clamp(floatBitsToUint(qbuf[pc.n_seqs * pc.n_kv * GROUP * HEAD_DIM + (b)]), 1u, pc.n_used)
+    clamp(floatBitsToUint(qbuf[pc.q_word + pc.n_seqs * pc.n_kv * GROUP * HEAD_DIM + (b)]), 1u, pc.n_used)
+
+// The flash kernels' tokens per split of a sequence attending over n_used tokens: the push
+// block's split_len, or — split_len 0: a decode step recorded once (kvdict_vk.vk.arena.decode),
+// whose token counts change between replays — n_used over the splits, rounded up to a whole
+// number of split_round tokens (the kernel's rounds; kvdict_vk.vk.attend.specs.dynamic_split_len
+// is its twin).
+#define SPLIT_LEN(n_used) (pc.split_len != 0u ? pc.split_len \
+    : (((n_used) + pc.n_splits - 1u) / pc.n_splits + pc.split_round - 1u) / pc.split_round * pc.split_round)
 
 // The first record of split i of KV head g (add hj for query head hj of the group).
 uint record(uint i, uint g, uint n_kv) { return (i * n_kv + g) * GROUP; }

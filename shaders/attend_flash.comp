@@ -144,6 +144,8 @@ layout(push_constant) uniform AttendFlashPush {
     uint v_window_word;
     uint window;
     uint state_word;
+    uint split_round;  // split_len 0: the splits' rounding (SPLIT_LEN)
+    uint q_word;       // the query block's first word (SEQ_USED)
     float score_scale;
 } pc;
 
@@ -410,8 +412,9 @@ void main() {
         uint seq = item / (pc.n_kv * pc.n_splits);
         uint vh = seq * pc.n_kv + g;  // the virtual head: queries, records
         uint n_used = SEQ_USED(q_floats, seq);
-        uint t0 = i * pc.split_len;
-        uint n_tok = t0 < n_used ? min(t0 + pc.split_len, n_used) - t0 : 0u;  // 0: an empty split
+        uint split_len = SPLIT_LEN(n_used);
+        uint t0 = i * split_len;
+        uint n_tok = t0 < n_used ? min(t0 + split_len, n_used) - t0 : 0u;  // 0: an empty split
 
         m_own = NEG_INF;
         l_own = 0.0;
@@ -419,7 +422,7 @@ void main() {
             q_lo[h] = vec4(0.0);
             q_hi[h] = vec4(0.0);
             if (h < GROUP) {
-                uint f = (vh * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
+                uint f = pc.q_word + (vh * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
                 q_lo[h] = vec4(q_floats[f], q_floats[f + 1u], q_floats[f + 2u], q_floats[f + 3u]) * pc.score_scale;
                 q_hi[h] = vec4(q_floats[f + 4u], q_floats[f + 5u], q_floats[f + 6u], q_floats[f + 7u]) * pc.score_scale;
             }

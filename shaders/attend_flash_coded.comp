@@ -85,6 +85,8 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint head_vec;
     uint n_seqs;        // sequences (attend_common.glsl: batched decode)
     uint seq_rows;      // rows between two sequences' first tokens in a KV head
+    uint split_round;   // split_len 0: the splits' rounding (SPLIT_LEN)
+    uint q_word;        // the query block's first word (SEQ_USED)
     float score_scale;
 } pc;
 
@@ -181,8 +183,9 @@ void main() {
         uint vh = seq * pc.n_kv + g;  // the virtual head: queries, table rows, records
         uint h0 = vh * GROUP + blk * HB;  // first query head of the block
         uint n_used = SEQ_USED(q_floats, seq);
-        uint t0 = i * pc.split_len;
-        uint t1 = min(t0 + pc.split_len, n_used);
+        uint split_len = SPLIT_LEN(n_used);
+        uint t0 = i * split_len;
+        uint t1 = min(t0 + split_len, n_used);
 
         [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
             uint x = tid + r * LOCAL;
@@ -193,7 +196,7 @@ void main() {
             vec4 qv, rs = vec4(0.0);
             [[unroll]] for (uint k = 0u; k < 4u; ++k) {
                 uint f = 4u * x + k;
-                qv[k] = q_floats[h0 * HEAD_DIM + f];
+                qv[k] = q_floats[pc.q_word + h0 * HEAD_DIM + f];
                 if (K_BITS > 0u)
                     rs[k] = uintBitsToFloat(cache_words[pc.k_scale_word + g * pc.head_vec + f % HEAD_DIM]);
             }

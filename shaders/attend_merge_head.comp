@@ -28,6 +28,7 @@ layout(push_constant) uniform AttendMergeHeadPush {
     uint mean_word;  // a multiple of 4
     uint head_vec;   // words between two KV heads' means (0: shared dictionary)
     uint seq_heads;  // KV heads of a sequence: n_kv counts virtual heads (attend_common.glsl)
+    uint out_word;   // where the output starts in Out, a multiple of 4 (a recorded step's layers share one)
 } pc;
 
 #include "attend_merge.glsl"
@@ -93,7 +94,7 @@ void main() {
                 float f = m_sh[ln] > NEG_INF ? exp(m_sh[ln] - big_m) : 0.0;  // a lane of empty splits adds nothing
                 merge_add(f, l_sh[ln], acc_sh[ln * Q4 + c], big_l, sum);
             }
-            out_quads[h * Q4 + c] = mean + sum * (1.0 / big_l);
+            out_quads[pc.out_word / 4u + h * Q4 + c] = mean + sum * (1.0 / big_l);
         }
         barrier();  // shared memory is reused by the next head
     }

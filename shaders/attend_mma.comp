@@ -116,6 +116,8 @@ layout(push_constant) uniform AttendFlashPush {
     uint v_window_word;
     uint window;
     uint state_word;
+    uint split_round;
+    uint q_word;
     float score_scale;
 } pc;
 
@@ -279,12 +281,13 @@ void main() {
         seq = item / (pc.n_kv * pc.n_splits);
         uint vh = seq * pc.n_kv + g;
         uint n_used = SEQ_USED(q_floats, seq);
-        t0 = i * pc.split_len;
-        uint n_tok = t0 < n_used ? min(t0 + pc.split_len, n_used) - t0 : 0u;
+        uint split_len = SPLIT_LEN(n_used);
+        t0 = i * split_len;
+        uint n_tok = t0 < n_used ? min(t0 + split_len, n_used) - t0 : 0u;
 
         for (uint x = tid; x < HN * HEAD_DIM; x += LOCAL) {
             uint h = x / HEAD_DIM;
-            q_sh[x] = h < GROUP ? q_floats[(vh * GROUP + h) * HEAD_DIM + x % HEAD_DIM] * pc.score_scale : 0.0;
+            q_sh[x] = h < GROUP ? q_floats[pc.q_word + (vh * GROUP + h) * HEAD_DIM + x % HEAD_DIM] * pc.score_scale : 0.0;
         }
         barrier();
 #if !KIVI

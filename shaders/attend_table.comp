@@ -22,6 +22,7 @@ layout(push_constant) uniform AttendTablePush {
     uint n_atoms;
     uint n_kv;
     uint n_seqs;
+    uint q_word;      // where the query block starts (a multiple of 4: attend_common.glsl)
 } pc;
 
 void main() {
@@ -38,7 +39,7 @@ void main() {
         if (unit != cached_unit) {
             cached_unit = unit;
             [[unroll]] for (uint x = 0u; x < BQ; ++x)
-                q[x] = q_quads[h0 * Q4 + x];
+                q[x] = q_quads[pc.q_word / 4u + h0 * Q4 + x];
         }
         uint row = (pc.atoms_word + (g % pc.n_kv) * pc.head_atoms + a * HEAD_DIM) >> 2u;
         vec4 atom[Q4];

@@ -126,14 +126,16 @@ READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", 
                             "stats_word", "window_word", "window", "state_word")
 SCATTER_PUSH = uint_block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                           "group_stride", "n_words")
+APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_word", "v_word", "k_row_words", "v_row_words",
+                              "n_kv", "n_seqs", "n_ctx", "seq_rows", "lengths_word")
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
 ATTEND_SPLIT_PUSH = uint_block("AttendSplitPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
                                "n_kv", "n_atoms", "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word",
                                "head_vec", floats=("score_scale",))
-ATTEND_TABLE_PUSH = uint_block("AttendTablePush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_seqs",
-                               defaults=dict(n_seqs=1))
+ATTEND_TABLE_PUSH = uint_block("AttendTablePush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_seqs", "q_word",
+                               defaults=dict(n_seqs=1, q_word=0))
 ATTEND_COMBINE_PUSH = uint_block("AttendCombinePush", "n_kv", "n_splits", "f_word", "inv_l_word")
 ATTEND_ATOMS_PUSH = uint_block("AttendAtomsPush", "atoms_word", "head_atoms", "n_atoms", "n_kv", "n_splits",
                                "f_word")
@@ -148,16 +150,22 @@ ATTEND_DIRECT_PUSH = uint_block("AttendDirectPush", "k_word", "v_word", "n_ctx",
 # attend_flash's KIVI builds (one sequence) read a KIVI layer's keys' group statistics, its two
 # exact windows (rings of `window` binary16 rows) and its state word (the quantised end)
 _KIVI_WORDS = ("stats_word", "k_window_word", "v_window_word", "window", "state_word")
+# split_len 0: each sequence's splits derived from its n_used in rounds of split_round tokens
+# (attend_common.glsl's SPLIT_LEN); q_word: where the query block starts in Query (a multiple
+# of 4) — both a recorded decode step's (kvdict_vk/vk/arena/decode.py)
 ATTEND_FLASH_PUSH = uint_block("AttendFlashPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
-                               "n_kv", "n_seqs", "seq_rows", *_KIVI_WORDS, floats=("score_scale",),
-                               defaults=dict(n_seqs=1, seq_rows=0, **{n: 0 for n in _KIVI_WORDS}))
+                               "n_kv", "n_seqs", "seq_rows", *_KIVI_WORDS, "split_round", "q_word",
+                               floats=("score_scale",),
+                               defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0,
+                                             **{n: 0 for n in _KIVI_WORDS}))
 ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
                                      "n_splits", "n_kv", "v_atoms_word", "head_atoms", "k_scale_word",
-                                     "v_scale_word", "head_vec", "n_seqs", "seq_rows", floats=("score_scale",),
-                                     defaults=dict(n_seqs=1, seq_rows=0))
+                                     "v_scale_word", "head_vec", "n_seqs", "seq_rows", "split_round", "q_word",
+                                     floats=("score_scale",),
+                                     defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0))
 ATTEND_MERGE_PUSH = uint_block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
 ATTEND_MERGE_HEAD_PUSH = uint_block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word",
-                                    "head_vec", "seq_heads")
+                                    "head_vec", "seq_heads", "out_word", defaults=dict(out_word=0))
 # GPU OMP encoder (shaders/omp_encode_*.comp, kvdict_vk/vk/encode/): one block for its
 # kernels; shaders/encode_common.glsl says what each field is.
 ENCODE_PUSH = uint_block("EncodePush", "phase", "step", "group0", "block", "dict_head", "n_tok",
@@ -246,6 +254,7 @@ def _declare() -> tuple:
     out += [
         Variant("l2_flush", "l2_flush.comp", (), (ro("Src", 4), rw("Sink")), FLUSH_PUSH),
         Variant("scatter", "scatter.comp", (), (ro("Upload"), rw("Layer")), SCATTER_PUSH),
+        Variant("append_step", "append_step.comp", (), (ro("Step"), ro("Query"), rw("Layer")), APPEND_STEP_PUSH),
         Variant("read_rows_f16", "read_rows_f16.comp", (), (ro("LayerWords"), rw("OutPairs", 2)), COPY_ROWS_PUSH,
                 ("HEAD_DIM",)),
         Variant("read_rows_q8", "read_rows_q8.comp", (), (ro("LayerWords"), rw("OutQuads", 4)), COPY_ROWS_PUSH,

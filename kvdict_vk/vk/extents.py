@@ -1,5 +1,5 @@
 """The words each dispatch of the arena's own shaders touches — reconstruct, copy_rows, copy,
-scatter, l2_flush, read_rows_* — for given push constants and specialization constants.
+scatter, append_step, l2_flush, read_rows_* — for given push constants and specialization constants.
 
 Each extents function maps (push dict, spec dict) to, per binding, a list of spans (first
 word, one past the last); kernels.Kernel.op refuses a dispatch whose spans leave a buffer
@@ -78,6 +78,19 @@ def _scatter_extents(p, s):
     return [(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + g * p["group_stride"] + (i + 1) * rw)]
 
 
+def _append_step_extents(p, s):
+    """append_step: the step's K and V words; each sequence's n_used word; anywhere in the K
+    and V regions' rows of the n_seqs sequences (the row is read on the device)."""
+    n_kv, n_seqs, n_ctx, rows = p["n_kv"], p["n_seqs"], p["n_ctx"], p["seq_rows"]
+    if n_kv < 1 or n_seqs < 1 or rows < 1 or n_seqs * rows > n_ctx or p["k_row_words"] < 1 or p["v_row_words"] < 1:
+        raise E.DispatchError(f"append_step: push constants {p} are inconsistent")
+    k_n, v_n = n_seqs * n_kv * p["k_row_words"], n_seqs * n_kv * p["v_row_words"]
+    last = (n_kv - 1) * n_ctx + (n_seqs - 1) * rows + rows  # one past the last row written in a region
+    return ([(p["k_src_word"], p["k_src_word"] + k_n), (p["v_src_word"], p["v_src_word"] + v_n)],
+            [(p["lengths_word"], p["lengths_word"] + n_seqs)],
+            [(p["k_word"], p["k_word"] + last * p["k_row_words"]), (p["v_word"], p["v_word"] + last * p["v_row_words"])])
+
+
 def _read_f16_extents(p, s):
     _check_rows(p)
     if not p["n_rows"]:
@@ -137,7 +150,7 @@ EXTENTS = {
     **{f"reconstruct_{v}": (lambda p, s, n=n: _reconstruct_extents(p, s, n)) for v, n in (("vec4", 4), ("scalar", 1))},
     "copy_rows_vec4": _copy_rows_extents, "copy_rows_scalar": _copy_rows_extents,
     "copy_vec4": _copy_extents, "copy_scalar": _copy_extents,
-    "scatter": _scatter_extents, "l2_flush": _flush_extents,
+    "scatter": _scatter_extents, "append_step": _append_step_extents, "l2_flush": _flush_extents,
     "read_rows_f16": _read_f16_extents, "read_rows_q8": _read_q8_extents, "read_rows_kivi": _read_kivi_extents,
 }
 # variant → invocations that share one row, from the spec (grid stride % groups == 0); others 1

@@ -228,7 +228,8 @@ def test_extents_refuse_what_the_kernel_cannot_run():
     from kvdict_vk.vk.shaders import SHADERS
     ext = SHADERS["attend_flash_kivi"].extents
     p = dict(k_word=0, v_word=1000, n_ctx=100, n_used=50, split_len=64, n_splits=1, n_kv=2, n_seqs=1, seq_rows=0,
-             stats_word=5000, k_window_word=6000, v_window_word=8000, window=160, state_word=9999, score_scale=0.1)
+             stats_word=5000, k_window_word=6000, v_window_word=8000, window=160, state_word=9999, split_round=1,
+             q_word=0, score_scale=0.1)
     s = dict(HEAD_DIM=64, GROUP=4, LOCAL=64, HB=1, ROW_HALF=1, ROW_Q8=0, END_ELEMS=2, K_BITS=4, V_BITS=4)
     spans = ext(p, s)
     assert [9999, 10000] in [list(x) for x in spans[0]]  # the state word is read
@@ -238,7 +239,9 @@ def test_extents_refuse_what_the_kernel_cannot_run():
             ext(p, bad_s)
     for bad_p in (dict(p, n_used=101), dict(p, n_splits=0), dict(p, split_len=48, n_splits=2),
                   dict(p, window=0),
-                  dict(p, n_seqs=2), dict(p, stats_word=5001), dict(p, k_window_word=6002)):
+                  dict(p, n_seqs=2), dict(p, stats_word=5001), dict(p, k_window_word=6002),
+                  dict(p, split_len=0, split_round=0), dict(p, split_len=0, split_round=48, n_splits=2),
+                  dict(p, q_word=2)):
         with pytest.raises(E.DispatchError):
             ext(bad_p, s)
 

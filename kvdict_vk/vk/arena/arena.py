@@ -30,6 +30,7 @@ from ..attend.engine import Attention, check_query, check_scale
 from ..read import reader
 from ..read.reader import ReadPlan
 from . import config as C
+from .decode import DecodeStep
 from .memory import ArenaMemory
 from .writes import ArenaWrites
 
@@ -66,6 +67,7 @@ class KvArena:
                                 guard_words=guard_words, guard_value=guard_value,
                                 cache=L.DEFAULT_CACHE if cache == "dict" else cache, kivi=kivi)
         self._attention: dict[int, Attention] = {}  # by query-head count, made on first attend
+        self._steps: list[DecodeStep] = []  # record_step's, freed with the arena
         # sized against the device (ArenaTooLargeError) before anything is allocated
         self.memory = ArenaMemory(layout, get_device(device), shader_mapping, seqs, n_ctx)
         self._writes = ArenaWrites(self.memory, art, self.encoder)
@@ -252,6 +254,22 @@ class KvArena:
         self.memory.advance(i, 0, t_new)
         return out
 
+    def record_step(self, n_heads: int, layers=None, batch: int = 1, scale: float | None = None,
+                    n_plan: int | None = None, timestamps: bool = False) -> DecodeStep:
+        """A decode step of ``layers`` (default: every layer) recorded once, for ``n_heads``
+        query heads and sequences 0 .. batch − 1: ``step.run(k_rows, v_rows, q)`` appends one
+        token per sequence to each layer and attends over it, replaying the same commands with
+        the step's values in buffers (kvdict_vk.vk.arena.decode says how). The flash kernels
+        attend (f16 / f32 / q8_0 rows, or both streams dict-coded; not a KIVI layer), their
+        launch shape planned at ``n_plan`` tokens (default: the capacity). The step is freed
+        with the arena, or by its own free()."""
+        att = self.attention(n_heads)
+        idx = list(range(self.layout.n_layers)) if layers is None else [self.memory.layer_index(i) for i in layers]
+        step = DecodeStep(self.memory, self._writes, att, idx, batch, check_scale(scale, self.layout.head_dim),
+                          n_plan, timestamps)
+        self._steps = [s for s in self._steps if not s.closed] + [step]
+        return step
+
     def attention(self, n_heads: int) -> Attention:
         """The attention engine for ``n_heads`` query heads (benchmarks use it directly)."""
         self.memory.check_live()
@@ -263,6 +281,9 @@ class KvArena:
         """Release every device resource. Idempotent; any later use raises ArenaError."""
         if self.memory.closed:
             return
+        for step in self._steps:  # before the engines: their pipelines bind its buffers
+            step.free()
+        self._steps.clear()
         for att in self._attention.values():
             att.free()
         self._attention.clear()

@@ -154,6 +154,18 @@ class ArenaMemory:
         self._n_tokens[layer][seq] += n_new
         return self._n_tokens[layer][seq]
 
+    def counts(self, layers, batch: int) -> list[list[int]]:
+        """Token counts [layer][sequence] of ``layers`` (indices already checked), sequences
+        0 .. batch − 1 (a recorded step's, read once per step)."""
+        return [self._n_tokens[i][:batch] for i in layers]
+
+    def advance_each(self, layers, batch: int) -> None:
+        """One more token written to sequences 0 .. batch − 1 of each of ``layers``."""
+        for i in layers:
+            row = self._n_tokens[i]
+            for s in range(batch):
+                row[s] += 1
+
     def row0(self, layer: int, seq: int) -> int:
         """The layer row (within a KV head's slice) of the sequence's next token."""
         return seq * self._seq_ctx + self._n_tokens[layer][seq]

@@ -5,6 +5,8 @@ first use. Everything is kept until free().
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from ..device import kp
@@ -47,6 +49,14 @@ class AttendBuffers:
         b = Buffer(self.device, words, kind, name)
         self.owned.append(b)
         return b
+
+    def with_io(self, q: Buffer, out: Buffer) -> "AttendBuffers":
+        """A view of these buffers with its own query block and output (a recorded decode
+        step's, one per layer: kvdict_vk.vk.arena.decode) and this engine's scratch. It owns
+        nothing: the caller frees q and out, the engine the rest."""
+        view = copy.copy(self)
+        view.q, view.out, view.owned, view.flush_scratch = q, out, [], {}
+        return view
 
     def clear_bins(self) -> None:
         """The split pass expects zero atom weights (attend_atoms.comp leaves them so after a

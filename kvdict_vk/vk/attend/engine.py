@@ -155,7 +155,7 @@ class Attention:
             if path not in (None, "flash") or not self.shapes.flash_fits(layer):
                 raise E.ArenaError(f"layer {layer}: batched attention runs the flash kernels only, which "
                                    f"{'were not asked for' if path not in (None, 'flash') else 'do not fit it'}")
-            return self._flash_plan(layer, n_used, seqs)
+            return self.flash_plan(layer, n_used, seqs)
         if path not in PATHS:
             raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {path!r}")
         k, v = self.layout.layers[layer].streams
@@ -167,7 +167,7 @@ class Attention:
                 raise E.ArenaError(f"layer {layer}: attend_flash_kivi cannot attend over it here (head_dim "
                                    f"{self.layout.head_dim}, {self.grid.group} query heads per KV head, at most "
                                    f"{FLASH_MAX_GROUP}); Attention.attend_reconstructed can")
-            return self._flash_plan(layer, n_used)
+            return self.flash_plan(layer, n_used)
         if path == "rows":
             raise E.ArenaError(f"layer {layer}: path 'rows' (read out, then attend) is a KIVI layer's only")
         n_cached = n_used if n_cached is None else n_cached
@@ -181,12 +181,7 @@ class Attention:
                                f"{FLASH_MAX_GROUP} query heads per KV head and head_dim a multiple of 32")
         fits = self.shapes.flash_fits
         if path == "flash" or (path is None and (self.grid.local == GPU_LOCAL or k.q8) and fits(layer)):
-            if not fits(layer):
-                raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
-                                   f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16, f32) or 32 (q8_0); "
-                                   f"attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
-                                   f"the q·atom table in shared memory)")
-            return self._flash_plan(layer, n_used)
+            return self.flash_plan(layer, n_used)
         p = P.plan(k, v, self.layout.head_dim, self.grid.hb, self.layout.n_atoms, n_used, n_cached,
                    self.grid.preferred_splits, path)
         if p.records > self.grid.max_splits:
@@ -199,9 +194,14 @@ class Attention:
         kvdict-validate lists and benchmark rows name)."""
         return self.passes.variant(layer, plan)
 
-    def _flash_plan(self, layer: int, n_used: int, seqs: int = 1) -> P.Plan:
+    def flash_plan(self, layer: int, n_used: int, seqs: int = 1) -> P.Plan:
         """The flash kernel's plan (FlashShapes.plan): its launch shape timed on the device
         (time_plan) where the engine tunes and the device has timestamps."""
+        if not self.shapes.flash_fits(layer):
+            raise E.ArenaError(f"layer {layer}: no flash kernel fits it (attend_flash: an uncoded layer, at most "
+                               f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16, f32) or "
+                               f"32 (q8_0); attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
+                               f"the q·atom table in shared memory)")
         timer = self.time_plan if self.tune and timestamps_usable(self.device) else None
         return self.shapes.plan(layer, n_used, seqs, timer)
 

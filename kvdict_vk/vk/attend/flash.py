@@ -330,7 +330,8 @@ class FlashShapes:
         # a KIVI split starts on a key group: a whole number of rounds always, or the only split
         most = n_used + rounds if kivi else n_used
         n, split_len = P.split_count(n_used, self.splits_wanted(shape, seqs), min_tokens, most, rounds)
-        return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel, seqs=seqs)
+        return P.Plan("flash", n, split_len, local=shape.local, heads=shape.heads, kernel=shape.kernel, seqs=seqs,
+                      split_round=rounds)
 
     def splits_wanted(self, shape: T.Shape, seqs: int = 1) -> int:
         """Splits per virtual head (sequence × KV head) that make at most ``shape.workgroups``

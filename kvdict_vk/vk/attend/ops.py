@@ -121,10 +121,11 @@ class PassBuilder:
                          write_out=write_out, use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
                          score_scale=scale)
 
-    def _merge(self, key, buf, v, records: int, per_head: bool = False, n_seqs: int = 1) -> list:
+    def _merge(self, key, buf, v, records: int, per_head: bool = False, n_seqs: int = 1, out_word: int = 0) -> list:
         """attend_merge (one invocation per output quad: the direct path's, shaped for CPU
         drivers) or, ``per_head`` (the flash paths), attend_merge_head (a workgroup per query
-        head, of each of n_seqs sequences) where its workgroup fits the device."""
+        head, of each of n_seqs sequences) where its workgroup fits the device — its output
+        from ``out_word`` of the output buffer on."""
         b, grid, lay = self.buffers, self.grid, self.layout
         use_mean = int(v is not None and v.coded and v.has_mean)
         n_heads = b.sizes.seqs * lay.n_kv_heads * grid.group
@@ -135,11 +136,11 @@ class PassBuilder:
             kernel = self._kernel(("merge_head",) + key, "attend_merge_head", [buf, b.stats, b.accs, b.out],
                                   n_heads * local, LOCAL=local)
             op = self._cached_op(("merge", local) + key, kernel, n_kv=n_seqs * lay.n_kv_heads, n_splits=records,
-                                 seq_heads=lay.n_kv_heads, **mean)
+                                 seq_heads=lay.n_kv_heads, out_word=out_word, **mean)
         else:
-            if n_seqs > 1:
-                raise E.ArenaError(f"{self.device.name}: batched attention merges with attend_merge_head, whose "
-                                   f"workgroup does not fit this device")
+            if n_seqs > 1 or out_word:
+                raise E.ArenaError(f"{self.device.name}: a batched or recorded step's attention merges with "
+                                   f"attend_merge_head, whose workgroup does not fit this device")
             kernel = self._kernel(("merge",) + key, "attend_merge", [buf, b.stats, b.accs, b.out],
                                   n_heads * lay.head_dim // 4)
             op = self._cached_op(("merge", local) + key, kernel, n_kv=lay.n_kv_heads, n_splits=records, **mean)
@@ -166,25 +167,33 @@ class PassBuilder:
                                     plan.fresh_len, plan.n_splits, scale, fresh_words))
         return ops + self._table_tail(layer, plan)
 
-    def flash_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
+    def flash_ops(self, layer: int, plan, n_used: int, scale: float, dynamic: bool = False, q_word: int = 0,
+                  out_word: int = 0) -> list:
         """attend_flash (an uncoded layer) or attend_table + attend_flash_coded (a dict-coded
-        one) over tokens [0, n_used), then attend_merge."""
+        one) over tokens [0, n_used), then attend_merge_head: the query block from ``q_word``
+        of the query buffer on, the output from ``out_word`` of the output buffer on.
+        ``dynamic``: each sequence's tokens are the n_used word of the query block (≤ n_used)
+        and its splits' length follows it (split_len 0: attend_common.glsl's SPLIT_LEN) — a
+        decode step recorded once."""
         lay = self.layout
         k, v = lay.layers[layer].streams
         buf = self.memory.layer_buffer(layer)
         if k.coded:
-            return self._flash_coded_ops(layer, plan, n_used, scale)
+            return self._flash_coded_ops(layer, plan, n_used, scale, dynamic, q_word, out_word)
         source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, seq_rows=self.memory.seq_ctx)
         local = plan.local or self.shapes.flash_local(layer)
         if k.kivi:  # the KIVI build: the layer's statistics, exact windows (binary16 rows) and state word
             source.update(stats_word=k.stats_word, k_window_word=k.window_word, v_window_word=v.window_word,
                           window=k.window_tokens, state_word=k.state_word)
             return self._flash_rows(("layer", layer), buf, None, source, local, 1, 0, plan, n_used, scale,
-                                    kivi=(k.kivi_bits, v.kivi_bits))
-        return self._flash_rows(("layer", layer), buf, v, source, local, int(k.half), int(k.q8), plan, n_used, scale)
+                                    kivi=(k.kivi_bits, v.kivi_bits), dynamic=dynamic, q_word=q_word,
+                                    out_word=out_word)
+        return self._flash_rows(("layer", layer), buf, v, source, local, int(k.half), int(k.q8), plan, n_used, scale,
+                                dynamic=dynamic, q_word=q_word, out_word=out_word)
 
     def _flash_rows(self, key, buf, v, source: dict, local: int, half: int, q8: int, plan, n_used: int,
-                    scale: float, kivi: tuple | None = None) -> list:
+                    scale: float, kivi: tuple | None = None, dynamic: bool = False, q_word: int = 0,
+                    out_word: int = 0) -> list:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
         rows per KV head; plan.seqs sequences seq_rows apart) — its KIVI build where ``kivi``
         gives (K bits, V bits) —, then attend_merge_head."""
@@ -197,9 +206,9 @@ class PassBuilder:
                               [buf, buf, b.q, b.accs, b.stats],
                               b.sizes.seqs * lay.n_kv_heads * grid.max_splits * local, LOCAL=local, HB=1,
                               ROW_HALF=half, ROW_Q8=q8, **end, **bits)
-        op = kernel.op(**source, n_used=n_used, split_len=plan.split_len, n_splits=plan.n_splits,
-                       n_kv=lay.n_kv_heads, n_seqs=plan.seqs, score_scale=scale)
-        return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
+        op = kernel.op(**source, n_used=n_used, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, n_seqs=plan.seqs,
+                       score_scale=scale, q_word=q_word, **_split_push(plan, dynamic))
+        return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs, out_word=out_word)
 
     def variant(self, layer: int, plan) -> str:
         """The SPIR-V variant that runs ``plan``'s attention over ``layer`` (its main pass)."""
@@ -210,7 +219,8 @@ class PassBuilder:
             return "attend_flash_coded"
         return self.shapes.flash_variant(plan.local or self.shapes.flash_local(layer), flash_shader(k.kivi, plan.kernel))
 
-    def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float) -> list:
+    def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float, dynamic: bool = False,
+                         q_word: int = 0, out_word: int = 0) -> list:
         b, grid, lay = self.buffers, self.grid, self.layout
         k, v = lay.layers[layer].streams
         n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
@@ -218,7 +228,7 @@ class PassBuilder:
         table = self._kernel(("table_all", layer), "attend_table", [buf, b.q, b.table],
                              b.sizes.seqs * grid.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
-                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs), self.sync(b.table)]
+                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs, q_word=q_word), self.sync(b.table)]
         # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
         options = self.shapes.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
@@ -231,11 +241,12 @@ class PassBuilder:
                               K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity,
                               BUCKET=self.shapes.flash_coded_bucket(layer, hb, local))
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
-                             split_len=plan.split_len, n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word,
+                             n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word, **_split_push(plan, dynamic),
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
-                             n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale))
-        return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs)
+                             n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale, q_word=q_word))
+        return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs,
+                                 out_word=out_word)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,
@@ -317,6 +328,11 @@ class PassBuilder:
         """Forget the operations; the pipelines go with the buffers they bind."""
         self._ops.clear()
         self._kernels.clear()
+
+
+def _split_push(plan, dynamic: bool) -> dict:
+    """A flash dispatch's split length: the plan's, or 0 with the plan's rounding (SPLIT_LEN)."""
+    return dict(split_len=0, split_round=plan.split_round) if dynamic else dict(split_len=plan.split_len)
 
 
 def flash_shader(kivi: bool, kernel: str) -> str:

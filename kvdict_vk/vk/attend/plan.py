@@ -128,6 +128,7 @@ class Plan:
     heads: int = 0  # flash over codes: query heads per workgroup (0: the layer's default)
     kernel: str = "float"  # flash: the build (flash.FLASH_KERNELS over rows, flash.CODED_KERNELS over codes)
     seqs: int = 1  # flash: sequences attended in one dispatch (batched decode), n_splits each
+    split_round: int = 1  # flash: a split is a whole number of these tokens (the kernel's rounds)
 
     @property
     def records(self) -> int:

@@ -257,7 +257,26 @@ def _atoms_span(p, hd):
 def _table_extents(p, s):
     _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1 and p["n_seqs"] >= 1, "attend_table", p)
     hd, g, heads = s["HEAD_DIM"], s["GROUP"], p["n_kv"] * p["n_seqs"]
-    return [[_atoms_span(p, hd)], [_span(0, heads * g * hd)], [_span(0, heads * g * p["n_atoms"])]]
+    _check(p["q_word"] % 4 == 0, "attend_table", p)
+    return [[_atoms_span(p, hd)], [_span(p["q_word"], heads * g * hd)], [_span(0, heads * g * p["n_atoms"])]]
+
+
+def dynamic_split_len(n_used: int, n_splits: int, split_round: int) -> int:
+    """The flash kernels' tokens per split where the push block's split_len is 0 (a recorded
+    decode step's: attend_common.glsl's SPLIT_LEN, this function's twin): n_used over the
+    splits, rounded up to a whole number of split_round tokens."""
+    return -(-(-(-n_used // n_splits)) // split_round) * split_round
+
+
+def _splits_cover(p) -> bool:
+    """Whether a flash dispatch's splits cover [0, n_used) of every sequence: n_splits ×
+    split_len tokens, or split_len 0 (SPLIT_LEN: derived from each sequence's n_used, in
+    rounds of split_round ≥ 1 tokens); and its query block starts on a quad."""
+    if p["n_splits"] < 1 or p["q_word"] % 4:
+        return False
+    if p["split_len"] == 0:
+        return p["split_round"] >= 1
+    return p["n_splits"] * p["split_len"] >= p["n_used"]
 
 
 def _seq_rows(p, what: str) -> int:
@@ -335,8 +354,7 @@ def _flash_extents(p, s):
     hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
     rows = "q8_0" if s["ROW_Q8"] else ("f16" if s["ROW_HALF"] else "f32")
     row, units = row_words(hd, 0, 0, rows), flash_units(hd)
-    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
-           and p["n_splits"] * p["split_len"] >= used, "attend_flash", p)
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and _splits_cover(p), "attend_flash", p)
     _check(g <= FLASH_MAX_GROUP and (rows == "q8_0" or row % 4 == 0) and hd % FLASH_UNIT_DIMS == 0
            and units <= local and local % units == 0 and not (s["ROW_Q8"] and s["ROW_HALF"])
            and (rows != "q8_0" or hd % L.Q8_BLOCK == 0) and p["k_word"] % 4 == 0 and p["v_word"] % 4 == 0
@@ -347,7 +365,7 @@ def _flash_extents(p, s):
     records = p["n_seqs"] * n_kv * p["n_splits"] * g
     quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
     queries = query_words(p["n_seqs"], n_kv * g, hd)
-    return [rows, quads, [_span(0, queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
+    return [rows, quads, [_span(p["q_word"], queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _flash_kivi_extents(p, s):
@@ -358,9 +376,8 @@ def _flash_kivi_extents(p, s):
     rows are binary16 (ROW_HALF 1)."""
     hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
     units = flash_units(hd)
-    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["n_seqs"] == 1
-           and p["n_splits"] * p["split_len"] >= used and p["window"] >= 1
-           and p["split_len"] > 0 and (p["split_len"] % K.GROUP == 0 or p["n_splits"] == 1)
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_seqs"] == 1 and _splits_cover(p) and p["window"] >= 1
+           and ((p["split_len"] or p["split_round"]) % K.GROUP == 0 or p["n_splits"] == 1)
            and all(p[w] % 4 == 0 for w in ("stats_word", "k_window_word", "v_window_word")), "attend_flash_kivi", p)
     _check(g <= FLASH_MAX_GROUP and hd % K.GROUP == 0 and units <= local and local % units == 0
            and s["ROW_HALF"] == 1 and s["ROW_Q8"] == 0 and 0 < s["END_ELEMS"] and FLASH_UNIT_DIMS % s["END_ELEMS"] == 0
@@ -375,7 +392,7 @@ def _flash_kivi_extents(p, s):
     words = [_span(p["k_word"], ((n_kv - 1) * n_ctx + used) * k_row),
              _span(p["v_word"], ((n_kv - 1) * n_ctx + used) * v_row), _span(p["state_word"], 1)]
     records = n_kv * p["n_splits"] * g
-    return [words, [stats] + windows, [_span(0, query_words(1, n_kv * g, hd))], [_span(0, records * hd)],
+    return [words, [stats] + windows, [_span(p["q_word"], query_words(1, n_kv * g, hd))], [_span(0, records * hd)],
             [_span(0, 2 * records)]]
 
 
@@ -410,8 +427,7 @@ def _flash_coded_extents(p, s):
     """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
     V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
     hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
-    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_splits"] >= 1 and p["split_len"] >= 1
-           and p["n_splits"] * p["split_len"] >= used and p["v_atoms_word"] % 4 == 0
+    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and _splits_cover(p) and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
     # the bucket's size against the device's shared memory is the caller's (attend.flash.FlashShapes.flash_coded_bucket)
     fits = s["BUCKET"] >= 1 and flash_coded_fits(hd, hb, local, s["N_ATOMS"], s["V_SPARSITY"])
@@ -426,7 +442,7 @@ def _flash_coded_extents(p, s):
     atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
     records = heads * p["n_splits"] * g
     queries = query_words(p["n_seqs"], n_kv * g, hd)
-    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(0, queries)],
+    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(p["q_word"], queries)],
             [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
@@ -440,12 +456,14 @@ def _merge_extents(p, s):
 
 def _merge_head_extents(p, s):
     """attend_merge's, over n_kv virtual heads (sequences × seq_heads KV heads) whose means
-    are their KV head's."""
+    are their KV head's, the output from out_word on."""
     _check(s["LOCAL"] % (s["HEAD_DIM"] // 4) == 0, "attend_merge_head (specialization)", s)
-    _check(1 <= p["seq_heads"] <= p["n_kv"] and p["n_kv"] % p["seq_heads"] == 0, "attend_merge_head", p)
+    _check(1 <= p["seq_heads"] <= p["n_kv"] and p["n_kv"] % p["seq_heads"] == 0 and p["out_word"] % 4 == 0,
+           "attend_merge_head", p)
     spans = _merge_extents(p, s)
     if p["use_mean"]:
         spans[0] = [_vec_span(p["mean_word"], p["seq_heads"], p["head_vec"], s["HEAD_DIM"])]
+    spans[3] = [_span(p["out_word"], p["n_kv"] * s["GROUP"] * s["HEAD_DIM"])]  # at out_word
     return spans
 
 

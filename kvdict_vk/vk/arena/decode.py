@@ -1,0 +1,215 @@
+"""A decode step recorded once and replayed per token (KvArena.record_step).
+
+KvArena.step builds a layer's operations in Python on every call and submits each layer on
+its own: host work that, on a GPU, costs several times the step's GPU time. A DecodeStep
+records append + attention of every layer it covers (each with one new token per
+sequence of a batch) into ONE command buffer, once; each :meth:`DecodeStep.run` writes the
+step's values and replays it:
+
+* the per-step values live in buffers the host writes, none in push constants: each layer's
+  query block holds its query heads and, per sequence, n_used (the new token's position + 1:
+  attend_common.glsl's SEQ_USED word) — append_step writes the new K/V words at the row it
+  names, and the flash kernels attend over that many tokens in splits whose length follows
+  it (push split_len 0: SPLIT_LEN);
+* the new K/V words of every layer sit in one host-visible buffer (every layer's K words —
+  sequence, KV head, row —, then every layer's V words), every layer's query block in one
+  device buffer (the kernels' q_word) that goes up in one copy, and every layer's merge
+  writes its output into one buffer (attend_merge_head's out_word) that comes back in one
+  copy: a replay is a few NumPy writes, one submission and one read.
+
+The recording runs the flash kernels only (attend_flash over f16 / f32 / q8_0 rows — or its
+cooperative-matrix sibling where Attention.flash_kernel asks for it — and attend_flash_coded
+over a dict-coded layer); their launch shape is planned once, at the length ``n_plan``
+(default: the sequence's capacity), so a replay at a shorter context runs the same
+workgroups with shorter splits. A dict-coded layer's new tokens are coded on the host
+(codec.encode_heads), as KvArena.append's CPU path codes them. A KIVI cache's append
+quantises whole groups on the host as they leave its window: its steps run by KvArena.step.
+
+The query blocks and the output are the DecodeStep's own buffers; the split records are the
+arena's attention engine's (a barrier between layers), so a DecodeStep and that engine's
+attend calls take turns, as every use of one arena does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import codec
+from ... import errors as E
+from ... import rows as R
+from ..device import kp
+from ..attend.ops import PassBuilder
+from ..attend.specs import lengths_word, query_words
+from ..kernels import Buffer, barrier, pipeline
+from ..submit import Recording
+
+
+class DecodeStep:
+    """The decode step of ``layers`` of an arena (its memory and write paths), for ``batch``
+    sequences (0 .. batch − 1) with ``attention``'s query heads, recorded once. ``scale``:
+    the softmax scale (None: 1/sqrt(head_dim)); ``n_plan``: the length the flash launch shape
+    is planned at (None: the sequences' capacity); ``timestamps``: GPU time of each run
+    (:meth:`gpu_seconds`) where the device has them."""
+
+    def __init__(self, memory, writes, attention, layers, batch: int, scale: float, n_plan: int | None = None,
+                 timestamps: bool = False):
+        lay = memory.layout
+        self.memory, self.layout, self.device = memory, lay, memory.device
+        self.layers, self.batch, self.scale = tuple(layers), int(batch), float(scale)
+        self.n_heads, hd, n_kv = attention.n_heads, lay.head_dim, lay.n_kv_heads
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise E.ArenaError(f"record_step: layers must be distinct, at least one, got {layers!r}")
+        if not 1 <= self.batch <= memory.seqs:
+            raise E.ArenaError(f"record_step: a batch of {batch} sequences; this arena holds {memory.seqs}")
+        n_plan = memory.seq_ctx if n_plan is None else int(n_plan)
+        if not 1 <= n_plan <= memory.seq_ctx:
+            raise E.ArenaError(f"record_step: n_plan {n_plan} outside 1..{memory.seq_ctx}")
+        for i in self.layers:
+            k, v = lay.layers[i].streams
+            if k.kivi:
+                raise E.ArenaError(f"layer {i}: a KIVI layer's appends quantise groups on the host as they leave "
+                                   f"its window; its decode steps run by KvArena.step")
+            if k.coded != v.coded:
+                raise E.ArenaError(f"layer {i}: a recorded step attends by the flash kernels, which need both "
+                                   f"streams dict-coded or neither")
+        # plans first (they may time launch shapes on the device): nothing is allocated on a refusal
+        plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
+        self._writes = writes
+        self._streams = [lay.layers[i].streams for i in self.layers]
+        k0, v0 = self._streams[0]  # every layer's rows alike: one conversion a step for them all
+        self._rows_alike = all(_same_rows(k, v, k0, v0) for k, v in self._streams)
+        # the step buffer: every layer's K words (batch, n_kv, k row), then every layer's V words
+        k_n = [self.batch * n_kv * k.row_words for k, _ in self._streams]
+        v_n = [self.batch * n_kv * v.row_words for _, v in self._streams]
+        self._k_src = np.cumsum([0] + k_n).tolist()
+        self._v_src = (self._k_src[-1] + np.cumsum([0] + v_n)).tolist()
+        self._q_words = query_words(self.batch, self.n_heads, hd)
+        self._q_stride = -(-self._q_words // 4) * 4  # each layer's block starts on a quad
+        self._lengths_at = lengths_word(self.batch, self.n_heads, hd)
+        self._out_words = self.batch * self.n_heads * hd  # a multiple of 4: head_dim is
+        n_l = len(self.layers)
+        self._q = self._out = self._step = self._rec = None
+        try:
+            self._step = Buffer(self.device, self._v_src[-1], "host", "decode step K/V words")
+            self._q = Buffer(self.device, n_l * self._q_stride, "device", "decode step queries")
+            self._out = Buffer(self.device, n_l * self._out_words, "device", "decode step output")
+            self._rec = Recording(self.device, self._ops(attention, plans), timestamps=timestamps and "spans",
+                                  what=f"decode step over {len(self.layers)} layers",
+                                  core=(1, 1 + self._n_core))
+        except BaseException:
+            self.free()
+            raise
+        # views of the host-visible words, made once (a replay writes and reads only these)
+        words = self._step.host_words()
+        self._k_host, self._v_host = words[:self._k_src[-1]], words[self._k_src[-1]:]
+        blocks = self._q.host_words().reshape(n_l, self._q_stride)
+        self._q_host, self._used_host = blocks[:, :self._lengths_at], blocks[:, self._lengths_at:self._q_words]
+        self._out_host = self._out.host_words()
+
+    def _ops(self, attention, plans) -> list:
+        """The recording: every layer's query block up; per layer append_step, a barrier on
+        the layer, its flash passes (the merge's output at the layer's place in the one output
+        buffer), a barrier on the engine's scratch (the next layer's passes reuse it); the
+        outputs back."""
+        lay, mem, n_kv = self.layout, self.memory, self.layout.n_kv_heads
+        core = []
+        passes = PassBuilder(mem, attention.buffers.with_io(self._q, self._out), attention.shapes, attention.grid)
+        for j, (i, plan) in enumerate(zip(self.layers, plans)):
+            k, v = self._streams[j]
+            layer_buf, q_word = mem.layer_buffer(i), j * self._q_stride
+            append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf],
+                              max_items=self._k_src[j + 1] - self._k_src[j] + self._v_src[j + 1] - self._v_src[j])
+            core.append(append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
+                                  v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
+                                  n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
+                                  lengths_word=q_word + self._lengths_at))
+            core.append(barrier(layer_buf))
+            core += passes.flash_ops(i, plan, mem.seq_ctx, self.scale, dynamic=True, q_word=q_word,
+                                     out_word=j * self._out_words)
+            core.append(attention.barrier_op())
+        self._n_core = len(core)
+        return [kp.OpTensorSyncDevice([self._q.tensor]), *core, kp.OpTensorSyncLocal([self._out.tensor])]
+
+    # --- a step -------------------------------------------------------------------------------
+    def run(self, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """One decode step: k_rows / v_rows float32 (n_layers, batch, n_kv, head_dim) — each
+        sequence's new token in each of the step's layers (in ``layers`` order) — appended,
+        then q (n_layers, batch, n_heads, head_dim) float32 attending over every token of its
+        sequence, the new one included. Returns (n_layers, batch, n_heads, head_dim) float32.
+        Everything is checked before anything is written; a full sequence is an ArenaError."""
+        self.memory.check_live()
+        if self._rec is None:
+            raise E.ArenaError("the decode step was freed")
+        lay, n_l, b = self.layout, len(self.layers), self.batch
+        hd, n_kv = lay.head_dim, lay.n_kv_heads
+        for what, a, heads in (("k_rows", k_rows, n_kv), ("v_rows", v_rows, n_kv), ("q", q, self.n_heads)):
+            if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (n_l, b, heads, hd):
+                raise E.ShapeError(f"DecodeStep.run: {what} must be float32 {(n_l, b, heads, hd)}, got "
+                                   f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+        used = np.array(self.memory.counts(self.layers, b), np.uint32) + 1
+        if used.max() > self.memory.seq_ctx:
+            j, s = np.unravel_index(int(used.argmax()), used.shape)
+            raise E.ArenaError(f"layer {self.layers[j]}: sequence {s} is full ({self.memory.seq_ctx} tokens)")
+        k_words, v_words = self._words(k_rows, v_rows)  # a dict-coded layer's OMP: before any write
+        self._k_host[:] = k_words
+        self._v_host[:] = v_words
+        self._q_host[:] = q.reshape(n_l, -1).view(np.uint32)
+        self._used_host[:] = used
+        self._rec.run()
+        self.memory.advance_each(self.layers, b)
+        return self._out_host.view(np.float32).reshape(n_l, b, self.n_heads, hd).copy()
+
+    def _words(self, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple:
+        """The words the step stores, every layer's K words then every layer's V words, each
+        flat (layer, batch, n_kv, row_words): the rows' own (f32 / f16 / q8_0: every layer in
+        one call where all are alike), or a dict-coded stream's slots (codec.encode_heads,
+        every sequence's token in one batch)."""
+        if self._rows_alike:
+            k0, v0 = self._streams[0]
+            return R.row_words_of(k_rows, k0).reshape(-1), R.row_words_of(v_rows, v0).reshape(-1)
+        out = ([], [])
+        for j, i in enumerate(self.layers):
+            for rows, st, dst in zip((k_rows[j], v_rows[j]), self._streams[j], out):
+                if st.coded:  # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary
+                    slots = codec.encode_heads(rows.transpose(1, 0, 2), self._writes.stream_dict(i, st.stream))
+                    dst.append(slots.transpose(1, 0, 2))
+                else:
+                    dst.append(R.row_words_of(rows, st))
+        return tuple(np.concatenate([w.reshape(-1) for w in words]) for words in out)
+
+    # --- timing and lifetime -------------------------------------------------------------------
+    def gpu_seconds(self) -> float | None:
+        """GPU time of the last run's appends and attentions (None: no timestamps asked for,
+        or none on this device)."""
+        return None if self._rec is None else self._rec.core_seconds()
+
+    def submitted_gpu_seconds(self) -> float | None:
+        """GPU time of all the last run submitted: gpu_seconds and the copies of the queries
+        up and the output back."""
+        return None if self._rec is None else self._rec.gpu_seconds()
+
+    def free(self) -> None:
+        """Release the recording and the step's buffers (and the pipelines that bind them).
+        Idempotent; the arena frees its steps when it is freed."""
+        if self._rec is not None:
+            self._rec.free()
+            self._rec = None
+        for buf in (self._q, self._out, self._step):
+            if buf is not None:
+                buf.destroy()
+        self._q = self._out = self._step = None
+
+    @property
+    def closed(self) -> bool:
+        return self._rec is None
+
+    def __enter__(self) -> "DecodeStep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+def _same_rows(k, v, k0, v0) -> bool:
+    """Whether two layers' uncoded streams store rows the same way (row_words_of's format)."""
+    fmt = lambda st: (st.coded, st.half, st.q8, st.row_words)  # noqa: E731
+    return not (k.coded or v.coded) and fmt(k) == fmt(k0) and fmt(v) == fmt(v0)

@@ -1,0 +1,261 @@
+"""KvArena.record_step: a decode step of several layers recorded once and replayed per token,
+its per-step values (each sequence's n_used, the queries, the new K/V words) in buffers.
+
+Each replay is checked against an arena fed the same tokens by append + attend (the
+engine's own calls) and against the float64 reference over what the cache holds — from an
+empty sequence on, at lengths that change the splits, for every sequence of a batch, and
+after the launch shape was planned at a length far from the replayed one. Every arena is
+guarded (conftest.make_arena verifies the sentinels after each test), so a row written at the
+wrong position shows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_artifact
+from kvdict_vk import codec
+from kvdict_vk import errors as E
+from kvdict_vk import kivi as K
+from kvdict_vk import rows as R
+from kvdict_vk import runtime
+from kvdict_vk.cli.validate import NMSE_FAST  # the fast paths' gate (issue #50)
+from kvdict_vk.metrics import nmse
+from kvdict_vk.vk import kernels
+from kvdict_vk.vk.attend.flash import MMA_KERNEL
+from kvdict_vk.vk.attend.specs import dynamic_split_len
+from test_vk_attend import reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _tokens(rng, n_layers, batch, n_kv, hd, n_heads):
+    """One step's (K, V, q): float32 (n_layers, batch, heads, head_dim)."""
+    k = rng.standard_normal((n_layers, batch, n_kv, hd), dtype=np.float32)
+    v = rng.standard_normal((n_layers, batch, n_kv, hd), dtype=np.float32)
+    q = rng.standard_normal((n_layers, batch, n_heads, hd), dtype=np.float32)
+    return k, v, q
+
+
+def _prefill(arenas, rng, n_layers, n_kv, hd, lengths):
+    """lengths[s] random tokens appended to sequence s of every layer of every arena; returns
+    [layer][seq] → (K, V) float32 (n_kv, T, hd) appended."""
+    held = []
+    for layer in range(n_layers):
+        per_seq = []
+        for s, n in enumerate(lengths):
+            k = rng.standard_normal((n_kv, n, hd), dtype=np.float32)
+            v = rng.standard_normal((n_kv, n, hd), dtype=np.float32)
+            for a in arenas:
+                if n:
+                    a.append(layer, k, v, seq=s)
+            per_seq.append((k, v))
+        held.append(per_seq)
+    return held
+
+
+@pytest.mark.parametrize("cache", ["f16", "f32", "q8_0"])
+def test_replays_equal_append_then_attend(cache, make_arena):
+    """Three layers, from an empty cache (the first token attends over itself) past several
+    split lengths: every replay equals KvArena.step on a twin arena and the float64 reference
+    over the rows the cache holds; the tokens really are in the layers afterwards."""
+    n_layers, n_kv, g, hd, n_ctx = 3, 2, 3, 64, 400
+    rng = np.random.default_rng(41)
+    stepped, plain = make_arena(n_layers, n_kv, hd, n_ctx, cache=cache), make_arena(n_layers, n_kv, hd, n_ctx,
+                                                                                   cache=cache)
+    step = stepped.record_step(n_kv * g)
+    keys = [[] for _ in range(n_layers)]
+    vals = [[] for _ in range(n_layers)]
+    for t in range(1, 9):
+        if t == 4:  # a long stretch between replays: the splits' length changes
+            k, v = (rng.standard_normal((n_kv, 250, hd), dtype=np.float32) for _ in range(2))
+            for layer in range(n_layers):
+                stepped.append(layer, k, v)
+                plain.append(layer, k, v)
+                keys[layer].append(k)
+                vals[layer].append(v)
+        k, v, q = _tokens(rng, n_layers, 1, n_kv, hd, n_kv * g)
+        got = step.run(k, v, q)
+        assert got.shape == q.shape and got.dtype == np.float32
+        for layer in range(n_layers):
+            want = plain.step(layer, k[layer].transpose(1, 0, 2), v[layer].transpose(1, 0, 2), q[layer, 0])
+            keys[layer].append(k[layer].transpose(1, 0, 2))
+            vals[layer].append(v[layer].transpose(1, 0, 2))
+            n = stepped.n_tokens(layer)
+            assert n == plain.n_tokens(layer)
+            assert nmse(want, got[layer, 0]) <= 1e-9, f"layer {layer}, {n} tokens"
+            k_all, v_all = (R.held_rows(np.concatenate(x, 1), cache) for x in (keys[layer], vals[layer]))
+            assert nmse(reference(q[layer, 0], k_all, v_all, None, None, n), got[layer, 0]) <= 1e-9
+    for layer in range(n_layers):  # the appended rows, read back, are the plain arena's
+        for a, b in zip(stepped.read(layer), plain.read(layer)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("batch", [3, 2])
+def test_batched_replays_equal_reference(batch, make_arena):
+    """A batch of sequences of unequal lengths (one empty), each appended at its own row
+    and attending over its own tokens; batch < seqs leaves the last sequence untouched."""
+    n_layers, n_kv, g, hd, n_ctx, seqs = 2, 2, 2, 64, 300, 3
+    rng = np.random.default_rng(42)
+    arena = make_arena(n_layers, n_kv, hd, n_ctx, cache="f16", seqs=seqs)
+    held = _prefill([arena], rng, n_layers, n_kv, hd, [0, 129, 40])
+    step = arena.record_step(n_kv * g, batch=batch)
+    for _ in range(3):
+        k, v, q = _tokens(rng, n_layers, batch, n_kv, hd, n_kv * g)
+        got = step.run(k, v, q)
+        for layer in range(n_layers):
+            for s in range(batch):
+                hk, hv = held[layer][s]
+                held[layer][s] = (np.concatenate([hk, k[layer, s][:, None]], 1),
+                                  np.concatenate([hv, v[layer, s][:, None]], 1))
+                n = arena.n_tokens(layer, s)
+                assert n == held[layer][s][0].shape[1]
+                ref = reference(q[layer, s], *(R.held_rows(x, "f16") for x in held[layer][s]), None, None, n)
+                assert nmse(ref, got[layer, s]) <= 1e-9, f"layer {layer}, sequence {s}"
+    assert all(arena.n_tokens(layer, 2) == 40 for layer in range(n_layers)) or batch == 3
+
+
+def test_dict_coded_replays_equal_the_codes_reference(make_arena, activate):
+    """Both streams dict-coded (per-head dictionaries, residual stages): the step codes its
+    tokens on the host (codec.encode_heads) and attend_flash_coded attends over the slots;
+    equal to the float64 reference over the codes and to KvArena.step on a twin arena."""
+    n_layers, n_kv, g, hd, n_ctx = 2, 2, 3, 64, 300
+    rng = np.random.default_rng(43)
+    activate(random_artifact(rng, hd, 128, [((4, 4), (4, 3))] * n_layers, n_heads=n_kv))
+    stepped, plain = make_arena(n_layers, n_kv, hd, n_ctx), make_arena(n_layers, n_kv, hd, n_ctx)
+    assert stepped.mode == "dict"
+    plain.attention(n_kv * g).path = "flash"
+    held = _prefill([stepped, plain], rng, n_layers, n_kv, hd, [150])
+    step = stepped.record_step(n_kv * g)
+    for _ in range(2):
+        k, v, q = _tokens(rng, n_layers, 1, n_kv, hd, n_kv * g)
+        got = step.run(k, v, q)
+        for layer in range(n_layers):
+            kd, vd = runtime.clone_layer_dict(layer, True), runtime.clone_layer_dict(layer, False)
+            rows = [r.transpose(1, 0, 2) for r in (k[layer], v[layer])]
+            want = plain.step(layer, *rows, q[layer, 0])
+            assert nmse(want, got[layer, 0]) <= 1e-9
+            held[layer][0] = tuple(np.concatenate([h, r], 1) for h, r in zip(held[layer][0], rows))
+            codes = [codec.encode_heads(x, d) for x, d in zip(held[layer][0], (kd, vd))]
+            n = stepped.n_tokens(layer)
+            assert nmse(reference(q[layer, 0], *codes, kd, vd, n), got[layer, 0]) <= 1e-9
+
+
+def test_planned_short_replayed_long_and_a_layer_subset(make_arena):
+    """The launch shape planned at 64 tokens, replayed at 500 (the splits grow with n_used:
+    attend_common.glsl's SPLIT_LEN), over layers 2 and 0 only, in that order; layer 1 is
+    left as it was."""
+    n_kv, g, hd, n_ctx = 2, 4, 64, 600
+    rng = np.random.default_rng(44)
+    stepped, plain = make_arena(3, n_kv, hd, n_ctx, cache="f32"), make_arena(3, n_kv, hd, n_ctx, cache="f32")
+    _prefill([stepped, plain], rng, 3, n_kv, hd, [20])
+    step = stepped.record_step(n_kv * g, layers=[2, 0], n_plan=64)
+    for n_long in (0, 470):
+        if n_long:
+            k, v = (rng.standard_normal((n_kv, n_long, hd), dtype=np.float32) for _ in range(2))
+            for a in (stepped, plain):
+                a.append(0, k, v)
+                a.append(2, k, v)
+        k, v, q = _tokens(rng, 2, 1, n_kv, hd, n_kv * g)
+        got = step.run(k, v, q)
+        for j, layer in enumerate((2, 0)):
+            want = plain.step(layer, k[j].transpose(1, 0, 2), v[j].transpose(1, 0, 2), q[j, 0])
+            assert nmse(want, got[j, 0]) <= 1e-9, f"layer {layer} at {stepped.n_tokens(layer)} tokens"
+    assert stepped.n_tokens(1) == 20
+
+
+def test_dynamic_split_length_twin():
+    """specs.dynamic_split_len (SPLIT_LEN's twin) covers n_used in whole rounds, never more
+    than a round past an even split."""
+    for n_used in (1, 2, 31, 32, 33, 1000, 131072):
+        for n_splits in (1, 3, 64):
+            for rnd in (1, 16, 32, 96):
+                s = dynamic_split_len(n_used, n_splits, rnd)
+                assert s % rnd == 0 and s * n_splits >= n_used and s - rnd < -(-n_used // n_splits)
+
+
+def test_a_replay_makes_no_pipeline(make_arena):
+    """Replays build nothing: the device's pipelines are those the recording made."""
+    arena = make_arena(2, 2, 64, 200, cache="f16")
+    rng = np.random.default_rng(45)
+    step = arena.record_step(4)
+    step.run(*_tokens(rng, 2, 1, 2, 64, 4))
+    before = kernels.pipeline_count(arena.device)
+    for _ in range(3):
+        step.run(*_tokens(rng, 2, 1, 2, 64, 4))
+    assert kernels.pipeline_count(arena.device) == before
+
+
+def test_bad_input_leaves_the_arena_as_it_was(make_arena):
+    """Wrong shapes or dtypes are a ShapeError, a full sequence an ArenaError — before any
+    word is written: the token counts stay and a later replay is still exact. A freed step
+    (or a freed arena's) refuses to run."""
+    n_kv, g, hd, n_ctx = 2, 2, 64, 40
+    rng = np.random.default_rng(46)
+    stepped, plain = make_arena(2, n_kv, hd, n_ctx, cache="f16"), make_arena(2, n_kv, hd, n_ctx, cache="f16")
+    _prefill([stepped, plain], rng, 2, n_kv, hd, [38])
+    step = stepped.record_step(n_kv * g)
+    k, v, q = _tokens(rng, 2, 1, n_kv, hd, n_kv * g)
+    for bad in (dict(k=k[:1]), dict(v=v.astype(np.float64)), dict(q=q[:, :, :3]), dict(q=list(q))):
+        args = {**dict(k=k, v=v, q=q), **bad}
+        with pytest.raises(E.ShapeError):
+            step.run(args["k"], args["v"], args["q"])
+        assert stepped.n_tokens(0) == stepped.n_tokens(1) == 38
+    stepped.append(1, k[1].transpose(1, 0, 2), v[1].transpose(1, 0, 2))  # layer 1 one ahead
+    plain.append(1, k[1].transpose(1, 0, 2), v[1].transpose(1, 0, 2))
+    got = step.run(k, v, q)  # layer 1's sequence is now full
+    with pytest.raises(E.ArenaError, match="full"):
+        step.run(k, v, q)
+    assert (stepped.n_tokens(0), stepped.n_tokens(1)) == (39, 40)
+    want = plain.step(0, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2), q[0, 0])
+    assert nmse(want, got[0, 0]) <= 1e-9
+    step.free()
+    assert step.closed
+    with pytest.raises(E.ArenaError):
+        step.run(k, v, q)
+    other = stepped.record_step(n_kv * g, layers=[0])
+    stepped.free()
+    assert other.closed
+
+
+def test_refusals(make_arena, activate):
+    """What a recorded step cannot serve is a typed error at record time, before anything is
+    allocated: a KIVI cache, a layer coded in one stream only, a batch beyond the arena's
+    sequences, repeated layers, n_plan beyond the capacity."""
+    rng = np.random.default_rng(47)
+    kivi = make_arena(1, 2, 64, 128, cache="kivi", kivi=K.KiviSpec(4, 4, 32))
+    with pytest.raises(E.ArenaError, match="KIVI"):
+        kivi.record_step(4)
+    rows = make_arena(2, 2, 64, 128, cache="f16")
+    for kw in (dict(batch=2), dict(layers=[0, 0]), dict(n_plan=129), dict(layers=[])):
+        with pytest.raises(E.ArenaError):
+            rows.record_step(4, **kw)
+    with pytest.raises(E.LayerIndexError):
+        rows.record_step(4, layers=[2])
+    activate(random_artifact(rng, 64, 64, [((4, 4), None)], n_heads=2))
+    mixed = make_arena(1, 2, 64, 128)
+    with pytest.raises(E.ArenaError, match="both"):
+        mixed.record_step(4)
+
+
+def test_replays_through_attend_mma_where_the_device_has_it(make_arena):
+    """Attention.flash_kernel = "mma": the recorded step attends by attend_mma (its splits
+    whole tiles, SPLIT_LEN in rounds of them), at the fast paths' gate; where the device lacks
+    cooperative matrices, recording it is the typed refusal."""
+    n_kv, g, hd, n_ctx = 2, 4, 64, 700
+    rng = np.random.default_rng(48)
+    arena = make_arena(2, n_kv, hd, n_ctx, cache="f16")
+    held = _prefill([arena], rng, 2, n_kv, hd, [300])
+    att = arena.attention(n_kv * g)
+    att.flash_kernel, att.flash_workgroups = MMA_KERNEL, 256
+    if not att.shapes.mma_locals(0):
+        with pytest.raises(E.ArenaError):
+            arena.record_step(n_kv * g)
+        return
+    step = arena.record_step(n_kv * g)
+    k, v, q = _tokens(rng, 2, 1, n_kv, hd, n_kv * g)
+    got = step.run(k, v, q)
+    for layer in range(2):
+        rows = [np.concatenate([h, x[layer].transpose(1, 0, 2)], 1) for h, x in zip(held[layer][0], (k, v))]
+        ref = reference(q[layer, 0], *(R.held_rows(x, "f16") for x in rows), None, None, 301)
+        assert nmse(ref, got[layer, 0]) <= NMSE_FAST
