@@ -17,8 +17,9 @@ The convention (write docs/BENCHMARKS.md and README.md's headline table to it):
   ``_`` or a backtick may come between) an HTML comment — invisible once rendered —
   ``<!-- DEVICE PATH -->`` or ``<!-- DEVICE PATH / PATH -->`` (a ratio of two values of
   the same file). DEVICE names ``docs/results/DEVICE/summary.json`` — or, written as
-  ``NAME.json``, the committed file ``docs/results/NAME.json`` (``fidelity.json``,
-  ``arena.json``); PATH is dotted keys into it, ``[i]`` a list index,
+  ``NAME.json`` or ``DEVICE/NAME.json``, the committed file ``docs/results/NAME.json``
+  (``fidelity.json``, ``arena.json``) or ``docs/results/DEVICE/NAME.json`` (a benchmark's own
+  JSON: ``h100/decode_step.json``); PATH is dotted keys into it, ``[i]`` a list index,
   ``rows[BENCHMARK/CASE]`` the row with that benchmark and case (kvdict_vk.bench.results:
   (benchmark, case) is unique) and ``[KEY=VALUE]`` the one list item whose KEY is VALUE::
 
@@ -187,7 +188,8 @@ def source_value(ref: str, results: Path) -> tuple[float, str]:
     """(value in its dimension's base unit, dimension) of a reference ``DEVICE PATH[ / PATH]``."""
     device, _, paths = ref.partition(" ")
     summary = results / device if device.endswith(".json") else results / device / "summary.json"
-    if not device or "/" in device or ".." in device or not summary.is_file():
+    nested = device.count("/") == 1 and device.endswith(".json")  # DEVICE/NAME.json
+    if not device or ("/" in device and not nested) or ".." in device or not summary.is_file():
         raise KeyError(f"no {device or '<device>'}{'' if device.endswith('.json') else '/summary.json'} in {results}")
     doc = json.loads(summary.read_text())
     parts = [p.strip() for p in paths.split(" / ")]
