@@ -1,7 +1,8 @@
-// The KIVI cache's words (kvdict_vk.kivi, docs/ARENA.md) and their decoder for attention: how
-// a stats word, a unit of levels and a window row decode (attend_flash.comp's KIVI build; the
-// read-out, read_rows_kivi.comp, decodes a level at a time as the reference does). Pure
-// functions of words (the includer owns its buffers). Needs slot.glsl (level_window: the
+// The KIVI cache's words (kvdict_vk.kivi, docs/ARENA.md) and their ONE decoder: how a stats
+// word, a unit of levels and a window row decode. attend_flash.comp's and attend_mma.comp's
+// KIVI builds decode units of levels; the read-out (read_rows_kivi.comp) takes the stats word
+// and the window row from here and a level at a time from slot.glsl, as the reference does.
+// Pure functions of words (the includer owns its buffers). Needs slot.glsl (level_window: the
 // levels' bitstream is the slot's residual's).
 //   stats word   binary16 scale in the low half, binary16 minimum in the high half
 //   level        element e of a row at bit e*b of its level words (possibly straddling two)

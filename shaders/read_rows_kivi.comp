@@ -7,7 +7,9 @@
 // is read from the exact window, a ring of WINDOW binary16 rows (token t at t mod WINDOW).
 // One invocation per four elements, grid-stride. The twin of kvdict_vk.kivi.cache_rows.
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
+#include "kivi.glsl"
 
 layout(local_size_x = WG_SIZE) in;
 
@@ -39,7 +41,7 @@ layout(push_constant) uniform ReadKiviPush {
 // level * scale + min rounded twice, as kvdict_vk.kivi computes it (precise: no fused
 // multiply-add), so a read equals the reference bit for bit
 float dequantised(uint level, uint stats) {
-    vec2 scale_min = unpackHalf2x16(stats);
+    vec2 scale_min = kivi_scale_min(stats);
     precise float scaled = float(level) * scale_min.x;
     precise float x = scaled + scale_min.y;
     return x;
@@ -56,7 +58,7 @@ void main() {
         uint token = pc.t0 + (row - head * pc.n_tok);
         vec4 x;
         if (token >= q_end) {
-            uint w = pc.window_word + (head * pc.window + token % pc.window) * (HEAD_DIM / 2u) + 2u * c;
+            uint w = kivi_window_row(pc.window_word, head, token, pc.window, HEAD_DIM) + 2u * c;
             x = vec4(unpackHalf2x16(layer_words[w]), unpackHalf2x16(layer_words[w + 1u]));
         } else {
             uint base = pc.src_word + (head * pc.n_ctx + token) * ROW_WORDS;

@@ -33,10 +33,6 @@ from . import common
 
 NAME, TOOL = "decode_step", "kvdict_vk.bench.decode_step"
 HOST_BUDGET_US = (50.0, 2.0)  # issue 52: host time per token ≤ 50 µs + 2 µs per layer
-PRESETS = {"quick": ["--shapes", "2x2x2x64", "--contexts", "256", "--tokens", "3"],
-           "cpu": ["--shapes", "4x3x3x64", "--contexts", "1024", "--tokens", "5"],
-           "gpu": ["--shapes", "30x3x3x64,32x8x4x128", "--contexts", "1024,32768", "--tokens", "40"]}
-USES_DEVICE, REQUIRES = True, {}
 
 
 def parse_args(argv=None):

@@ -85,7 +85,7 @@ def _append_step_extents(p, s):
     if n_kv < 1 or n_seqs < 1 or rows < 1 or n_seqs * rows > n_ctx or p["k_row_words"] < 1 or p["v_row_words"] < 1:
         raise E.DispatchError(f"append_step: push constants {p} are inconsistent")
     k_n, v_n = n_seqs * n_kv * p["k_row_words"], n_seqs * n_kv * p["v_row_words"]
-    last = (n_kv - 1) * n_ctx + (n_seqs - 1) * rows + rows  # one past the last row written in a region
+    last = (n_kv - 1) * n_ctx + n_seqs * rows  # one past the last row written in a region
     return ([(p["k_src_word"], p["k_src_word"] + k_n), (p["v_src_word"], p["v_src_word"] + v_n)],
             [(p["lengths_word"], p["lengths_word"] + n_seqs)],
             [(p["k_word"], p["k_word"] + last * p["k_row_words"]), (p["v_word"], p["v_word"] + last * p["v_row_words"])])

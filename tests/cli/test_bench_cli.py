@@ -596,3 +596,25 @@ def test_our_flush_in_the_submission_takes_torchs_place_before_our_recordings():
     common.interleaved({"a": lambda: seen.append("a"), "b": lambda: seen.append("b")}, 2,
                        before={"b": lambda: seen.append("flush")})
     assert seen == ["a", "flush", "b", "a", "flush", "b"]
+
+
+@pytest.mark.gpu
+def test_decode_step_benchmark_times_the_recorded_step_beside_the_per_layer_one(tmp_path, restore_env, vk_device):
+    """kvdict_vk.bench.decode_step on a tiny model: a case per (shape, cache, context), each
+    candidate timed every token, the recorded step's GPU time within its wall time and its
+    host time what is left; the JSON and the report written."""
+    from kvdict_vk.bench import decode_step
+    out = tmp_path / "decode_step.json"
+    assert decode_step.main(["--shapes", "2x2x2x64", "--contexts", "40", "--caches", "f16,q8_0", "--tokens", "2",
+                             "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(c["cache"], c["n_ctx"], c["layers"]) for c in result["cases"]] == [("f16", 40, 2), ("q8_0", 40, 2)]
+    for c in result["cases"]:
+        for name in ("recorded", "recorded_at_length", "per_layer_step"):
+            assert len(c[name]["wall_s"]["samples"]) == 2
+        rec = c["recorded"]
+        if "gpu_s" in rec:  # a device with timestamps
+            for wall, gpu, sub, host in zip(*(rec[k]["samples"] for k in ("wall_s", "gpu_s", "submitted_gpu_s",
+                                                                            "host_s"))):
+                assert 0 < gpu <= sub <= wall and host == pytest.approx(wall - sub)
+        assert c["host_budget_us"] == 54.0

@@ -161,3 +161,21 @@ def test_manifest_needs_no_numpy(tmp_path):
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "out" / "abi.json").read_text()) == abi.manifest()
+
+
+def test_embedding_page_offsets_are_the_declarations():
+    """docs/EMBEDDING.md's worked attend_flash push table (``| offset | field | value |``) lists
+    ATTEND_FLASH_PUSH's fields at their byte offsets, every one of them, and its barrier
+    sketch pushes both blocks' sizes: a changed block cannot leave the page behind."""
+    import re
+    text = (ROOT / "docs" / "EMBEDDING.md").read_text()
+    rows = re.findall(r"^\| (\d+)(?: … (\d+))? \| ([a-z_, ]+) \|", text, re.M)
+    listed = {}
+    for first, last, names in rows:
+        fields = [n.strip() for n in names.split(",")]
+        step = (int(last) - int(first)) // max(len(fields) - 1, 1) if last else 0
+        listed.update({n: int(first) + i * step for i, n in enumerate(fields)})
+    block = abi.ATTEND_FLASH_PUSH
+    assert listed == {n: i * abi.WORD_BYTES for i, n in enumerate(block.field_names)}
+    assert f"push(p_flash, flash_words, {block.size_bytes})" in text
+    assert f"push(p_merge, merge_words, {abi.ATTEND_MERGE_HEAD_PUSH.size_bytes})" in text

@@ -37,7 +37,7 @@ from ... import codec
 from ... import errors as E
 from ... import rows as R
 from ..device import kp
-from ..attend.ops import PassBuilder
+from ..attend.ops import PassBuilder, Placement
 from ..attend.specs import lengths_word, query_words
 from ..kernels import Buffer, barrier, pipeline
 from ..submit import Recording
@@ -55,6 +55,7 @@ class DecodeStep:
         lay = memory.layout
         self.memory, self.layout, self.device = memory, lay, memory.device
         self.layers, self.batch, self.scale = tuple(layers), int(batch), float(scale)
+        self._layer_rows = np.array(self.layers)  # the layers as an index into the token counts
         self.n_heads, hd, n_kv = attention.n_heads, lay.head_dim, lay.n_kv_heads
         if not self.layers or len(set(self.layers)) != len(self.layers):
             raise E.ArenaError(f"record_step: layers must be distinct, at least one, got {layers!r}")
@@ -123,8 +124,8 @@ class DecodeStep:
                                   n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
                                   lengths_word=q_word + self._lengths_at))
             core.append(barrier(layer_buf))
-            core += passes.flash_ops(i, plan, mem.seq_ctx, self.scale, dynamic=True, q_word=q_word,
-                                     out_word=j * self._out_words)
+            core += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
+                                     Placement(q_word=q_word, out_word=j * self._out_words, dynamic=True))
             core.append(attention.barrier_op())
         self._n_core = len(core)
         return [kp.OpTensorSyncDevice([self._q.tensor]), *core, kp.OpTensorSyncLocal([self._out.tensor])]
@@ -145,7 +146,7 @@ class DecodeStep:
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (n_l, b, heads, hd):
                 raise E.ShapeError(f"DecodeStep.run: {what} must be float32 {(n_l, b, heads, hd)}, got "
                                    f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-        used = np.array(self.memory.counts(self.layers, b), np.uint32) + 1
+        used = self.memory.counts(self._layer_rows, b) + 1
         if used.max() > self.memory.seq_ctx:
             j, s = np.unravel_index(int(used.argmax()), used.shape)
             raise E.ArenaError(f"layer {self.layers[j]}: sequence {s} is full ({self.memory.seq_ctx} tokens)")
@@ -155,7 +156,7 @@ class DecodeStep:
         self._q_host[:] = q.reshape(n_l, -1).view(np.uint32)
         self._used_host[:] = used
         self._rec.run()
-        self.memory.advance_each(self.layers, b)
+        self.memory.advance_each(self._layer_rows, b)
         return self._out_host.view(np.float32).reshape(n_l, b, self.n_heads, hd).copy()
 
     def _words(self, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple:

@@ -39,7 +39,7 @@ class ArenaMemory:
         self._layers: list[Buffer] = []
         self._outs: dict[int, Buffer] = {}
         self._upload = None
-        self._n_tokens = [[0] * self._seqs for _ in range(layout.n_layers)]  # [layer][sequence]
+        self._n_tokens = np.zeros((layout.n_layers, self._seqs), np.int64)  # [layer, sequence]
         self._freed = False
         try:
             self._upload = Buffer(device, self._caps["upload"], "host", "upload buffer")
@@ -146,29 +146,26 @@ class ArenaMemory:
 
     def n_tokens(self, layer: int, seq: int = 0) -> int:
         """Tokens appended to sequence ``seq`` of ``layer``."""
-        return self._n_tokens[self.layer_index(layer)][self.seq_index(seq)]
+        return int(self._n_tokens[self.layer_index(layer), self.seq_index(seq)])
 
     def advance(self, layer: int, seq: int, n_new: int) -> int:
         """Count ``n_new`` more tokens written to sequence ``seq`` of ``layer`` (indices
         already checked); returns the new count."""
-        self._n_tokens[layer][seq] += n_new
-        return self._n_tokens[layer][seq]
+        self._n_tokens[layer, seq] += n_new
+        return int(self._n_tokens[layer, seq])
 
-    def counts(self, layers, batch: int) -> list[list[int]]:
-        """Token counts [layer][sequence] of ``layers`` (indices already checked), sequences
-        0 .. batch − 1 (a recorded step's, read once per step)."""
-        return [self._n_tokens[i][:batch] for i in layers]
+    def counts(self, layers, batch: int) -> np.ndarray:
+        """Token counts (len(layers), batch) of ``layers`` (distinct indices, already checked),
+        sequences 0 .. batch − 1: a copy (a recorded step reads them once a step)."""
+        return self._n_tokens[layers, :batch]
 
     def advance_each(self, layers, batch: int) -> None:
-        """One more token written to sequences 0 .. batch − 1 of each of ``layers``."""
-        for i in layers:
-            row = self._n_tokens[i]
-            for s in range(batch):
-                row[s] += 1
+        """One more token written to sequences 0 .. batch − 1 of each of ``layers`` (distinct)."""
+        self._n_tokens[layers, :batch] += 1
 
     def row0(self, layer: int, seq: int) -> int:
         """The layer row (within a KV head's slice) of the sequence's next token."""
-        return seq * self._seq_ctx + self._n_tokens[layer][seq]
+        return seq * self._seq_ctx + int(self._n_tokens[layer, seq])
 
     # --- checks -----------------------------------------------------------------------------------
     def check_live(self) -> None:

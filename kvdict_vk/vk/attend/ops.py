@@ -25,6 +25,21 @@ OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (ne
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a flash attention reads its query block and writes its output (words into the
+    query and output buffers), and whether each sequence's tokens come from its n_used word
+    alone, the splits following it (``dynamic``: push split_len 0, attend_common.glsl's
+    SPLIT_LEN). A decode step recorded once (kvdict_vk.vk.arena.decode) places every layer's
+    attention in shared buffers so; every other attention is ``AT_START``."""
+    q_word: int = 0
+    out_word: int = 0
+    dynamic: bool = False
+
+
+AT_START = Placement()
+
+
+@dataclass(frozen=True)
 class F32Rows:
     """A stream of f32 rows outside the layer buffer (what a StreamLayout says of a
     passthrough stream, for the reconstruct-then-attend baseline)."""
@@ -167,33 +182,28 @@ class PassBuilder:
                                     plan.fresh_len, plan.n_splits, scale, fresh_words))
         return ops + self._table_tail(layer, plan)
 
-    def flash_ops(self, layer: int, plan, n_used: int, scale: float, dynamic: bool = False, q_word: int = 0,
-                  out_word: int = 0) -> list:
+    def flash_ops(self, layer: int, plan, n_used: int, scale: float, at: Placement = AT_START) -> list:
         """attend_flash (an uncoded layer) or attend_table + attend_flash_coded (a dict-coded
-        one) over tokens [0, n_used), then attend_merge_head: the query block from ``q_word``
-        of the query buffer on, the output from ``out_word`` of the output buffer on.
-        ``dynamic``: each sequence's tokens are the n_used word of the query block (≤ n_used)
-        and its splits' length follows it (split_len 0: attend_common.glsl's SPLIT_LEN) — a
-        decode step recorded once."""
+        one) over tokens [0, n_used), then attend_merge_head; the query block and the output
+        placed ``at`` (Placement: a recorded decode step's; each sequence's tokens then its
+        n_used word, ≤ n_used)."""
         lay = self.layout
         k, v = lay.layers[layer].streams
         buf = self.memory.layer_buffer(layer)
         if k.coded:
-            return self._flash_coded_ops(layer, plan, n_used, scale, dynamic, q_word, out_word)
+            return self._flash_coded_ops(layer, plan, n_used, scale, at)
         source = dict(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, seq_rows=self.memory.seq_ctx)
         local = plan.local or self.shapes.flash_local(layer)
         if k.kivi:  # the KIVI build: the layer's statistics, exact windows (binary16 rows) and state word
             source.update(stats_word=k.stats_word, k_window_word=k.window_word, v_window_word=v.window_word,
                           window=k.window_tokens, state_word=k.state_word)
             return self._flash_rows(("layer", layer), buf, None, source, local, 1, 0, plan, n_used, scale,
-                                    kivi=(k.kivi_bits, v.kivi_bits), dynamic=dynamic, q_word=q_word,
-                                    out_word=out_word)
+                                    kivi=(k.kivi_bits, v.kivi_bits), at=at)
         return self._flash_rows(("layer", layer), buf, v, source, local, int(k.half), int(k.q8), plan, n_used, scale,
-                                dynamic=dynamic, q_word=q_word, out_word=out_word)
+                                at=at)
 
     def _flash_rows(self, key, buf, v, source: dict, local: int, half: int, q8: int, plan, n_used: int,
-                    scale: float, kivi: tuple | None = None, dynamic: bool = False, q_word: int = 0,
-                    out_word: int = 0) -> list:
+                    scale: float, kivi: tuple | None = None, at: Placement = AT_START) -> list:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
         rows per KV head; plan.seqs sequences seq_rows apart) — its KIVI build where ``kivi``
         gives (K bits, V bits) —, then attend_merge_head."""
@@ -207,8 +217,8 @@ class PassBuilder:
                               b.sizes.seqs * lay.n_kv_heads * grid.max_splits * local, LOCAL=local, HB=1,
                               ROW_HALF=half, ROW_Q8=q8, **end, **bits)
         op = kernel.op(**source, n_used=n_used, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, n_seqs=plan.seqs,
-                       score_scale=scale, q_word=q_word, **_split_push(plan, dynamic))
-        return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs, out_word=out_word)
+                       score_scale=scale, q_word=at.q_word, **_split_push(plan, at))
+        return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs, out_word=at.out_word)
 
     def variant(self, layer: int, plan) -> str:
         """The SPIR-V variant that runs ``plan``'s attention over ``layer`` (its main pass)."""
@@ -219,8 +229,7 @@ class PassBuilder:
             return "attend_flash_coded"
         return self.shapes.flash_variant(plan.local or self.shapes.flash_local(layer), flash_shader(k.kivi, plan.kernel))
 
-    def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float, dynamic: bool = False,
-                         q_word: int = 0, out_word: int = 0) -> list:
+    def _flash_coded_ops(self, layer: int, plan, n_used: int, scale: float, at: Placement = AT_START) -> list:
         b, grid, lay = self.buffers, self.grid, self.layout
         k, v = lay.layers[layer].streams
         n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
@@ -228,7 +237,7 @@ class PassBuilder:
         table = self._kernel(("table_all", layer), "attend_table", [buf, b.q, b.table],
                              b.sizes.seqs * grid.units * lay.n_atoms)
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
-                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs, q_word=q_word), self.sync(b.table)]
+                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs, q_word=at.q_word), self.sync(b.table)]
         # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
         options = self.shapes.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
@@ -241,12 +250,12 @@ class PassBuilder:
                               K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity,
                               BUCKET=self.shapes.flash_coded_bucket(layer, hb, local))
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
-                             n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word, **_split_push(plan, dynamic),
+                             n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word, **_split_push(plan, at),
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
-                             n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale, q_word=q_word))
+                             n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale, q_word=at.q_word))
         return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs,
-                                 out_word=out_word)
+                                 out_word=at.out_word)
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,
@@ -330,9 +339,10 @@ class PassBuilder:
         self._kernels.clear()
 
 
-def _split_push(plan, dynamic: bool) -> dict:
-    """A flash dispatch's split length: the plan's, or 0 with the plan's rounding (SPLIT_LEN)."""
-    return dict(split_len=0, split_round=plan.split_round) if dynamic else dict(split_len=plan.split_len)
+def _split_push(plan, at: Placement) -> dict:
+    """A flash dispatch's split length: the plan's, or (``at.dynamic``) 0 with the plan's
+    rounding (SPLIT_LEN)."""
+    return dict(split_len=0, split_round=plan.split_round) if at.dynamic else dict(split_len=plan.split_len)
 
 
 def flash_shader(kivi: bool, kernel: str) -> str:

@@ -257,26 +257,33 @@ def _atoms_span(p, hd):
 def _table_extents(p, s):
     _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1 and p["n_seqs"] >= 1, "attend_table", p)
     hd, g, heads = s["HEAD_DIM"], s["GROUP"], p["n_kv"] * p["n_seqs"]
-    _check(p["q_word"] % 4 == 0, "attend_table", p)
-    return [[_atoms_span(p, hd)], [_span(p["q_word"], heads * g * hd)], [_span(0, heads * g * p["n_atoms"])]]
+    return [[_atoms_span(p, hd)], [_query_span(p, heads * g * hd, "attend_table")],
+            [_span(0, heads * g * p["n_atoms"])]]
 
 
 def dynamic_split_len(n_used: int, n_splits: int, split_round: int) -> int:
     """The flash kernels' tokens per split where the push block's split_len is 0 (a recorded
     decode step's: attend_common.glsl's SPLIT_LEN, this function's twin): n_used over the
     splits, rounded up to a whole number of split_round tokens."""
-    return -(-(-(-n_used // n_splits)) // split_round) * split_round
+    even = -(-n_used // n_splits)
+    return -(-even // split_round) * split_round
 
 
 def _splits_cover(p) -> bool:
     """Whether a flash dispatch's splits cover [0, n_used) of every sequence: n_splits ×
     split_len tokens, or split_len 0 (SPLIT_LEN: derived from each sequence's n_used, in
-    rounds of split_round ≥ 1 tokens); and its query block starts on a quad."""
-    if p["n_splits"] < 1 or p["q_word"] % 4:
+    rounds of split_round ≥ 1 tokens)."""
+    if p["n_splits"] < 1:
         return False
     if p["split_len"] == 0:
         return p["split_round"] >= 1
     return p["n_splits"] * p["split_len"] >= p["n_used"]
+
+
+def _query_span(p, words: int, what: str):
+    """The query block a dispatch reads: ``words`` from push q_word on, which starts on a quad."""
+    _check(p["q_word"] % 4 == 0, what, p)
+    return _span(p["q_word"], words)
 
 
 def _seq_rows(p, what: str) -> int:
@@ -364,8 +371,8 @@ def _flash_extents(p, s):
     rows = [_span(w, ((n_kv - 1) * p["n_ctx"] + last) * row) for w in (p["k_word"], p["v_word"])]
     records = p["n_seqs"] * n_kv * p["n_splits"] * g
     quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
-    queries = query_words(p["n_seqs"], n_kv * g, hd)
-    return [rows, quads, [_span(p["q_word"], queries)], [_span(0, records * hd)], [_span(0, 2 * records)]]
+    queries = _query_span(p, query_words(p["n_seqs"], n_kv * g, hd), "attend_flash")
+    return [rows, quads, [queries], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _flash_kivi_extents(p, s):
@@ -392,8 +399,8 @@ def _flash_kivi_extents(p, s):
     words = [_span(p["k_word"], ((n_kv - 1) * n_ctx + used) * k_row),
              _span(p["v_word"], ((n_kv - 1) * n_ctx + used) * v_row), _span(p["state_word"], 1)]
     records = n_kv * p["n_splits"] * g
-    return [words, [stats] + windows, [_span(p["q_word"], query_words(1, n_kv * g, hd))], [_span(0, records * hd)],
-            [_span(0, 2 * records)]]
+    queries = _query_span(p, query_words(1, n_kv * g, hd), "attend_flash_kivi")
+    return [words, [stats] + windows, [queries], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _mma_check(s, bits: tuple = ()):
@@ -441,8 +448,8 @@ def _flash_coded_extents(p, s):
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
     atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
     records = heads * p["n_splits"] * g
-    queries = query_words(p["n_seqs"], n_kv * g, hd)
-    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [_span(p["q_word"], queries)],
+    queries = _query_span(p, query_words(p["n_seqs"], n_kv * g, hd), "attend_flash_coded")
+    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [queries],
             [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
