@@ -51,9 +51,9 @@ class AttendBuffers:
         return b
 
     def with_io(self, q: Buffer, out: Buffer) -> "AttendBuffers":
-        """A view of these buffers with its own query block and output (a recorded decode
-        step's, one per layer: kvdict_vk.vk.arena.decode) and this engine's scratch. It owns
-        nothing: the caller frees q and out, the engine the rest."""
+        """A view of these buffers with other query and output buffers (a recorded decode
+        step's, every layer's block in each: kvdict_vk.vk.arena.decode) and this engine's
+        scratch. It owns nothing: the caller frees q and out, the engine the rest."""
         view = copy.copy(self)
         view.q, view.out, view.owned, view.flush_scratch = q, out, [], {}
         return view
