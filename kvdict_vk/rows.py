@@ -13,6 +13,19 @@ from .dictionary import is_f16_exact
 from .layout import ATOMS_F16_ELEMS, CACHES, Q8_BLOCK, ArenaLayout, StreamLayout, q8_scale_words
 
 
+# what a recorded step's append_step turns a stream's source rows into (shaders/append_step.comp's
+# FORMAT_*): the words as given (f32 rows, a coded stream's slots), or float32 rows made into
+# binary16 or q8_0 words on the device, bit for bit as row_words_of makes them
+APPEND_FORMATS = {"words": 0, "f16": 1, "q8_0": 2}
+
+
+def append_format(st: StreamLayout) -> str:
+    """The APPEND_FORMATS key of a stream: what its recorded appends convert on the device."""
+    if st.coded or not (st.half or st.q8):
+        return "words"
+    return "f16" if st.half else "q8_0"
+
+
 def row_words_of(rows: np.ndarray, st: StreamLayout) -> np.ndarray:
     """The words a passthrough stream stores for float32 rows (n_kv, T, head_dim): their
     bits (f32), the halves packed two to a word (f16: round to nearest even, as numpy), or

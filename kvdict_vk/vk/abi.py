@@ -127,7 +127,8 @@ READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", 
 SCATTER_PUSH = uint_block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                           "group_stride", "n_words")
 APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_word", "v_word", "k_row_words", "v_row_words",
-                              "n_kv", "n_seqs", "n_ctx", "seq_rows", "lengths_word")
+                              "n_kv", "n_seqs", "n_ctx", "seq_rows", "lengths_word", "k_format", "v_format",
+                              "head_dim")
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).

@@ -13,6 +13,7 @@ from .. import errors as E
 from .. import kivi as K
 from .. import layout as L
 from ..residual import slot_words
+from ..rows import APPEND_FORMATS
 
 Span = tuple  # (first word, one past the last word) touched in one binding; each binding
 # gets a list of spans (empty: untouched)
@@ -84,7 +85,16 @@ def _append_step_extents(p, s):
     n_kv, n_seqs, n_ctx, rows = p["n_kv"], p["n_seqs"], p["n_ctx"], p["seq_rows"]
     if n_kv < 1 or n_seqs < 1 or rows < 1 or n_seqs * rows > n_ctx or p["k_row_words"] < 1 or p["v_row_words"] < 1:
         raise E.DispatchError(f"append_step: push constants {p} are inconsistent")
-    k_n, v_n = n_seqs * n_kv * p["k_row_words"], n_seqs * n_kv * p["v_row_words"]
+    src_words = {}
+    for key in ("k", "v"):  # a source row: the stored words, or head_dim floats converted on the device
+        fmt, words = p[f"{key}_format"], p[f"{key}_row_words"]
+        hd = p["head_dim"]
+        converted = {APPEND_FORMATS["words"]: words, APPEND_FORMATS["f16"]: hd // 2 if hd % 2 == 0 else None,
+                     APPEND_FORMATS["q8_0"]: L.q8_scale_words(hd) + hd // 4 if hd and hd % L.Q8_BLOCK == 0 else None}
+        if converted.get(fmt) != words:  # an unknown format, or rows that are not head_dim's words
+            raise E.DispatchError(f"append_step: push constants {p} are inconsistent")
+        src_words[key] = words if fmt == APPEND_FORMATS["words"] else p["head_dim"]
+    k_n, v_n = n_seqs * n_kv * src_words["k"], n_seqs * n_kv * src_words["v"]
     last = (n_kv - 1) * n_ctx + n_seqs * rows  # one past the last row written in a region
     return ([(p["k_src_word"], p["k_src_word"] + k_n), (p["v_src_word"], p["v_src_word"] + v_n)],
             [(p["lengths_word"], p["lengths_word"] + n_seqs)],

@@ -91,6 +91,61 @@ def test_replays_equal_append_then_attend(cache, make_arena):
             np.testing.assert_array_equal(a, b)
 
 
+def _awkward_rows(rng, shape, cache):
+    """float32 rows whose conversion is easy to get wrong. f16: NaNs with payloads, ±inf, ±0,
+    float32 subnormals, the binary16 subnormal range and its ties (2^-25 and its neighbours),
+    the largest binary16 and what rounds past it, exact ties between binary16 neighbours, and
+    random bit patterns over every exponent. q8_0 (finite input, normal magnitudes): an
+    all-zero block, a block whose scale is exactly 1 (its values on the .5 ties), huge and
+    tiny blocks, signed zeros, random bits over a wide range of exponents."""
+    n = int(np.prod(shape))
+    if cache == "f16":
+        special = np.array([0x7F800001, 0xFFC00000, 0x7F802001, 0x7FFFFFFF, 0x7F800000, 0xFF800000, 0x0, 0x80000000,
+                            0x00000001, 0x807FFFFF, 0x33000000, 0x33000001, 0x32FFFFFF, 0xB3000000, 0x387FE000,
+                            0x38800000, 0x38801000, 0x38803000, 0x477FE000, 0x477FEFFF, 0x477FF000, 0xC77FF000,
+                            0x477FFFFF, 0x47800000, 0x7F7FFFFF, 0x3F801000, 0x3F803000, 0x3F800FFF, 0x35000001,
+                            0x34FFF000, 0x35800800, 0x35801800], np.uint32)
+        bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+        bits[:special.size] = special
+        bits[special.size:2 * special.size] = special ^ 0x80000000
+        return bits.view(np.float32).reshape(shape)
+    mag = np.exp2(rng.uniform(-100, 100, n)).astype(np.float32) * rng.choice([-1, 1], n).astype(np.float32)
+    x = mag.reshape(-1, 32)
+    x[0] = 0
+    x[1] = np.arange(-15.5, 16.5, 1, dtype=np.float32) * np.float32(127 / 16)  # d near 1: ties
+    x[2] = np.arange(32, dtype=np.float32) - np.float32(16.5)
+    x[2, 0] = 127  # d exactly 1: every other value a .5 tie
+    x[3] = rng.standard_normal(32).astype(np.float32) * np.float32(3e37)
+    x[4] = rng.standard_normal(32).astype(np.float32) * np.float32(1e-30)
+    x[5, ::2] = -0.0
+    return x.reshape(shape)
+
+
+@pytest.mark.parametrize("cache,hd", [("f16", 64), ("f16", 8), ("q8_0", 32), ("q8_0", 128)])
+def test_the_device_converts_rows_as_numpy_does(cache, hd, make_arena):
+    """append_step turns the step's float32 rows into the cache's words on the device
+    (rows_encode.glsl): the layers' words, read back raw, equal a twin arena's whose appends
+    converted the same rows with NumPy (rows.row_words_of) — NaN payloads, infinities,
+    subnormals and ties included for binary16; q8_0's scales, its .5 ties, an odd number of
+    blocks (head_dim 32: one scale in a word) and an all-zero block."""
+    n_layers, n_kv, batch, n_ctx = 2, 2, 2, 48
+    rng = np.random.default_rng(48)
+    stepped = make_arena(n_layers, n_kv, hd, n_ctx, cache=cache, seqs=batch)
+    plain = make_arena(n_layers, n_kv, hd, n_ctx, cache=cache, seqs=batch)
+    step = stepped.record_step(n_kv, batch=batch)
+    for _ in range(3):
+        k, v = (_awkward_rows(rng, (n_layers, batch, n_kv, hd), cache) for _ in range(2))
+        step.run(k, v, rng.standard_normal((n_layers, batch, n_kv, hd), dtype=np.float32))
+        for layer in range(n_layers):
+            for s in range(batch):
+                plain.append(layer, k[layer, s][:, None], v[layer, s][:, None], seq=s)
+    for layer in range(n_layers):
+        got, want = stepped.memory.layer_words(layer), plain.memory.layer_words(layer)
+        bad = np.flatnonzero(got != want)
+        assert not bad.size, f"layer {layer}: {bad.size} words differ, first at {bad[:4]}: " \
+                             f"{[hex(x) for x in got[bad[:4]]]} != {[hex(x) for x in want[bad[:4]]]}"
+
+
 @pytest.mark.parametrize("batch", [3, 2])
 def test_batched_replays_equal_reference(batch, make_arena):
     """A batch of sequences of unequal lengths (one empty), each appended at its own row

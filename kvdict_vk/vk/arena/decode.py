@@ -11,8 +11,10 @@ step's values and replays it:
   attend_common.glsl's SEQ_USED word) — append_step writes the new K/V words at the row it
   names, and the flash kernels attend over that many tokens in splits whose length follows
   it (push split_len 0: SPLIT_LEN);
-* the new K/V words of every layer sit in one host-visible buffer (every layer's K words —
-  sequence, KV head, row —, then every layer's V words), every layer's query block in one
+* the new K/V rows of every layer sit in one host-visible buffer (every layer's K rows —
+  sequence, KV head —, then every layer's V rows) as float32, which append_step turns into
+  the cache's binary16 or q8_0 words on the device (bit for bit NumPy's: rows_encode.glsl),
+  or as a dict-coded stream's slots; every layer's query block in one
   device buffer (the kernels' q_word) that goes up in one copy, and every layer's merge
   writes its output into one buffer (attend_merge_head's out_word) that comes back in one
   copy: a replay is a few NumPy writes, one submission and one read.
@@ -76,11 +78,11 @@ class DecodeStep:
         plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
         self._writes = writes
         self._streams = [lay.layers[i].streams for i in self.layers]
-        k0, v0 = self._streams[0]  # every layer's rows alike: one conversion a step for them all
-        self._rows_alike = all(_same_rows(k, v, k0, v0) for k, v in self._streams)
-        # the step buffer: every layer's K words (batch, n_kv, k row), then every layer's V words
-        k_n = [self.batch * n_kv * k.row_words for k, _ in self._streams]
-        v_n = [self.batch * n_kv * v.row_words for _, v in self._streams]
+        # no coded stream: the step's rows go into the step buffer as they come, in one write each
+        self._rows_only = not any(k.coded or v.coded for k, v in self._streams)
+        # the step buffer: every layer's K source rows (batch, n_kv, row), then every layer's V rows
+        k_n = [self.batch * n_kv * _source_words(k, hd) for k, _ in self._streams]
+        v_n = [self.batch * n_kv * _source_words(v, hd) for _, v in self._streams]
         self._k_src = np.cumsum([0] + k_n).tolist()
         self._v_src = (self._k_src[-1] + np.cumsum([0] + v_n)).tolist()
         self._q_words = query_words(self.batch, self.n_heads, hd)
@@ -118,11 +120,13 @@ class DecodeStep:
             k, v = self._streams[j]
             layer_buf, q_word = mem.layer_buffer(i), j * self._q_stride
             append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf],
-                              max_items=self._k_src[j + 1] - self._k_src[j] + self._v_src[j + 1] - self._v_src[j])
+                              max_items=self.batch * n_kv * (k.row_words + v.row_words))
             core.append(append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
                                   v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
                                   n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
-                                  lengths_word=q_word + self._lengths_at))
+                                  lengths_word=q_word + self._lengths_at,
+                                  k_format=R.APPEND_FORMATS[R.append_format(k)],
+                                  v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim))
             core.append(barrier(layer_buf))
             core += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
                                      Placement(q_word=q_word, out_word=j * self._out_words, dynamic=True))
@@ -150,23 +154,24 @@ class DecodeStep:
         if used.max() > self.memory.seq_ctx:
             j, s = np.unravel_index(int(used.argmax()), used.shape)
             raise E.ArenaError(f"layer {self.layers[j]}: sequence {s} is full ({self.memory.seq_ctx} tokens)")
-        k_words, v_words = self._words(k_rows, v_rows)  # a dict-coded layer's OMP: before any write
-        self._k_host[:] = k_words
-        self._v_host[:] = v_words
+        if self._rows_only:
+            self._k_host.view(np.float32)[:] = k_rows.reshape(-1)
+            self._v_host.view(np.float32)[:] = v_rows.reshape(-1)
+        else:
+            k_words, v_words = self._sources(k_rows, v_rows)  # a dict-coded layer's OMP: before any write
+            self._k_host[:] = k_words
+            self._v_host[:] = v_words
         self._q_host[:] = q.reshape(n_l, -1).view(np.uint32)
         self._used_host[:] = used
         self._rec.run()
         self.memory.advance_each(self._layer_rows, b)
         return self._out_host.view(np.float32).reshape(n_l, b, self.n_heads, hd).copy()
 
-    def _words(self, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple:
-        """The words the step stores, every layer's K words then every layer's V words, each
-        flat (layer, batch, n_kv, row_words): the rows' own (f32 / f16 / q8_0: every layer in
-        one call where all are alike), or a dict-coded stream's slots (codec.encode_heads,
+    def _sources(self, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple:
+        """The step buffer's words where a layer is dict-coded: every layer's K sources then
+        every layer's V sources, each flat (layer, batch, n_kv, …): an uncoded stream's
+        float32 rows (append_step converts them), a coded stream's slots (codec.encode_heads,
         every sequence's token in one batch)."""
-        if self._rows_alike:
-            k0, v0 = self._streams[0]
-            return R.row_words_of(k_rows, k0).reshape(-1), R.row_words_of(v_rows, v0).reshape(-1)
         out = ([], [])
         for j, i in enumerate(self.layers):
             for rows, st, dst in zip((k_rows[j], v_rows[j]), self._streams[j], out):
@@ -174,7 +179,7 @@ class DecodeStep:
                     slots = codec.encode_heads(rows.transpose(1, 0, 2), self._writes.stream_dict(i, st.stream))
                     dst.append(slots.transpose(1, 0, 2))
                 else:
-                    dst.append(R.row_words_of(rows, st))
+                    dst.append(rows.view(np.uint32))
         return tuple(np.concatenate([w.reshape(-1) for w in words]) for words in out)
 
     # --- timing and lifetime -------------------------------------------------------------------
@@ -210,7 +215,6 @@ class DecodeStep:
         self.free()
 
 
-def _same_rows(k, v, k0, v0) -> bool:
-    """Whether two layers' uncoded streams store rows the same way (row_words_of's format)."""
-    fmt = lambda st: (st.coded, st.half, st.q8, st.row_words)  # noqa: E731
-    return not (k.coded or v.coded) and fmt(k) == fmt(k0) and fmt(v) == fmt(v0)
+def _source_words(st, head_dim: int) -> int:
+    """Words of a stream's source row in the step buffer: its slot (coded), else head_dim floats."""
+    return st.row_words if st.coded else head_dim
