@@ -13,9 +13,11 @@
    fence reused, ~15 µs with the fence reused and polled):
    * one VkFence per sequence, made on the first submit, reset before each later one and
      destroyed with the sequence (0.9.0 creates and destroys a fence in every eval);
-   * the wait polls vkGetFenceStatus for up to a bound (default 2000 µs on GPUs, 0 on CPU
-     drivers, whose worker threads need the cores; ``KVDICT_VK_FENCE_POLL_US`` overrides),
-     then blocks in vkWaitForFences, so long waits do not burn a core;
+   * the wait polls vkGetFenceStatus for up to a bound (default 20 000 µs on GPUs — a
+     recorded decode step of a model at long context runs for milliseconds, and waking from
+     vkWaitForFences added 100–400 µs to such a step's host time —, 0 on CPU drivers, whose
+     worker threads need the cores; ``KVDICT_VK_FENCE_POLL_US`` overrides), then blocks in
+     vkWaitForFences, so long waits do not burn a core;
    * the command pool is made with RESET_COMMAND_BUFFER, so a sequence may be cleared and
      recorded again (vkBeginCommandBuffer resets it implicitly — legal only with that flag);
    * the timestamp query pool is reset at the start of every recording (0.9.0 never
@@ -133,7 +135,7 @@ SEQUENCE_EDITS = [
      "    this->createCommandPool();\n    this->createCommandBuffer();\n"
      "    // kvdict_vk patch: poll the fence for short waits on GPUs (not on CPU drivers)\n"
      "    this->mPollMicros = physicalDevice->getProperties().deviceType ==\n"
-     "                            vk::PhysicalDeviceType::eCpu ? 0 : 2000;\n"
+     "                            vk::PhysicalDeviceType::eCpu ? 0 : 20000;\n"
      '    if (const char* env = std::getenv("KVDICT_VK_FENCE_POLL_US"))\n'
      "        this->mPollMicros = std::strtoull(env, nullptr, 10);\n"),
     ("src/Sequence.cpp",

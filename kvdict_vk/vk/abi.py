@@ -131,6 +131,14 @@ APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_w
                               "head_dim")
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")
+# A model's forward on the device (shaders/fwd_*.comp, kvdict_vk/vk/forward/).
+MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "n_cols", "accumulate",
+                         defaults=dict(accumulate=0))
+EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows", "n_cols")
+RMS_NORM_PUSH = uint_block("RmsNormPush", "w_word", "x_word", "y_word", "n", floats=("eps",))
+ROPE_PUSH = uint_block("RopePush", "row_word", "n_rows", "head_dim", "rope_dim", "pos_word", "n_pos")
+SWIGLU_PUSH = uint_block("SwigluPush", "g_word", "u_word", "y_word", "n")
+ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
 ATTEND_SPLIT_PUSH = uint_block("AttendSplitPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
                                "n_kv", "n_atoms", "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word",
@@ -262,6 +270,18 @@ def _declare() -> tuple:
                 ("HEAD_DIM",)),
         Variant("read_rows_kivi", "read_rows_kivi.comp", (), (ro("LayerWords"), rw("OutQuads", 4)), READ_KIVI_PUSH,
                 ("HEAD_DIM", "BITS", "KEYS", "GROUP"), (("KEYS", 1),)),
+    ]
+    # a model's forward (kvdict_vk/vk/forward/): FORMAT is weights.glsl's weight format
+    weight_format = (("FORMAT",), (("FORMAT", 0),))
+    out += [
+        Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH,
+                ("FORMAT", "ROW_THREADS"), (("FORMAT", 0),)),
+        Variant("fwd_embed", "fwd_embed.comp", (), (ro("Weights"), ro("Values"), rw("State")), EMBED_PUSH,
+                *weight_format),
+        Variant("fwd_rms_norm", "fwd_rms_norm.comp", (), (ro("Weights"), ro("X"), rw("Y")), RMS_NORM_PUSH),
+        Variant("fwd_rope", "fwd_rope.comp", (), (ro("Table"), ro("Values"), rw("Rows")), ROPE_PUSH),
+        Variant("fwd_swiglu", "fwd_swiglu.comp", (), (rw("Act"),), SWIGLU_PUSH),
+        Variant("fwd_argmax", "fwd_argmax.comp", (), (ro("X"), rw("State")), ARGMAX_PUSH),
     ]
     # decode attention (kvdict_vk/vk/attend/): f32 cache / dict-coded cache
     coded = ATTEND_SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")

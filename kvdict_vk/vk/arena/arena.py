@@ -255,18 +255,19 @@ class KvArena:
         return out
 
     def record_step(self, n_heads: int, layers=None, batch: int = 1, scale: float | None = None,
-                    n_plan: int | None = None, timestamps: bool = False) -> DecodeStep:
+                    n_plan: int | None = None, timestamps: bool = False, record: bool = True) -> DecodeStep:
         """A decode step of ``layers`` (default: every layer) recorded once, for ``n_heads``
         query heads and sequences 0 .. batch − 1: ``step.run(k_rows, v_rows, q)`` appends one
         token per sequence to each layer and attends over it, replaying the same commands with
         the step's values in buffers (kvdict_vk.vk.arena.decode says how). The flash kernels
         attend (f16 / f32 / q8_0 rows, or both streams dict-coded; not a KIVI layer), their
         launch shape planned at ``n_plan`` tokens (default: the capacity). The step is freed
-        with the arena, or by its own free()."""
+        with the arena, or by its own free(). ``record`` False: its ops only, for a device
+        forward to record among its own (kvdict_vk.vk.forward.DeviceForward)."""
         att = self.attention(n_heads)
         idx = list(range(self.layout.n_layers)) if layers is None else [self.memory.layer_index(i) for i in layers]
         step = DecodeStep(self.memory, self._writes, att, idx, batch, check_scale(scale, self.layout.head_dim),
-                          n_plan, timestamps)
+                          n_plan, timestamps, record)
         self._steps = [s for s in self._steps if not s.closed] + [step]
         return step
 

@@ -11,11 +11,11 @@ step's values and replays it:
   attend_common.glsl's SEQ_USED word) — append_step writes the new K/V words at the row it
   names, and the flash kernels attend over that many tokens in splits whose length follows
   it (push split_len 0: SPLIT_LEN);
-* the new K/V rows of every layer sit in one host-visible buffer (every layer's K rows —
+* the new K/V rows of every layer sit in one buffer (every layer's K rows —
   sequence, KV head —, then every layer's V rows) as float32, which append_step turns into
   the cache's binary16 or q8_0 words on the device (bit for bit NumPy's: rows_encode.glsl),
   or as a dict-coded stream's slots; every layer's query block in one
-  device buffer (the kernels' q_word) that goes up in one copy, and every layer's merge
+  device buffer (the kernels' q_word): both go up in one copy, and every layer's merge
   writes its output into one buffer (attend_merge_head's out_word) that comes back in one
   copy: a replay is a few NumPy writes, one submission and one read.
 
@@ -50,10 +50,12 @@ class DecodeStep:
     sequences (0 .. batch − 1) with ``attention``'s query heads, recorded once. ``scale``:
     the softmax scale (None: 1/sqrt(head_dim)); ``n_plan``: the length the flash launch shape
     is planned at (None: the sequences' capacity); ``timestamps``: GPU time of each run
-    (:meth:`gpu_seconds`) where the device has them."""
+    (:meth:`gpu_seconds`) where the device has them. ``record`` False: no recording of its
+    own — a device forward (kvdict_vk.vk.forward) records :attr:`layer_ops` between its own
+    ops, its projections writing the rows and queries straight into the step's buffers."""
 
     def __init__(self, memory, writes, attention, layers, batch: int, scale: float, n_plan: int | None = None,
-                 timestamps: bool = False):
+                 timestamps: bool = False, record: bool = True):
         lay = memory.layout
         self.memory, self.layout, self.device = memory, lay, memory.device
         self.layers, self.batch, self.scale = tuple(layers), int(batch), float(scale)
@@ -92,12 +94,18 @@ class DecodeStep:
         n_l = len(self.layers)
         self._q = self._out = self._step = self._rec = None
         try:
-            self._step = Buffer(self.device, self._v_src[-1], "host", "decode step K/V words")
+            # device-local (append_step reads each source float of a q8_0 block 32 times), up in
+            # the same copy as the queries
+            self._step = Buffer(self.device, self._v_src[-1], "device", "decode step K/V rows")
             self._q = Buffer(self.device, n_l * self._q_stride, "device", "decode step queries")
             self._out = Buffer(self.device, n_l * self._out_words, "device", "decode step output")
-            self._rec = Recording(self.device, self._ops(attention, plans), timestamps=timestamps and "spans",
-                                  what=f"decode step over {len(self.layers)} layers",
-                                  core=(1, 1 + self._n_core))
+            self.layer_ops = self._layer_ops(attention, plans)
+            if record:
+                core = [op for ops in self.layer_ops for op in ops]
+                self._rec = Recording(self.device, [kp.OpTensorSyncDevice([self._step.tensor, self._q.tensor]),
+                                                    *core, kp.OpTensorSyncLocal([self._out.tensor])],
+                                      timestamps=timestamps and "spans",
+                                      what=f"decode step over {len(self.layers)} layers", core=(1, 1 + len(core)))
         except BaseException:
             self.free()
             raise
@@ -108,31 +116,77 @@ class DecodeStep:
         self._q_host, self._used_host = blocks[:, :self._lengths_at], blocks[:, self._lengths_at:self._q_words]
         self._out_host = self._out.host_words()
 
-    def _ops(self, attention, plans) -> list:
-        """The recording: every layer's query block up; per layer append_step, a barrier on
-        the layer, its flash passes (the merge's output at the layer's place in the one output
-        buffer), a barrier on the engine's scratch (the next layer's passes reuse it); the
-        outputs back."""
+    def _layer_ops(self, attention, plans) -> list:
+        """Per layer, its ops: append_step, a barrier on the layer, its flash passes (the
+        merge's output at the layer's place in the one output buffer), a barrier on the
+        engine's scratch (the next layer's passes reuse it). The recording puts the copy of
+        the K/V rows and query blocks up before them all and the outputs' copy back after."""
         lay, mem, n_kv = self.layout, self.memory, self.layout.n_kv_heads
-        core = []
+        out = []
         passes = PassBuilder(mem, attention.buffers.with_io(self._q, self._out), attention.shapes, attention.grid)
         for j, (i, plan) in enumerate(zip(self.layers, plans)):
             k, v = self._streams[j]
-            layer_buf, q_word = mem.layer_buffer(i), j * self._q_stride
+            layer_buf, q_word = mem.layer_buffer(i), self.q_word(j)
             append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf],
                               max_items=self.batch * n_kv * (k.row_words + v.row_words))
-            core.append(append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
-                                  v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
-                                  n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
-                                  lengths_word=q_word + self._lengths_at,
-                                  k_format=R.APPEND_FORMATS[R.append_format(k)],
-                                  v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim))
-            core.append(barrier(layer_buf))
-            core += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
-                                     Placement(q_word=q_word, out_word=j * self._out_words, dynamic=True))
-            core.append(attention.barrier_op())
-        self._n_core = len(core)
-        return [kp.OpTensorSyncDevice([self._q.tensor]), *core, kp.OpTensorSyncLocal([self._out.tensor])]
+            ops = [append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
+                             v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
+                             n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
+                             lengths_word=q_word + self._lengths_at,
+                             k_format=R.APPEND_FORMATS[R.append_format(k)],
+                             v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim),
+                   barrier(layer_buf)]
+            ops += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
+                                    Placement(q_word=q_word, out_word=self.out_word(j), dynamic=True))
+            ops.append(attention.barrier_op())
+            out.append(ops)
+        return out
+
+    # --- where a device forward writes and reads (layer j of ``layers``) ---------------------------
+    @property
+    def buffers(self) -> tuple:
+        """(rows, queries, output): the K/V source rows, the query blocks (each layer's queries,
+        then its sequences' n_used words), every layer's attention output."""
+        return self._step, self._q, self._out
+
+    def q_word(self, j: int) -> int:
+        return j * self._q_stride
+
+    def k_rows_word(self, j: int) -> int:
+        return self._k_src[j]
+
+    def v_rows_word(self, j: int) -> int:
+        return self._v_src[j]
+
+    def out_word(self, j: int) -> int:
+        return j * self._out_words
+
+    def lengths_word(self, j: int) -> int:
+        """Where layer j's query block holds its sequences' n_used words."""
+        return j * self._q_stride + self._lengths_at
+
+    @property
+    def query_stride(self) -> int:
+        """Words from one layer's query block to the next."""
+        return self._q_stride
+
+    def stage_lengths(self) -> np.ndarray:
+        """Check that every sequence of every layer has room for one more token and write
+        each one's n_used (its count + 1) into the query blocks' host copy; returns them
+        (n_layers, batch). A full sequence is an ArenaError, before anything is written."""
+        self.memory.check_live()
+        if self._q is None:
+            raise E.ArenaError("the decode step was freed")
+        used = self.memory.counts(self._layer_rows, self.batch) + 1
+        if used.max() > self.memory.seq_ctx:
+            j, s = np.unravel_index(int(used.argmax()), used.shape)
+            raise E.ArenaError(f"layer {self.layers[j]}: sequence {s} is full ({self.memory.seq_ctx} tokens)")
+        self._used_host[:] = used
+        return used
+
+    def advance(self) -> None:
+        """Count the token a replay appended to every sequence of every layer."""
+        self.memory.advance_each(self._layer_rows, self.batch)
 
     # --- a step -------------------------------------------------------------------------------
     def run(self, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -143,17 +197,15 @@ class DecodeStep:
         Everything is checked before anything is written; a full sequence is an ArenaError."""
         self.memory.check_live()
         if self._rec is None:
-            raise E.ArenaError("the decode step was freed")
+            raise E.ArenaError("the decode step was freed" if self._q is None else
+                               "a decode step recorded inside a device forward has no run of its own")
         lay, n_l, b = self.layout, len(self.layers), self.batch
         hd, n_kv = lay.head_dim, lay.n_kv_heads
         for what, a, heads in (("k_rows", k_rows, n_kv), ("v_rows", v_rows, n_kv), ("q", q, self.n_heads)):
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (n_l, b, heads, hd):
                 raise E.ShapeError(f"DecodeStep.run: {what} must be float32 {(n_l, b, heads, hd)}, got "
                                    f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-        used = self.memory.counts(self._layer_rows, b) + 1
-        if used.max() > self.memory.seq_ctx:
-            j, s = np.unravel_index(int(used.argmax()), used.shape)
-            raise E.ArenaError(f"layer {self.layers[j]}: sequence {s} is full ({self.memory.seq_ctx} tokens)")
+        self.stage_lengths()
         if self._rows_only:
             self._k_host.view(np.float32)[:] = k_rows.reshape(-1)
             self._v_host.view(np.float32)[:] = v_rows.reshape(-1)
@@ -162,9 +214,8 @@ class DecodeStep:
             self._k_host[:] = k_words
             self._v_host[:] = v_words
         self._q_host[:] = q.reshape(n_l, -1).view(np.uint32)
-        self._used_host[:] = used
         self._rec.run()
-        self.memory.advance_each(self._layer_rows, b)
+        self.advance()
         return self._out_host.view(np.float32).reshape(n_l, b, self.n_heads, hd).copy()
 
     def _sources(self, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple:

@@ -1,0 +1,257 @@
+"""A llama model's decode on the device: every layer's forward around the arena's recorded
+decode step, one submission a token (issue 52, item 2).
+
+A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF's own Q4_1
+and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the
+embedding row of the token in the state buffer, then per layer RMSNorm → the Q, K and V
+projections written straight into the decode step's query blocks and source rows → RoPE in
+place → the step's append and attention (kvdict_vk.vk.arena.decode, record=False) → the O
+projection added to the residual → RMSNorm → gate and up → SwiGLU → down added to the
+residual; then the final norm, the LM head and argmax, the greedy next token written into the
+state buffer. A replay is a host write of the step's values — the token, its position and
+each layer's n_used, in a host-visible buffer the kernels read (a scatter puts the n_used words
+into the query blocks) —, one submission, and a read of the next token (and, where asked, the
+logits): no copy up, so every device buffer is written by kernels only.
+
+Buffers: the weights (as few as the device's limits allow, each holding whole layers); the
+RoPE table (host-made, kvdict_vk.forge.llama.rope_cos_sin's numbers); ``values`` (the step's,
+host-visible); ``state`` (the next token, the residual stream), ``norm`` (a normed vector), ``act`` (gate, up, their product;
+the logits). A binding a kernel writes is never bound twice (kernels.Kernel refuses it),
+which is why the normed vector has a buffer of its own.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import errors as E
+from ...forge.llama import rope_cos_sin
+from ..device import kp
+from ..kernels import Buffer, barrier, pipeline, run
+from ..submit import Recording
+from . import specs  # noqa: F401 (registers the fwd_* variants' dispatch arithmetic)
+from .weights import FORMATS, LAYER_MATRICES, Matrix, ModelWeights
+
+TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
+NEXT_WORD, X_WORD = 0, 4  # the state buffer: the greedy next token, (pad), the residual stream
+MATVEC_ROW_THREADS = 16  # fwd_matvec's ROW_THREADS on a GPU
+WEIGHT_BUFFER_BYTES = 1 << 30  # the most a weights buffer holds (whole layers), within the device's limits
+
+
+class DeviceForward:
+    """``weights``' decode over ``arena`` (its layers, KV heads and head_dim the model's; an
+    uncoded cache: f32, f16 or q8_0 rows), sequence 0, one token a :meth:`run`. ``logits``:
+    read the logits back each run (:meth:`logits`); ``timestamps``: GPU time of each run
+    (:meth:`gpu_seconds`); ``n_plan``: the length the attention's launch shape is planned at
+    (default: the arena's capacity); ``row_threads``: fwd_matvec's invocations a row (a power of
+    two ≤ 64; default: 1 on a CPU driver, MATVEC_ROW_THREADS on a GPU). Freed by :meth:`free`."""
+
+    def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
+                 n_plan: int | None = None, row_threads: int | None = None):
+        cfg, lay = weights.config, arena.layout
+        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
+            raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
+                               f"the model has {cfg.n_layers} of {cfg.n_kv_heads} × {cfg.head_dim}")
+        coded = [i for i, layer in enumerate(lay.layers) if any(st.coded for st in layer.streams)]
+        if coded:
+            raise E.ArenaError(f"layers {coded} are dict-coded: a device forward appends rows it made on the device, "
+                               f"and their coding runs on the host (KvArena.step decodes over such a cache)")
+        if cfg.hidden % 32 or cfg.ffn % 32 or (cfg.n_heads * cfg.head_dim) % 32:
+            raise E.ShapeError("a device forward needs hidden, ffn and n_heads · head_dim multiples of 32")
+        self.config, self.arena, self.device = cfg, arena, arena.device
+        # invocations a matvec row: a CPU driver's SIMD lanes take a row each (no barrier); a GPU's
+        # share one
+        if row_threads is None:
+            row_threads = 1 if self.device.is_cpu else MATVEC_ROW_THREADS
+        if row_threads not in (1, 2, 4, 8, 16, 32, 64):
+            raise E.ShapeError(f"row_threads must be a power of two up to 64, got {row_threads!r}")
+        self._row_threads = row_threads
+        self._want_logits = bool(logits)
+        self._buffers: list[Buffer] = []
+        self._rec = None
+        self.step = arena.record_step(cfg.n_heads, n_plan=n_plan, record=False)  # refuses KIVI, checks n_plan
+        try:
+            self._load(weights)
+            self._rec = Recording(self.device, self._ops(), timestamps=timestamps and "spans",
+                                  what=f"device forward of {cfg.n_layers} layers", core=(0, len(self._core)))
+        except BaseException:
+            self.free()
+            raise
+        self._state_host = self._state.host_words()
+        self._values_host = self._values.host_words()
+        self._act_host = self._act.host_words()
+
+    # --- buffers ---------------------------------------------------------------------------
+    def _buffer(self, words, kind: str, name: str, init=None) -> Buffer:
+        b = Buffer(self.device, words, kind, name, init)
+        self._buffers.append(b)
+        return b
+
+    def _load(self, w: ModelWeights) -> None:
+        """The weights into device buffers (one upload each), whole layers a buffer; the
+        globals (embedding, output norm, LM head) in one more; the RoPE table; the scratch."""
+        cfg, dev = self.config, self.device
+        limit = min(dev.limit("max_storage_buffer_range"), dev.limit("max_memory_allocation_size") or 1 << 62,
+                    WEIGHT_BUFFER_BYTES) // 4
+        # per layer: its tensors' words, packed; where each starts
+        packed, self._at = [], []
+        for layer in w.layers:
+            parts = {"attn_norm": layer.attn_norm.view(np.uint32), "ffn_norm": layer.ffn_norm.view(np.uint32)}
+            parts.update({name: getattr(layer, name).words.reshape(-1) for name in LAYER_MATRICES})
+            offsets, n = {}, 0
+            for name, words in parts.items():
+                offsets[name], n = n, n + -(-words.size // 4) * 4
+            packed.append((parts, offsets, n))
+        self._layer_buf, self._layer_base = [], []
+        groups, start = [], 0
+        for i, (_, _, n) in enumerate(packed):  # greedy: as many whole layers a buffer as fit
+            if i > start and sum(p[2] for p in packed[start:i + 1]) > limit:
+                groups.append((start, i))
+                start = i
+            if n > limit:
+                raise E.ShapeError(f"layer {i}'s weights ({4 * n} bytes) exceed a buffer ({4 * limit} bytes)")
+        groups.append((start, len(packed)))
+        for g0, g1 in groups:
+            total = sum(p[2] for p in packed[g0:g1])
+            words, base = np.zeros(total, np.uint32), 0
+            for parts, offsets, n in packed[g0:g1]:
+                for name, part in parts.items():
+                    words[base + offsets[name]:base + offsets[name] + part.size] = part
+                self._layer_base.append((base, offsets))
+                base += n
+            buf = self._buffer(total, "device", f"weights of layers {g0}..{g1 - 1}", words)
+            self._layer_buf += [buf] * (g1 - g0)
+        self._matrices = [{name: getattr(layer, name) for name in LAYER_MATRICES} for layer in w.layers]
+        self._tok, self._out_m = w.tok_embd, w.output
+        glob = [w.tok_embd.words.reshape(-1), w.output_norm.view(np.uint32)]
+        if w.output is not w.tok_embd:
+            glob.append(w.output.words.reshape(-1))
+        self._glob_at = np.cumsum([0] + [-(-g.size // 4) * 4 for g in glob]).tolist()
+        words = np.zeros(self._glob_at[-1], np.uint32)
+        for g, at in zip(glob, self._glob_at):
+            words[at:at + g.size] = g
+        self._glob = self._buffer(words.size, "device", "embedding, output norm, LM head", words)
+        self._n_pos = self.step.memory.seq_ctx
+        cos, sin = rope_cos_sin(np.arange(self._n_pos), cfg.rope_theta, cfg.rope_dim)
+        self._table = self._buffer(cos.size * 2, "device", "RoPE table", np.concatenate([cos, sin], 1))
+        self._state = self._buffer(X_WORD + cfg.hidden, "device", "forward state")
+        self._values = self._buffer(USED_WORD + cfg.n_layers, "host", "forward step values")
+        self._norm = self._buffer(max(cfg.hidden, cfg.n_heads * cfg.head_dim), "device", "forward normed vector")
+        self._act = self._buffer(max(3 * cfg.ffn, cfg.vocab), "device", "forward activations")
+        run(self.device, kp.OpTensorSyncDevice([b.tensor for b in self._buffers if b.kind == "device"]),
+            what="uploading the weights")
+
+    # --- the recording ---------------------------------------------------------------------
+    def _matvec(self, wbuf: Buffer, w_word: int, m: Matrix, x: Buffer, x_word: int, y: Buffer, y_word: int,
+                accumulate: bool = False):
+        threads = self._row_threads
+        k = pipeline(self.device, "fwd_matvec", [wbuf, x, y], {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads},
+                     max_items=m.n_rows * threads)
+        return k.op(w_word=w_word, x_word=x_word, y_word=y_word, n_rows=m.n_rows, n_cols=m.n_cols,
+                    accumulate=int(accumulate))
+
+    def _rms_norm(self, wbuf: Buffer, w_word: int, x: Buffer, x_word: int, y: Buffer):
+        k = pipeline(self.device, "fwd_rms_norm", [wbuf, x, y])
+        return k.op(w_word=w_word, x_word=x_word, y_word=0, n=self.config.hidden, eps=self.config.rms_eps)
+
+    def _rope(self, rows: Buffer, row_word: int, n_rows: int):
+        cfg = self.config
+        k = pipeline(self.device, "fwd_rope", [self._table, self._values, rows],
+                     max_items=n_rows * cfg.rope_dim // 2)
+        return k.op(row_word=row_word, n_rows=n_rows, head_dim=cfg.head_dim, rope_dim=cfg.rope_dim,
+                    pos_word=POS_WORD, n_pos=self._n_pos)
+
+    def _ops(self) -> list:
+        cfg, step = self.config, self.step
+        rows, queries, attn_out = step.buffers
+        st, nm, act = self._state, self._norm, self._act
+        embed = pipeline(self.device, "fwd_embed", [self._glob, self._values, st], {"FORMAT": FORMATS[self._tok.fmt]},
+                         max_items=cfg.hidden // 8)
+        used = pipeline(self.device, "scatter", [self._values, queries], max_items=cfg.n_layers)
+        core = [used.op(src_word=USED_WORD, dst_word=step.lengths_word(0), row_words=1, group_rows=1,
+                        group_stride=step.query_stride, n_words=cfg.n_layers),
+                embed.op(w_word=self._glob_at[0], token_word=TOKEN_WORD, y_word=X_WORD, n_rows=self._tok.n_rows,
+                         n_cols=self._tok.n_cols), barrier(st, queries)]
+        for j in range(cfg.n_layers):
+            wb, (base, at) = self._layer_buf[j], self._layer_base[j]
+            lw = self._matrices[j]
+            core += [self._rms_norm(wb, base + at["attn_norm"], st, X_WORD, nm), barrier(nm),
+                     self._matvec(wb, base + at["wq"], lw["wq"], nm, 0, queries, step.q_word(j)),
+                     self._matvec(wb, base + at["wk"], lw["wk"], nm, 0, rows, step.k_rows_word(j)),
+                     self._matvec(wb, base + at["wv"], lw["wv"], nm, 0, rows, step.v_rows_word(j)),
+                     barrier(queries, rows),
+                     self._rope(queries, step.q_word(j), cfg.n_heads),
+                     self._rope(rows, step.k_rows_word(j), cfg.n_kv_heads),
+                     barrier(queries, rows)]
+            core += step.layer_ops[j]
+            core += [barrier(attn_out),
+                     self._matvec(wb, base + at["wo"], lw["wo"], attn_out, step.out_word(j), st, X_WORD, True),
+                     barrier(st),
+                     self._rms_norm(wb, base + at["ffn_norm"], st, X_WORD, nm), barrier(nm),
+                     self._matvec(wb, base + at["w_gate"], lw["w_gate"], nm, 0, act, 0),
+                     self._matvec(wb, base + at["w_up"], lw["w_up"], nm, 0, act, cfg.ffn),
+                     barrier(act),
+                     pipeline(self.device, "fwd_swiglu", [act], max_items=cfg.ffn).op(
+                         g_word=0, u_word=cfg.ffn, y_word=2 * cfg.ffn, n=cfg.ffn),
+                     barrier(act),
+                     self._matvec(wb, base + at["w_down"], lw["w_down"], act, 2 * cfg.ffn, st, X_WORD, True),
+                     barrier(st)]
+        head_at = self._glob_at[2] if self._out_m is not self._tok else self._glob_at[0]
+        core += [self._rms_norm(self._glob, self._glob_at[1], st, X_WORD, nm), barrier(nm),
+                 self._matvec(self._glob, head_at, self._out_m, nm, 0, act, 0), barrier(act),
+                 pipeline(self.device, "fwd_argmax", [act, st]).op(x_word=0, n=cfg.vocab, out_word=NEXT_WORD)]
+        self._core = core
+        back = [self._state.tensor] + ([self._act.tensor] if self._want_logits else [])
+        return [*core, kp.OpTensorSyncLocal(back)]
+
+    # --- a token ---------------------------------------------------------------------------
+    def run(self, token: int) -> int:
+        """Feed ``token`` at the sequence's next position through every layer (appending its
+        K/V to the arena) and return the greedy next token. A token outside the vocabulary is
+        a ShapeError, a full sequence an ArenaError — before anything is written."""
+        if self._rec is None:
+            raise E.ArenaError("the device forward was freed")
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) \
+                or not 0 <= int(token) < self.config.vocab:
+            raise E.ShapeError(f"DeviceForward.run: token {token!r} outside 0..{self.config.vocab - 1}")
+        used = self.step.stage_lengths()[:, 0]
+        self._values_host[TOKEN_WORD] = int(token)
+        self._values_host[POS_WORD] = int(used[0]) - 1
+        self._values_host[USED_WORD:] = used
+        self._rec.run()
+        self.step.advance()
+        return int(self._state_host[NEXT_WORD])
+
+    def logits(self) -> np.ndarray:
+        """The last run's logits (vocab,) float32 (a device forward made with logits=True)."""
+        if not self._want_logits:
+            raise E.ArenaError("this device forward reads no logits back (make it with logits=True)")
+        return self._act_host[:self.config.vocab].view(np.float32).copy()
+
+    def gpu_seconds(self) -> float | None:
+        """GPU time of the last run's forward (without the copies up and back), or None."""
+        return None if self._rec is None else self._rec.core_seconds()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights resident on the device (what a token reads, the RoPE table aside)."""
+        return 4 * sum(b.words for b in {id(b): b for b in self._layer_buf + [self._glob]}.values())
+
+    def free(self) -> None:
+        """Release the recording, the buffers and the decode step. Idempotent."""
+        if self._rec is not None:
+            self._rec.free()
+            self._rec = None
+        self.step.free()
+        for b in self._buffers:
+            b.destroy()
+        self._buffers.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._rec is None
+
+    def __enter__(self) -> "DeviceForward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()

@@ -1,0 +1,164 @@
+"""A llama model's weights as the device forward holds them (shaders/weights.glsl's formats).
+
+Matrices keep GGUF's own blocks — Q4_1 as stored (5 words a block of 32), Q8_0 padded by
+two bytes to 9 words — so the device reads exactly the numbers the GGUF holds, dequantising
+on the fly; float32 and float16 tensors become float32 words. :func:`dequantised` is the
+NumPy twin (gguf-py's arithmetic), :func:`from_gguf` reads a file (the forge's gguf extra),
+:func:`random_weights` makes a model of given shapes (speed runs where no GGUF is at hand).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import errors as E
+from ...forge.gguf_model import ModelConfig
+
+FORMATS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # weights.glsl's W_* (FORMAT)
+BLOCK = 32  # columns a block holds
+BLOCK_WORDS = {"f32": 32, "q4_1": 5, "q8_0": 9}
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_GGUF_LAYER = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+               "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+
+
+@dataclass(frozen=True, eq=False)
+class Matrix:
+    """(n_rows, n_cols) weights in a weights.glsl format: ``words`` (n_rows, row_words)."""
+    fmt: str
+    n_rows: int
+    n_cols: int
+    words: np.ndarray
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS or self.n_cols % BLOCK or self.n_rows < 1:
+            raise E.ShapeError(f"a {self.fmt} matrix of {self.n_rows} × {self.n_cols}: formats {tuple(FORMATS)}, "
+                               f"columns a multiple of {BLOCK}")
+        if self.words.dtype != np.uint32 or self.words.shape != (self.n_rows, self.row_words):
+            raise E.ShapeError(f"{self.fmt} matrix {self.n_rows} × {self.n_cols}: words must be uint32 "
+                               f"{(self.n_rows, self.row_words)}, got {self.words.dtype} {self.words.shape}")
+
+    @property
+    def row_words(self) -> int:
+        return self.n_cols // BLOCK * BLOCK_WORDS[self.fmt]
+
+
+@dataclass(frozen=True, eq=False)
+class LayerWeights:
+    attn_norm: np.ndarray  # (hidden,) float32
+    wq: Matrix  # (n_heads · head_dim, hidden), GGUF's adjacent-pair RoPE row order
+    wk: Matrix
+    wv: Matrix
+    wo: Matrix
+    ffn_norm: np.ndarray
+    w_gate: Matrix
+    w_up: Matrix
+    w_down: Matrix
+
+
+@dataclass(frozen=True, eq=False)
+class ModelWeights:
+    config: ModelConfig
+    tok_embd: Matrix  # (vocab, hidden)
+    output_norm: np.ndarray
+    output: Matrix  # the same Matrix as tok_embd when tied
+    layers: tuple
+
+
+def f32_matrix(a: np.ndarray) -> Matrix:
+    a = np.ascontiguousarray(a, np.float32)
+    return Matrix("f32", a.shape[0], a.shape[1], a.view(np.uint32))
+
+
+def q4_1_matrix(raw: np.ndarray, n_rows: int, n_cols: int) -> Matrix:
+    """GGUF Q4_1 bytes (n_rows · n_cols / 32 blocks of 20) as stored."""
+    b = np.ascontiguousarray(raw, np.uint8).reshape(n_rows, n_cols // BLOCK * 20)
+    return Matrix("q4_1", n_rows, n_cols, b.view(np.uint32))
+
+
+def q8_0_matrix(raw: np.ndarray, n_rows: int, n_cols: int) -> Matrix:
+    """GGUF Q8_0 bytes (blocks of 34: d, 32 int8), each block padded after d to 36."""
+    b = np.ascontiguousarray(raw, np.uint8).reshape(n_rows, n_cols // BLOCK, 34)
+    padded = np.zeros((n_rows, n_cols // BLOCK, 36), np.uint8)
+    padded[..., :2], padded[..., 4:] = b[..., :2], b[..., 2:]
+    return Matrix("q8_0", n_rows, n_cols, padded.reshape(n_rows, -1).view(np.uint32))
+
+
+def dequantised(m: Matrix) -> np.ndarray:
+    """The float32 (n_rows, n_cols) a Matrix holds (gguf-py's dequantisation: d · q + m, q · d)."""
+    if m.fmt == "f32":
+        return m.words.view(np.float32).copy()
+    blocks = m.words.reshape(m.n_rows, m.n_cols // BLOCK, BLOCK_WORDS[m.fmt])
+    d = blocks[..., 0].astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
+    if m.fmt == "q4_1":
+        mins = (blocks[..., 0] >> 16).astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
+        qs = blocks[..., 1:].copy().view(np.uint8)  # (rows, blocks, 16)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+        return (d * q + mins).reshape(m.n_rows, m.n_cols)
+    q = blocks[..., 1:].copy().view(np.int8).astype(np.float32)
+    return (q * d).reshape(m.n_rows, m.n_cols)
+
+
+def from_gguf(path=None) -> ModelWeights:
+    """A llama GGUF's weights (F32 / F16 / Q4_1 / Q8_0 tensors) and hyper-parameters."""
+    from ...forge.gguf_model import open_reader, read_config
+    reader = open_reader(path)
+    cfg = read_config(reader)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def matrix(name: str) -> Matrix:
+        t = tensors[name]
+        n_cols, n_rows = (int(x) for x in t.shape[:2])
+        kind = t.tensor_type.name
+        if kind == "Q4_1":
+            return q4_1_matrix(t.data, n_rows, n_cols)
+        if kind == "Q8_0":
+            return q8_0_matrix(t.data, n_rows, n_cols)
+        if kind in ("F32", "F16"):
+            return f32_matrix(np.asarray(t.data, np.float32).reshape(n_rows, n_cols))
+        raise E.ShapeError(f"{name}: GGUF type {kind} has no device format (have F32, F16, Q4_1, Q8_0)")
+
+    def vector(name: str) -> np.ndarray:
+        return np.ascontiguousarray(tensors[name].data, np.float32).reshape(-1)
+
+    layers = tuple(LayerWeights(**{f: (vector if f.endswith("norm") else matrix)(f"blk.{i}.{g}.weight")
+                                   for f, g in _GGUF_LAYER.items()}) for i in range(cfg.n_layers))
+    tok = matrix("token_embd.weight")
+    return ModelWeights(cfg, tok, vector("output_norm.weight"),
+                        tok if cfg.tied_output else matrix("output.weight"), layers)
+
+
+def random_weights(cfg: ModelConfig, rng: np.random.Generator, fmt: str = "q4_1") -> ModelWeights:
+    """Weights of ``cfg``'s shapes, random (Q4_1 or Q8_0 blocks, or float32), scaled so
+    activations stay of order one: a model for timing, not for text."""
+    def matrix(n_rows: int, n_cols: int) -> Matrix:
+        scale = np.float32(1.0 / np.sqrt(n_cols))
+        if fmt == "f32":
+            return f32_matrix(rng.standard_normal((n_rows, n_cols), dtype=np.float32) * scale)
+        n_blocks = n_rows * n_cols // BLOCK
+        words = rng.integers(0, 2**32, (n_blocks, BLOCK_WORDS[fmt]), dtype=np.uint64).astype(np.uint32)
+        d = np.float16(scale / (4 if fmt == "q4_1" else 64))  # q4_1: d · q + m, m = -8 d: d · (q - 8)
+        words[:, 0] = int(d.view(np.uint16)) | (int(np.float16(-8 * d).view(np.uint16)) << 16 if fmt == "q4_1" else 0)
+        return Matrix(fmt, n_rows, n_cols, words.reshape(n_rows, -1))
+
+    h, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    ones = np.ones(h, np.float32)
+    layers = tuple(LayerWeights(ones, matrix(q, h), matrix(kv, h), matrix(kv, h), matrix(h, q), ones,
+                                matrix(cfg.ffn, h), matrix(cfg.ffn, h), matrix(h, cfg.ffn))
+                   for _ in range(cfg.n_layers))
+    tok = matrix(cfg.vocab, h)
+    return ModelWeights(cfg, tok, ones, tok if cfg.tied_output else matrix(cfg.vocab, h), layers)
+
+
+def numpy_model(w: ModelWeights):
+    """The forge's float32 Model (kvdict_vk.forge.llama's forward runs it) holding exactly the
+    numbers ``w`` holds: the NumPy twin a device forward is checked against."""
+    from pathlib import Path
+
+    from ...forge import gguf_model as G
+    layers = tuple(G.LayerWeights(**{f: (getattr(layer, f) if f.endswith("norm") else dequantised(getattr(layer, f)))
+                                     for f in _GGUF_LAYER}) for layer in w.layers)
+    tok = dequantised(w.tok_embd)
+    out = tok if w.output is w.tok_embd else dequantised(w.output)
+    return G.Model(w.config, tok, w.output_norm, out, layers, Path("<device weights>"), "")
