@@ -1,18 +1,24 @@
 #version 450
 // The index of the largest of n floats (the first of equals, as numpy.argmax; NaN never
-// wins), written as a word of the state buffer: greedy decoding's next token. One workgroup.
+// wins): greedy decoding's next token, in two dispatches. Stage 0: part p of `parts` (a
+// workgroup each, grid stride) reduces its span of x to (value bits, index) at partial
+// word 2p; stage 1: one workgroup reduces the parts and writes the index at the state's
+// out_word. (One workgroup over a whole vocabulary would wait on its loads one after another.)
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
 layout(local_size_x = WG_SIZE) in;
 
 layout(std430, binding = 0) readonly buffer X { float x_vals[]; };
-layout(std430, binding = 1) buffer State { uint state_words[]; };
+layout(std430, binding = 1) buffer Partial { uint partial_words[]; };
+layout(std430, binding = 2) writeonly buffer State { uint state_words[]; };
 
 layout(push_constant) uniform ArgmaxPush {
     uint x_word;
     uint n;
     uint out_word;
+    uint parts;
+    uint stage;
 } pc;
 
 shared float best_val[WG_SIZE];
@@ -20,15 +26,9 @@ shared uint best_idx[WG_SIZE];
 
 bool better(float v, uint i, float bv, uint bi) { return v > bv || (v == bv && i < bi); }
 
-void main() {
+// The workgroup's best of what each invocation brought; in best_val[0], best_idx[0].
+void reduce(float bv, uint bi) {
     uint lid = gl_LocalInvocationID.x;
-    float bv = uintBitsToFloat(0xFF800000u);  // -inf
-    uint bi = 0xFFFFFFFFu;
-    for (uint i = lid; i < pc.n; i += WG_SIZE) {
-        float v = x_vals[pc.x_word + i];
-        if (better(v, i, bv, bi))
-            bv = v, bi = i;
-    }
     best_val[lid] = bv;
     best_idx[lid] = bi;
     barrier();
@@ -39,6 +39,43 @@ void main() {
         }
         barrier();
     }
-    if (lid == 0u)
-        state_words[pc.out_word] = min(best_idx[0], pc.n - 1u);
+}
+
+void main() {
+    uint lid = gl_LocalInvocationID.x;
+    const float NO_VALUE = uintBitsToFloat(0xFF800000u);  // -inf, with index past every other
+    if (pc.stage == 0u) {
+        uint span = (pc.n + pc.parts - 1u) / pc.parts;
+        for (uint p = gl_WorkGroupID.x; p < pc.parts; p += gl_NumWorkGroups.x) {
+            float bv = NO_VALUE;
+            uint bi = 0xFFFFFFFFu;
+            for (uint i = p * span + lid; i < min(pc.n, (p + 1u) * span); i += WG_SIZE) {
+                float v = x_vals[pc.x_word + i];
+                if (better(v, i, bv, bi)) {
+                    bv = v;
+                    bi = i;
+                }
+            }
+            reduce(bv, bi);
+            if (lid == 0u) {
+                partial_words[2u * p] = floatBitsToUint(best_val[0]);
+                partial_words[2u * p + 1u] = best_idx[0];
+            }
+            barrier();
+        }
+    } else {
+        float bv = NO_VALUE;
+        uint bi = 0xFFFFFFFFu;
+        for (uint p = lid; p < pc.parts; p += WG_SIZE) {
+            float v = uintBitsToFloat(partial_words[2u * p]);
+            uint i = partial_words[2u * p + 1u];
+            if (better(v, i, bv, bi)) {
+                bv = v;
+                bi = i;
+            }
+        }
+        reduce(bv, bi);
+        if (lid == 0u)
+            state_words[pc.out_word] = min(best_idx[0], pc.n - 1u);
+    }
 }

@@ -232,6 +232,13 @@ def check_guards(arena) -> None:
 
 
 @pytest.fixture
+def restore_env(monkeypatch):
+    """The benchmarks disable the validation layer through the environment (for Vulkan
+    instances made later): undo it after the test, the session's layer gate relies on it."""
+    monkeypatch.setenv("VK_LOADER_LAYERS_DISABLE", "")
+
+
+@pytest.fixture
 def activate():
     """activate(artifact): make the test's (uncertified, random) artifact the runtime's
     active dictionary; the state before is restored afterwards."""

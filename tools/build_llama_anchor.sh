@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's test-backend-ops with its Vulkan backend, for kvdict_vk.bench.llama_fa
-# (the anchor: ggml-vulkan's flash attention on the device our attention runs on).
+# Builds llama.cpp's test-backend-ops and llama-bench with its Vulkan backend: for
+# kvdict_vk.bench.llama_fa (the anchor: ggml-vulkan's flash attention on the device our
+# attention runs on) and kvdict_vk.bench.generate (its tokens/s on the same GGUF and depth).
 #
 #   bash tools/build_llama_anchor.sh [OUT_DIR]     # default .llama/ (git-ignored)
 #
@@ -50,8 +51,9 @@ if [ "${LLAMA_SHADER_TOOLS:-trixie}" = trixie ]; then
       "$t/root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" "$lib" "$t/root/usr/bin/glslc" > "$t/glslc"
     chmod +x "$t/glslc"
   fi
-  "$t/glslc" --version | head -1 >&2
-  tools_args=("-DVulkan_GLSLC_EXECUTABLE=$t/glslc" "-DVulkan_INCLUDE_DIR=$t/root/usr/include")
+  "$t/glslc" --version | sed -n 1p >&2  # sed reads it all: head would end it by SIGPIPE (pipefail)
+  tools_args=("-DVulkan_GLSLC_EXECUTABLE=$t/glslc" "-DVulkan_INCLUDE_DIR=$t/root/usr/include"
+              "-DSPIRV-Headers_DIR=$t/root/usr/share/cmake/SPIRV-Headers")  # newer ggml-vulkan finds it by cmake
 fi
 "$py" - "$src" "${LLAMA_SHADER_TOOLS:-trixie}" "$root" <<'EOF'
 import sys
@@ -85,9 +87,11 @@ if head in s and sys.argv[2] == "system":
 EOF
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_VULKAN=ON -DLLAMA_BUILD_TESTS=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DBUILD_SHARED_LIBS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON \
   "-DCMAKE_EXE_LINKER_FLAGS=-static-libstdc++ -static-libgcc" "${tools_args[@]}" > "$work/cmake.log"
 grep -E "not supported by glslc|supported by glslc" "$work/cmake.log" >&2 || true
-cmake --build "$src/build" --target test-backend-ops -j "$(nproc)" > "$work/build.log"
+cmake --build "$src/build" --target test-backend-ops llama-bench -j "$(nproc)" > "$work/build.log"
 strip -o "$out/test-backend-ops" "$src/build/bin/test-backend-ops"
+strip -o "$out/llama-bench" "$src/build/bin/llama-bench"
 echo "$out/test-backend-ops  (llama-cpp-python $LLAMA_PY_VERSION; set KVDICT_LLAMA_TEST_BACKEND_OPS to it)"
+echo "$out/llama-bench  (the same build; kvdict_vk.bench.generate --llama-bench)"

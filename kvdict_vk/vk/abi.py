@@ -138,7 +138,7 @@ EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows",
 RMS_NORM_PUSH = uint_block("RmsNormPush", "w_word", "x_word", "y_word", "n", floats=("eps",))
 ROPE_PUSH = uint_block("RopePush", "row_word", "n_rows", "head_dim", "rope_dim", "pos_word", "n_pos")
 SWIGLU_PUSH = uint_block("SwigluPush", "g_word", "u_word", "y_word", "n")
-ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word")
+ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word", "parts", "stage")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
 ATTEND_SPLIT_PUSH = uint_block("AttendSplitPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
                                "n_kv", "n_atoms", "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word",
@@ -281,7 +281,7 @@ def _declare() -> tuple:
         Variant("fwd_rms_norm", "fwd_rms_norm.comp", (), (ro("Weights"), ro("X"), rw("Y")), RMS_NORM_PUSH),
         Variant("fwd_rope", "fwd_rope.comp", (), (ro("Table"), ro("Values"), rw("Rows")), ROPE_PUSH),
         Variant("fwd_swiglu", "fwd_swiglu.comp", (), (rw("Act"),), SWIGLU_PUSH),
-        Variant("fwd_argmax", "fwd_argmax.comp", (), (ro("X"), rw("State")), ARGMAX_PUSH),
+        Variant("fwd_argmax", "fwd_argmax.comp", (), (ro("X"), rw("Partial"), rw("State")), ARGMAX_PUSH),
     ]
     # decode attention (kvdict_vk/vk/attend/): f32 cache / dict-coded cache
     coded = ATTEND_SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")

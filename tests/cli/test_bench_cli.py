@@ -26,13 +26,6 @@ from kvdict_vk.vk.attend.plan import Plan
 L2_BYTES = 60e6  # the H200's L2: the GPU preset's working sets must be well past it
 
 
-@pytest.fixture
-def restore_env(monkeypatch):
-    """The benchmarks disable the validation layer through the environment (for Vulkan
-    instances made later): undo it after the test, the session's layer gate relies on it."""
-    monkeypatch.setenv("VK_LOADER_LAYERS_DISABLE", "")
-
-
 def _rows(summary, benchmark):
     return [r for r in summary["rows"] if r["benchmark"] == benchmark]
 

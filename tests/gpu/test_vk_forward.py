@@ -184,3 +184,38 @@ def test_matrix_shapes_are_checked():
         Matrix("q4_1", 2, 64, np.zeros((2, 9), np.uint32))
     with pytest.raises(E.ShapeError):
         Matrix("q5_0", 2, 64, np.zeros((2, 10), np.uint32))
+
+
+@pytest.mark.parametrize("case", ["ties", "nan", "all_neg_inf", "last", "short"])
+def test_argmax_kernel_is_numpys(case, vk_device):
+    """fwd_argmax's two stages: the first index of the largest value (numpy.argmax), NaN
+    never winning, across part boundaries and with fewer values than parts."""
+    from kvdict_vk.vk.device import kp
+    from kvdict_vk.vk.kernels import Buffer, barrier, pipeline, run
+    rng = np.random.default_rng(62)
+    n = 5 if case == "short" else 1000
+    x = rng.standard_normal(n).astype(np.float32)
+    if case == "ties":
+        x[[17, 400, 999]] = 9.0
+    elif case == "nan":
+        x[[3, 500]] = np.nan
+        x[700] = 7.0
+    elif case == "all_neg_inf":
+        x[:] = -np.inf
+    elif case == "last":
+        x[-1] = 50.0
+    want = int(np.nanargmax(x)) if case == "nan" else int(np.argmax(x))
+    parts = 7
+    xs = Buffer(vk_device, n + 3, "device", "logits", np.concatenate([np.zeros(3, np.float32), x]))
+    partial = Buffer(vk_device, 2 * parts, "device", "partials")
+    state = Buffer(vk_device, 4, "device", "state")
+    try:
+        stage0 = pipeline(vk_device, "fwd_argmax", [xs, partial, state], max_items=3 * 64)
+        stage1 = pipeline(vk_device, "fwd_argmax", [xs, partial, state])
+        push = dict(x_word=3, n=n, out_word=2, parts=parts)
+        run(vk_device, kp.OpTensorSyncDevice([xs.tensor]), stage0.op(**push, stage=0), barrier(partial),
+            stage1.op(**push, stage=1), kp.OpTensorSyncLocal([state.tensor]))
+        assert int(state.host_words()[2]) == want
+    finally:
+        for b in (xs, partial, state):
+            b.destroy()

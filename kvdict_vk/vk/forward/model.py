@@ -33,6 +33,7 @@ from .weights import FORMATS, LAYER_MATRICES, Matrix, ModelWeights
 
 TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
 NEXT_WORD, X_WORD = 0, 4  # the state buffer: the greedy next token, (pad), the residual stream
+ARGMAX_PARTS = 256  # fwd_argmax's first stage: workgroups over the vocabulary
 MATVEC_ROW_THREADS = 16  # fwd_matvec's ROW_THREADS on a GPU
 WEIGHT_BUFFER_BYTES = 1 << 30  # the most a weights buffer holds (whole layers), within the device's limits
 
@@ -135,6 +136,7 @@ class DeviceForward:
         self._table = self._buffer(cos.size * 2, "device", "RoPE table", np.concatenate([cos, sin], 1))
         self._state = self._buffer(X_WORD + cfg.hidden, "device", "forward state")
         self._values = self._buffer(USED_WORD + cfg.n_layers, "host", "forward step values")
+        self._partial = self._buffer(2 * ARGMAX_PARTS, "device", "argmax partials")
         self._norm = self._buffer(max(cfg.hidden, cfg.n_heads * cfg.head_dim), "device", "forward normed vector")
         self._act = self._buffer(max(3 * cfg.ffn, cfg.vocab), "device", "forward activations")
         run(self.device, kp.OpTensorSyncDevice([b.tensor for b in self._buffers if b.kind == "device"]),
@@ -159,6 +161,14 @@ class DeviceForward:
                      max_items=n_rows * cfg.rope_dim // 2)
         return k.op(row_word=row_word, n_rows=n_rows, head_dim=cfg.head_dim, rope_dim=cfg.rope_dim,
                     pos_word=POS_WORD, n_pos=self._n_pos)
+
+    def _argmax(self, n: int) -> list:
+        """The greedy token of the logits (act's first n words) into the state's NEXT_WORD."""
+        parts = min(ARGMAX_PARTS, -(-n // 64))
+        stage0 = pipeline(self.device, "fwd_argmax", [self._act, self._partial, self._state], max_items=parts * 64)
+        stage1 = pipeline(self.device, "fwd_argmax", [self._act, self._partial, self._state])
+        push = dict(x_word=0, n=n, out_word=NEXT_WORD, parts=parts)
+        return [stage0.op(**push, stage=0), barrier(self._partial), stage1.op(**push, stage=1)]
 
     def _ops(self) -> list:
         cfg, step = self.config, self.step
@@ -198,7 +208,7 @@ class DeviceForward:
         head_at = self._glob_at[2] if self._out_m is not self._tok else self._glob_at[0]
         core += [self._rms_norm(self._glob, self._glob_at[1], st, X_WORD, nm), barrier(nm),
                  self._matvec(self._glob, head_at, self._out_m, nm, 0, act, 0), barrier(act),
-                 pipeline(self.device, "fwd_argmax", [act, st]).op(x_word=0, n=cfg.vocab, out_word=NEXT_WORD)]
+                 *self._argmax(cfg.vocab)]
         self._core = core
         back = [self._state.tensor] + ([self._act.tensor] if self._want_logits else [])
         return [*core, kp.OpTensorSyncLocal(back)]

@@ -49,9 +49,10 @@ def _swiglu(p, s):
 
 
 def _argmax(p, s):
-    if p["n"] < 1:
-        raise E.DispatchError("fwd_argmax: an empty vector")
-    return [(p["x_word"], p["x_word"] + p["n"])], [(p["out_word"], p["out_word"] + 1)]
+    if p["n"] < 1 or p["parts"] < 1 or p["stage"] not in (0, 1):
+        raise E.DispatchError(f"fwd_argmax: push constants {p} are inconsistent")
+    x = [(p["x_word"], p["x_word"] + p["n"])] if p["stage"] == 0 else []
+    return x, [(0, 2 * p["parts"])], ([(p["out_word"], p["out_word"] + 1)] if p["stage"] == 1 else [])
 
 
 EXTENTS = {"fwd_matvec": _matvec, "fwd_embed": _embed, "fwd_rms_norm": _rms_norm, "fwd_rope": _rope,

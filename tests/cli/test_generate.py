@@ -1,0 +1,80 @@
+"""kvdict-generate and kvdict_vk.bench.generate: the device forward as a user runs it, and its
+tokens/s table beside llama.cpp's (a stand-in llama-bench here: its JSON parsed into rows)."""
+from __future__ import annotations
+
+import json
+import stat
+
+import numpy as np
+import pytest
+
+from kvdict_vk.forge.gguf_model import ModelConfig, open_reader, read_config
+from kvdict_vk.vk.forward.weights import from_gguf, random_weights, to_gguf
+
+TINY = ModelConfig("llama", 2, 96, 6, 2, 32, 160, 10000.0, 32, 1e-5, 300, 64, False)
+
+
+def test_smollm2_shapes_are_the_ggufs():
+    from kvdict_vk.bench.generate import smollm2_shapes
+    assert smollm2_shapes() == read_config(open_reader())
+
+
+@pytest.mark.parametrize("fmt,embedding", [("q4_1", "q8_0"), ("q8_0", None), ("f32", "q4_1")])
+def test_a_gguf_written_reads_back_the_same(fmt, embedding, tmp_path):
+    w = random_weights(TINY, np.random.default_rng(3), fmt, embedding)
+    to_gguf(w, tmp_path / "m.gguf")
+    r = from_gguf(tmp_path / "m.gguf")
+    assert r.config == w.config.__class__(**{**vars(w.config), "rms_eps": r.config.rms_eps})
+    assert np.float32(r.config.rms_eps) == np.float32(TINY.rms_eps)
+    for a, b in zip(w.layers, r.layers):
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            assert getattr(a, name).fmt == getattr(b, name).fmt
+            np.testing.assert_array_equal(getattr(a, name).words, getattr(b, name).words)
+        np.testing.assert_array_equal(a.ffn_norm, b.ffn_norm)
+    np.testing.assert_array_equal(w.tok_embd.words, r.tok_embd.words)
+    np.testing.assert_array_equal(w.output.words, r.output.words)
+    assert r.tok_embd.fmt == (embedding or fmt)
+
+
+@pytest.mark.gpu
+def test_generate_benchmark_rows_beside_llama_bench(tmp_path, restore_env, vk_device):
+    """Rows in the issue's schema for both engines; the summary's ratios from them. The
+    stand-in llama-bench answers with llama-bench's JSON and records the arguments it got."""
+    from kvdict_vk.bench import generate
+    gguf = tmp_path / "tiny.gguf"
+    to_gguf(random_weights(TINY, np.random.default_rng(4), "q4_1", "q8_0"), gguf)
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho \"$@\" >> " + str(tmp_path / "args") + "\n"
+                    "echo '[{\"n_prompt\": 0, \"n_gen\": 2, \"n_depth\": 48, \"avg_ts\": 50.0, \"stddev_ts\": 1.0}]'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "generate.json"
+    assert generate.main(["--gguf", str(gguf), "--contexts", "48", "--caches", "f16,q8_0", "--tokens", "2",
+                          "--llama-bench", str(fake), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["engine"], r["cache"], r["n_ctx"]) for r in rows] == [
+        ("kvdict", "f16", 48), ("llama.cpp", "f16", 48), ("kvdict", "q8_0", 48), ("llama.cpp", "q8_0", 48)]
+    keys = {"engine", "cache", "n_ctx", "batch", "tokens_per_s", "host_us_per_token", "gpu_us_per_token", "command"}
+    for r in rows:
+        assert keys <= set(r) or (r["engine"] == "kvdict" and "gpu_us_per_token" not in r), r
+        assert r["tokens_per_s"] > 0 and r["batch"] == 1
+    ours = [r for r in rows if r["engine"] == "kvdict"]
+    assert all(r["tokens_per_s"] == pytest.approx(1 / r["wall_s"]["median"]) for r in ours)
+    assert all(r["arena_bytes"] > 0 and r["weight_bytes"] > 0 for r in ours)
+    s = result["summary"]["48"]
+    assert s["best_compressed"] == "q8_0"
+    assert s["kvdict_over_llama_f16"] == pytest.approx(ours[0]["tokens_per_s"] / 50.0)
+    args = (tmp_path / "args").read_text().splitlines()
+    assert len(args) == 2 and "-ctk f16 -ctv f16" in args[0] and "-d 48" in args[0] and "-ctk q8_0" in args[1]
+
+
+@pytest.mark.gpu
+def test_kvdict_generate_prints_text_speed_and_memory(capsys, restore_env, vk_device):
+    from kvdict_vk.cli import generate
+    assert generate.main(["--prompt", "The GNU General Public License is", "--tokens", "3",
+                          "--device", str(vk_device.info.index)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The GNU General Public License is") and "tok/s" in out
+    assert "weights" in out and "KV arena" in out
+    assert generate.main(["--tokens", "0"]) == 1
+    assert "--tokens" in capsys.readouterr().err
