@@ -101,6 +101,8 @@ def test_small_model_equals_the_numpy_forward(fmt, cache, tied, row_threads, mak
     assert np.abs(got - want).max() <= NLL_GATE, np.abs(got - want).max()
     assert all(arena.n_tokens(i) == len(tokens) for i in range(cfg.n_layers))
     ref.check_rows()
+    assert len(forward.op_labels) == len(forward._core) and set(forward.op_labels) == {  # noqa: SLF001
+        "step values", "embedding", "norms", "qkv", "rope", "append + attention", "o", "mlp", "lm head", "argmax"}
     forward.free()
     assert forward.closed
 

@@ -171,44 +171,43 @@ class DeviceForward:
         return [stage0.op(**push, stage=0), barrier(self._partial), stage1.op(**push, stage=1)]
 
     def _ops(self) -> list:
+        """The token's ops, each section labelled (:attr:`op_labels`: a profile's key)."""
         cfg, step = self.config, self.step
         rows, queries, attn_out = step.buffers
         st, nm, act = self._state, self._norm, self._act
         embed = pipeline(self.device, "fwd_embed", [self._glob, self._values, st], {"FORMAT": FORMATS[self._tok.fmt]},
                          max_items=cfg.hidden // 8)
         used = pipeline(self.device, "scatter", [self._values, queries], max_items=cfg.n_layers)
-        core = [used.op(src_word=USED_WORD, dst_word=step.lengths_word(0), row_words=1, group_rows=1,
-                        group_stride=step.query_stride, n_words=cfg.n_layers),
-                embed.op(w_word=self._glob_at[0], token_word=TOKEN_WORD, y_word=X_WORD, n_rows=self._tok.n_rows,
-                         n_cols=self._tok.n_cols), barrier(st, queries)]
+        swiglu = pipeline(self.device, "fwd_swiglu", [act], max_items=cfg.ffn)
+        sections = [("step values", [used.op(src_word=USED_WORD, dst_word=step.lengths_word(0), row_words=1,
+                                             group_rows=1, group_stride=step.query_stride, n_words=cfg.n_layers)]),
+                    ("embedding", [embed.op(w_word=self._glob_at[0], token_word=TOKEN_WORD, y_word=X_WORD,
+                                            n_rows=self._tok.n_rows, n_cols=self._tok.n_cols), barrier(st, queries)])]
         for j in range(cfg.n_layers):
-            wb, (base, at) = self._layer_buf[j], self._layer_base[j]
-            lw = self._matrices[j]
-            core += [self._rms_norm(wb, base + at["attn_norm"], st, X_WORD, nm), barrier(nm),
-                     self._matvec(wb, base + at["wq"], lw["wq"], nm, 0, queries, step.q_word(j)),
-                     self._matvec(wb, base + at["wk"], lw["wk"], nm, 0, rows, step.k_rows_word(j)),
-                     self._matvec(wb, base + at["wv"], lw["wv"], nm, 0, rows, step.v_rows_word(j)),
-                     barrier(queries, rows),
-                     self._rope(queries, step.q_word(j), cfg.n_heads),
-                     self._rope(rows, step.k_rows_word(j), cfg.n_kv_heads),
-                     barrier(queries, rows)]
-            core += step.layer_ops[j]
-            core += [barrier(attn_out),
-                     self._matvec(wb, base + at["wo"], lw["wo"], attn_out, step.out_word(j), st, X_WORD, True),
-                     barrier(st),
-                     self._rms_norm(wb, base + at["ffn_norm"], st, X_WORD, nm), barrier(nm),
-                     self._matvec(wb, base + at["w_gate"], lw["w_gate"], nm, 0, act, 0),
-                     self._matvec(wb, base + at["w_up"], lw["w_up"], nm, 0, act, cfg.ffn),
-                     barrier(act),
-                     pipeline(self.device, "fwd_swiglu", [act], max_items=cfg.ffn).op(
-                         g_word=0, u_word=cfg.ffn, y_word=2 * cfg.ffn, n=cfg.ffn),
-                     barrier(act),
-                     self._matvec(wb, base + at["w_down"], lw["w_down"], act, 2 * cfg.ffn, st, X_WORD, True),
-                     barrier(st)]
+            wb, (base, at), lw = self._layer_buf[j], self._layer_base[j], self._matrices[j]
+            sections += [
+                ("norms", [self._rms_norm(wb, base + at["attn_norm"], st, X_WORD, nm), barrier(nm)]),
+                ("qkv", [self._matvec(wb, base + at["wq"], lw["wq"], nm, 0, queries, step.q_word(j)),
+                         self._matvec(wb, base + at["wk"], lw["wk"], nm, 0, rows, step.k_rows_word(j)),
+                         self._matvec(wb, base + at["wv"], lw["wv"], nm, 0, rows, step.v_rows_word(j)),
+                         barrier(queries, rows)]),
+                ("rope", [self._rope(queries, step.q_word(j), cfg.n_heads),
+                          self._rope(rows, step.k_rows_word(j), cfg.n_kv_heads), barrier(queries, rows)]),
+                ("append + attention", [*step.layer_ops[j], barrier(attn_out)]),
+                ("o", [self._matvec(wb, base + at["wo"], lw["wo"], attn_out, step.out_word(j), st, X_WORD, True),
+                       barrier(st)]),
+                ("norms", [self._rms_norm(wb, base + at["ffn_norm"], st, X_WORD, nm), barrier(nm)]),
+                ("mlp", [self._matvec(wb, base + at["w_gate"], lw["w_gate"], nm, 0, act, 0),
+                         self._matvec(wb, base + at["w_up"], lw["w_up"], nm, 0, act, cfg.ffn), barrier(act),
+                         swiglu.op(g_word=0, u_word=cfg.ffn, y_word=2 * cfg.ffn, n=cfg.ffn), barrier(act),
+                         self._matvec(wb, base + at["w_down"], lw["w_down"], act, 2 * cfg.ffn, st, X_WORD, True),
+                         barrier(st)])]
         head_at = self._glob_at[2] if self._out_m is not self._tok else self._glob_at[0]
-        core += [self._rms_norm(self._glob, self._glob_at[1], st, X_WORD, nm), barrier(nm),
-                 self._matvec(self._glob, head_at, self._out_m, nm, 0, act, 0), barrier(act),
-                 *self._argmax(cfg.vocab)]
+        sections += [("norms", [self._rms_norm(self._glob, self._glob_at[1], st, X_WORD, nm), barrier(nm)]),
+                     ("lm head", [self._matvec(self._glob, head_at, self._out_m, nm, 0, act, 0), barrier(act)]),
+                     ("argmax", self._argmax(cfg.vocab))]
+        core = [op for _, ops in sections for op in ops]
+        self.op_labels = [label for label, ops in sections for _ in ops]  # per op of the core, what it is part of
         self._core = core
         back = [self._state.tensor] + ([self._act.tensor] if self._want_logits else [])
         return [*core, kp.OpTensorSyncLocal(back)]

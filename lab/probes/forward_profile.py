@@ -1,0 +1,81 @@
+"""Where a device forward's GPU time goes, and fwd_matvec's invocations a row.
+
+Random weights of SmolLM2-135M's shapes (Q4_1 matrices, a Q8_0 embedding: the GGUF's formats),
+an arena filled to ``--depth`` tokens. For each ``--row-threads`` value, a DeviceForward's GPU
+time per token (median over ``--tokens``); then, at the best, one token recorded with a
+timestamp after every op, summed by DeviceForward.op_labels (embedding, qkv, rope, append +
+attention, o, mlp, norms, lm head, argmax).
+
+    python lab/probes/forward_profile.py [--depth 1024] [--cache f16] [--row-threads 4,8,16,32,64]
+        [--tokens 10] [--out lab/results/<device>/forward_profile.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> None:
+    from kvdict_vk.bench.decode_step import _fill
+    from kvdict_vk.bench.generate import smollm2_shapes
+    from kvdict_vk.vk import KvArena, get_device
+    from kvdict_vk.vk.forward import DeviceForward, random_weights
+    from kvdict_vk.vk.submit import Recording, ticks_to_seconds
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depth", type=int, default=1024)
+    ap.add_argument("--cache", default="f16")
+    ap.add_argument("--row-threads", default="4,8,16,32,64")
+    ap.add_argument("--tokens", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    dev = get_device(None)
+    cfg = smollm2_shapes()
+    weights = random_weights(cfg, np.random.default_rng(0), "q4_1", embedding="q8_0")
+    arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, a.depth + 20 * (a.tokens + 4), device=dev,
+                    cache=a.cache)
+    _fill(arena, np.random.default_rng(1), a.depth)
+    out = {"device": dev.name, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {}, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": "python lab/probes/forward_profile.py " + " ".join(argv or [])}
+    best = None
+    for rt in (int(x) for x in a.row_threads.split(",")):
+        f = DeviceForward(weights, arena, timestamps=True, row_threads=rt, n_plan=arena.memory.seq_ctx)
+        gpu = []
+        for i in range(a.tokens + 2):
+            f.run(1)
+            if i >= 2:
+                gpu.append(f.gpu_seconds())
+        f.free()
+        us = 1e6 * float(np.median(gpu))
+        out["row_threads_gpu_us"][rt] = us
+        print(f"row_threads {rt:2d}: GPU {us:8.1f} µs a token")
+        best = rt if best is None or us < out["row_threads_gpu_us"][best] else best
+    f = DeviceForward(weights, arena, row_threads=best)
+    ops = f._ops()  # noqa: SLF001 (a probe: the same ops, recorded with a timestamp after each)
+    rec = Recording(dev, ops, timestamps="ops")
+    f.step.stage_lengths()
+    f._values_host[:] = 1  # noqa: SLF001
+    for _ in range(3):
+        rec.run()
+    ts = rec._timestamps()  # noqa: SLF001
+    by = defaultdict(float)
+    for i, label in enumerate(f.op_labels):
+        by[label] += ticks_to_seconds(dev, ts[i], ts[i + 1])
+    out["best_row_threads"] = best
+    out["profile_us"] = {k: 1e6 * v for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
+    for k, v in out["profile_us"].items():
+        print(f"  {k:20s} {v:9.1f} µs")
+    rec.free()
+    f.free()
+    arena.free()
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
