@@ -40,7 +40,7 @@ layout(push_constant) uniform AppendStepPush {
 
 float src_float(uint row_word, uint i) { return uintBitsToFloat(step_words[row_word + i]); }
 
-// The inverse scale of q8_0 block b of the row at row_word (its d alongside, as binary16 bits).
+// q8_0 block b of the source row at row_word: its d (binary16 bits) and inverse scale.
 float q8_block(uint row_word, uint b, out uint d_bits) {
     float amax = 0.0;
     for (uint i = 32u * b; i < 32u * b + 32u; ++i)
@@ -50,37 +50,45 @@ float q8_block(uint row_word, uint b, out uint d_bits) {
     return q8_inverse_scale(d);
 }
 
-// Word w of the stored row made from the source row at row_word.
-uint row_word_of(uint format, uint row_word, uint w) {
-    if (format == FORMAT_WORDS)
-        return step_words[row_word + w];
-    if (format == FORMAT_F16)
-        return f16_bits(src_float(row_word, 2u * w)) | (f16_bits(src_float(row_word, 2u * w + 1u)) << 16u);
-    uint n_blocks = pc.head_dim / 32u, scale_words = (n_blocks + 1u) / 2u;
-    uint lo, hi = 0u;
-    if (w < scale_words) {  // the scales of blocks 2w (low half) and 2w + 1
-        q8_block(row_word, 2u * w, lo);
-        if (2u * w + 1u < n_blocks)
-            q8_block(row_word, 2u * w + 1u, hi);
-        return lo | (hi << 16u);
+// Item i of a stored row made from the source row at row_word, into the row at dst: a word
+// (FORMAT_WORDS, FORMAT_F16), or a q8_0 block — its 8 value words and, for an even block, the
+// scale word it shares with the next (whose d it works out too).
+void store_item(uint format, uint row_word, uint dst, uint i) {
+    if (format == FORMAT_WORDS) {
+        layer_words[dst + i] = step_words[row_word + i];
+    } else if (format == FORMAT_F16) {
+        layer_words[dst + i] = f16_bits(src_float(row_word, 2u * i)) | (f16_bits(src_float(row_word, 2u * i + 1u)) << 16u);
+    } else {
+        uint n_blocks = pc.head_dim / 32u, scale_words = (n_blocks + 1u) / 2u;
+        uint lo, hi = 0u;
+        float inv = q8_block(row_word, i, lo);
+        if ((i & 1u) == 0u) {
+            if (i + 1u < n_blocks)
+                q8_block(row_word, i + 1u, hi);
+            layer_words[dst + i / 2u] = lo | (hi << 16u);
+        }
+        for (uint w = 0u; w < 8u; ++w) {  // elements 32i + 4w .. + 3, the first in the low byte
+            uint word = 0u;
+            for (uint k = 0u; k < 4u; ++k)
+                word |= (uint(q8_value(src_float(row_word, 32u * i + 4u * w + k), inv)) & 0xFFu) << (8u * k);
+            layer_words[dst + scale_words + 8u * i + w] = word;
+        }
     }
-    uint e = 4u * (w - scale_words);  // elements e .. e + 3, element e in the low byte
-    float inv = q8_block(row_word, e / 32u, lo);
-    uint word = 0u;
-    for (uint i = 0u; i < 4u; ++i)
-        word |= (uint(q8_value(src_float(row_word, e + i), inv)) & 0xFFu) << (8u * i);
-    return word;
 }
 
+// Items of a row in a format: words, or q8_0 blocks.
+uint row_items(uint format, uint row_words) { return format == FORMAT_Q8_0 ? pc.head_dim / 32u : row_words; }
+
 void main() {
-    uint k_words = pc.n_seqs * pc.n_kv * pc.k_row_words;
-    uint n_words = k_words + pc.n_seqs * pc.n_kv * pc.v_row_words;
-    for (uint w = gl_GlobalInvocationID.x; w < n_words; w += grid_stride()) {
-        bool key = w < k_words;
+    uint k_items = pc.n_seqs * pc.n_kv * row_items(pc.k_format, pc.k_row_words);
+    uint n_items = k_items + pc.n_seqs * pc.n_kv * row_items(pc.v_format, pc.v_row_words);
+    for (uint w = gl_GlobalInvocationID.x; w < n_items; w += grid_stride()) {
+        bool key = w < k_items;
         uint row_words = key ? pc.k_row_words : pc.v_row_words;
         uint format = key ? pc.k_format : pc.v_format;
-        uint x = key ? w : w - k_words;
-        uint row = x / row_words;  // seq * n_kv + head
+        uint items = row_items(format, row_words);
+        uint x = key ? w : w - k_items;
+        uint row = x / items;  // seq * n_kv + head
         uint seq = row / pc.n_kv;
         uint head = row - seq * pc.n_kv;
         uint src_row_words = format == FORMAT_WORDS ? row_words : pc.head_dim;
@@ -88,6 +96,6 @@ void main() {
         // clamped as SEQ_USED clamps it: a bad length writes inside the sequence's rows
         uint t = clamp(query_words[pc.lengths_word + seq], 1u, pc.seq_rows) - 1u;
         uint dst = (key ? pc.k_word : pc.v_word) + (head * pc.n_ctx + seq * pc.seq_rows + t) * row_words;
-        layer_words[dst + x - row * row_words] = row_word_of(format, src, x - row * row_words);
+        store_item(format, src, dst, x - row * items);
     }
 }

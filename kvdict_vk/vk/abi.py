@@ -132,12 +132,11 @@ APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_w
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")
 # A model's forward on the device (shaders/fwd_*.comp, kvdict_vk/vk/forward/).
-MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "n_cols", "accumulate",
-                         defaults=dict(accumulate=0))
+MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "n_cols", "accumulate", "norm_word",
+                         floats=("eps",), defaults=dict(accumulate=0, norm_word=0, eps=0.0))
+QKV_PUSH = uint_block("QkvPush", "w_word", "x_word", "n_cols", "q_rows", "k_rows", "y_word", "k_word", "v_word",
+                      "head_dim", "rope_dim", "pos_word", "n_pos", "norm_word", floats=("eps",))
 EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows", "n_cols")
-RMS_NORM_PUSH = uint_block("RmsNormPush", "w_word", "x_word", "y_word", "n", floats=("eps",))
-ROPE_PUSH = uint_block("RopePush", "row_word", "n_rows", "head_dim", "rope_dim", "pos_word", "n_pos")
-SWIGLU_PUSH = uint_block("SwigluPush", "g_word", "u_word", "y_word", "n")
 ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word", "parts", "stage")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
 ATTEND_SPLIT_PUSH = uint_block("AttendSplitPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
@@ -272,15 +271,14 @@ def _declare() -> tuple:
                 ("HEAD_DIM", "BITS", "KEYS", "GROUP"), (("KEYS", 1),)),
     ]
     # a model's forward (kvdict_vk/vk/forward/): FORMAT is weights.glsl's weight format
-    weight_format = (("FORMAT",), (("FORMAT", 0),))
+    # FORMAT: weights.glsl's weight format; X_MODE: how matvec.glsl reads x
+    matvec_spec = (("FORMAT", "ROW_THREADS", "X_MODE"), (("FORMAT", 0), ("X_MODE", 0)))
     out += [
-        Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH,
-                ("FORMAT", "ROW_THREADS"), (("FORMAT", 0),)),
+        Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH, *matvec_spec),
+        Variant("fwd_qkv", "fwd_qkv.comp", (), (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values")),
+                QKV_PUSH, *matvec_spec),
         Variant("fwd_embed", "fwd_embed.comp", (), (ro("Weights"), ro("Values"), rw("State")), EMBED_PUSH,
-                *weight_format),
-        Variant("fwd_rms_norm", "fwd_rms_norm.comp", (), (ro("Weights"), ro("X"), rw("Y")), RMS_NORM_PUSH),
-        Variant("fwd_rope", "fwd_rope.comp", (), (ro("Table"), ro("Values"), rw("Rows")), ROPE_PUSH),
-        Variant("fwd_swiglu", "fwd_swiglu.comp", (), (rw("Act"),), SWIGLU_PUSH),
+                ("FORMAT",), (("FORMAT", 0),)),
         Variant("fwd_argmax", "fwd_argmax.comp", (), (ro("X"), rw("Partial"), rw("State")), ARGMAX_PUSH),
     ]
     # decode attention (kvdict_vk/vk/attend/): f32 cache / dict-coded cache

@@ -102,7 +102,7 @@ def test_small_model_equals_the_numpy_forward(fmt, cache, tied, row_threads, mak
     assert all(arena.n_tokens(i) == len(tokens) for i in range(cfg.n_layers))
     ref.check_rows()
     assert len(forward.op_labels) == len(forward._core) and set(forward.op_labels) == {  # noqa: SLF001
-        "step values", "embedding", "norms", "qkv", "rope", "append + attention", "o", "mlp", "lm head", "argmax"}
+        "step values", "embedding", "qkv + rope", "append + attention", "o", "gate + up", "down", "lm head", "argmax"}
     forward.free()
     assert forward.closed
 

@@ -29,12 +29,15 @@ from ..device import kp
 from ..kernels import Buffer, barrier, pipeline, run
 from ..submit import Recording
 from . import specs  # noqa: F401 (registers the fwd_* variants' dispatch arithmetic)
-from .weights import FORMATS, LAYER_MATRICES, Matrix, ModelWeights
+from ..abi import WG_SIZE
+from .specs import X_MODES
+from .weights import FORMATS, Matrix, ModelWeights, dequantised, f32_matrix
 
 TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
 NEXT_WORD, X_WORD = 0, 4  # the state buffer: the greedy next token, (pad), the residual stream
 ARGMAX_PARTS = 256  # fwd_argmax's first stage: workgroups over the vocabulary
 MATVEC_ROW_THREADS = 16  # fwd_matvec's ROW_THREADS on a GPU
+MATVEC_WORKGROUPS = 1024  # the most workgroups a matvec dispatches (grid stride past them)
 WEIGHT_BUFFER_BYTES = 1 << 30  # the most a weights buffer holds (whole layers), within the device's limits
 
 
@@ -94,10 +97,12 @@ class DeviceForward:
         limit = min(dev.limit("max_storage_buffer_range"), dev.limit("max_memory_allocation_size") or 1 << 62,
                     WEIGHT_BUFFER_BYTES) // 4
         # per layer: its tensors' words, packed; where each starts
-        packed, self._at = [], []
+        packed, self._matrices = [], []
         for layer in w.layers:
+            mats = _layer_matrices(layer)
             parts = {"attn_norm": layer.attn_norm.view(np.uint32), "ffn_norm": layer.ffn_norm.view(np.uint32)}
-            parts.update({name: getattr(layer, name).words.reshape(-1) for name in LAYER_MATRICES})
+            parts.update({name: m.words.reshape(-1) for name, m in mats.items()})
+            self._matrices.append(mats)
             offsets, n = {}, 0
             for name, words in parts.items():
                 offsets[name], n = n, n + -(-words.size // 4) * 4
@@ -121,7 +126,6 @@ class DeviceForward:
                 base += n
             buf = self._buffer(total, "device", f"weights of layers {g0}..{g1 - 1}", words)
             self._layer_buf += [buf] * (g1 - g0)
-        self._matrices = [{name: getattr(layer, name) for name in LAYER_MATRICES} for layer in w.layers]
         self._tok, self._out_m = w.tok_embd, w.output
         glob = [w.tok_embd.words.reshape(-1), w.output_norm.view(np.uint32)]
         if w.output is not w.tok_embd:
@@ -137,30 +141,25 @@ class DeviceForward:
         self._state = self._buffer(X_WORD + cfg.hidden, "device", "forward state")
         self._values = self._buffer(USED_WORD + cfg.n_layers, "host", "forward step values")
         self._partial = self._buffer(2 * ARGMAX_PARTS, "device", "argmax partials")
-        self._norm = self._buffer(max(cfg.hidden, cfg.n_heads * cfg.head_dim), "device", "forward normed vector")
-        self._act = self._buffer(max(3 * cfg.ffn, cfg.vocab), "device", "forward activations")
+        self._act = self._buffer(max(2 * cfg.ffn, cfg.vocab), "device", "forward activations")
         run(self.device, kp.OpTensorSyncDevice([b.tensor for b in self._buffers if b.kind == "device"]),
             what="uploading the weights")
 
     # --- the recording ---------------------------------------------------------------------
     def _matvec(self, wbuf: Buffer, w_word: int, m: Matrix, x: Buffer, x_word: int, y: Buffer, y_word: int,
-                accumulate: bool = False):
-        threads = self._row_threads
-        k = pipeline(self.device, "fwd_matvec", [wbuf, x, y], {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads},
-                     max_items=m.n_rows * threads)
-        return k.op(w_word=w_word, x_word=x_word, y_word=y_word, n_rows=m.n_rows, n_cols=m.n_cols,
-                    accumulate=int(accumulate))
+                accumulate: bool = False, x_mode: str = "plain", norm_word: int = 0, n_rows: int | None = None):
+        """fwd_matvec of m's rows (``n_rows`` of them: several matrices stored one after another)."""
+        n_rows, threads = n_rows or m.n_rows, self._row_threads
+        spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads, "X_MODE": X_MODES[x_mode]}
+        k = pipeline(self.device, "fwd_matvec", [wbuf, x, y], spec, max_items=self._matvec_items(n_rows))
+        return k.op(w_word=w_word, x_word=x_word, y_word=y_word, n_rows=n_rows, n_cols=m.n_cols,
+                    accumulate=int(accumulate), norm_word=norm_word, eps=self.config.rms_eps)
 
-    def _rms_norm(self, wbuf: Buffer, w_word: int, x: Buffer, x_word: int, y: Buffer):
-        k = pipeline(self.device, "fwd_rms_norm", [wbuf, x, y])
-        return k.op(w_word=w_word, x_word=x_word, y_word=0, n=self.config.hidden, eps=self.config.rms_eps)
-
-    def _rope(self, rows: Buffer, row_word: int, n_rows: int):
-        cfg = self.config
-        k = pipeline(self.device, "fwd_rope", [self._table, self._values, rows],
-                     max_items=n_rows * cfg.rope_dim // 2)
-        return k.op(row_word=row_word, n_rows=n_rows, head_dim=cfg.head_dim, rope_dim=cfg.rope_dim,
-                    pos_word=POS_WORD, n_pos=self._n_pos)
+    def _matvec_items(self, n_rows: int) -> int:
+        """Invocations of a matvec: a row's ROW_THREADS each, at most MATVEC_WORKGROUPS workgroups
+        (the rest by grid stride: a normed x's sum of squares once a workgroup, not once a row)."""
+        rows_a_group = WG_SIZE // self._row_threads
+        return min(-(-n_rows // rows_a_group), MATVEC_WORKGROUPS) * WG_SIZE
 
     def _argmax(self, n: int) -> list:
         """The greedy token of the logits (act's first n words) into the state's NEXT_WORD."""
@@ -174,43 +173,53 @@ class DeviceForward:
         """The token's ops, each section labelled (:attr:`op_labels`: a profile's key)."""
         cfg, step = self.config, self.step
         rows, queries, attn_out = step.buffers
-        st, nm, act = self._state, self._norm, self._act
+        st, act = self._state, self._act
         embed = pipeline(self.device, "fwd_embed", [self._glob, self._values, st], {"FORMAT": FORMATS[self._tok.fmt]},
                          max_items=cfg.hidden // 8)
         used = pipeline(self.device, "scatter", [self._values, queries], max_items=cfg.n_layers)
-        swiglu = pipeline(self.device, "fwd_swiglu", [act], max_items=cfg.ffn)
         sections = [("step values", [used.op(src_word=USED_WORD, dst_word=step.lengths_word(0), row_words=1,
                                              group_rows=1, group_stride=step.query_stride, n_words=cfg.n_layers)]),
                     ("embedding", [embed.op(w_word=self._glob_at[0], token_word=TOKEN_WORD, y_word=X_WORD,
                                             n_rows=self._tok.n_rows, n_cols=self._tok.n_cols), barrier(st, queries)])]
         for j in range(cfg.n_layers):
             wb, (base, at), lw = self._layer_buf[j], self._layer_base[j], self._matrices[j]
+            if "w_gate_up" in lw:  # one matvec over the gate's rows and the up's after them
+                gate_up = [self._matvec(wb, base + at["w_gate_up"], lw["w_gate_up"], st, X_WORD, act, 0,
+                                        x_mode="rms_norm", norm_word=base + at["ffn_norm"])]
+            else:
+                gate_up = [self._matvec(wb, base + at[name], lw[name], st, X_WORD, act, y, x_mode="rms_norm",
+                                        norm_word=base + at["ffn_norm"]) for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
             sections += [
-                ("norms", [self._rms_norm(wb, base + at["attn_norm"], st, X_WORD, nm), barrier(nm)]),
-                ("qkv", [self._matvec(wb, base + at["wq"], lw["wq"], nm, 0, queries, step.q_word(j)),
-                         self._matvec(wb, base + at["wk"], lw["wk"], nm, 0, rows, step.k_rows_word(j)),
-                         self._matvec(wb, base + at["wv"], lw["wv"], nm, 0, rows, step.v_rows_word(j)),
-                         barrier(queries, rows)]),
-                ("rope", [self._rope(queries, step.q_word(j), cfg.n_heads),
-                          self._rope(rows, step.k_rows_word(j), cfg.n_kv_heads), barrier(queries, rows)]),
+                ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j), barrier(queries, rows)]),
                 ("append + attention", [*step.layer_ops[j], barrier(attn_out)]),
                 ("o", [self._matvec(wb, base + at["wo"], lw["wo"], attn_out, step.out_word(j), st, X_WORD, True),
                        barrier(st)]),
-                ("norms", [self._rms_norm(wb, base + at["ffn_norm"], st, X_WORD, nm), barrier(nm)]),
-                ("mlp", [self._matvec(wb, base + at["w_gate"], lw["w_gate"], nm, 0, act, 0),
-                         self._matvec(wb, base + at["w_up"], lw["w_up"], nm, 0, act, cfg.ffn), barrier(act),
-                         swiglu.op(g_word=0, u_word=cfg.ffn, y_word=2 * cfg.ffn, n=cfg.ffn), barrier(act),
-                         self._matvec(wb, base + at["w_down"], lw["w_down"], act, 2 * cfg.ffn, st, X_WORD, True),
-                         barrier(st)])]
+                ("gate + up", [*gate_up, barrier(act)]),
+                ("down", [self._matvec(wb, base + at["w_down"], lw["w_down"], act, 0, st, X_WORD, True,
+                                       x_mode="swiglu"), barrier(st)])]
         head_at = self._glob_at[2] if self._out_m is not self._tok else self._glob_at[0]
-        sections += [("norms", [self._rms_norm(self._glob, self._glob_at[1], st, X_WORD, nm), barrier(nm)]),
-                     ("lm head", [self._matvec(self._glob, head_at, self._out_m, nm, 0, act, 0), barrier(act)]),
+        sections += [("lm head", [self._matvec(self._glob, head_at, self._out_m, st, X_WORD, act, 0,
+                                               x_mode="rms_norm", norm_word=self._glob_at[1]), barrier(act)]),
                      ("argmax", self._argmax(cfg.vocab))]
         core = [op for _, ops in sections for op in ops]
         self.op_labels = [label for label, ops in sections for _ in ops]  # per op of the core, what it is part of
         self._core = core
         back = [self._state.tensor] + ([self._act.tensor] if self._want_logits else [])
         return [*core, kp.OpTensorSyncLocal(back)]
+
+    def _qkv(self, wbuf: Buffer, base: int, at: dict, m: Matrix, j: int):
+        """Layer j's Q, K and V (one matrix, their rows in that order) from the normed residual,
+        RoPE'd, into the step's query block and source rows."""
+        cfg, step = self.config, self.step
+        rows, queries, _ = step.buffers
+        spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": min(self._row_threads, WG_SIZE // 2),
+                "X_MODE": X_MODES["rms_norm"]}
+        k = pipeline(self.device, "fwd_qkv", [wbuf, self._state, queries, rows, self._table, self._values], spec,
+                     max_items=self._matvec_items(m.n_rows))
+        return k.op(w_word=base + at["wqkv"], x_word=X_WORD, n_cols=m.n_cols, q_rows=cfg.n_heads * cfg.head_dim,
+                    k_rows=cfg.n_kv_heads * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),
+                    v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
+                    n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps)
 
     # --- a token ---------------------------------------------------------------------------
     def run(self, token: int) -> int:
@@ -264,3 +273,22 @@ class DeviceForward:
 
     def __exit__(self, *exc) -> None:
         self.free()
+
+
+def _layer_matrices(layer) -> dict:
+    """A layer's matrices as the forward stores them: Q, K and V as one matrix (their rows one
+    after another; float32 where their formats differ), the gate and up likewise where their
+    formats agree, the O and down projections as they are."""
+    qkv = [layer.wq, layer.wk, layer.wv]
+    if len({m.fmt for m in qkv}) > 1:
+        qkv = [f32_matrix(dequantised(m)) for m in qkv]
+    out = {"wqkv": _stacked(qkv), "wo": layer.wo, "w_down": layer.w_down}
+    if layer.w_gate.fmt == layer.w_up.fmt:
+        out["w_gate_up"] = _stacked([layer.w_gate, layer.w_up])
+    else:
+        out["w_gate"], out["w_up"] = layer.w_gate, layer.w_up
+    return out
+
+
+def _stacked(ms) -> Matrix:
+    return Matrix(ms[0].fmt, sum(m.n_rows for m in ms), ms[0].n_cols, np.concatenate([m.words for m in ms]))

@@ -16,36 +16,48 @@ def _row_words(p, s, what: str) -> int:
     return p["n_cols"] // BLOCK * _WORDS_BY_FORMAT[s["FORMAT"]]
 
 
+X_MODES = {"plain": 0, "rms_norm": 1, "swiglu": 2}  # matvec.glsl's X_*
+
+
+def _x_span(p, s, what: str) -> tuple:
+    """The words x' reads (SwiGLU: the gate and the up, n_cols each) and the norm's weights."""
+    if s["X_MODE"] not in X_MODES.values():
+        raise E.DispatchError(f"{what}: X_MODE {s['X_MODE']} (have {X_MODES})")
+    n = p["n_cols"] * (2 if s["X_MODE"] == X_MODES["swiglu"] else 1)
+    norm = [(p["norm_word"], p["norm_word"] + p["n_cols"])] if s["X_MODE"] == X_MODES["rms_norm"] else []
+    return [(p["x_word"], p["x_word"] + n)], norm
+
+
+def _rows_spec(s, what: str) -> None:
+    if s["ROW_THREADS"] not in (1, 2, 4, 8, 16, 32, 64):
+        raise E.DispatchError(f"{what}: ROW_THREADS {s['ROW_THREADS']} is not a power of two up to 64")
+
+
 def _matvec(p, s):
+    _rows_spec(s, "fwd_matvec")
     w = _row_words(p, s, "fwd_matvec")
-    return ([(p["w_word"], p["w_word"] + p["n_rows"] * w)], [(p["x_word"], p["x_word"] + p["n_cols"])],
-            [(p["y_word"], p["y_word"] + p["n_rows"])])
+    x, norm = _x_span(p, s, "fwd_matvec")
+    return [(p["w_word"], p["w_word"] + p["n_rows"] * w), *norm], x, [(p["y_word"], p["y_word"] + p["n_rows"])]
+
+
+def _qkv(p, s):
+    _rows_spec(s, "fwd_qkv")
+    if s["ROW_THREADS"] > 32 or s["X_MODE"] != X_MODES["rms_norm"]:
+        raise E.DispatchError("fwd_qkv: ROW_THREADS ≤ 32 (a rotated pair's rows in one workgroup), X_MODE rms_norm")
+    hd, rd, q, k = p["head_dim"], p["rope_dim"], p["q_rows"], p["k_rows"]
+    if rd % 2 or not 2 <= rd <= hd or q < 1 or k < 1 or q % hd or k % hd or p["n_pos"] < 1:
+        raise E.DispatchError(f"fwd_qkv: push constants {p} are inconsistent")
+    w = _row_words({**p, "n_rows": q + 2 * k}, s, "fwd_qkv")
+    x, norm = _x_span(p, s, "fwd_qkv")
+    return ([(p["w_word"], p["w_word"] + (q + 2 * k) * w), *norm], x, [(p["y_word"], p["y_word"] + q)],
+            [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)], [(0, p["n_pos"] * rd)],
+            [(p["pos_word"], p["pos_word"] + 1)])
 
 
 def _embed(p, s):
     w = _row_words(p, s, "fwd_embed")
     return ([(p["w_word"], p["w_word"] + p["n_rows"] * w)], [(p["token_word"], p["token_word"] + 1)],
             [(p["y_word"], p["y_word"] + p["n_cols"])])
-
-
-def _rms_norm(p, s):
-    n = p["n"]
-    if n < 1:
-        raise E.DispatchError("fwd_rms_norm: an empty vector")
-    return [(p["w_word"], p["w_word"] + n)], [(p["x_word"], p["x_word"] + n)], [(p["y_word"], p["y_word"] + n)]
-
-
-def _rope(p, s):
-    if p["rope_dim"] % 2 or not 2 <= p["rope_dim"] <= p["head_dim"] or p["n_pos"] < 1:
-        raise E.DispatchError(f"fwd_rope: rope_dim {p['rope_dim']} must be even, within head_dim {p['head_dim']}; "
-                              f"{p['n_pos']} positions")
-    return ([(0, p["n_pos"] * p["rope_dim"])], [(p["pos_word"], p["pos_word"] + 1)],
-            [(p["row_word"], p["row_word"] + p["n_rows"] * p["head_dim"])])
-
-
-def _swiglu(p, s):
-    n = p["n"]
-    return ([(p[k], p[k] + n) for k in ("g_word", "u_word", "y_word")] if n else [],)
 
 
 def _argmax(p, s):
@@ -55,7 +67,6 @@ def _argmax(p, s):
     return x, [(0, 2 * p["parts"])], ([(p["out_word"], p["out_word"] + 1)] if p["stage"] == 1 else [])
 
 
-EXTENTS = {"fwd_matvec": _matvec, "fwd_embed": _embed, "fwd_rms_norm": _rms_norm, "fwd_rope": _rope,
-           "fwd_swiglu": _swiglu, "fwd_argmax": _argmax}
+EXTENTS = {"fwd_matvec": _matvec, "fwd_qkv": _qkv, "fwd_embed": _embed, "fwd_argmax": _argmax}
 
 shaders.register(EXTENTS)

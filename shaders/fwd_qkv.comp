@@ -1,0 +1,76 @@
+#version 450
+// A layer's Q, K and V projections in one dispatch over the normed residual (matvec.glsl's
+// X_RMS_NORM), their rows W's first q_rows (the queries), k_rows (the keys) and the rest (the
+// values), with RoPE applied to the query and key rows as they are written: adjacent rows
+// (2i, 2i + 1) of a head, i below rope_dim / 2, rotated by the angles of the position at word
+// pos_word of the step's values, from a table the host made as
+// kvdict_vk.forge.llama.rope_cos_sin makes it (row p: rope_dim / 2 cosines, then the sines).
+// The queries go to y_word of Y (a decode step's query block), the keys and values to k_word and
+// v_word of Rows (its source rows). ROW_THREADS ≤ WG_SIZE / 2: a pair's rows in one workgroup.
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
+
+layout(local_size_x = WG_SIZE) in;
+
+layout(std430, binding = 0) readonly buffer Weights { uint w_words[]; };
+layout(std430, binding = 1) readonly buffer X { float x_vals[]; };
+layout(std430, binding = 2) writeonly buffer Y { float y_vals[]; };
+layout(std430, binding = 3) writeonly buffer Rows { float kv_vals[]; };
+layout(std430, binding = 4) readonly buffer Table { float table_vals[]; };
+layout(std430, binding = 5) readonly buffer Values { uint value_words[]; };
+
+#include "matvec.glsl"
+
+layout(push_constant) uniform QkvPush {
+    uint w_word;
+    uint x_word;
+    uint n_cols;
+    uint q_rows;     // n_heads · head_dim
+    uint k_rows;     // n_kv · head_dim; as many value rows follow
+    uint y_word;
+    uint k_word;
+    uint v_word;
+    uint head_dim;
+    uint rope_dim;
+    uint pos_word;
+    uint n_pos;      // the table's positions: a position past it reads the last
+    uint norm_word;
+    float eps;
+} pc;
+
+shared float row_vals[ROWS];
+
+void main() {
+    uint lid = gl_LocalInvocationID.x, slot = lid / ROW_THREADS;
+    uint n_rows = pc.q_rows + 2u * pc.k_rows;
+    float scale = x_scale(pc.x_word, pc.n_cols, pc.eps);
+    uint p = min(value_words[pc.pos_word], pc.n_pos - 1u);
+    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
+        uint r = r0 + slot;
+        bool valid = r < n_rows;
+        float total = row_dot(pc.w_word, r, valid, pc.x_word, pc.n_cols, scale, pc.norm_word);
+        if (lid % ROW_THREADS == 0u)
+            row_vals[slot] = total;
+        barrier();
+        if (valid && lid % ROW_THREADS == 0u) {
+            bool query = r < pc.q_rows;
+            uint within = query ? r : r - pc.q_rows;  // the row in its projection
+            uint d = within % pc.head_dim;
+            float v = total;
+            if (r < pc.q_rows + pc.k_rows && d < pc.rope_dim) {
+                uint i = d / 2u;
+                float c = table_vals[p * pc.rope_dim + i], s = table_vals[p * pc.rope_dim + pc.rope_dim / 2u + i];
+                float even = row_vals[slot & ~1u], odd = row_vals[slot | 1u];
+                precise float rotated = (d & 1u) == 0u ? even * c - odd * s : even * s + odd * c;
+                v = rotated;
+            }
+            if (query)
+                y_vals[pc.y_word + r] = v;
+            else if (within < pc.k_rows)
+                kv_vals[pc.k_word + within] = v;
+            else
+                kv_vals[pc.v_word + within - pc.k_rows] = v;
+        }
+        barrier();  // row_vals read before the next rows overwrite it
+    }
+}
