@@ -69,6 +69,11 @@ def main(argv=None) -> None:
     out["profile_us"] = {k: 1e6 * v for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
     for k, v in out["profile_us"].items():
         print(f"  {k:20s} {v:9.1f} µs")
+    out["plan_layer0"] = repr(f.step.plans[0])
+    first = [i for i, label in enumerate(f.op_labels) if label == "append + attention"][:len(f.step.layer_ops[0]) + 1]
+    out["layer0_attention_ops_us"] = [1e6 * ticks_to_seconds(dev, ts[i], ts[i + 1]) for i in first]
+    print(f"  layer 0 plan {out['plan_layer0']}")
+    print("  layer 0 append + attention, op by op (µs): " + " ".join(f"{x:.1f}" for x in out["layer0_attention_ops_us"]))
     rec.free()
     f.free()
     arena.free()

@@ -78,6 +78,7 @@ class DecodeStep:
                                    f"streams dict-coded or neither")
         # plans first (they may time launch shapes on the device): nothing is allocated on a refusal
         plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
+        self.plans = tuple(plans)  # each layer's flash launch shape (profiles print them)
         self._writes = writes
         self._streams = [lay.layers[i].streams for i in self.layers]
         # no coded stream: the step's rows go into the step buffer as they come, in one write each

@@ -36,7 +36,7 @@ from .weights import FORMATS, Matrix, ModelWeights, dequantised, f32_matrix
 TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
 NEXT_WORD, X_WORD = 0, 4  # the state buffer: the greedy next token, (pad), the residual stream
 ARGMAX_PARTS = 256  # fwd_argmax's first stage: workgroups over the vocabulary
-MATVEC_ROW_THREADS = 16  # fwd_matvec's ROW_THREADS on a GPU
+MATVEC_ROW_THREADS = 32  # fwd_matvec's ROW_THREADS on a GPU (lab/probes/forward_profile.py)
 MATVEC_WORKGROUPS = 1024  # the most workgroups a matvec dispatches (grid stride past them)
 WEIGHT_BUFFER_BYTES = 1 << 30  # the most a weights buffer holds (whole layers), within the device's limits
 
