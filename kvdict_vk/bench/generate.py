@@ -44,7 +44,7 @@ WARM_TOKENS, WARM_S = 512, 0.5
 
 def smollm2_shapes():
     """SmolLM2-135M's hyper-parameters (its GGUF's metadata; a test holds them to the file)."""
-    from kvdict_vk.forge.gguf_model import ModelConfig
+    from kvdict_vk.model_file import ModelConfig
     return ModelConfig("llama", 30, 576, 9, 3, 64, 1536, 100000.0, 64, 9.999999747378752e-06, 49152, 8192, True)
 
 
@@ -68,7 +68,7 @@ def model_path(args) -> Path:
         return args.random_gguf
     if args.gguf is not None:
         return args.gguf
-    from kvdict_vk.forge.gguf_model import gguf_path
+    from kvdict_vk.model_file import gguf_path
     return gguf_path()
 
 

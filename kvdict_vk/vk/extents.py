@@ -5,7 +5,7 @@ Each extents function maps (push dict, spec dict) to, per binding, a list of spa
 word, one past the last); kernels.Kernel.op refuses a dispatch whose spans leave a buffer
 (DispatchError). The declarations these go with (bindings, push blocks, specialization
 constants) are kvdict_vk/vk/abi.py's; kvdict_vk/vk/shaders.py joins them. The attention and
-encoder shaders' extents live beside their arithmetic (attend/specs.py, encode/specs.py).
+encoder shaders' extents live beside their arithmetic (attend/specs.py, encode/specs.py, forward/specs.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 of its dispatches — which words of each binding a dispatch touches (extents) and how many
 invocations share a row (groups) — registered by the modules that own that arithmetic:
 kvdict_vk/vk/extents.py (the arena's shaders, here), and each wing's specs module when it is
-imported (attend/specs.py, encode/specs.py), so the floor imports no wing.
+imported (attend/specs.py, encode/specs.py, forward/specs.py), so the floor imports no wing.
 kernels.Kernel looks variants up here (``spec``).
 """
 from __future__ import annotations

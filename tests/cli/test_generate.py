@@ -8,7 +8,7 @@ import stat
 import numpy as np
 import pytest
 
-from kvdict_vk.forge.gguf_model import ModelConfig, open_reader, read_config
+from kvdict_vk.model_file import ModelConfig, open_reader, read_config
 from kvdict_vk.vk.forward.weights import from_gguf, random_weights, to_gguf
 
 TINY = ModelConfig("llama", 2, 96, 6, 2, 32, 160, 10000.0, 32, 1e-5, 300, 64, False)

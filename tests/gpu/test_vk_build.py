@@ -81,6 +81,7 @@ def test_missing_compiler_is_typed(shader_copy, monkeypatch):
 def test_shipped_spirv_matches_its_contract(name):
     import kvdict_vk.vk.attend.specs  # noqa: F401 (the wings register their variants)
     import kvdict_vk.vk.encode.specs  # noqa: F401
+    import kvdict_vk.vk.forward.specs  # noqa: F401
     from kvdict_vk.vk.kernels import SHADERS
     code = spirv.load(name)
     r = spirv.reflect(code)

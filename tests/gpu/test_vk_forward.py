@@ -18,9 +18,10 @@ import pytest
 from kvdict_vk import errors as E
 from kvdict_vk import rows as R
 from kvdict_vk.forge import llama
-from kvdict_vk.forge.gguf_model import ModelConfig
+from kvdict_vk.model_file import ModelConfig
 from kvdict_vk.vk.forward import DeviceForward, random_weights
-from kvdict_vk.vk.forward.weights import BLOCK_WORDS, Matrix, dequantised, f32_matrix, numpy_model
+from kvdict_vk.forge.gguf_model import dequantised_model
+from kvdict_vk.vk.forward.weights import BLOCK_WORDS, Matrix, dequantised, f32_matrix
 
 pytestmark = pytest.mark.gpu
 NLL_GATE = 1e-3  # nats per token (issue 52)
@@ -97,7 +98,7 @@ def test_small_model_equals_the_numpy_forward(fmt, cache, tied, row_threads, mak
     forward = DeviceForward(w, arena, logits=True, row_threads=row_threads)
     got, _ = _decode(forward, tokens)
     ref = CacheAsHeld(arena, cache)
-    want = llama.token_nll(tokens, ref, model=numpy_model(w))
+    want = llama.token_nll(tokens, ref, model=dequantised_model(w))
     assert np.abs(got - want).max() <= NLL_GATE, np.abs(got - want).max()
     assert all(arena.n_tokens(i) == len(tokens) for i in range(cfg.n_layers))
     ref.check_rows()
@@ -161,7 +162,7 @@ def test_bad_input_and_refusals(make_arena, activate):
     with pytest.raises(E.ArenaError, match="full"):
         forward.run(3)
     assert arena.n_tokens(0) == arena.n_tokens(1) == 3
-    want = llama.token_nll(np.array(tokens), CacheAsHeld(arena, "f16"), model=numpy_model(w))
+    want = llama.token_nll(np.array(tokens), CacheAsHeld(arena, "f16"), model=dequantised_model(w))
     assert np.abs(got - want).max() <= NLL_GATE
     forward.free()
     with pytest.raises(E.ArenaError):

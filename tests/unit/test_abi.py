@@ -14,6 +14,7 @@ import pytest
 from kvdict_vk.vk import abi, shader_build as sb, spirv
 import kvdict_vk.vk.attend.specs  # noqa: F401 (registers its variants' dispatch arithmetic)
 import kvdict_vk.vk.encode.specs  # noqa: F401 (the same)
+import kvdict_vk.vk.forward.specs  # noqa: F401 (the same)
 from kvdict_vk.vk.shaders import SHADERS
 from kvdict_vk.vk.vulkan_info import SUBGROUP_OPERATIONS
 

@@ -14,7 +14,7 @@ into the query blocks) —, one submission, and a read of the next token (and, w
 logits): no copy up, so every device buffer is written by kernels only.
 
 Buffers: the weights (as few as the device's limits allow, each holding whole layers); the
-RoPE table (host-made, kvdict_vk.forge.llama.rope_cos_sin's numbers); ``values`` (the step's,
+RoPE table (host-made, kvdict_vk.model_file.rope_cos_sin's numbers); ``values`` (the step's,
 host-visible); ``state`` (the next token, the residual stream), ``norm`` (a normed vector), ``act`` (gate, up, their product;
 the logits). A binding a kernel writes is never bound twice (kernels.Kernel refuses it),
 which is why the normed vector has a buffer of its own.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import errors as E
-from ...forge.llama import rope_cos_sin
+from ...model_file import rope_cos_sin
 from ..device import kp
 from ..kernels import Buffer, barrier, pipeline, run
 from ..submit import Recording

@@ -3,7 +3,7 @@
 Matrices keep GGUF's own blocks — Q4_1 as stored (5 words a block of 32), Q8_0 padded by
 two bytes to 9 words — so the device reads exactly the numbers the GGUF holds, dequantising
 on the fly; float32 and float16 tensors become float32 words. :func:`dequantised` is the
-NumPy twin (gguf-py's arithmetic), :func:`from_gguf` reads a file (the forge's gguf extra),
+NumPy twin (gguf-py's arithmetic; kvdict_vk.forge.gguf_model.dequantised_model the whole model's), :func:`from_gguf` reads a file (the forge's gguf extra),
 :func:`random_weights` makes a model of given shapes (speed runs where no GGUF is at hand).
 """
 from __future__ import annotations
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import errors as E
-from ...forge.gguf_model import ModelConfig
+from ...model_file import ModelConfig
 
 FORMATS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # weights.glsl's W_* (FORMAT)
 BLOCK = 32  # columns a block holds
 BLOCK_WORDS = {"f32": 32, "q4_1": 5, "q8_0": 9}
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-_GGUF_LAYER = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+GGUF_LAYER = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
                "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
 
 
@@ -102,7 +102,7 @@ def dequantised(m: Matrix) -> np.ndarray:
 
 def from_gguf(path=None) -> ModelWeights:
     """A llama GGUF's weights (F32 / F16 / Q4_1 / Q8_0 tensors) and hyper-parameters."""
-    from ...forge.gguf_model import open_reader, read_config
+    from ...model_file import open_reader, read_config
     reader = open_reader(path)
     cfg = read_config(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -123,7 +123,7 @@ def from_gguf(path=None) -> ModelWeights:
         return np.ascontiguousarray(tensors[name].data, np.float32).reshape(-1)
 
     layers = tuple(LayerWeights(**{f: (vector if f.endswith("norm") else matrix)(f"blk.{i}.{g}.weight")
-                                   for f, g in _GGUF_LAYER.items()}) for i in range(cfg.n_layers))
+                                   for f, g in GGUF_LAYER.items()}) for i in range(cfg.n_layers))
     tok = matrix("token_embd.weight")
     return ModelWeights(cfg, tok, vector("output_norm.weight"),
                         tok if cfg.tied_output else matrix("output.weight"), layers)
@@ -152,19 +152,6 @@ def random_weights(cfg: ModelConfig, rng: np.random.Generator, fmt: str = "q4_1"
     emb = embedding or fmt
     tok = matrix(cfg.vocab, h, emb)
     return ModelWeights(cfg, tok, ones, tok if cfg.tied_output else matrix(cfg.vocab, h, emb), layers)
-
-
-def numpy_model(w: ModelWeights):
-    """The forge's float32 Model (kvdict_vk.forge.llama's forward runs it) holding exactly the
-    numbers ``w`` holds: the NumPy twin a device forward is checked against."""
-    from pathlib import Path
-
-    from ...forge import gguf_model as G
-    layers = tuple(G.LayerWeights(**{f: (getattr(layer, f) if f.endswith("norm") else dequantised(getattr(layer, f)))
-                                     for f in _GGUF_LAYER}) for layer in w.layers)
-    tok = dequantised(w.tok_embd)
-    out = tok if w.output is w.tok_embd else dequantised(w.output)
-    return G.Model(w.config, tok, w.output_norm, out, layers, Path("<device weights>"), "")
 
 
 def _gguf_bytes(m: Matrix) -> tuple:
@@ -217,7 +204,7 @@ def to_gguf(w: ModelWeights, path) -> None:
     if w.output is not w.tok_embd:
         add("output.weight", w.output)
     for i, layer in enumerate(w.layers):
-        for field, name in _GGUF_LAYER.items():
+        for field, name in GGUF_LAYER.items():
             add(f"blk.{i}.{name}.weight", getattr(layer, field))
     out.write_header_to_file()
     out.write_kv_data_to_file()
