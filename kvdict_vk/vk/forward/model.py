@@ -2,22 +2,23 @@
 decode step, one submission a token (issue 52, item 2).
 
 A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF's own Q4_1
-and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the
-embedding row of the token in the state buffer, then per layer RMSNorm → the Q, K and V
-projections written straight into the decode step's query blocks and source rows → RoPE in
-place → the step's append and attention (kvdict_vk.vk.arena.decode, record=False) → the O
-projection added to the residual → RMSNorm → gate and up → SwiGLU → down added to the
-residual; then the final norm, the LM head and argmax, the greedy next token written into the
-state buffer. A replay is a host write of the step's values — the token, its position and
-each layer's n_used, in a host-visible buffer the kernels read (a scatter puts the n_used words
-into the query blocks) —, one submission, and a read of the next token (and, where asked, the
+and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the token's
+embedding row into the residual; per layer, Q, K and V in one dispatch over the normed
+residual, RoPE'd as they are written straight into the decode step's query block and source
+rows (fwd_qkv) → the step's append and attention (kvdict_vk.vk.arena.decode, record=False) →
+the O projection added to the residual → gate and up over the normed residual → the down
+projection of their SwiGLU added to the residual (fwd_matvec; matvec.glsl reads the norm and
+the SwiGLU into the matvec, so neither has a dispatch of its own); then the LM head over the
+final norm and a two-stage argmax, the greedy next token written into the state buffer. A
+replay is a host write of the step's values — the token, its position and each layer's
+n_used, in a host-visible buffer the kernels read (a scatter puts the n_used words into the
+query blocks) —, one submission, and a read of the next token (and, where asked, the
 logits): no copy up, so every device buffer is written by kernels only.
 
-Buffers: the weights (as few as the device's limits allow, each holding whole layers); the
-RoPE table (host-made, kvdict_vk.model_file.rope_cos_sin's numbers); ``values`` (the step's,
-host-visible); ``state`` (the next token, the residual stream), ``norm`` (a normed vector), ``act`` (gate, up, their product;
-the logits). A binding a kernel writes is never bound twice (kernels.Kernel refuses it),
-which is why the normed vector has a buffer of its own.
+Buffers: the weights (as few as the device's limits allow, each holding whole layers; "device"
+buffers, so a host copy stays beside them); the RoPE table (host-made,
+kvdict_vk.model_file.rope_cos_sin's numbers); ``values`` (the step's, host-visible); ``state``
+(the next token, the residual stream); ``act`` (gate and up; the logits); the argmax's partials.
 """
 from __future__ import annotations
 
@@ -27,10 +28,9 @@ from ... import errors as E
 from ...model_file import rope_cos_sin
 from ..device import kp
 from ..kernels import Buffer, barrier, pipeline, run
-from ..submit import Recording
-from . import specs  # noqa: F401 (registers the fwd_* variants' dispatch arithmetic)
 from ..abi import WG_SIZE
-from .specs import X_MODES
+from ..submit import Recording
+from .specs import X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
 from .weights import FORMATS, Matrix, ModelWeights, dequantised, f32_matrix
 
 TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
@@ -147,9 +147,9 @@ class DeviceForward:
 
     # --- the recording ---------------------------------------------------------------------
     def _matvec(self, wbuf: Buffer, w_word: int, m: Matrix, x: Buffer, x_word: int, y: Buffer, y_word: int,
-                accumulate: bool = False, x_mode: str = "plain", norm_word: int = 0, n_rows: int | None = None):
-        """fwd_matvec of m's rows (``n_rows`` of them: several matrices stored one after another)."""
-        n_rows, threads = n_rows or m.n_rows, self._row_threads
+                accumulate: bool = False, x_mode: str = "plain", norm_word: int = 0):
+        """fwd_matvec: y[y_word + r] (+)= row r of m · x' (x' as matvec.glsl's ``x_mode`` reads x)."""
+        n_rows, threads = m.n_rows, self._row_threads
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads, "X_MODE": X_MODES[x_mode]}
         k = pipeline(self.device, "fwd_matvec", [wbuf, x, y], spec, max_items=self._matvec_items(n_rows))
         return k.op(w_word=w_word, x_word=x_word, y_word=y_word, n_rows=n_rows, n_cols=m.n_cols,
