@@ -172,7 +172,8 @@ def _run(a) -> int:
                     dictionary_tail_bytes=coded_layout.tail_bytes,
                     arena=arena_memory(runtime.snapshot().artifact, coded_layout, cert)),
         validation=dict(cases=len(rows), passed=sum(r["passed"] for r in rows), worst_nmse=worst.get("nmse"),
-                        worst_encoder_rel_err_diff=worst.get("rel_err_diff")),
+                        worst_encoder_rel_err_diff=worst.get("rel_err_diff"),
+                        worst_forward_nll_abs=worst.get("nll_abs")),
         seconds=time.perf_counter() - t0,
     )
     print(json.dumps(report, indent=1) if a.json else format_report(report))

@@ -180,6 +180,46 @@ def _encoder_row(dev, d: StreamDict, x, shape) -> dict:
                 passed=bool(rel <= 1e-2 and same and np.isfinite(gpu).all()))
 
 
+FORWARD_NLL = 1e-3  # nats a token: a device forward against the forge's (issue 52)
+
+
+def _forward_row(dev, rng) -> dict:
+    """The fwd_* kernels: a random 2-layer model (Q4_1 matrices, a Q8_0 embedding; hidden 96,
+    6 query heads over 2 KV heads of 32) decoded on the device over an f16 cache, each
+    token's NLL against the forge's NumPy forward over the same weights and binary16 K/V."""
+    from ..forge import llama
+    from ..forge.gguf_model import dequantised_model
+    from ..model_file import ModelConfig
+    from ..vk import KvArena
+    from ..vk.forward import DeviceForward, random_weights
+    cfg = ModelConfig("llama", 2, 96, 6, 2, 32, 160, 10000.0, 32, 1e-5, 300, 64, False)
+    weights, tokens = random_weights(cfg, rng, "q4_1", embedding="q8_0"), rng.integers(0, cfg.vocab, 10)
+
+    class HeldF16(llama.KVHook):
+        def __call__(self, layer, k, v):
+            return R.held_rows(k, "f16"), R.held_rows(v, "f16")
+
+    arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(tokens), device=dev, cache="f16")
+    t0 = time.perf_counter()
+    try:
+        with DeviceForward(weights, arena, logits=True) as forward:
+            got = []
+            for i, tok in enumerate(tokens[:-1]):
+                forward.run(int(tok))
+                x = forward.logits().astype(np.float64)
+                got.append(x.max() + np.log(np.exp(x - x.max()).sum()) - x[tokens[i + 1]])
+        seconds = time.perf_counter() - t0
+        guards = not arena.layout.guard_breaches(arena.layer_words)
+    finally:
+        arena.free()
+    want = llama.token_nll(tokens, HeldF16(), model=dequantised_model(weights))
+    diff = float(np.abs(np.array(got) - want).max())
+    return dict(op="device forward (fwd_*), f16 cache", shape="2 layers, hidden 96, 6/2 heads × 32, Q4_1",
+                metric="nll_abs", nmse=diff, max_abs=diff, nan_inf_match=bool(np.isfinite(got).all()),
+                guards_intact=guards, tolerance=FORWARD_NLL, seconds=seconds,
+                passed=bool(diff <= FORWARD_NLL and np.isfinite(got).all() and guards))
+
+
 def run_validation(dev, quick: bool = False, seed: int = 0, log=None) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
@@ -190,6 +230,12 @@ def run_validation(dev, quick: bool = False, seed: int = 0, log=None) -> list[di
             rows.append(_error_row(_shape(*case), e))
         if log:
             log(rows[-1])
+    try:
+        rows.append(_forward_row(dev, rng))
+    except E.KvDictError as e:
+        rows.append(_error_row("device forward", e))
+    if log:
+        log(rows[-1])
     return rows
 
 

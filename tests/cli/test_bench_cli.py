@@ -603,7 +603,7 @@ def test_decode_step_benchmark_times_the_recorded_step_beside_the_per_layer_one(
     result = json.loads(out.read_text())
     assert [(c["cache"], c["n_ctx"], c["layers"]) for c in result["cases"]] == [("f16", 40, 2), ("q8_0", 40, 2)]
     for c in result["cases"]:
-        for name in ("recorded", "recorded_at_length", "per_layer_step"):
+        for name in ("recorded", "recorded_at_length", "recorded_in_place", "per_layer_step"):
             assert len(c[name]["wall_s"]["samples"]) == 2
         rec = c["recorded"]
         if "gpu_s" in rec:  # a device with timestamps

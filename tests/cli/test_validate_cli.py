@@ -27,7 +27,8 @@ def test_quick_grid_passes(vk_device):
     rows = validate.run_validation(vk_device, quick=True)
     assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
     ops = {r["op"].split(" n_used")[0] for r in rows}
-    assert {"append+reconstruct K", "attend dict", "attend f32", "encode (GPU OMP) error vs CPU"} <= ops
+    assert {"append+reconstruct K", "attend dict", "attend f32", "encode (GPU OMP) error vs CPU",
+            "device forward (fwd_*), f16 cache"} <= ops
     worst = validate.worst_by_metric(rows)
     # attend_mma's rows (cooperative matrices: not on lavapipe) at the fast paths' gate, apart
     from kvdict_vk.vk import abi
@@ -36,7 +37,8 @@ def test_quick_grid_passes(vk_device):
     assert bool(fast) == mma and all(r["metric"] == "nmse_fast" for r in fast)
     assert {r["op"].split(",")[0] for r in fast} == ({"attend f16", "attend q8_0", "attend kivi"} if mma else set())
     assert worst["nmse"] <= validate.NMSE_ATTEND and worst.get("nmse_fast", 0.0) <= validate.NMSE_FAST
-    assert set(worst) == {"nmse", "rel_err_diff"} | ({"nmse_fast"} if mma else set())
+    assert set(worst) == {"nmse", "rel_err_diff", "nll_abs"} | ({"nmse_fast"} if mma else set())
+    assert worst["nll_abs"] <= validate.FORWARD_NLL
 
 
 @pytest.mark.skipif(shutil.which("glslangValidator") is None, reason="glslangValidator not installed (setup.sh installs it)")

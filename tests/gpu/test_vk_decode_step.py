@@ -219,6 +219,39 @@ def test_planned_short_replayed_long_and_a_layer_subset(make_arena):
     assert stepped.n_tokens(1) == 20
 
 
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
+def test_in_place_replays_equal_run(cache, make_arena, activate):
+    """inputs() are the step's own buffers: values written there and replay() give what run()
+    gives a twin arena; the output is a view the next replay overwrites. A dict-coded step
+    codes its rows in run(): inputs()/replay() refuse it, as a freed step refuses."""
+    n_layers, n_kv, g, hd, n_ctx, batch = 2, 2, 3, 64, 90, 2
+    rng = np.random.default_rng(49)
+    a, b = (make_arena(n_layers, n_kv, hd, n_ctx, cache=cache, seqs=batch) for _ in range(2))
+    _prefill([a, b], rng, n_layers, n_kv, hd, [30, 5])
+    in_place, copied = a.record_step(n_kv * g, batch=batch), b.record_step(n_kv * g, batch=batch)
+    k_in, v_in, q_in = in_place.inputs()
+    outs = []
+    for _ in range(3):
+        k, v, q = _tokens(rng, n_layers, batch, n_kv, hd, n_kv * g)
+        k_in[:], v_in[:], q_in[:] = k, v, q
+        got = in_place.replay()
+        np.testing.assert_array_equal(got, copied.run(k, v, q))
+        outs.append((got, got.copy()))
+    assert outs[0][0] is outs[-1][0] and not np.array_equal(outs[0][1], outs[-1][0])
+    for layer in range(n_layers):
+        for x, y in zip(a.read(layer), b.read(layer)):
+            np.testing.assert_array_equal(x, y)
+    in_place.free()
+    for call in (in_place.inputs, in_place.replay):
+        with pytest.raises(E.ArenaError):
+            call()
+    activate(random_artifact(rng, hd, 64, [((4, 4), (4, 3))] * n_layers, n_heads=n_kv))
+    coded = make_arena(n_layers, n_kv, hd, n_ctx).record_step(n_kv * g)
+    for call in (coded.inputs, coded.replay):
+        with pytest.raises(E.ArenaError, match="dict-coded"):
+            call()
+
+
 def test_dynamic_split_length_twin():
     """specs.dynamic_split_len (SPLIT_LEN's twin) covers n_used in whole rounds, never more
     than a round past an even split."""

@@ -116,6 +116,11 @@ class DecodeStep:
         blocks = self._q.host_words().reshape(n_l, self._q_stride)
         self._q_host, self._used_host = blocks[:, :self._lengths_at], blocks[:, self._lengths_at:self._q_words]
         self._out_host = self._out.host_words()
+        # run()'s arrays as views of the step's own buffers (inputs(), replay())
+        self._q_in = _float_view(self._q_host, (n_l, self.batch, self.n_heads, hd))
+        self._out_view = _float_view(self._out_host, (n_l, self.batch, self.n_heads, hd))
+        self._rows_in = ((_float_view(self._k_host, (n_l, self.batch, n_kv, hd)),
+                          _float_view(self._v_host, (n_l, self.batch, n_kv, hd))) if self._rows_only else None)
 
     def _layer_ops(self, attention, plans) -> list:
         """Per layer, its ops: append_step, a barrier on the layer, its flash passes (the
@@ -196,10 +201,7 @@ class DecodeStep:
         then q (n_layers, batch, n_heads, head_dim) float32 attending over every token of its
         sequence, the new one included. Returns (n_layers, batch, n_heads, head_dim) float32.
         Everything is checked before anything is written; a full sequence is an ArenaError."""
-        self.memory.check_live()
-        if self._rec is None:
-            raise E.ArenaError("the decode step was freed" if self._q is None else
-                               "a decode step recorded inside a device forward has no run of its own")
+        self._check_replayable()
         lay, n_l, b = self.layout, len(self.layers), self.batch
         hd, n_kv = lay.head_dim, lay.n_kv_heads
         for what, a, heads in (("k_rows", k_rows, n_kv), ("v_rows", v_rows, n_kv), ("q", q, self.n_heads)):
@@ -208,16 +210,45 @@ class DecodeStep:
                                    f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
         self.stage_lengths()
         if self._rows_only:
-            self._k_host.view(np.float32)[:] = k_rows.reshape(-1)
-            self._v_host.view(np.float32)[:] = v_rows.reshape(-1)
+            self._rows_in[0][:] = k_rows
+            self._rows_in[1][:] = v_rows
         else:
             k_words, v_words = self._sources(k_rows, v_rows)  # a dict-coded layer's OMP: before any write
             self._k_host[:] = k_words
             self._v_host[:] = v_words
-        self._q_host[:] = q.reshape(n_l, -1).view(np.uint32)
+        self._q_in[:] = q
         self._rec.run()
         self.advance()
-        return self._out_host.view(np.float32).reshape(n_l, b, self.n_heads, hd).copy()
+        return self._out_view.copy()
+
+    def inputs(self) -> tuple:
+        """(k_rows, v_rows, q): float32 views of the step's own buffers, shaped as :meth:`run`
+        takes them. Write a token's values into them (a matmul's ``out=``) and call
+        :meth:`replay`: nothing is copied on the way. Valid until :meth:`free`. An uncoded
+        cache's step only (a dict-coded layer's rows are coded on the host, by run)."""
+        self._check_replayable()
+        if self._rows_in is None:
+            raise E.ArenaError("a dict-coded layer's rows are coded on the host: give them to run()")
+        return (*self._rows_in, self._q_in)
+
+    def replay(self) -> np.ndarray:
+        """One decode step over what :meth:`inputs` holds (as run does with its arrays).
+        Returns a float32 view (n_layers, batch, n_heads, head_dim) of the step's output
+        buffer: valid until the next replay or run, and until free. A full sequence is an
+        ArenaError, before anything is submitted."""
+        self._check_replayable()
+        if self._rows_in is None:
+            raise E.ArenaError("a dict-coded layer's rows are coded on the host: give them to run()")
+        self.stage_lengths()
+        self._rec.run()
+        self.advance()
+        return self._out_view
+
+    def _check_replayable(self) -> None:
+        self.memory.check_live()
+        if self._rec is None:
+            raise E.ArenaError("the decode step was freed" if self._q is None else
+                               "a decode step recorded inside a device forward has no run of its own")
 
     def _sources(self, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple:
         """The step buffer's words where a layer is dict-coded: every layer's K sources then
@@ -270,3 +301,11 @@ class DecodeStep:
 def _source_words(st, head_dim: int) -> int:
     """Words of a stream's source row in the step buffer: its slot (coded), else head_dim floats."""
     return st.row_words if st.coded else head_dim
+
+
+def _float_view(words: np.ndarray, shape: tuple) -> np.ndarray:
+    """words as float32 of ``shape`` — a view (reshape would copy silently where it cannot)."""
+    out = words.view(np.float32).reshape(shape)
+    if not np.shares_memory(out, words):
+        raise E.ArenaError(f"decode step: no {shape} view of its buffer")  # a layout bug, never input
+    return out
