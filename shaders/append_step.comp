@@ -40,62 +40,95 @@ layout(push_constant) uniform AppendStepPush {
 
 float src_float(uint row_word, uint i) { return uintBitsToFloat(step_words[row_word + i]); }
 
-// q8_0 block b of the source row at row_word: its d (binary16 bits) and inverse scale.
-float q8_block(uint row_word, uint b, out uint d_bits) {
-    float amax = 0.0;
-    for (uint i = 32u * b; i < 32u * b + 32u; ++i)
-        amax = max(amax, abs(src_float(row_word, i)));
-    float d = div_rn(amax, 127.0);
-    d_bits = f16_bits(d);
-    return q8_inverse_scale(d);
+// The work is cut into units a workgroup takes whole (grid stride over units): a stream in
+// words (FORMAT_WORDS, FORMAT_F16) WG_SIZE words a unit, an invocation a word; a q8_0 stream a
+// pair of blocks a unit (they share a scale word), an invocation an element — the block's
+// largest magnitude by a tree in shared memory, its d and 1/d by one invocation, four
+// invocations' values packed by a fifth. (An invocation a block took 3× the f16 append's time:
+// two divisions of 25 steps and 32 values in a row.)
+const uint PAIR = 64u;  // elements of a q8_0 unit: two blocks of 32
+shared float magnitude[WG_SIZE];
+shared float block_inverse[2];
+shared uint block_d[2];
+shared uint quantised[WG_SIZE];
+
+uint row_items(uint format, uint row_words) {  // units of a row: q8_0 block pairs; else words
+    return format == FORMAT_Q8_0 ? (pc.head_dim / 32u + 1u) / 2u : row_words;
 }
 
-// Item i of a stored row made from the source row at row_word, into the row at dst: a word
-// (FORMAT_WORDS, FORMAT_F16), or a q8_0 block — its 8 value words and, for an even block, the
-// scale word it shares with the next (whose d it works out too).
-void store_item(uint format, uint row_word, uint dst, uint i) {
-    if (format == FORMAT_WORDS) {
-        layer_words[dst + i] = step_words[row_word + i];
-    } else if (format == FORMAT_F16) {
-        layer_words[dst + i] = f16_bits(src_float(row_word, 2u * i)) | (f16_bits(src_float(row_word, 2u * i + 1u)) << 16u);
-    } else {
-        uint n_blocks = pc.head_dim / 32u, scale_words = (n_blocks + 1u) / 2u;
-        uint lo, hi = 0u;
-        float inv = q8_block(row_word, i, lo);
-        if ((i & 1u) == 0u) {
-            if (i + 1u < n_blocks)
-                q8_block(row_word, i + 1u, hi);
-            layer_words[dst + i / 2u] = lo | (hi << 16u);
-        }
-        for (uint w = 0u; w < 8u; ++w) {  // elements 32i + 4w .. + 3, the first in the low byte
-            uint word = 0u;
-            for (uint k = 0u; k < 4u; ++k)
-                word |= (uint(q8_value(src_float(row_word, 32u * i + 4u * w + k), inv)) & 0xFFu) << (8u * k);
-            layer_words[dst + scale_words + 8u * i + w] = word;
-        }
+uint stream_units(uint format, uint row_words) {
+    uint items = pc.n_seqs * pc.n_kv * row_items(format, row_words);
+    return format == FORMAT_Q8_0 ? items : (items + WG_SIZE - 1u) / WG_SIZE;
+}
+
+// The source row and the stored row (the row n_used names) of row r = seq · n_kv + head.
+void row_words_at(bool key, uint format, uint r, out uint src, out uint dst) {
+    uint row_words = key ? pc.k_row_words : pc.v_row_words;
+    uint seq = r / pc.n_kv, head = r - seq * pc.n_kv;
+    src = (key ? pc.k_src_word : pc.v_src_word) + r * (format == FORMAT_WORDS ? row_words : pc.head_dim);
+    // clamped as SEQ_USED clamps it: a bad length writes inside the sequence's rows
+    uint t = clamp(query_words[pc.lengths_word + seq], 1u, pc.seq_rows) - 1u;
+    dst = (key ? pc.k_word : pc.v_word) + (head * pc.n_ctx + seq * pc.seq_rows + t) * row_words;
+}
+
+// Word unit u of a stream in words: each invocation one word (of any row).
+void store_words(bool key, uint format, uint u) {
+    uint row_words = key ? pc.k_row_words : pc.v_row_words;
+    uint x = u * WG_SIZE + gl_LocalInvocationID.x;
+    if (x >= pc.n_seqs * pc.n_kv * row_words)
+        return;
+    uint r = x / row_words, i = x - r * row_words, src, dst;
+    row_words_at(key, format, r, src, dst);
+    layer_words[dst + i] = format == FORMAT_WORDS ? step_words[src + i]
+        : f16_bits(src_float(src, 2u * i)) | (f16_bits(src_float(src, 2u * i + 1u)) << 16u);
+}
+
+// Unit u of a q8_0 stream: blocks 2p and 2p + 1 of a row (p = u's pair in it), the whole
+// workgroup (every invocation reaches every barrier).
+void store_q8_pair(bool key, uint u) {
+    uint lid = gl_LocalInvocationID.x, pairs = row_items(FORMAT_Q8_0, 0u), n_blocks = pc.head_dim / 32u;
+    uint r = u / pairs, p = u - r * pairs, src, dst;
+    row_words_at(key, FORMAT_Q8_0, r, src, dst);
+    uint e = PAIR * p + lid;  // this invocation's element; block 2p + lid / 32
+    bool real = lid < PAIR && e < pc.head_dim;
+    float x = real ? src_float(src, e) : 0.0;
+    magnitude[lid] = abs(x);
+    barrier();
+    for (uint s = 16u; s > 0u; s >>= 1u) {  // within each half of 32: max, as max() is exact
+        if ((lid & 31u) < s)
+            magnitude[lid] = max(magnitude[lid], magnitude[lid + s]);
+        barrier();
     }
+    if (lid < 2u && 2u * p + lid < n_blocks) {
+        float d = div_rn(magnitude[32u * lid], 127.0);
+        block_d[lid] = f16_bits(d);
+        block_inverse[lid] = q8_inverse_scale(d);
+    } else if (lid < 2u) {
+        block_d[lid] = 0u;  // the pad half of a last, odd block's scale word
+    }
+    barrier();
+    quantised[lid] = real ? uint(q8_value(x, block_inverse[lid / 32u])) & 0xFFu : 0u;
+    barrier();
+    uint scale_words = (n_blocks + 1u) / 2u;
+    if (lid == 0u)
+        layer_words[dst + p] = block_d[0] | (block_d[1] << 16u);
+    if (lid < PAIR / 4u && 4u * lid < pc.head_dim - PAIR * p) {  // word lid of the pair's values
+        uint q = 4u * lid;
+        layer_words[dst + scale_words + PAIR / 4u * p + lid] =
+            quantised[q] | (quantised[q + 1u] << 8u) | (quantised[q + 2u] << 16u) | (quantised[q + 3u] << 24u);
+    }
+    barrier();  // shared memory read before the next unit overwrites it
 }
-
-// Items of a row in a format: words, or q8_0 blocks.
-uint row_items(uint format, uint row_words) { return format == FORMAT_Q8_0 ? pc.head_dim / 32u : row_words; }
 
 void main() {
-    uint k_items = pc.n_seqs * pc.n_kv * row_items(pc.k_format, pc.k_row_words);
-    uint n_items = k_items + pc.n_seqs * pc.n_kv * row_items(pc.v_format, pc.v_row_words);
-    for (uint w = gl_GlobalInvocationID.x; w < n_items; w += grid_stride()) {
-        bool key = w < k_items;
-        uint row_words = key ? pc.k_row_words : pc.v_row_words;
+    uint k_units = stream_units(pc.k_format, pc.k_row_words);
+    uint n_units = k_units + stream_units(pc.v_format, pc.v_row_words);
+    for (uint u = gl_WorkGroupID.x; u < n_units; u += gl_NumWorkGroups.x) {  // uniform in a workgroup
+        bool key = u < k_units;
         uint format = key ? pc.k_format : pc.v_format;
-        uint items = row_items(format, row_words);
-        uint x = key ? w : w - k_items;
-        uint row = x / items;  // seq * n_kv + head
-        uint seq = row / pc.n_kv;
-        uint head = row - seq * pc.n_kv;
-        uint src_row_words = format == FORMAT_WORDS ? row_words : pc.head_dim;
-        uint src = (key ? pc.k_src_word : pc.v_src_word) + row * src_row_words;
-        // clamped as SEQ_USED clamps it: a bad length writes inside the sequence's rows
-        uint t = clamp(query_words[pc.lengths_word + seq], 1u, pc.seq_rows) - 1u;
-        uint dst = (key ? pc.k_word : pc.v_word) + (head * pc.n_ctx + seq * pc.seq_rows + t) * row_words;
-        store_item(format, src, dst, x - row * items);
+        if (format == FORMAT_Q8_0)
+            store_q8_pair(key, key ? u : u - k_units);
+        else
+            store_words(key, format, key ? u : u - k_units);
     }
 }

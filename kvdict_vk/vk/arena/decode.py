@@ -41,6 +41,7 @@ from ... import rows as R
 from ..device import kp
 from ..attend.ops import PassBuilder, Placement
 from ..attend.specs import lengths_word, query_words
+from ..abi import WG_SIZE
 from ..kernels import Buffer, barrier, pipeline
 from ..submit import Recording
 
@@ -133,8 +134,8 @@ class DecodeStep:
         for j, (i, plan) in enumerate(zip(self.layers, plans)):
             k, v = self._streams[j]
             layer_buf, q_word = mem.layer_buffer(i), self.q_word(j)
-            append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf],
-                              max_items=self.batch * n_kv * (k.row_words + v.row_words))
+            units = sum(_append_units(st, lay.head_dim, self.batch * n_kv) for st in (k, v))
+            append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf], max_items=units * WG_SIZE)
             ops = [append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
                              v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
                              n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
@@ -296,6 +297,14 @@ class DecodeStep:
 
     def __exit__(self, *exc) -> None:
         self.free()
+
+
+def _append_units(st, head_dim: int, rows: int) -> int:
+    """append_step's units (its workgroups' share) of a stream's ``rows`` rows: a pair of
+    q8_0 blocks each, or WG_SIZE words."""
+    if R.append_format(st) == "q8_0":
+        return rows * -(-(head_dim // 32) // 2)
+    return -(-rows * st.row_words // WG_SIZE)
 
 
 def _source_words(st, head_dim: int) -> int:
