@@ -18,7 +18,6 @@ from ...model_file import ModelConfig
 FORMATS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # weights.glsl's W_* (FORMAT)
 BLOCK = 32  # columns a block holds
 BLOCK_WORDS = {"f32": 32, "q4_1": 5, "q8_0": 9}
-LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 GGUF_LAYER = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
                "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
 
