@@ -3,8 +3,10 @@
 Matrices keep GGUF's own blocks — Q4_1 as stored (5 words a block of 32), Q8_0 padded by
 two bytes to 9 words — so the device reads exactly the numbers the GGUF holds, dequantising
 on the fly; float32 and float16 tensors become float32 words. :func:`dequantised` is the
-NumPy twin (gguf-py's arithmetic; kvdict_vk.forge.gguf_model.dequantised_model the whole model's), :func:`from_gguf` reads a file (the forge's gguf extra),
-:func:`random_weights` makes a model of given shapes (speed runs where no GGUF is at hand).
+NumPy twin (gguf-py's arithmetic; kvdict_vk.forge.gguf_model.dequantised_model the whole
+model's), :func:`from_gguf` reads a file and :func:`to_gguf` writes one (the forge's gguf
+extra), :func:`random_weights` makes a model of given shapes (speed runs where no GGUF is at
+hand).
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from ...model_file import ModelConfig
 FORMATS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # weights.glsl's W_* (FORMAT)
 BLOCK = 32  # columns a block holds
 BLOCK_WORDS = {"f32": 32, "q4_1": 5, "q8_0": 9}
+# a layer's tensors: LayerWeights' field → the GGUF's name (blk.<i>.<name>.weight)
 GGUF_LAYER = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
-               "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+              "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
 
 
 @dataclass(frozen=True, eq=False)
