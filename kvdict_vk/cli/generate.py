@@ -16,15 +16,14 @@ import sys
 import time
 
 from .. import errors as E
-
-CACHES = ("f16", "q8_0", "f32")
+from .. import layout as L
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", default="The GNU General Public License is")
     ap.add_argument("--tokens", type=int, default=32, help="tokens to generate")
-    ap.add_argument("--cache", choices=CACHES, default="f16")
+    ap.add_argument("--cache", choices=L.CACHES, default="f16")
     ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")
     a = ap.parse_args(argv)
     from ..forge import tokenizer

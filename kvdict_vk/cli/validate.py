@@ -189,15 +189,12 @@ def _forward_row(dev, rng) -> dict:
     token's NLL against the forge's NumPy forward over the same weights and binary16 K/V."""
     from ..forge import llama
     from ..forge.gguf_model import dequantised_model
+    from ..forge.quant import QuantHook
     from ..model_file import ModelConfig
     from ..vk import KvArena
     from ..vk.forward import DeviceForward, random_weights
     cfg = ModelConfig("llama", 2, 96, 6, 2, 32, 160, 10000.0, 32, 1e-5, 300, 64, False)
     weights, tokens = random_weights(cfg, rng, "q4_1", embedding="q8_0"), rng.integers(0, cfg.vocab, 10)
-
-    class HeldF16(llama.KVHook):
-        def __call__(self, layer, k, v):
-            return R.held_rows(k, "f16"), R.held_rows(v, "f16")
 
     arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(tokens), device=dev, cache="f16")
     t0 = time.perf_counter()
@@ -212,7 +209,7 @@ def _forward_row(dev, rng) -> dict:
         guards = not arena.layout.guard_breaches(arena.layer_words)
     finally:
         arena.free()
-    want = llama.token_nll(tokens, HeldF16(), model=dequantised_model(weights))
+    want = llama.token_nll(tokens, QuantHook("f16"), model=dequantised_model(weights))
     diff = float(np.abs(np.array(got) - want).max())
     return dict(op="device forward (fwd_*), f16 cache", shape="2 layers, hidden 96, 6/2 heads × 32, Q4_1",
                 metric="nll_abs", nmse=diff, max_abs=diff, nan_inf_match=bool(np.isfinite(got).all()),

@@ -89,9 +89,10 @@ def _append_step_extents(p, s):
     for key in ("k", "v"):  # a source row: the stored words, or head_dim floats converted on the device
         fmt, words = p[f"{key}_format"], p[f"{key}_row_words"]
         hd = p["head_dim"]
-        converted = {APPEND_FORMATS["words"]: words, APPEND_FORMATS["f16"]: hd // 2 if hd % 2 == 0 else None,
-                     APPEND_FORMATS["q8_0"]: L.q8_scale_words(hd) + hd // 4 if hd and hd % L.Q8_BLOCK == 0 else None}
-        if converted.get(fmt) != words:  # an unknown format, or rows that are not head_dim's words
+        fits = {"words": True, "f16": hd % 2 == 0, "q8_0": hd > 0 and hd % L.Q8_BLOCK == 0}
+        name = next((n for n, f in APPEND_FORMATS.items() if f == fmt), None)
+        stored = words if name == "words" else L.row_words(hd, 0, 0, rows=name) if name and fits[name] else None
+        if stored != words:  # an unknown format, or rows that are not head_dim's words
             raise E.DispatchError(f"append_step: push constants {p} are inconsistent")
         src_words[key] = words if fmt == APPEND_FORMATS["words"] else p["head_dim"]
     k_n, v_n = n_seqs * n_kv * src_words["k"], n_seqs * n_kv * src_words["v"]

@@ -4,6 +4,7 @@ shader_build and SHADERS, and loadable without the package (setup.py's path)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -107,3 +108,23 @@ def test_a_variant_whose_wing_is_not_registered_is_a_typed_error(monkeypatch):
         shaders.spec("no_such_variant")
     with pytest.raises(ValueError, match="undeclared"):
         shaders.register({"no_such_variant": lambda p, s: []})
+
+
+def _glsl_defines(source: str, prefix: str) -> dict:
+    """The ``#define PREFIXNAME Nu`` constants of a shader source, by NAME."""
+    text = (ROOT / "shaders" / source).read_text()
+    return {m[1].lower(): int(m[2]) for m in re.finditer(rf"^#define {prefix}(\w+) (\d+)u", text, re.M)}
+
+
+def test_glsl_constants_are_their_python_twins():
+    """The constants a shader and its Python side both name — append_step's source formats,
+    weights.glsl's weight formats and block sizes, matvec.glsl's x modes — agree."""
+    from kvdict_vk import rows as R
+    from kvdict_vk.vk.forward import specs as fwd_specs
+    from kvdict_vk.vk.forward import weights as W
+    assert _glsl_defines("append_step.comp", "FORMAT_") == R.APPEND_FORMATS
+    assert _glsl_defines("weights.glsl", "W_") == W.FORMATS
+    assert _glsl_defines("matvec.glsl", "X_") == fwd_specs.X_MODES
+    text = (ROOT / "shaders" / "weights.glsl").read_text()
+    m = re.search(r"BLOCK_WORDS = FORMAT == W_F32 \? (\d+)u : \(FORMAT == W_Q4_1 \? (\d+)u : (\d+)u\)", text)
+    assert m and tuple(map(int, m.groups())) == tuple(W.BLOCK_WORDS[f] for f in ("f32", "q4_1", "q8_0"))

@@ -37,6 +37,7 @@ import numpy as np
 
 from ... import codec
 from ... import errors as E
+from ... import layout as L
 from ... import rows as R
 from ..device import kp
 from ..attend.ops import PassBuilder, Placement
@@ -303,7 +304,7 @@ def _append_units(st, head_dim: int, rows: int) -> int:
     """append_step's units (its workgroups' share) of a stream's ``rows`` rows: a pair of
     q8_0 blocks each, or WG_SIZE words."""
     if R.append_format(st) == "q8_0":
-        return rows * -(-(head_dim // 32) // 2)
+        return rows * -(-(head_dim // L.Q8_BLOCK) // 2)
     return -(-rows * st.row_words // WG_SIZE)
 
 
