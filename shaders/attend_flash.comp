@@ -220,18 +220,21 @@ void half_unit(uvec4 a, out vec4 lo, out vec4 hi) {
     hi = vec4(unpackHalf2x16(a.z), unpackHalf2x16(a.w));
 }
 
-// The unit's 8 elements as two vec4s.
-void unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
+// The unit's 8 elements as two vec4s, and the factor they stand for: q8_0's block scale d (the
+// values are its int8 levels: the scale multiplies a head's partial score and its probability,
+// once a token, not each element), 1 otherwise.
+float unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
     if (ROW_Q8 > 0u) {
-        float d = unpackHalf2x16(a.z)[(unit / 4u) % 2u];  // 4 units a block of 32
-        lo = int8x4(a.x) * d;
-        hi = int8x4(a.y) * d;
+        lo = int8x4(a.x);
+        hi = int8x4(a.y);
+        return unpackHalf2x16(a.z)[(unit / 4u) % 2u];  // 4 units a block of 32
     } else if (ROW_HALF > 0u) {
         half_unit(a, lo, hi);
     } else {
         lo = uintBitsToFloat(a);
         hi = uintBitsToFloat(b);
     }
+    return 1.0;
 }
 
 #if KIVI
@@ -289,11 +292,12 @@ vec4 acc_lo[MAX_G], acc_hi[MAX_G];
 
 // One token of the invocation's token lane (``live``: within the split; every lane of the
 // subgroup calls it, live or not — its shuffles and barriers need them all): its unit of the
-// key and value decoded, its scores summed over the token's lanes, the softmax step, p·v.
-void take_token(vec4 k_lo, vec4 k_hi, vec4 v_lo, vec4 v_hi, bool live) {
+// key and value decoded (k_scale · k, v_scale · v: unit_values' factors), its scores summed over
+// the token's lanes, the softmax step, p·v.
+void take_token(vec4 k_lo, vec4 k_hi, float k_scale, vec4 v_lo, vec4 v_hi, float v_scale, bool live) {
     float s[MAX_G];
     [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-        s[h] = dot(k_lo, q_lo[h]) + dot(k_hi, q_hi[h]);
+        s[h] = (dot(k_lo, q_lo[h]) + dot(k_hi, q_hi[h])) * k_scale;
     // the token's scores: its lanes' partial scores summed (the same in each lane)
 #if SUBGROUP
     if (SCATTERED) {
@@ -349,7 +353,7 @@ void take_token(vec4 k_lo, vec4 k_hi, vec4 v_lo, vec4 v_hi, bool live) {
             }
             [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
                 if (h < GROUP) {
-                    float p = uintBitsToFloat(got[h]);
+                    float p = uintBitsToFloat(got[h]) * v_scale;
                     acc_lo[h] += p * v_lo;
                     acc_hi[h] += p * v_hi;
                 }
@@ -388,8 +392,8 @@ void take_token(vec4 k_lo, vec4 k_hi, vec4 v_lo, vec4 v_hi, bool live) {
                 }
                 float p = exp(s[h] - m[h]);
                 l[h] += p;
-                acc_lo[h] += p * v_lo;
-                acc_hi[h] += p * v_hi;
+                acc_lo[h] += (p * v_scale) * v_lo;
+                acc_hi[h] += (p * v_scale) * v_hi;
             }
         }
     }
@@ -465,8 +469,8 @@ void main() {
                 kivi_unit_x(kc[b], kivi_unit_bit(unit, K_BITS), K_BITS, k_lo, k_hi);
                 vec2 sv = kivi_fold(vc[b].x, V_BITS);
                 kivi_unit_x(vc[b].yzw, kivi_unit_bit(unit, V_BITS), V_BITS, v_lo, v_hi);
-                take_token(k_lo * ks_lo + kb_lo, k_hi * ks_hi + kb_hi, v_lo * sv.x + sv.y, v_hi * sv.x + sv.y,
-                           TOKEN_OF(r0, b) < q_rel);
+                take_token(k_lo * ks_lo + kb_lo, k_hi * ks_hi + kb_hi, 1.0, v_lo * sv.x + sv.y, v_hi * sv.x + sv.y,
+                           1.0, TOKEN_OF(r0, b) < q_rel);
             }
         }
         // (from the round holding q_rel; none where every token is quantised)
@@ -479,7 +483,7 @@ void main() {
                           k_lo, k_hi);
                 half_unit(cache_quads[(kivi_window_row(pc.v_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
                           v_lo, v_hi);
-                take_token(k_lo, k_hi, v_lo, v_hi, t >= q_rel && t < n_tok);
+                take_token(k_lo, k_hi, 1.0, v_lo, v_hi, 1.0, t >= q_rel && t < n_tok);
             }
         }
 #else
@@ -492,15 +496,16 @@ void main() {
             LOAD_ROUND(0u);
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
             vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
+            float k_scale[TB], v_scale[TB];
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                unit_values(ka[b], kb[b], unit, k_lo[b], k_hi[b]);
-                unit_values(va[b], vb[b], unit, v_lo[b], v_hi[b]);
+                k_scale[b] = unit_values(ka[b], kb[b], unit, k_lo[b], k_hi[b]);
+                v_scale[b] = unit_values(va[b], vb[b], unit, v_lo[b], v_hi[b]);
             }
             uint next = r0 + TLANES * TB;
             if (PREFETCH && next < n_tok)
                 LOAD_ROUND(next);
             [[unroll]] for (uint b = 0u; b < TB; ++b)
-                take_token(k_lo[b], k_hi[b], v_lo[b], v_hi[b], TOKEN_OF(r0, b) < n_tok);
+                take_token(k_lo[b], k_hi[b], k_scale[b], v_lo[b], v_hi[b], v_scale[b], TOKEN_OF(r0, b) < n_tok);
             if (!(PREFETCH) && next < n_tok)
                 LOAD_ROUND(next);
         }

@@ -31,9 +31,10 @@
 uint grid_stride() { return gl_NumWorkGroups.x * WG_SIZE; }
 
 // --- q8_0 rows (docs/ARENA.md, kvdict_vk.layout.q8_0_words) ------------------------------------
-// The four int8 values of a word (element 4k in the low byte), as floats: bitfieldExtract of
-// a signed int sign-extends. INT8_BY_BITS (a build-time knob for probes): without an
-// int→float conversion — each byte + 128 in the mantissa of 2^23, minus 2^23 + 128 (exact).
+// The four int8 values of a word (element 4k in the low byte), as floats, exact either way:
+// bitfieldExtract of a signed int sign-extends, then converts. INT8_BY_BITS 1 (a build-time
+// knob for probes): without an int→float conversion — each byte + 128 in the mantissa of 2^23,
+// minus 2^23 + 128 (slower in attend_flash on an H100: lab/NOTEBOOK.md).
 #ifndef INT8_BY_BITS
 #define INT8_BY_BITS 0
 #endif

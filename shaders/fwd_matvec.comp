@@ -4,6 +4,14 @@
 // (x' = SwiGLU of the gate and up, added to the residual) and the LM head (x' the final norm).
 // W in any of weights.glsl's formats. (kvdict_vk.vk.forward.)
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
+#ifndef SUBGROUP
+#define SUBGROUP 0
+#endif
+#if SUBGROUP
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#endif
 #include "common.glsl"
 
 layout(local_size_x = WG_SIZE) in;
@@ -26,8 +34,8 @@ layout(push_constant) uniform MatvecPush {
 } pc;
 
 void main() {
-    uint lid = gl_LocalInvocationID.x;
-    float scale = x_scale(pc.x_word, pc.n_cols, pc.eps);
+    uint lid = row_lid();
+    float scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
     for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < pc.n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
         uint r = r0 + lid / ROW_THREADS;
         bool valid = r < pc.n_rows;

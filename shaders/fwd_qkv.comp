@@ -8,6 +8,14 @@
 // The queries go to y_word of Y (a decode step's query block), the keys and values to k_word and
 // v_word of Rows (its source rows). ROW_THREADS ≤ WG_SIZE / 2: a pair's rows in one workgroup.
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
+#ifndef SUBGROUP
+#define SUBGROUP 0
+#endif
+#if SUBGROUP
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#endif
 #include "common.glsl"
 
 layout(local_size_x = WG_SIZE) in;
@@ -41,9 +49,9 @@ layout(push_constant) uniform QkvPush {
 shared float row_vals[ROWS];
 
 void main() {
-    uint lid = gl_LocalInvocationID.x, slot = lid / ROW_THREADS;
+    uint lid = row_lid(), slot = lid / ROW_THREADS;
     uint n_rows = pc.q_rows + 2u * pc.k_rows;
-    float scale = x_scale(pc.x_word, pc.n_cols, pc.eps);
+    float scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
     uint p = min(value_words[pc.pos_word], pc.n_pos - 1u);
     for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
         uint r = r0 + slot;

@@ -1,13 +1,19 @@
 // The rows of y = W x that fwd_matvec.comp and fwd_qkv.comp compute: ROW_THREADS invocations
 // a row, ROWS rows a workgroup at a time; an invocation sums chunks of 8 columns, the row's
-// invocations add theirs in shared memory (none where ROW_THREADS is 1: a CPU driver's SIMD
-// lanes take a row each). x may be transformed as it is read (X_MODE), so a norm or the MLP's
-// gate needs no dispatch of its own:
+// invocations add theirs (none where ROW_THREADS is 1: a CPU driver's SIMD lanes take a row
+// each). x may be transformed as it is read (X_MODE), so a norm or the MLP's gate needs no
+// dispatch of its own:
 //   X_PLAIN:    x;
-//   X_RMS_NORM: x · (1 / sqrt(mean(x²) + eps)) · w_norm (llama's RMSNorm, in the order
-//               kvdict_vk.forge.llama.rms_norm takes; w_norm float32 words in the weights);
+//   X_RMS_NORM: x · (1 / sqrt(mean(x²) + eps)) · w_norm (llama's RMSNorm; w_norm float32 words
+//               in the weights). The factor is common to a row's columns: x · w_norm is dotted
+//               and the row's sum scaled, so the sum of squares and the dots need no order;
 //   X_SWIGLU:   silu(g) · u = g / (1 + exp(-g)) · u, g at x_word, u n_cols words after it.
-// The including shader declares w_words[] (weights.glsl reads it) and x_vals[].
+// x' is made once a workgroup into shared memory where it fits (X_SHARED columns), not once a
+// row from memory. SUBGROUP 1 (the _sg builds, where the device has shuffles): a row's
+// invocations are neighbours in one subgroup (host-checked: ROW_THREADS ≤ its size) and add
+// by xor shuffles, and a workgroup sum is a word a subgroup; SUBGROUP 0: trees in shared memory.
+// The including shader enables the subgroup extensions and declares w_words[] (weights.glsl
+// reads it) and x_vals[].
 #include "weights.glsl"
 
 #define X_PLAIN 0u
@@ -17,12 +23,35 @@
 layout(constant_id = 1) const uint ROW_THREADS = 1u;  // a power of two ≤ WG_SIZE
 layout(constant_id = 2) const uint X_MODE = X_PLAIN;
 const uint ROWS = WG_SIZE / ROW_THREADS;
+const uint X_SHARED = 2048u;  // the most columns of x' kept in shared memory
+const uint X_PER = X_SHARED / WG_SIZE;  // of them an invocation stages
 
 shared float partial[WG_SIZE];
+shared vec4 x_sh[X_SHARED / 4u];
+
+// The invocation's place in the workgroup: with subgroups, a subgroup's invocations are
+// consecutive (a row's lanes in one subgroup).
+uint row_lid() {
+#if SUBGROUP
+    return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
+#else
+    return gl_LocalInvocationID.x;
+#endif
+}
 
 // The sum over the workgroup of each invocation's v (every invocation gets it).
 float workgroup_sum(float v) {
     uint lid = gl_LocalInvocationID.x;
+#if SUBGROUP
+    for (uint w = gl_SubgroupSize / 2u; w > 0u; w >>= 1u)
+        v += subgroupShuffleXor(v, w);
+    if (gl_SubgroupInvocationID == 0u)
+        partial[gl_SubgroupID] = v;
+    barrier();
+    float total = 0.0;
+    for (uint s = 0u; s < gl_NumSubgroups; ++s)
+        total += partial[s];
+#else
     partial[lid] = v;
     barrier();
     for (uint s = WG_SIZE / 2u; s > 0u; s >>= 1u) {
@@ -31,50 +60,89 @@ float workgroup_sum(float v) {
         barrier();
     }
     float total = partial[0];
+#endif
     barrier();
     return total;
 }
 
-// X_RMS_NORM's 1 / sqrt(mean(x²) + eps) over n floats at x_word (1 otherwise).
-float x_scale(uint x_word, uint n, float eps) {
-    if (X_MODE != X_RMS_NORM)
-        return 1.0;
-    float acc = 0.0;
-    for (uint i = gl_LocalInvocationID.x; i < n; i += WG_SIZE)
-        acc += x_vals[x_word + i] * x_vals[x_word + i];
-    return 1.0 / sqrt(workgroup_sum(acc) / float(n) + eps);
-}
-
-float x_at(uint x_word, uint i, uint n_cols, float scale, uint norm_word) {
+// Column i of x' (X_RMS_NORM: without the norm's factor).
+float x_at(uint x_word, uint i, uint n_cols, uint norm_word) {
     float x = x_vals[x_word + i];
     if (X_MODE == X_RMS_NORM)
-        return x * scale * uintBitsToFloat(w_words[norm_word + i]);
+        return x * uintBitsToFloat(w_words[norm_word + i]);
     if (X_MODE == X_SWIGLU)
         return x / (1.0 + exp(-x)) * x_vals[x_word + n_cols + i];
     return x;
 }
 
-// Row r's dot product with x (every invocation of the row calls it; the total comes back to
-// all of them). valid: whether r is a row at all (the others add zeros, and still reach the
-// barriers).
+// x' into x_sh where it fits, and the factor every row's sum takes: X_RMS_NORM's
+// 1 / sqrt(mean(x²) + eps) over the n_cols floats at x_word, 1 otherwise. Every invocation
+// calls it, once, before row_dot.
+float x_prepare(uint x_word, uint n_cols, float eps, uint norm_word) {
+    float sq = 0.0;
+    if (n_cols <= X_SHARED) {
+        // an invocation's columns lid + k · WG_SIZE: every load issued before any is used
+        // (a loop that waits on each in turn made the SwiGLU's staging the longest part)
+        float a[X_PER], b[X_PER];
+        [[unroll]] for (uint k = 0u; k < X_PER; ++k) {
+            uint i = min(gl_LocalInvocationID.x + k * WG_SIZE, n_cols - 1u);
+            a[k] = x_vals[x_word + i];
+            b[k] = X_MODE == X_RMS_NORM ? uintBitsToFloat(w_words[norm_word + i])
+                                        : (X_MODE == X_SWIGLU ? x_vals[x_word + n_cols + i] : 1.0);
+            if (k * WG_SIZE >= n_cols)
+                break;
+        }
+        [[unroll]] for (uint k = 0u; k < X_PER; ++k) {
+            uint i = gl_LocalInvocationID.x + k * WG_SIZE;
+            if (k * WG_SIZE >= n_cols)
+                break;
+            if (i < n_cols) {
+                float x = a[k];
+                sq += x * x;
+                x_sh[i >> 2u][i & 3u] = X_MODE == X_SWIGLU ? x / (1.0 + exp(-x)) * b[k] : x * b[k];
+            }
+        }
+    } else if (X_MODE == X_RMS_NORM) {
+        for (uint i = gl_LocalInvocationID.x; i < n_cols; i += WG_SIZE)
+            sq += x_vals[x_word + i] * x_vals[x_word + i];
+    }
+    if (X_MODE == X_RMS_NORM)  // its barriers make x_sh whole too
+        return 1.0 / sqrt(workgroup_sum(sq) / float(n_cols) + eps);
+    barrier();
+    return 1.0;
+}
+
+// Row r's dot product with x' times x_prepare's factor (every invocation of the row calls it;
+// the total comes back to all of them). valid: whether r is a row at all (the others add
+// zeros, and still reach the barriers and shuffles).
 float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float scale, uint norm_word) {
-    uint lid = gl_LocalInvocationID.x, lane = lid % ROW_THREADS;
+    uint lid = row_lid(), lane = lid % ROW_THREADS;
     float acc = 0.0;
     if (valid) {
         uint row_words = (n_cols / 32u) * BLOCK_WORDS;
         for (uint c = lane; c < n_cols / 8u; c += ROW_THREADS) {
-            vec4 lo, hi;
+            vec4 lo, hi, xl, xh;
             block_chunk(w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
-            uint e = 8u * c;
-            vec4 xl = vec4(x_at(x_word, e, n_cols, scale, norm_word), x_at(x_word, e + 1u, n_cols, scale, norm_word),
-                           x_at(x_word, e + 2u, n_cols, scale, norm_word), x_at(x_word, e + 3u, n_cols, scale, norm_word));
-            vec4 xh = vec4(x_at(x_word, e + 4u, n_cols, scale, norm_word), x_at(x_word, e + 5u, n_cols, scale, norm_word),
-                           x_at(x_word, e + 6u, n_cols, scale, norm_word), x_at(x_word, e + 7u, n_cols, scale, norm_word));
+            if (n_cols <= X_SHARED) {
+                xl = x_sh[2u * c];
+                xh = x_sh[2u * c + 1u];
+            } else {
+                uint e = 8u * c;
+                xl = vec4(x_at(x_word, e, n_cols, norm_word), x_at(x_word, e + 1u, n_cols, norm_word),
+                          x_at(x_word, e + 2u, n_cols, norm_word), x_at(x_word, e + 3u, n_cols, norm_word));
+                xh = vec4(x_at(x_word, e + 4u, n_cols, norm_word), x_at(x_word, e + 5u, n_cols, norm_word),
+                          x_at(x_word, e + 6u, n_cols, norm_word), x_at(x_word, e + 7u, n_cols, norm_word));
+            }
             acc += dot(lo, xl) + dot(hi, xh);
         }
     }
     if (ROW_THREADS == 1u)
-        return acc;
+        return acc * scale;
+#if SUBGROUP
+    for (uint w = ROW_THREADS / 2u; w > 0u; w >>= 1u)
+        acc += subgroupShuffleXor(acc, w);
+    return acc * scale;
+#else
     partial[lid] = acc;
     barrier();
     for (uint s = ROW_THREADS / 2u; s > 0u; s >>= 1u) {
@@ -84,5 +152,6 @@ float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float s
     }
     float total = partial[lid - lane];
     barrier();  // read before the next rows overwrite it
-    return total;
+    return total * scale;
+#endif
 }

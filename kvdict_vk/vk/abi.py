@@ -277,6 +277,12 @@ def _declare() -> tuple:
         Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH, *matvec_spec),
         Variant("fwd_qkv", "fwd_qkv.comp", (), (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values")),
                 QKV_PUSH, *matvec_spec),
+        # the same, a row's lanes added by subgroup shuffles (GPUs that have them)
+        Variant("fwd_matvec_sg", "fwd_matvec.comp", (("SUBGROUP", 1),), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH,
+                *matvec_spec, subgroup_ops=_SG),
+        Variant("fwd_qkv_sg", "fwd_qkv.comp", (("SUBGROUP", 1),),
+                (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values")), QKV_PUSH, *matvec_spec,
+                subgroup_ops=_SG),
         Variant("fwd_embed", "fwd_embed.comp", (), (ro("Weights"), ro("Values"), rw("State")), EMBED_PUSH,
                 ("FORMAT",), (("FORMAT", 0),)),
         Variant("fwd_argmax", "fwd_argmax.comp", (), (ro("X"), rw("Partial"), rw("State")), ARGMAX_PUSH),

@@ -1,13 +1,15 @@
 """Where a device forward's GPU time goes, and fwd_matvec's invocations a row.
 
 Random weights of SmolLM2-135M's shapes (Q4_1 matrices, a Q8_0 embedding: the GGUF's formats),
-an arena filled to ``--depth`` tokens. For each ``--row-threads`` value, a DeviceForward's GPU
-time per token (median over ``--tokens``); then, at the best, one token recorded with a
-timestamp after every op, summed by DeviceForward.op_labels (embedding, qkv, rope, append +
-attention, o, mlp, norms, lm head, argmax).
+an arena filled to ``--depth`` tokens. For each ``--row-threads`` value and each of
+``--subgroups`` (1: the matvecs' _sg builds where they fit, 0: their shared-memory trees), a
+DeviceForward's GPU time per token (median over ``--tokens``, after WARM_TOKENS of warm-up);
+then, at the best, one token recorded with a timestamp after every op, summed by
+DeviceForward.op_labels (embedding, qkv, rope, append + attention, o, mlp, norms, lm head, argmax).
+With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the same for that build.
 
     python lab/probes/forward_profile.py [--depth 1024] [--cache f16] [--row-threads 4,8,16,32,64]
-        [--tokens 10] [--out lab/results/<device>/forward_profile.json]
+        [--subgroups 1,0] [--tokens 10] [--label NAME] [--out lab/results/<device>/forward_profile.json]
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+WARM_TOKENS = 300
 
 
 def main(argv=None) -> None:
@@ -30,31 +34,44 @@ def main(argv=None) -> None:
     ap.add_argument("--depth", type=int, default=1024)
     ap.add_argument("--cache", default="f16")
     ap.add_argument("--row-threads", default="4,8,16,32,64")
+    ap.add_argument("--subgroups", default="1,0")
     ap.add_argument("--tokens", type=int, default=10)
+    ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     dev = get_device(None)
     cfg = smollm2_shapes()
     weights = random_weights(cfg, np.random.default_rng(0), "q4_1", embedding="q8_0")
-    arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, a.depth + 20 * (a.tokens + 4), device=dev,
-                    cache=a.cache)
+    configs = len(a.row_threads.split(",")) * len(a.subgroups.split(","))
+    arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, a.depth + (configs + 1) * (WARM_TOKENS + a.tokens + 4),
+                    device=dev, cache=a.cache)
     _fill(arena, np.random.default_rng(1), a.depth)
-    out = {"device": dev.name, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {}, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    out = {"device": dev.name, "label": a.label, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
+           "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python lab/probes/forward_profile.py " + " ".join(argv or [])}
     best = None
     for rt in (int(x) for x in a.row_threads.split(",")):
-        f = DeviceForward(weights, arena, timestamps=True, row_threads=rt, n_plan=arena.memory.seq_ctx)
-        gpu = []
-        for i in range(a.tokens + 2):
-            f.run(1)
-            if i >= 2:
+        for sg in (bool(int(x)) for x in a.subgroups.split(",")):
+            try:
+                f = DeviceForward(weights, arena, timestamps=True, row_threads=rt, subgroups=sg,
+                                  n_plan=arena.memory.seq_ctx)
+            except Exception as e:  # noqa: BLE001 (a probe: a build without the _sg variants, a row too wide)
+                print(f"row_threads {rt:2d} subgroups {int(sg)}: {e}")
+                continue
+            gpu = []
+            for _ in range(WARM_TOKENS):  # the clocks up from idle first
+                f.run(1)
+            for _ in range(a.tokens):
+                f.run(1)
                 gpu.append(f.gpu_seconds())
-        f.free()
-        us = 1e6 * float(np.median(gpu))
-        out["row_threads_gpu_us"][rt] = us
-        print(f"row_threads {rt:2d}: GPU {us:8.1f} µs a token")
-        best = rt if best is None or us < out["row_threads_gpu_us"][best] else best
-    f = DeviceForward(weights, arena, row_threads=best)
+            f.free()
+            us = 1e6 * float(np.median(gpu))
+            key = f"{rt}{'_sg' if sg else ''}"
+            out["row_threads_gpu_us"][key] = us
+            print(f"row_threads {key:5s}: GPU {us:8.1f} µs a token")
+            best = (rt, sg) if best is None or us < out["row_threads_gpu_us"][f"{best[0]}{'_sg' if best[1] else ''}"] \
+                else best
+    f = DeviceForward(weights, arena, row_threads=best[0], subgroups=best[1])
     ops = f._ops()  # noqa: SLF001 (a probe: the same ops, recorded with a timestamp after each)
     rec = Recording(dev, ops, timestamps="ops")
     f.step.stage_lengths()

@@ -27,6 +27,12 @@ ROW_VARIANTS = ("attend_flash", "attend_flash_sg")
 KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "8u"}),
          "nohalves": (KIVI_VARIANTS, {"LEVELS_BY_HALVES": "0"}),
          "int8bits": (ROW_VARIANTS, {"INT8_BY_BITS": "1"})}
+# label → (the variants, how they were built): builds made by hand into --spv/<label>, not by --build.
+# "before": attend_flash's four row builds at ce49b03, q8_0 levels converted by int→float and
+# scaled element by element (INT8_BY_BITS 0, no folded scales), e.g.
+#   git worktree add /tmp/old ce49b03 && (cd /tmp/old && python -m kvdict_vk.vk.shader_build) &&
+#   cp /tmp/old/kvdict_vk/spv/attend_flash{,_sg,_wide,_wide_sg}.spv lab/spv_probe/before/
+PREBUILT = {"before": (ROW_VARIANTS + ("attend_flash_wide", "attend_flash_wide_sg"), "ce49b03")}
 SHAPES = ((8, 4, 64), (8, 4, 128), (3, 3, 64))
 FLUSH = 128 << 20
 
@@ -126,7 +132,7 @@ def main(argv=None) -> None:
     if a.build:
         return build(a.build)
     if a.one:
-        rebuilt = KNOBS[a.one][0] if a.one in KNOBS else None
+        rebuilt = {**KNOBS, **PREBUILT}[a.one][0] if a.one in KNOBS or a.one in PREBUILT else None
         cache = None if rebuilt is None else ("kivi" if rebuilt == KIVI_VARIANTS else "q8_0")
         json.dump(measure(a.one, a.n_ctx, a.one == "shipped", cache), sys.stdout)
         return None

@@ -69,11 +69,11 @@ def _decode(forward: DeviceForward, tokens) -> tuple[np.ndarray, list]:
     return np.array(nll), picks
 
 
-def _small_model(rng, fmt: str, tied: bool) -> tuple:
+def _small_model(rng, fmt: str, tied: bool, ffn: int = 160) -> tuple:
     """A random 2-layer model: hidden 96 (three blocks), 6 query heads over 2 KV heads of 32,
     ffn 160, a vocabulary of 300; random norms (ones would hide a norm bug), and where
     ``fmt`` is "mixed" every layer matrix in another format."""
-    cfg = ModelConfig("llama", 2, 96, 6, 2, 32, 160, 10000.0, 32, 1e-5, 300, 64, tied)
+    cfg = ModelConfig("llama", 2, 96, 6, 2, 32, ffn, 10000.0, 32, 1e-5, 300, 64, tied)
     w = random_weights(cfg, rng, "q4_1" if fmt == "mixed" else fmt)
     norm = lambda: (0.5 + rng.random(cfg.hidden)).astype(np.float32)  # noqa: E731
     layers = []
@@ -86,16 +86,32 @@ def _small_model(rng, fmt: str, tied: bool) -> tuple:
     return dataclasses.replace(w, layers=tuple(layers), output_norm=norm())
 
 
-@pytest.mark.parametrize("fmt,cache,tied,row_threads", [
-    ("q4_1", "f32", True, 1), ("q4_1", "f16", False, 16), ("q8_0", "q8_0", True, 4), ("f32", "f16", True, 64),
-    ("mixed", "f32", False, 1)])
-def test_small_model_equals_the_numpy_forward(fmt, cache, tied, row_threads, make_arena):
+# subgroups: the matvecs' _sg builds (a row's lanes added by shuffles: every device the suite runs
+# on has them at subgroups of 8 or more), their shared-memory trees, or the device's choice
+@pytest.mark.parametrize("fmt,cache,tied,row_threads,subgroups", [
+    ("q4_1", "f32", True, 1, None), ("q4_1", "f16", False, 16, False), ("q8_0", "q8_0", True, 4, True),
+    ("q4_1", "f16", True, 8, True), ("f32", "f16", True, 64, None), ("mixed", "f32", False, 1, None),
+    ("mixed", "q8_0", False, 2, True)])
+def test_small_model_equals_the_numpy_forward(fmt, cache, tied, row_threads, subgroups, make_arena):
     rng = np.random.default_rng(60)
     w = _small_model(rng, fmt, tied)
+    _check_forward(w, cache, row_threads, subgroups, make_arena, rng)
+
+
+@pytest.mark.parametrize("row_threads,subgroups", [(1, None), (8, True), (16, False)])
+def test_a_wide_down_projection_reads_x_from_memory(row_threads, subgroups, make_arena):
+    """ffn past matvec.glsl's X_SHARED (2048 columns): the down projection reads its SwiGLU
+    from memory a row at a time, not from shared memory."""
+    rng = np.random.default_rng(62)
+    _check_forward(_small_model(rng, "q8_0", True, ffn=2080), "f32", row_threads, subgroups, make_arena, rng)
+
+
+def _check_forward(w, cache, row_threads, subgroups, make_arena, rng):
     cfg = w.config
     tokens = rng.integers(0, cfg.vocab, 12)
     arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 40, cache=cache)
-    forward = DeviceForward(w, arena, logits=True, row_threads=row_threads)
+    forward = DeviceForward(w, arena, logits=True, row_threads=row_threads, subgroups=subgroups)
+    assert forward.subgroups == bool(subgroups)  # None here: 1 or 64 invocations a row, no shuffles
     got, _ = _decode(forward, tokens)
     ref = CacheAsHeld(arena, cache)
     want = llama.token_nll(tokens, ref, model=dequantised_model(w))
@@ -172,6 +188,10 @@ def test_bad_input_and_refusals(make_arena, activate):
         DeviceForward(w, other)
     with pytest.raises(E.ShapeError):
         DeviceForward(w, make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8, cache="f16"), row_threads=3)
+    for lone in (1, 64):  # a row of one invocation, a row wider than any subgroup: no shuffles to add by
+        with pytest.raises(E.DispatchError, match="shuffles"):
+            DeviceForward(w, make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8, cache="f16"), row_threads=lone,
+                          subgroups=True)
     with pytest.raises(E.ArenaError, match="logits"):
         DeviceForward(w, make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8, cache="f16")).logits()
     activate(random_artifact(rng, cfg.head_dim, 64, [((4, 4), (4, 4))] * cfg.n_layers, n_heads=cfg.n_kv_heads))

@@ -47,10 +47,13 @@ class DeviceForward:
     read the logits back each run (:meth:`logits`); ``timestamps``: GPU time of each run
     (:meth:`gpu_seconds`); ``n_plan``: the length the attention's launch shape is planned at
     (default: the arena's capacity); ``row_threads``: fwd_matvec's invocations a row (a power of
-    two ≤ 64; default: 1 on a CPU driver, MATVEC_ROW_THREADS on a GPU). Freed by :meth:`free`."""
+    two ≤ 64; default: 1 on a CPU driver, MATVEC_ROW_THREADS on a GPU); ``subgroups``: whether
+    a row's invocations add by subgroup shuffles (the _sg builds; None: where the device has
+    them and a row fits in a subgroup; True where it cannot is a DispatchError). Freed by
+    :meth:`free`."""
 
     def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
-                 n_plan: int | None = None, row_threads: int | None = None):
+                 n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None):
         cfg, lay = weights.config, arena.layout
         if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
             raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
@@ -69,6 +72,12 @@ class DeviceForward:
         if row_threads not in (1, 2, 4, 8, 16, 32, 64):
             raise E.ShapeError(f"row_threads must be a power of two up to 64, got {row_threads!r}")
         self._row_threads = row_threads
+        size = self.device.shuffle_subgroup_size()
+        fits = 1 < row_threads <= size and WG_SIZE % size == 0 if size else False
+        if subgroups and not fits:
+            raise E.DispatchError(f"{self.device.name}: a matvec row's {row_threads} invocations cannot add by "
+                                  f"subgroup shuffles (subgroup size {size or 'none'} with shuffles)")
+        self.subgroups = fits if subgroups is None else bool(subgroups)
         self._want_logits = bool(logits)
         self._buffers: list[Buffer] = []
         self._rec = None
@@ -151,9 +160,12 @@ class DeviceForward:
         """fwd_matvec: y[y_word + r] (+)= row r of m · x' (x' as matvec.glsl's ``x_mode`` reads x)."""
         n_rows, threads = m.n_rows, self._row_threads
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads, "X_MODE": X_MODES[x_mode]}
-        k = pipeline(self.device, "fwd_matvec", [wbuf, x, y], spec, max_items=self._matvec_items(n_rows))
+        k = pipeline(self.device, self._shader("fwd_matvec"), [wbuf, x, y], spec, max_items=self._matvec_items(n_rows))
         return k.op(w_word=w_word, x_word=x_word, y_word=y_word, n_rows=n_rows, n_cols=m.n_cols,
                     accumulate=int(accumulate), norm_word=norm_word, eps=self.config.rms_eps)
+
+    def _shader(self, name: str) -> str:
+        return f"{name}_sg" if self.subgroups else name
 
     def _matvec_items(self, n_rows: int) -> int:
         """Invocations of a matvec: a row's ROW_THREADS each, at most MATVEC_WORKGROUPS workgroups
@@ -214,7 +226,7 @@ class DeviceForward:
         rows, queries, _ = step.buffers
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": min(self._row_threads, WG_SIZE // 2),
                 "X_MODE": X_MODES["rms_norm"]}
-        k = pipeline(self.device, "fwd_qkv", [wbuf, self._state, queries, rows, self._table, self._values], spec,
+        k = pipeline(self.device, self._shader("fwd_qkv"), [wbuf, self._state, queries, rows, self._table, self._values], spec,
                      max_items=self._matvec_items(m.n_rows))
         return k.op(w_word=base + at["wqkv"], x_word=X_WORD, n_cols=m.n_cols, q_rows=cfg.n_heads * cfg.head_dim,
                     k_rows=cfg.n_kv_heads * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),

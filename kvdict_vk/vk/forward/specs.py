@@ -67,6 +67,7 @@ def _argmax(p, s):
     return x, [(0, 2 * p["parts"])], ([(p["out_word"], p["out_word"] + 1)] if p["stage"] == 1 else [])
 
 
-EXTENTS = {"fwd_matvec": _matvec, "fwd_qkv": _qkv, "fwd_embed": _embed, "fwd_argmax": _argmax}
+EXTENTS = {"fwd_matvec": _matvec, "fwd_matvec_sg": _matvec, "fwd_qkv": _qkv, "fwd_qkv_sg": _qkv,
+           "fwd_embed": _embed, "fwd_argmax": _argmax}
 
 shaders.register(EXTENTS)
