@@ -41,6 +41,15 @@
    which glslang builds them under): Debian 12's glslang cannot build
    GL_KHR_cooperative_matrix, and its validation layer (1.3.239) predates the KHR feature struct.
 
+5. **No barrier before every dispatch** (src/OpAlgoDispatch.cpp, OpTensorSync*.cpp,
+   OpTensorCopy.cpp): 0.9.0 records a transfer→compute buffer barrier on each of a dispatch's
+   tensors before it — three to six pipeline barriers a dispatch, which order nothing our
+   kernels need (compute→compute is OpComputeBarrier's, recorded where a kernel reads what
+   one before it wrote) and, on an H100, each made a dispatch wait for the one before. The
+   transfers record the barriers instead: a copy into a buffer waits for earlier dispatches'
+   use of it and is made visible to later dispatches; a copy out of one (or between two)
+   is finished before a later dispatch writes it.
+
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
 import sys
@@ -114,6 +123,55 @@ DEVICE_FEATURES = """    // kvdict_vk patch: the optional features kernel varian
 """
 
 # (file, anchor that must occur exactly once, replacement)
+_RW = "static_cast<vk::AccessFlagBits>(VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT)"
+_NONE = "static_cast<vk::AccessFlagBits>(0)"
+
+
+def _primary_barrier(tensor: str, src: str, dst: str, src_stage: str, dst_stage: str) -> str:
+    return (f"            {tensor}->recordPrimaryBufferMemoryBarrier(\n"
+            f"              commandBuffer, {src}, {dst},\n"
+            f"              vk::PipelineStageFlagBits::{src_stage}, vk::PipelineStageFlagBits::{dst_stage});\n")
+
+
+_TO_TRANSFER = ("eComputeShader", "eTransfer")
+_TO_COMPUTE = ("eTransfer", "eComputeShader")
+# item 5: the barrier before every dispatch out, the transfers' barriers in
+DISPATCH_EDITS = [
+    ("src/OpAlgoDispatch.cpp",
+     "    // Barrier to ensure the data is finished writing to buffer memory\n"
+     "    for (const std::shared_ptr<Tensor>& tensor :\n"
+     "         this->mAlgorithm->getTensors()) {\n"
+     "        tensor->recordPrimaryBufferMemoryBarrier(\n"
+     "          commandBuffer,\n"
+     "          vk::AccessFlagBits::eTransferWrite,\n"
+     "          vk::AccessFlagBits::eShaderRead,\n"
+     "          vk::PipelineStageFlagBits::eTransfer,\n"
+     "          vk::PipelineStageFlagBits::eComputeShader);\n"
+     "    }\n",
+     "    // kvdict_vk patch: no barrier before a dispatch; the transfers record theirs\n"),
+    ("src/OpTensorSyncDevice.cpp",
+     "            this->mTensors[i]->recordCopyFromStagingToDevice(commandBuffer);\n",
+     "            // kvdict_vk patch: after earlier dispatches' use, before later ones'\n"
+     + _primary_barrier("this->mTensors[i]", _RW, "vk::AccessFlagBits::eTransferWrite", *_TO_TRANSFER)
+     + "            this->mTensors[i]->recordCopyFromStagingToDevice(commandBuffer);\n"
+     + _primary_barrier("this->mTensors[i]", "vk::AccessFlagBits::eTransferWrite", _RW, *_TO_COMPUTE)),
+    ("src/OpTensorSyncLocal.cpp",
+     "            this->mTensors[i]->recordCopyFromDeviceToStaging(commandBuffer);\n",
+     "            this->mTensors[i]->recordCopyFromDeviceToStaging(commandBuffer);\n"
+     "            // kvdict_vk patch: read before a later dispatch writes it\n"
+     + _primary_barrier("this->mTensors[i]", _NONE, "vk::AccessFlagBits::eShaderWrite", *_TO_COMPUTE)),
+    ("src/OpTensorCopy.cpp",
+     "        this->mTensors[i]->recordCopyFrom(commandBuffer, this->mTensors[0]);\n    }\n",
+     "        this->mTensors[i]->recordCopyFrom(commandBuffer, this->mTensors[0]);\n"
+     "        // kvdict_vk patch: written before later dispatches use it\n"
+     + _primary_barrier("this->mTensors[i]", "vk::AccessFlagBits::eTransferWrite", _RW, *_TO_COMPUTE).replace(
+         "            ", "        ")
+     + "    }\n"
+     "    // kvdict_vk patch: read before a later dispatch writes it\n"
+     + _primary_barrier("this->mTensors[0]", _NONE, "vk::AccessFlagBits::eShaderWrite", *_TO_COMPUTE).replace(
+         "            ", "    ")),
+]
+
 SEQUENCE_EDITS = [
     ("src/include/kompute/Sequence.hpp",
      "    vk::Fence mFence;\n",
@@ -235,7 +293,7 @@ def main(src: str) -> int:
     _edit(bindings, BARRIER_ANCHOR, BARRIER + BARRIER_ANCHOR)
     _edit(root / "src" / "Manager.cpp", DEVICE_ANCHOR,
           DEVICE_FEATURES + DEVICE_ANCHOR + "    deviceCreateInfo.setPNext(&kvFeatures2);  // kvdict_vk patch\n")
-    for rel, anchor, replacement in SEQUENCE_EDITS:
+    for rel, anchor, replacement in SEQUENCE_EDITS + DISPATCH_EDITS:
         _edit(root / rel, anchor, replacement)
     return 0
 
