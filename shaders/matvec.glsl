@@ -8,8 +8,8 @@
 //               in the weights). The factor is common to a row's columns: x · w_norm is dotted
 //               and the row's sum scaled, so the sum of squares and the dots need no order;
 //   X_SWIGLU:   silu(g) · u = g / (1 + exp(-g)) · u, g at x_word, u n_cols words after it.
-// x' is made once a workgroup into shared memory where it fits (X_SHARED columns), not once a
-// row from memory. SUBGROUP 1 (the _sg builds, where the device has shuffles): a row's
+// The normed residual is made once a workgroup into shared memory where it fits (X_SHARED
+// columns); a plain x and the SwiGLU are read from memory row by row. SUBGROUP 1 (the _sg builds, where the device has shuffles): a row's
 // invocations are neighbours in one subgroup (host-checked: ROW_THREADS ≤ its size) and add
 // by xor shuffles, and a workgroup sum is a word a subgroup; SUBGROUP 0: trees in shared memory.
 // The including shader enables the subgroup extensions and declares w_words[] (weights.glsl
@@ -25,6 +25,9 @@ layout(constant_id = 2) const uint X_MODE = X_PLAIN;
 const uint ROWS = WG_SIZE / ROW_THREADS;
 const uint X_SHARED = 2048u;  // the most columns of x' kept in shared memory
 const uint X_PER = X_SHARED / WG_SIZE;  // of them an invocation stages
+// Whether x' is staged: the normed residual only (a plain x or the SwiGLU read straight from
+// memory row by row took less time on an H100: lab/NOTEBOOK.md)
+#define STAGED(n_cols) (X_MODE == X_RMS_NORM && (n_cols) <= X_SHARED)
 
 shared float partial[WG_SIZE];
 shared vec4 x_sh[X_SHARED / 4u];
@@ -75,20 +78,20 @@ float x_at(uint x_word, uint i, uint n_cols, uint norm_word) {
     return x;
 }
 
-// x' into x_sh where it fits, and the factor every row's sum takes: X_RMS_NORM's
-// 1 / sqrt(mean(x²) + eps) over the n_cols floats at x_word, 1 otherwise. Every invocation
-// calls it, once, before row_dot.
+// The factor every row's sum takes: X_RMS_NORM's 1 / sqrt(mean(x²) + eps) over the n_cols
+// floats at x_word (x · w_norm into x_sh where STAGED), 1 otherwise. Every invocation calls it,
+// once, before row_dot.
 float x_prepare(uint x_word, uint n_cols, float eps, uint norm_word) {
+    if (X_MODE != X_RMS_NORM)
+        return 1.0;  // nothing staged
     float sq = 0.0;
-    if (n_cols <= X_SHARED) {
+    if (STAGED(n_cols)) {
         // an invocation's columns lid + k · WG_SIZE: every load issued before any is used
-        // (a loop that waits on each in turn made the SwiGLU's staging the longest part)
-        float a[X_PER], b[X_PER];
+        float x[X_PER], w[X_PER];
         [[unroll]] for (uint k = 0u; k < X_PER; ++k) {
             uint i = min(gl_LocalInvocationID.x + k * WG_SIZE, n_cols - 1u);
-            a[k] = x_vals[x_word + i];
-            b[k] = X_MODE == X_RMS_NORM ? uintBitsToFloat(w_words[norm_word + i])
-                                        : (X_MODE == X_SWIGLU ? x_vals[x_word + n_cols + i] : 1.0);
+            x[k] = x_vals[x_word + i];
+            w[k] = uintBitsToFloat(w_words[norm_word + i]);
             if (k * WG_SIZE >= n_cols)
                 break;
         }
@@ -97,19 +100,15 @@ float x_prepare(uint x_word, uint n_cols, float eps, uint norm_word) {
             if (k * WG_SIZE >= n_cols)
                 break;
             if (i < n_cols) {
-                float x = a[k];
-                sq += x * x;
-                x_sh[i >> 2u][i & 3u] = X_MODE == X_SWIGLU ? x / (1.0 + exp(-x)) * b[k] : x * b[k];
+                sq += x[k] * x[k];
+                x_sh[i >> 2u][i & 3u] = x[k] * w[k];
             }
         }
-    } else if (X_MODE == X_RMS_NORM) {
+    } else {
         for (uint i = gl_LocalInvocationID.x; i < n_cols; i += WG_SIZE)
             sq += x_vals[x_word + i] * x_vals[x_word + i];
     }
-    if (X_MODE == X_RMS_NORM)  // its barriers make x_sh whole too
-        return 1.0 / sqrt(workgroup_sum(sq) / float(n_cols) + eps);
-    barrier();
-    return 1.0;
+    return 1.0 / sqrt(workgroup_sum(sq) / float(n_cols) + eps);  // its barriers make x_sh whole too
 }
 
 // Row r's dot product with x' times x_prepare's factor (every invocation of the row calls it;
@@ -123,7 +122,7 @@ float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float s
         for (uint c = lane; c < n_cols / 8u; c += ROW_THREADS) {
             vec4 lo, hi, xl, xh;
             block_chunk(w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
-            if (n_cols <= X_SHARED) {
+            if (STAGED(n_cols)) {
                 xl = x_sh[2u * c];
                 xh = x_sh[2u * c + 1u];
             } else {

@@ -69,11 +69,11 @@ def _decode(forward: DeviceForward, tokens) -> tuple[np.ndarray, list]:
     return np.array(nll), picks
 
 
-def _small_model(rng, fmt: str, tied: bool, ffn: int = 160) -> tuple:
+def _small_model(rng, fmt: str, tied: bool, hidden: int = 96) -> tuple:
     """A random 2-layer model: hidden 96 (three blocks), 6 query heads over 2 KV heads of 32,
     ffn 160, a vocabulary of 300; random norms (ones would hide a norm bug), and where
     ``fmt`` is "mixed" every layer matrix in another format."""
-    cfg = ModelConfig("llama", 2, 96, 6, 2, 32, ffn, 10000.0, 32, 1e-5, 300, 64, tied)
+    cfg = ModelConfig("llama", 2, hidden, 6, 2, 32, 160, 10000.0, 32, 1e-5, 300, 64, tied)
     w = random_weights(cfg, rng, "q4_1" if fmt == "mixed" else fmt)
     norm = lambda: (0.5 + rng.random(cfg.hidden)).astype(np.float32)  # noqa: E731
     layers = []
@@ -99,11 +99,11 @@ def test_small_model_equals_the_numpy_forward(fmt, cache, tied, row_threads, sub
 
 
 @pytest.mark.parametrize("row_threads,subgroups", [(1, None), (8, True), (16, False)])
-def test_a_wide_down_projection_reads_x_from_memory(row_threads, subgroups, make_arena):
-    """ffn past matvec.glsl's X_SHARED (2048 columns): the down projection reads its SwiGLU
-    from memory a row at a time, not from shared memory."""
+def test_a_wide_residual_is_normed_from_memory(row_threads, subgroups, make_arena):
+    """hidden past matvec.glsl's X_SHARED (2048 columns): Q/K/V, gate + up and the LM head read
+    the normed residual from memory a row at a time, not from shared memory."""
     rng = np.random.default_rng(62)
-    _check_forward(_small_model(rng, "q8_0", True, ffn=2080), "f32", row_threads, subgroups, make_arena, rng)
+    _check_forward(_small_model(rng, "q8_0", True, hidden=2080), "f32", row_threads, subgroups, make_arena, rng)
 
 
 def _check_forward(w, cache, row_threads, subgroups, make_arena, rng):
