@@ -50,7 +50,7 @@ def parse_args(argv=None):
     return common.parse(ap, argv)
 
 
-def _fill(arena, rng, n_tokens: int) -> None:
+def fill_random(arena, rng, n_tokens: int) -> None:
     """n_tokens random rows in every layer (the same rows: the times do not depend on them)."""
     lay = arena.layout
     chunk = 4096
@@ -68,7 +68,7 @@ def bench_case(dev, shape, cache: str, n_ctx: int, args, rng, progress) -> dict:
     capacity = n_ctx + 4 * (args.tokens + 2) + WARM_TOKENS
     arena = KvArena(n_layers, n_kv, hd, capacity, device=dev, cache=cache)
     try:
-        _fill(arena, rng, n_ctx)
+        fill_random(arena, rng, n_ctx)
         t = time.perf_counter()
         steps = {"recorded": arena.record_step(n_heads, timestamps=True),
                  "recorded_at_length": arena.record_step(n_heads, n_plan=n_ctx, timestamps=True),

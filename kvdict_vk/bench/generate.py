@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from . import common
-from .decode_step import _fill
+from .decode_step import fill_random
 
 NAME, TOOL = "generate", "kvdict_vk.bench.generate"
 REQUIRES = {"gguf": "gguf"}
@@ -79,7 +79,7 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
     arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, depth + args.tokens + WARM_TOKENS, device=dev,
                     cache=cache)
     try:
-        _fill(arena, np.random.default_rng(1), depth)
+        fill_random(arena, np.random.default_rng(1), depth)
         forward = DeviceForward(weights, arena, timestamps=True)
         token, t0, warm = 1, time.perf_counter(), 0
         while warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S):

@@ -25,7 +25,7 @@ WARM_TOKENS = 300
 
 
 def main(argv=None) -> None:
-    from kvdict_vk.bench.decode_step import _fill
+    from kvdict_vk.bench.decode_step import fill_random
     from kvdict_vk.bench.generate import smollm2_shapes
     from kvdict_vk.vk import KvArena, get_device
     from kvdict_vk.vk.forward import DeviceForward, random_weights
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     configs = len(a.row_threads.split(",")) * len(a.subgroups.split(","))
     arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, a.depth + (configs + 1) * (WARM_TOKENS + a.tokens + 4),
                     device=dev, cache=a.cache)
-    _fill(arena, np.random.default_rng(1), a.depth)
+    fill_random(arena, np.random.default_rng(1), a.depth)
     out = {"device": dev.name, "label": a.label, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python lab/probes/forward_profile.py " + " ".join(argv or [])}
