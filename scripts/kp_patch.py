@@ -127,10 +127,11 @@ _RW = "static_cast<vk::AccessFlagBits>(VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHA
 _NONE = "static_cast<vk::AccessFlagBits>(0)"
 
 
-def _primary_barrier(tensor: str, src: str, dst: str, src_stage: str, dst_stage: str) -> str:
-    return (f"            {tensor}->recordPrimaryBufferMemoryBarrier(\n"
-            f"              commandBuffer, {src}, {dst},\n"
-            f"              vk::PipelineStageFlagBits::{src_stage}, vk::PipelineStageFlagBits::{dst_stage});\n")
+def _primary_barrier(tensor: str, src: str, dst: str, src_stage: str, dst_stage: str, indent: int = 12) -> str:
+    pad = " " * indent
+    return (f"{pad}{tensor}->recordPrimaryBufferMemoryBarrier(\n"
+            f"{pad}  commandBuffer, {src}, {dst},\n"
+            f"{pad}  vk::PipelineStageFlagBits::{src_stage}, vk::PipelineStageFlagBits::{dst_stage});\n")
 
 
 _TO_TRANSFER = ("eComputeShader", "eTransfer")
@@ -164,12 +165,10 @@ DISPATCH_EDITS = [
      "        this->mTensors[i]->recordCopyFrom(commandBuffer, this->mTensors[0]);\n    }\n",
      "        this->mTensors[i]->recordCopyFrom(commandBuffer, this->mTensors[0]);\n"
      "        // kvdict_vk patch: written before later dispatches use it\n"
-     + _primary_barrier("this->mTensors[i]", "vk::AccessFlagBits::eTransferWrite", _RW, *_TO_COMPUTE).replace(
-         "            ", "        ")
+     + _primary_barrier("this->mTensors[i]", "vk::AccessFlagBits::eTransferWrite", _RW, *_TO_COMPUTE, indent=8)
      + "    }\n"
      "    // kvdict_vk patch: read before a later dispatch writes it\n"
-     + _primary_barrier("this->mTensors[0]", _NONE, "vk::AccessFlagBits::eShaderWrite", *_TO_COMPUTE).replace(
-         "            ", "    ")),
+     + _primary_barrier("this->mTensors[0]", _NONE, "vk::AccessFlagBits::eShaderWrite", *_TO_COMPUTE, indent=4)),
 ]
 
 SEQUENCE_EDITS = [

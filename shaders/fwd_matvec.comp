@@ -5,13 +5,6 @@
 // W in any of weights.glsl's formats. (kvdict_vk.vk.forward.)
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-#ifndef SUBGROUP
-#define SUBGROUP 0
-#endif
-#if SUBGROUP
-#extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_shuffle : require
-#endif
 #include "common.glsl"
 
 layout(local_size_x = WG_SIZE) in;

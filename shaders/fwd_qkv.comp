@@ -9,13 +9,6 @@
 // v_word of Rows (its source rows). ROW_THREADS ≤ WG_SIZE / 2: a pair's rows in one workgroup.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-#ifndef SUBGROUP
-#define SUBGROUP 0
-#endif
-#if SUBGROUP
-#extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_shuffle : require
-#endif
 #include "common.glsl"
 
 layout(local_size_x = WG_SIZE) in;

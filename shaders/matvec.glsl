@@ -12,8 +12,14 @@
 // columns); a plain x and the SwiGLU are read from memory row by row. SUBGROUP 1 (the _sg builds, where the device has shuffles): a row's
 // invocations are neighbours in one subgroup (host-checked: ROW_THREADS ≤ its size) and add
 // by xor shuffles, and a workgroup sum is a word a subgroup; SUBGROUP 0: trees in shared memory.
-// The including shader enables the subgroup extensions and declares w_words[] (weights.glsl
-// reads it) and x_vals[].
+// The including shader declares w_words[] (weights.glsl reads it) and x_vals[].
+#ifndef SUBGROUP
+#define SUBGROUP 0
+#endif
+#if SUBGROUP
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#endif
 #include "weights.glsl"
 
 #define X_PLAIN 0u

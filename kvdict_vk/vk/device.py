@@ -115,6 +115,13 @@ class Device:
         ok = {"basic", "shuffle"} <= set(self.subgroup_operations())
         return self.info.limits.get("subgroup_size", 0) if ok else 0
 
+    def shuffles_fit(self, lanes: int, local: int) -> bool:
+        """Whether ``lanes`` neighbouring invocations of a ``local``-invocation workgroup can add
+        by subgroup shuffles: a power of two within one subgroup, the workgroup whole subgroups."""
+        size = self.shuffle_subgroup_size()
+        pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+        return pow2(lanes) and pow2(size) and lanes <= size and local % size == 0
+
     @contextlib.contextmanager
     def guard(self, what: str):
         """Turn whatever Kompute raises (RuntimeError from Vulkan-Hpp, …) into a

@@ -69,9 +69,9 @@ def main(argv=None) -> None:
             key = f"{rt}{'_sg' if sg else ''}"
             out["row_threads_gpu_us"][key] = us
             print(f"row_threads {key:5s}: GPU {us:8.1f} µs a token")
-            best = (rt, sg) if best is None or us < out["row_threads_gpu_us"][f"{best[0]}{'_sg' if best[1] else ''}"] \
-                else best
-    f = DeviceForward(weights, arena, row_threads=best[0], subgroups=best[1])
+            if best is None or us < best[0]:
+                best = (us, rt, sg, key)
+    f = DeviceForward(weights, arena, row_threads=best[1], subgroups=best[2])
     ops = f._ops()  # noqa: SLF001 (a probe: the same ops, recorded with a timestamp after each)
     rec = Recording(dev, ops, timestamps="ops")
     f.step.stage_lengths()
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     by = defaultdict(float)
     for i, label in enumerate(f.op_labels):
         by[label] += ticks_to_seconds(dev, ts[i], ts[i + 1])
-    out["best_row_threads"] = best
+    out["best_row_threads"] = best[3]
     out["profile_us"] = {k: 1e6 * v for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
     for k, v in out["profile_us"].items():
         print(f"  {k:20s} {v:9.1f} µs")

@@ -194,7 +194,7 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     both shaders (attend_direct, and attend_flash — the GPUs' default), attend_flash in both
     variants: partial scores summed by subgroup shuffles where the device's subgroups hold a
     token's lanes (attend_flash_sg), and through shared memory ("flash-shared", everywhere)."""
-    from kvdict_vk.vk.attend.specs import flash_subgroup_fits, flash_units
+    from kvdict_vk.vk.attend.specs import flash_units
     rng = np.random.default_rng(hd * 1000 + g)
     arena, stored = _filled_arena(make_arena, None, rng, hd, n_kv, n_ctx, None, cache)
     att = arena.attention(n_kv * g)
@@ -204,7 +204,7 @@ def test_uncoded_cache_attention_equals_reference(hd, g, n_kv, n_ctx, cache, pat
     assert att.plan(0, n_ctx).path == att.path
     if att.path == "flash":
         local = att.plan(0, n_ctx).local
-        fits = flash_subgroup_fits(flash_units(hd), local, arena.device.shuffle_subgroup_size())
+        fits = arena.device.shuffles_fit(flash_units(hd), local)
         shader = "attend_flash_wide" if "wide" in path else "attend_flash"
         assert att.shapes.flash_variant(local, shader) == (f"{shader}_sg" if fits and not path.endswith("-shared") else shader)
     q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)

@@ -304,7 +304,7 @@ def _append_units(st, head_dim: int, rows: int) -> int:
     """append_step's units (its workgroups' share) of a stream's ``rows`` rows: a pair of
     q8_0 blocks each, or WG_SIZE words."""
     if R.append_format(st) == "q8_0":
-        return rows * -(-(head_dim // L.Q8_BLOCK) // 2)
+        return rows * L.q8_scale_words(head_dim)  # a pair of blocks shares a scale word
     return -(-rows * st.row_words // WG_SIZE)
 
 

@@ -17,7 +17,7 @@ from . import plan as P
 from . import tune as T
 from .specs import (FLASH_END_ELEMS, FLASH_FLOAT_END_ELEMS, FLASH_MAX_GROUP, MMA_HEAD_COLUMNS, MMA_KIVI_BITS,
                     MMA_LOCALS, MMA_MAX_HEAD_DIM, MMA_SUBGROUP, flash_coded_bucket, flash_round_tokens,
-                    flash_shared_bytes, flash_subgroup_fits, flash_units, mma_shared_bytes)
+                    flash_shared_bytes, flash_units, mma_shared_bytes)
 from ..abi import DECLARATIONS
 from .tune import FLASH_CODED_LOCALS, FLASH_LOCALS  # the launch sizes live with the tuner
 
@@ -193,14 +193,14 @@ class FlashShapes:
         """The SPIR-V of ``shader`` — attend_flash, its wide end or its KIVI build, spreading a token over
         flash_units(head_dim) invocations — at ``local`` invocations: its _sg
         build where the device's subgroups can sum a token's partial scores
-        (attend_specs.flash_subgroup_fits) and ``subgroups`` allows, else the plain one
+        (Device.shuffles_fit: a token's units) and ``subgroups`` allows, else the plain one
         (shared memory, no optional feature). Derived once per (shader, size, setting):
         planning asks on every step."""
         if shader.startswith("attend_mma"):
             return shader  # subgroups always (mma_locals)
 
         def derive() -> str:
-            fits = flash_subgroup_fits(flash_units(self.layout.head_dim), local, self.device.shuffle_subgroup_size())
+            fits = self.device.shuffles_fit(flash_units(self.layout.head_dim), local)
             return f"{shader}_sg" if fits and self.subgroups is not False else shader
         return self._per_layer("flash_variant", (shader, local, self.subgroups), derive)
 

@@ -94,14 +94,6 @@ def flash_round_tokens(head_dim: int, local: int, coded: bool, kivi: bool = Fals
     return local // flash_units(head_dim) * FLASH_TOKENS_PER_LANE
 
 
-def flash_subgroup_fits(units: int, local: int, subgroup_size: int) -> bool:
-    """Whether attend_flash_sg can sum a token's partial scores by subgroup shuffles: its
-    ``units`` invocations a power of two within one subgroup, the workgroup whole subgroups
-    (``subgroup_size`` 0: the device has no shuffles)."""
-    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-    return pow2(units) and pow2(subgroup_size) and units <= subgroup_size and local % subgroup_size == 0
-
-
 FLASH_CODED_BUCKET = (4, 16)  # attend_flash_coded's BUCKET: code words an owner takes per pass, least and most
 FLASH_CODED_MAX_OWNED = 32  # its NSUB * HB: atom weights an invocation keeps in registers
 FLASH_CODED_MAX_LOCAL = 256  # its bucket words carry a token's index in the chunk in 8 bits

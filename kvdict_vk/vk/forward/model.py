@@ -72,11 +72,11 @@ class DeviceForward:
         if row_threads not in (1, 2, 4, 8, 16, 32, 64):
             raise E.ShapeError(f"row_threads must be a power of two up to 64, got {row_threads!r}")
         self._row_threads = row_threads
-        size = self.device.shuffle_subgroup_size()
-        fits = 1 < row_threads <= size and WG_SIZE % size == 0 if size else False
+        fits = row_threads > 1 and self.device.shuffles_fit(row_threads, WG_SIZE)  # one lane adds nothing
         if subgroups and not fits:
             raise E.DispatchError(f"{self.device.name}: a matvec row's {row_threads} invocations cannot add by "
-                                  f"subgroup shuffles (subgroup size {size or 'none'} with shuffles)")
+                                  f"subgroup shuffles (subgroup size {self.device.shuffle_subgroup_size() or 'none'} "
+                                  f"with shuffles)")
         self.subgroups = fits if subgroups is None else bool(subgroups)
         self._want_logits = bool(logits)
         self._buffers: list[Buffer] = []
