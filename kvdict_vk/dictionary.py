@@ -223,15 +223,14 @@ class KvDictArtifact:
     @functools.cached_property  # the artifact is immutable: computed once, on first use
     def atoms_f16_exact(self) -> bool:
         """Whether every coded stream's atoms are binary16 values (finite, each equal to its
-        f16 rounding): the forge rounds its atoms so (forge.learn), and then the arena keeps a
-        binary16 copy of the atoms beside the float32 ones that reconstruct gathers from —
-        the same values in half the bytes (docs/ARENA.md)."""
+        f16 rounding): the forge rounds its atoms so (forge.learn), and then the arena keeps
+        them in binary16 — the same values in half the bytes (docs/ARENA.md)."""
         return all(is_f16_exact(d.atoms) for pair in self.layers for d in pair if d is not None)
 
     def with_f16_atoms(self) -> "KvDictArtifact":
         """This artifact with every coded stream's atoms rounded to binary16 values
         (``round_to_f16``), everything else as it is: what the forge makes
-        (``ForgeConfig.f16_atoms``), for validating and testing the arena's binary16 copy."""
+        (``ForgeConfig.f16_atoms``), for validating and testing the arena's binary16 atoms."""
         return KvDictArtifact(self.head_dim, self.n_atoms, self.sparsity, tuple(
             tuple(None if d is None else dataclasses.replace(d, atoms=round_to_f16(d.atoms)) for d in pair)
             for pair in self.layers))

@@ -4,7 +4,6 @@ Pure Python/NumPy — no GPU import, no I/O — so the GPU backend (`kvdict_vk.v
 dump tool read the same numbers. One storage buffer per layer:
 
     layer = [K region][V region][K atoms][V atoms][K mean][V mean][K scale][V scale]
-            [K atoms f16][V atoms f16]   (only when every atom is a binary16 value, head_dim % 8 == 0)
 
 * coded region       word(h, t, j) = region + (h·n_ctx + t)·slot_words + j
   a slot (docs/FORMAT.md) is the stream's ``sparsity`` code words, then — residual_bits
@@ -14,17 +13,16 @@ dump tool read the same numbers. One storage buffer per layer:
   2k+1 in the high half — unpackHalf2x16 reads it, no 16-bit storage feature needed)
 * the K region, the V region and the tail start on a 64-word (256-byte) boundary; the
   tail blocks are packed, each for the G dictionary heads (G = 1: shared by the KV heads,
-  G = n_kv_heads: one per KV head): atoms G×n_atoms×head_dim f32 (exactly the layer's
-  block of ``atoms_flat()``, zeros for a passthrough stream), then the means G×head_dim
-  and the residual scales G×head_dim (zeros when absent). When the artifact's atoms are
-  all binary16 values (``KvDictArtifact.atoms_f16_exact``: the forge rounds them so) and
-  head_dim % 8 == 0, the tail ends with the same atoms again in binary16, G×n_atoms×
-  head_dim/2 words per stream, each atom's elements in chunk-pair order
+  G = n_kv_heads: one per KV head): the atoms (zeros for a passthrough stream), then the
+  means G×head_dim and the residual scales G×head_dim (zeros when absent). The atoms are
+  stored ONCE: in binary16 when the artifact's atoms are all binary16 values
+  (``KvDictArtifact.atoms_f16_exact``: the forge rounds them so) and head_dim % 8 == 0 —
+  G×n_atoms×head_dim/2 words a stream, each atom's elements in chunk-pair order
   (``atoms_f16_order``: quad p of an atom — 4 words, 8 halves — holds elements 4p … 4p+3,
   then head_dim/2 + 4p … head_dim/2 + 4p+3; two halves a word, the lower element in the low
-  half): the same values in half the bytes, for the shader whose cost is gathering atoms
-  (reconstruct gathers a quad, two of its output chunks half a row apart, per load). Each
-  such block starts on a 4-word boundary.
+  half; every reader widens them exactly, shaders/atoms.glsl), each block on a 4-word
+  boundary — else in float32, G×n_atoms×head_dim words (exactly the layer's block of
+  ``atoms_flat()``).
 * no active dictionary → every stream passthrough and no tail: the uncoded cache, f16 by
   default (``cache="f32"`` keeps f32 rows). Passthrough streams of a dict-coded layout
   (streams the artifact leaves uncoded) keep f32 rows.
@@ -56,7 +54,7 @@ CACHES = ("f16", "f32", "q8_0")  # row formats of the uncoded cache
 KIVI_CACHE = "kivi"  # the KIVI-style quantised cache (kvdict_vk.kivi): a mode of its own
 Q8_BLOCK = 32  # q8_0 (llama.cpp): 32 int8 values and one f16 scale per block
 DEFAULT_CACHE = "f16"  # what engines keep (llama.cpp's default); f32 is the exact option
-ATOMS_F16_ELEMS = 8  # elements of an atom in one quad (4 words) of its binary16 copy (rows.atoms_f16_order)
+ATOMS_F16_ELEMS = 8  # elements of an atom in one quad (4 words) of binary16 atoms (rows.atoms_f16_order)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -131,7 +129,7 @@ class StreamLayout:
     region_word: int
     region_words: int
     atoms_word: int | None  # None in the f32 layout (no tail)
-    atoms_words: int  # all dictionary heads: n_dict_heads × n_atoms × head_dim
+    atoms_words: int  # all dictionary heads: n_dict_heads × n_atoms × head_dim (÷ 2: atoms_f16)
     mean_word: int | None
     mean_words: int  # n_dict_heads × head_dim
     residual_bits: int = 0
@@ -149,10 +147,9 @@ class StreamLayout:
     window_word: int | None = None
     window_tokens: int = 0
     state_word: int | None = None
-    # The atoms again in binary16, chunk-pair order (n_dict_heads × n_atoms × head_dim/2 words;
-    # atoms_f16_order), or None (atoms that are not all binary16 values, head_dim % 8 != 0, no
-    # dictionary).
-    atoms16_word: int | None = None
+    # The atoms block holds binary16 atoms in chunk-pair order (atoms_f16_order), not float32
+    # rows: atoms that are all binary16 values, head_dim % 8 == 0.
+    atoms_f16: bool = False
 
     @property
     def row_format(self) -> str:
@@ -199,11 +196,6 @@ class StreamLayout:
         return self.atoms_words // self.n_dict_heads if self.n_dict_heads > 1 else 0
 
     @property
-    def atoms16_words(self) -> int:
-        """Words of the binary16 copy of the atoms (0 without one)."""
-        return 0 if self.atoms16_word is None else self.atoms_words // 2
-
-    @property
     def head_vec_stride(self) -> int:
         """Words from one KV head's mean (or residual scale) to the next's: 0 when shared."""
         return self.head_dim if self.n_dict_heads > 1 else 0
@@ -221,7 +213,7 @@ class StreamLayout:
                 "row_format": self.row_format, "row_words": self.row_words, "slot_words": self.slot_words,
                 "region": _span(self.region_word, self.region_words),
                 "atoms": None if self.atoms_word is None else _span(self.atoms_word, self.atoms_words),
-                "atoms_f16": None if self.atoms16_word is None else _span(self.atoms16_word, self.atoms16_words),
+                "atoms_format": None if self.atoms_word is None else ("f16" if self.atoms_f16 else "f32"),
                 "mean": None if self.mean_word is None else _span(self.mean_word, self.mean_words),
                 "residual_scale": None if self.scale_word is None else _span(self.scale_word, self.scale_words),
                 "bytes_per_token": self.bytes_per_token,
@@ -441,17 +433,17 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
                             stats_words=n_stats if j == 0 else 0, window_word=windows[j],
                             window_tokens=kivi.window, state_word=state) for j in range(2)]
     tail_word, tail_words = None, 0
-    atoms, means, scales, atoms16 = [None, None], [None, None], [None, None], [None, None]
+    atoms, means, scales = [None, None], [None, None], [None, None]
     g = 1 if spec is None else spec.n_heads
+    atoms_f16 = spec is not None and spec.atoms_f16 and hd % ATOMS_F16_ELEMS == 0
+    atom_words = 0
     if spec is not None:
-        atom_words = g * spec.n_atoms * hd
+        atom_words = g * spec.n_atoms * hd // (2 if atoms_f16 else 1)
         # Packed tail; in guard mode every block gets its own guards (vec4-aligned).
         block_align = VEC4_WORDS if guard else 1
         atoms = [place(atom_words, ALIGN_WORDS), place(atom_words, block_align)]
         means = [place(g * hd, block_align), place(g * hd, block_align)]
         scales = [place(g * hd, block_align), place(g * hd, block_align)]
-        if spec.atoms_f16 and hd % ATOMS_F16_ELEMS == 0:
-            atoms16 = [place(atom_words // 2, VEC4_WORDS), place(atom_words // 2, VEC4_WORDS)]
         tail_word, tail_words = atoms[0], cursor - atoms[0]
     total = _round_up(cursor + guard, ALIGN_WORDS)
     spans = []
@@ -463,10 +455,10 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
         spans.append((prev, total))
     streams = [StreamLayout(index, name, ss.coded, ss.sparsity if ss.coded else 0, ss.coded and ss.has_mean,
                             n_kv, hd, n_ctx, r, reg, n_kv * n_ctx * r,
-                            a, 0 if a is None else g * spec.n_atoms * hd, m, 0 if m is None else g * hd,
+                            a, 0 if a is None else atom_words, m, 0 if m is None else g * hd,
                             ss.residual_bits if ss.coded else 0, g, sc, 0 if sc is None else g * hd,
-                            pass_rows, **kf, atoms16_word=a16)
-               for ss, name, r, reg, a, m, sc, kf, a16 in zip(pair, "kv", rows, regions, atoms, means, scales,
-                                                               kivi_fields, atoms16)]
+                            pass_rows, **kf, atoms_f16=atoms_f16)
+               for ss, name, r, reg, a, m, sc, kf in zip(pair, "kv", rows, regions, atoms, means, scales,
+                                                         kivi_fields)]
     return LayerLayout(index, streams[0], streams[1], tail_word, tail_words, total,
                        tuple(s for s in spans if s[1] > s[0]))

@@ -3,9 +3,9 @@
 The one source of truth for "how much memory does this cache take at N tokens": every
 figure comes from :func:`kvdict_vk.layout.build_layout` — the layout ``KvArena`` allocates
 and ``kvdict-dump`` prints — at that length, summed over every layer buffer: the K and V
-regions, the tails (a dictionary's atoms, their binary16 copy, means and residual scales;
-a KIVI cache's key group statistics, exact-window rings and state word) and the alignment
-padding. Per length it reports
+regions, the tails (a dictionary's atoms — one copy, binary16 where the forge rounded them
+—, means and residual scales; a KIVI cache's key group statistics, exact-window rings and
+state word) and the alignment padding. Per length it reports
 
 * ``arena_bytes``: the whole arena (what a user allocates for one sequence of that length);
 * ``region_bytes`` / ``tail_bytes`` / ``padding_bytes``: its parts (``tail_bytes`` is every
@@ -68,10 +68,11 @@ class ArenaFootprint:
 
 
 def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int, n_atoms: int = 1024, k=(4, 6), v=(4, 4), *,
-                    per_head: bool = True, has_mean: bool = True, atoms_f16: bool = True) -> L.DictSpec:
+                    per_head: bool = False, has_mean: bool = True, atoms_f16: bool = True) -> L.DictSpec:
     """A dictionary cache's shapes without an artifact: every layer's K coded at ``k`` =
-    (sparsity, residual bits) and V at ``v``; defaults: the forge's (per-KV-head dictionaries
-    of 1024 atoms with a mean, K 4 atoms + 6 bits, V 4 atoms + 4 bits, binary16 atoms)."""
+    (sparsity, residual bits) and V at ``v``; defaults: the forge's (one dictionary of 1024
+    atoms with a mean a stream, shared by the layer's KV heads — ``per_head``: one per KV
+    head —, K 4 atoms + 6 bits, V 4 atoms + 4 bits, binary16 atoms)."""
     g = n_kv_heads if per_head else 1
     ks, vs = (L.StreamSpec(True, s, has_mean, b, g) for s, b in (k, v))
     return L.DictSpec(head_dim, n_atoms, max(k[0], v[0]), tuple((ks, vs) for _ in range(n_layers)), g, atoms_f16)
@@ -110,13 +111,13 @@ def build(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, cache) -> L
 
 def split(lay: L.ArenaLayout) -> tuple[int, int, int]:
     """(region, tail, padding) bytes of a layout, as kvdict-dump's totals count them: the K
-    and V regions; every other block (atoms, binary16 atoms, means, residual scales, KIVI
+    and V regions; every other block (atoms, means, residual scales, KIVI
     group statistics, windows, the KIVI state word); the rest (alignment, guards)."""
     region = tail = 0
     for ll in lay.layers:
         for s in ll.streams:
             region += s.region_words
-            tail += s.atoms_words + s.atoms16_words + s.mean_words + s.scale_words
+            tail += s.atoms_words + s.mean_words + s.scale_words
             if s.kivi:
                 tail += s.stats_words + s.window_words
         if ll.k.kivi:

@@ -1,5 +1,5 @@
 """Row formats' words: what an uncoded cache stores for float32 rows (f32 bits, f16 pairs,
-q8_0 blocks), the binary16 copy of a dictionary's atoms (chunk-pair order), and a layer's
+q8_0 blocks), a dictionary's binary16 atoms (chunk-pair order), and a layer's
 tail image — the numbers kvdict_vk.layout places, as uint32 words ready to upload.
 
 Pure NumPy, no GPU import (the dump tool and the tests read them too).
@@ -83,7 +83,7 @@ def q8_0_rows(words: np.ndarray, head_dim: int) -> np.ndarray:
 
 
 def atoms_f16_order(head_dim: int) -> np.ndarray:
-    """The element order of an atom in the binary16 copy: quad p (halves 8p … 8p+7) holds
+    """The element order of a binary16 atom in the arena: quad p (halves 8p … 8p+7) holds
     elements 4p … 4p+3 and head_dim/2 + 4p … head_dim/2 + 4p+3 — output chunks p and p +
     head_dim/8 of a row, which reconstruct's invocations write (neighbouring invocations
     neighbouring chunks, coalesced) from one 16-byte gather. head_dim % 8 == 0."""
@@ -97,9 +97,9 @@ def atoms_f16_order(head_dim: int) -> np.ndarray:
 def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | None,
                      means: tuple, scales: tuple = (None, None)) -> np.ndarray:
     """The words of one layer's tail (uint32), ready to upload at ``tail_word``: K atoms,
-    V atoms, K mean, V mean, K residual scale, V residual scale (zeros for passthrough /
-    absent), then — when the layout has them — K and V atoms in binary16 (chunk-pair order,
-    ``atoms_f16_order``); guards in between if any.
+    V atoms (binary16 in chunk-pair order, ``atoms_f16_order``, where the layout keeps them
+    so; else float32), K mean, V mean, K residual scale, V residual scale (zeros for
+    passthrough / absent); guards in between if any.
 
     ``atoms_flat`` is the runtime's ``atoms_flat()`` array; ``means`` and ``scales`` the
     layer's (K, V) pairs, each None or an array broadcastable to (n_dict_heads, head_dim)."""
@@ -116,14 +116,14 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
     flat = flat.reshape(layout.n_layers, 2, block)
     for j, st in enumerate(ll.streams):
         a0 = st.atoms_word - ll.tail_word
-        img[a0:a0 + block] = flat[layer, j].view(np.uint32)
-        if st.atoms16_word is not None:
+        if st.atoms_f16:
             if not is_f16_exact(flat[layer, j]):
                 raise E.DictMismatchError(f"layer {layer} {st.stream}: the layout keeps binary16 atoms, "
                                           "these atoms are not all binary16 values")
-            h0 = st.atoms16_word - ll.tail_word
             atoms = flat[layer, j].reshape(-1, hd)[:, atoms_f16_order(hd)]
-            img[h0:h0 + block // 2] = atoms.astype(np.float16).reshape(-1).view(np.uint32)
+            img[a0:a0 + block // 2] = atoms.astype(np.float16).reshape(-1).view(np.uint32)
+        else:
+            img[a0:a0 + block] = flat[layer, j].view(np.uint32)
         for word, vec in ((st.mean_word, means[j]), (st.scale_word, scales[j])):
             v = np.zeros((g, hd), np.float32) if vec is None else np.broadcast_to(np.asarray(vec, np.float32), (g, hd))
             img[word - ll.tail_word:word - ll.tail_word + g * hd] = np.ascontiguousarray(v).reshape(-1).view(np.uint32)

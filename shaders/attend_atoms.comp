@@ -12,6 +12,8 @@
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 #include "attend_common.glsl"
+layout(constant_id = 4) const bool ATOMS_F16 = false;  // the atoms in binary16 (atoms.glsl)
+#include "atoms.glsl"
 
 #define ATOM_BLOCK 16u
 
@@ -53,10 +55,8 @@ void main() {
                     bins[bin] = 0.0;
                 }
             }
-            uint row = (pc.atoms_word + g * pc.head_atoms + a * HEAD_DIM) >> 2u;
             vec4 atom[Q4];
-            [[unroll]] for (uint c = 0u; c < Q4; ++c)
-                atom[c] = uintBitsToFloat(layer_quads[row + c]);
+            LOAD_ATOM(layer_quads, (pc.atoms_word + g * pc.head_atoms) >> 2u, a, atom)
             [[unroll]] for (uint hj = 0u; hj < HB; ++hj)
                 [[unroll]] for (uint c = 0u; c < Q4; ++c)
                     acc[hj * Q4 + c] += w[hj] * atom[c];

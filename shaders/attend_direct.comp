@@ -43,6 +43,8 @@ layout(constant_id = 7) const uint V_BITS = 0u;
 // Passthrough rows as f16 (the default uncoded cache: two halves per word, element 2k in the
 // low half, unpackHalf2x16 — no 16-bit storage feature needed) or f32. Needs HEAD_DIM % 8 == 0.
 layout(constant_id = 8) const uint ROW_HALF = 0u;
+layout(constant_id = 9) const bool ATOMS_F16 = false;  // the atoms in binary16 (atoms.glsl)
+#include "atoms.glsl"
 const uint PASS_ROW = ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM;
 const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
 const uint V_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);
@@ -104,7 +106,7 @@ vec4 row_quad(bool fresh, uint x) {
 }
 
 // The head vector stored at `slot` (first word) minus its mean: f32 rows as stored, a slot as
-// sum_j c_j atoms[atoms_word + idx_j*HEAD_DIM] + the residual times `scale`.
+// sum_j c_j atom idx_j (atoms.glsl, the head's atoms at atoms_word) + the residual times `scale`.
 void decode_row(bool fresh, uint slot, uint sparsity, uint bits, uint level_words, uint atoms_word,
                 vec4 scale[Q4], out vec4 row[Q4]) {
     if (sparsity == 0u && ROW_HALF > 0u) {
@@ -128,9 +130,10 @@ void decode_row(bool fresh, uint slot, uint sparsity, uint bits, uint level_word
         // an out-of-range index reads atom 0 with coefficient 0 (common.glsl)
         uint atom = safe_atom(code_atom(w), pc.n_atoms);
         float cf = safe_coef(code_atom(w), pc.n_atoms, code_coef(w));
-        uint a = (atoms_word + atom * HEAD_DIM) >> 2u;
+        vec4 av[Q4];
+        LOAD_ATOM(cache_quads, atoms_word >> 2u, atom, av)
         [[unroll]] for (uint c = 0u; c < Q4; ++c)
-            row[c] += cf * uintBitsToFloat(cache_quads[a + c]);
+            row[c] += cf * av[c];
     }
     if (bits > 0u) {
         uint lw[MAX_LEVEL_WORDS + 1u];  // the levels, then a zero "next word" for the last one

@@ -45,6 +45,8 @@ layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary hea
 layout(constant_id = 7) const uint K_SPARSITY = 4u;  // code words per K slot
 layout(constant_id = 8) const uint V_SPARSITY = 4u;
 layout(constant_id = 9) const uint BUCKET = 16u;    // code words an owner takes per pass (host: fits shared memory)
+layout(constant_id = 10) const bool ATOMS_F16 = false;  // the V atoms in binary16 (atoms.glsl)
+#include "atoms.glsl"
 const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk (host: <= 256, a token's index is 8 bits)
 const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
 const uint V_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);
@@ -371,11 +373,11 @@ void main() {
         [[unroll]] for (uint h = 0u; h < HB; ++h)
             part[h] = vec4(0.0);
         {
-            uint atoms = (pc.v_atoms_word + g * pc.head_atoms) / 4u + q4;
+            uint atoms = (pc.v_atoms_word + g * pc.head_atoms) / 4u;
             for (uint a0 = vlane; a0 < N_ATOMS; a0 += VLANES * UNROLL) {
                 vec4 av[UNROLL];  // UNROLL atoms' quad q4 loaded together
                 [[unroll]] for (uint u = 0u; u < UNROLL; ++u)
-                    av[u] = uintBitsToFloat(cache_quads[atoms + min(a0 + u * VLANES, N_ATOMS - 1u) * VQ]);
+                    av[u] = atom_quad(cache_quads[atom_quad_index(atoms, min(a0 + u * VLANES, N_ATOMS - 1u), q4)], q4);
                 [[unroll]] for (uint u = 0u; u < UNROLL; ++u) {
                     uint a = a0 + u * VLANES;
                     if (a < N_ATOMS)

@@ -11,6 +11,8 @@
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 #include "attend_common.glsl"
+layout(constant_id = 4) const bool ATOMS_F16 = false;  // the atoms in binary16 (atoms.glsl)
+#include "atoms.glsl"
 
 layout(std430, binding = 0) readonly buffer LayerQuads { uvec4 layer_quads[]; };
 layout(std430, binding = 1) readonly buffer Query { vec4 q_quads[]; };
@@ -41,10 +43,9 @@ void main() {
             [[unroll]] for (uint x = 0u; x < BQ; ++x)
                 q[x] = q_quads[pc.q_word / 4u + h0 * Q4 + x];
         }
-        uint row = (pc.atoms_word + (g % pc.n_kv) * pc.head_atoms + a * HEAD_DIM) >> 2u;
+        uint base = (pc.atoms_word + (g % pc.n_kv) * pc.head_atoms) >> 2u;
         vec4 atom[Q4];
-        [[unroll]] for (uint c = 0u; c < Q4; ++c)
-            atom[c] = uintBitsToFloat(layer_quads[row + c]);
+        LOAD_ATOM(layer_quads, base, a, atom)
         [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
             float d = 0.0;
             [[unroll]] for (uint c = 0u; c < Q4; ++c)

@@ -6,8 +6,8 @@
 // shared). Slots: word(h,t,j) = src_word + (h*n_ctx + t)*SLOT_WORDS + j; a slot is SPARSITY
 // code words then, when RES_BITS > 0, the residual stage (slot.glsl). Atoms, means and
 // residual scales are read straight from the layer buffer's tail; with ATOMS_F16 the atoms
-// are gathered from the tail's binary16 copy of them (the same values, half the bytes, a
-// quad of 8 halves per load: layout.atoms_f16_order).
+// are binary16 (the arena's one copy when the forge rounded them: a quad of 8 halves per
+// load, atoms.glsl).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require  // [[dont_unroll]]: core SPIR-V LoopControl
 #include "common.glsl"
@@ -26,16 +26,16 @@ layout(constant_id = 3) const uint RES_BITS = 0u;
 // GPUs (rows_chunked): whether an invocation loads its next row's slot words before this
 // row's atom gathers (the host's arena.RECONSTRUCT_GPU_MAPPINGS says per sparsity, measured).
 layout(constant_id = 4) const bool PIPELINED = false;
-// Whether the atoms are gathered from the layout's binary16 copy (pc.atoms16_word; the
-// forge's atoms are binary16 values; vec4 variant with HEAD_DIM % 8 == 0 only, the host
-// checks) instead of the float32 block. The gathers' count, not their bytes, is what costs
+// Whether the atoms block holds binary16 atoms (the forge's atoms are binary16 values; vec4
+// variant with HEAD_DIM % 8 == 0 only, the host checks), not float32 rows. The gathers' count, not their bytes, is what costs
 // on the H200: a quad of 8 halves per load — two output chunks half a row apart — halves it
 // (docs/DESIGN.md, "Binary16 atoms, gathered a quad at a time").
 layout(constant_id = 5) const bool ATOMS_F16 = false;
+#include "atoms.glsl"
 
 const uint ROW_CHUNKS = HEAD_DIM / LANES;
 const uint GROUPS = ROW_CHUNKS / CHUNKS;  // invocations per row
-// Quads (8 halves) per atom in the binary16 copy: quad p holds chunks p and p + HALF_CHUNKS.
+// Quads (8 halves) per binary16 atom: quad p holds chunks p and p + HALF_CHUNKS.
 const uint HALF_CHUNKS = ROW_CHUNKS / 2u;
 const uint LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, RES_BITS);
 const uint SLOT_WORDS = SLOT_WORDS_OF(SPARSITY, HEAD_DIM, RES_BITS);
@@ -71,7 +71,7 @@ layout(std430, binding = 3) restrict readonly buffer LayerQuads { uvec4 layer_qu
 
 layout(push_constant) uniform ReconstructPush {
     uint src_word;    // start of the stream's slot region
-    uint atoms_word;  // start of the stream's atoms block (multiple of LANES)
+    uint atoms_word;  // start of the stream's atoms block (multiple of LANES; of 4 if ATOMS_F16)
     uint mean_word;   // start of the stream's means (multiple of LANES)
     uint n_atoms;
     uint n_ctx;
@@ -82,7 +82,6 @@ layout(push_constant) uniform ReconstructPush {
     uint scale_word;  // start of the stream's residual scales (read only if RES_BITS > 0)
     uint head_atoms;  // words between two KV heads' atoms (0: one shared dictionary)
     uint head_vec;    // words between two KV heads' means / scales (0: shared)
-    uint atoms16_word;  // start of the stream's binary16 atoms (read only if ATOMS_F16)
 } pc;
 
 // Chunk `chunk`'s first level: its bit, its level word (counted from the slot's first level
@@ -106,26 +105,22 @@ FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
     return r * step_ * scale;
 }
 
-// Where head `head`'s atoms start: in chunks of the float32 block, or in quads of the
-// binary16 copy (ATOMS_F16; the host keeps atoms16_word and head_atoms/2 multiples of 4).
-// Atom a then starts at atoms_base(head) + a * ATOM_STRIDE.
+// Where head `head`'s atoms start: in chunks of float32 atoms, or in quads of binary16 ones
+// (ATOMS_F16; the host keeps atoms_word and head_atoms multiples of 4). Atom a then starts
+// at atoms_base(head) + a * ATOM_STRIDE.
 const uint ATOM_STRIDE = ATOMS_F16 ? HALF_CHUNKS : ROW_CHUNKS;
 uint atoms_base(uint head) {
     if (ATOMS_F16)
-        return (pc.atoms16_word + head * (pc.head_atoms / 2u)) / 4u;
+        return (pc.atoms_word + head * pc.head_atoms) / 4u;
     return (pc.atoms_word + head * pc.head_atoms) / LANES;
 }
-
-// The two chunks a binary16 quad holds, as floats (exact: every binary16 value is a float).
-vec4 quad_lo(uvec4 q) { return vec4(unpackHalf2x16(q.x), unpackHalf2x16(q.y)); }
-vec4 quad_hi(uvec4 q) { return vec4(unpackHalf2x16(q.z), unpackHalf2x16(q.w)); }
 
 // Chunk `chunk` of the atom starting at `at` (atoms_base + a * ATOM_STRIDE), one load.
 FELEM atom_chunk(uint at, uint chunk) {
 #if VEC4
     if (ATOMS_F16) {
         uvec4 q = layer_quads[at + chunk % HALF_CHUNKS];
-        return chunk < HALF_CHUNKS ? quad_lo(q) : quad_hi(q);
+        return chunk < HALF_CHUNKS ? atom_quad_lo(q) : atom_quad_hi(q);
     }
 #endif
     return layer_elems[at + chunk];
@@ -190,8 +185,8 @@ void rows_whole() {
 #if VEC4
                 if (ATOMS_F16) {
                     uvec4 q = layer_quads[atom_elem[j] + p];
-                    pair[0] += coef[j] * quad_lo(q);
-                    pair[1] += coef[j] * quad_hi(q);
+                    pair[0] += coef[j] * atom_quad_lo(q);
+                    pair[1] += coef[j] * atom_quad_hi(q);
                     continue;
                 }
 #endif
@@ -305,8 +300,8 @@ void rows_chunked() {
             [[dont_unroll]] for (uint j = 0u; j < ROW_CODES; ++j) {
                 [[dont_unroll]] for (uint k = 0u; k < PIECES / 2u; ++k) {
                     uvec4 q = layer_quads[atom_elem[j] + group + k * GROUPS];
-                    sums[k] += coef[j] * quad_lo(q);
-                    sums[k + PIECES / 2u] += coef[j] * quad_hi(q);
+                    sums[k] += coef[j] * atom_quad_lo(q);
+                    sums[k + PIECES / 2u] += coef[j] * atom_quad_hi(q);
                 }
             }
 #endif

@@ -201,7 +201,7 @@ def random_artifact(rng, head_dim: int, n_atoms: int, streams, *, means=True, n_
     None = passthrough, s = sparsity, or (s, residual_bits). ``n_heads`` dictionary heads
     per stream (1 = shared, else one per KV head). Means on every other coded stream when
     ``means``; residual scales in [0.5, 1.5). ``f16_atoms``: atoms rounded to binary16
-    values, as the forge rounds them (the arena then keeps a binary16 copy of them)."""
+    values, as the forge rounds them (the arena then keeps them in binary16)."""
     import numpy as np
     from kvdict_vk.dictionary import KvDictArtifact, StreamDict, round_to_f16
     layers, count = [], 0

@@ -6,9 +6,10 @@ For SmolLM2-135M's shapes (30 layers, 3 KV heads, head_dim 64) at its full conte
 tokens) this builds, with ``kvdict_vk.layout.build_layout`` — the module ``KvArena``
 allocates from and ``kvdict-dump`` prints — the layout of every cache the engine keeps:
 f16, f32 and q8_0 rows, the KIVI cache (``KiviSpec()``: 4 bits, the 128 newest tokens in
-binary16) and the certified dictionary default (per-KV-head dictionaries of 1024 atoms
-with a mean, K 4 atoms + a 6-bit residual stage, V 4 atoms + 4 bits, binary16 atoms: the
-forge's defaults, docs/results/fidelity.json's "default"). The dictionary's shapes come
+binary16) and the certified dictionary default (a dictionary of 1024 atoms with a mean a
+stream, shared by the layer's KV heads, K 4 atoms + a 6-bit residual stage, V 4 atoms + 4
+bits, binary16 atoms: the forge's defaults, docs/results/fidelity.json's "default"), and
+the same with one dictionary per KV head ("dict per-head"). The dictionary's shapes come
 from a synthetic ``DictSpec``: no artifact and no GPU are needed. Writes one row per cache:
 the arena's bytes (regions, tail, padding), its bytes per token, per head vector (K and V
 averaged: ``bytes_per_token / (n_layers · n_kv_heads · 2)``), and the regions alone per
@@ -26,15 +27,16 @@ COMMAND = "python tools/arena_table.py --out docs/results/arena.json"
 
 MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=8192)
 LENGTHS = (8192, 32768, 131072)  # the model's context, 32 k and 128 k tokens (issue 51)
-DICT_DEFAULT = dict(n_atoms=1024, per_kv_head=True, has_mean=True, atoms_f16=True,
+DICT_DEFAULT = dict(n_atoms=1024, per_kv_head=False, has_mean=True, atoms_f16=True,
                     k=dict(sparsity=4, residual_bits=6), v=dict(sparsity=4, residual_bits=4))
 
 
-def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int):
+def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int, per_kv_head: bool | None = None):
     from kvdict_vk.memory_report import dictionary_spec as spec
     d = DICT_DEFAULT
+    per_head = d["per_kv_head"] if per_kv_head is None else per_kv_head
     return spec(n_layers, n_kv_heads, head_dim, d["n_atoms"], (d["k"]["sparsity"], d["k"]["residual_bits"]),
-                (d["v"]["sparsity"], d["v"]["residual_bits"]), per_head=d["per_kv_head"], has_mean=d["has_mean"],
+                (d["v"]["sparsity"], d["v"]["residual_bits"]), per_head=per_head, has_mean=d["has_mean"],
                 atoms_f16=d["atoms_f16"])
 
 
@@ -46,7 +48,8 @@ def rows() -> list[dict]:
     m = MODEL
     shapes = (m["n_layers"], m["n_kv_heads"], m["head_dim"])
     vectors_per_token = m["n_layers"] * m["n_kv_heads"] * 2
-    cases = [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("kivi", "kivi"), ("dict", dictionary_spec(*shapes))]
+    cases = [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("kivi", "kivi"), ("dict", dictionary_spec(*shapes)),
+             ("dict per-head", dictionary_spec(*shapes, per_kv_head=True))]
     out = []
     for name, cache in cases:
         at = arena_memory(*shapes, cache, LENGTHS)
@@ -80,12 +83,12 @@ def main(argv=None) -> int:
                       "effective_bytes_per_vector = arena_bytes / (n_layers * n_kv_heads * 2 * N): the "
                       "dictionaries amortised over the tokens",
                       "bytes_per_head_vector = bytes_per_token / (n_layers * n_kv_heads * 2); the dictionary's "
-                      "tail (atoms, means, scales, binary16 atoms) is fixed and counted in arena_bytes, not "
+                      "tail (atoms, means, scales) is fixed and counted in arena_bytes, not "
                       "in bytes_per_token"],
                rows=rows())
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     for r in doc["rows"]:
-        print(f"{r['cache']:<5} {r['bytes_per_head_vector']:7.2f} B/vector  {r['arena_mib']:8.2f} MiB "
+        print(f"{r['cache']:<13} {r['bytes_per_head_vector']:7.2f} B/vector  {r['arena_mib']:8.2f} MiB "
               f"(regions {r['region_bytes'] / 2 ** 20:.2f}, tail {r['tail_bytes'] / 2 ** 20:.2f}); effective "
               + ", ".join(f"{v['effective_bytes_per_vector']:.2f} B at {n}" for n, v in r["lengths"].items()),
               file=sys.stderr)

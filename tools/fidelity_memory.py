@@ -1,6 +1,7 @@
 """Add each fidelity row's memory at SmolLM2's context and at 32 k / 128 k tokens (issue 51).
 
-    python tools/fidelity_memory.py [--file docs/results/fidelity.json]
+    python tools/fidelity_memory.py [--file docs/results/fidelity.json] [--merge RUN-fidelity.json
+                                    [--default NAME]]
 
 For every row of every text in docs/results/fidelity.json this adds, from
 ``kvdict_vk.memory_report.arena_memory`` (the layer buffers ``kvdict_vk.layout.build_layout``
@@ -13,6 +14,12 @@ computes) for SmolLM2-135M's shapes (30 layers, 3 KV heads, head_dim 64):
 * ``"memory_model"`` — "engine" when the row's cache is one the engine keeps (the arena is
   exactly KvArena's), else how it was modelled (a lever the engine does not run: an engine
   layout plus the bytes the lever adds, stated).
+
+``--merge`` first adds the rows of another forge run's fidelity file — measured on the same
+texts and windows (each text's file hash, window length and window count must match, else
+it stops) — replacing rows of the same name, each merged row carrying that run's
+``"command"``; ``--default`` names the file's default row (the forge's default
+configuration).
 
 A row's configuration is read from its name (the forge's table names them by their
 settings: ``KIVI 4 bit + 128 recent``, ``KIVI K5 V4``, ``dict 1024 atoms, K 4+6 b, V 4+4 b``,
@@ -49,10 +56,11 @@ def cache_of(row: dict, shapes=(MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["h
     if m:
         kb, vb = (int(m[1]), int(m[1])) if m[1] else (int(m[2]), int(m[3]))
         return K.KiviSpec(kb, vb, int(m[4] or 0)), "engine"
-    m = re.fullmatch(r"dict (\d+) atoms, K (\d+)\+(\d+) b, V (\d+)\+(\d+) b( \+ .*)?", name)
+    m = re.fullmatch(r"dict (\d+) (shared )?atoms, K (\d+)\+(\d+) b, V (\d+)\+(\d+) b( \+ .*)?", name)
     if m:
-        spec = M.dictionary_spec(n_layers, n_kv, hd, int(m[1]), (int(m[2]), int(m[3])), (int(m[4]), int(m[5])))
-        lever = (m[6] or "")[3:]
+        spec = M.dictionary_spec(n_layers, n_kv, hd, int(m[1]), (int(m[3]), int(m[4])), (int(m[5]), int(m[6])),
+                                 per_head=not m[2])
+        lever = (m[7] or "")[3:]
         if not lever:
             return spec, "engine"
         slot_bpv = M.build(n_layers, n_kv, hd, 64, spec).bytes_per_token / (n_layers * n_kv * 2)
@@ -97,12 +105,41 @@ def add_memory(doc: dict) -> dict:
     return doc
 
 
+SAME_WINDOWS = ("file_sha256", "window", "windows")  # what makes two runs' rows comparable
+
+
+def merge(doc: dict, run: dict, default: str | None = None) -> dict:
+    """``run``'s rows (another forge run's fidelity file) into ``doc``, text by text."""
+    if set(run["texts"]) != set(doc["texts"]):
+        raise SystemExit(f"fidelity_memory: the runs' texts differ: {sorted(run['texts'])} vs {sorted(doc['texts'])}")
+    for name, text in run["texts"].items():
+        mine = doc["texts"][name]
+        for key in SAME_WINDOWS:
+            if text.get(key) != mine.get(key):
+                raise SystemExit(f"fidelity_memory: text {name}: {key} {text.get(key)!r} differs from {mine.get(key)!r}")
+        names = {r["name"] for r in text["rows"]}
+        mine["rows"] = [r for r in mine["rows"] if r["name"] not in names] + \
+            [dict(r, command=run["command"]) for r in text["rows"]]
+    if default is not None:
+        if not all(any(r["name"] == default for r in t["rows"]) for t in doc["texts"].values()):
+            raise SystemExit(f"fidelity_memory: no row {default!r} in every text")
+        doc["default"] = default
+    return doc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", default=str(ROOT / "docs" / "results" / "fidelity.json"))
+    ap.add_argument("--merge", type=Path, default=None, help="another forge run's fidelity file: its rows added")
+    ap.add_argument("--default", default=None, help="the row the file names its default")
     a = ap.parse_args(argv)
     p = Path(a.file)
-    doc = add_memory(json.loads(p.read_text()))
+    doc = json.loads(p.read_text())
+    if a.merge is not None:
+        doc = merge(doc, json.loads(a.merge.read_text()), a.default)
+    elif a.default is not None:
+        raise SystemExit("fidelity_memory: --default goes with --merge")
+    doc = add_memory(doc)
     p.write_text(json.dumps(doc, indent=1))  # the forge writes it so (no final newline)
     seen = set()
     for row in next(iter(doc["texts"].values()))["rows"]:

@@ -22,7 +22,7 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1, fill: bool 
     StreamDicts, the (K, V) slots). ``args``: per_head, n_atoms, sparsity, code_words (None:
     uniformly random code words). The atoms are binary16 values, as
     the forge's are (ForgeConfig.f16_atoms), so reconstruct-then-attend takes the path a forged
-    artifact takes (reconstruct gathering the arena's binary16 copy). ``fill`` False: the arena
+    artifact takes (the arena's atoms in binary16). ``fill`` False: the arena
     left empty (for appends)."""
     from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import KvDictArtifact

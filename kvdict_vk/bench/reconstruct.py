@@ -131,8 +131,7 @@ def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_t
     """Reconstruct at sparsity ``s`` beside the copy shader (and ``baselines``: {name:
     (candidate, bytes moved, cache)}); every read writes into ``out``. f32_atoms_too (with
     --atoms f16): the same codes also over freshly drawn float32 atoms that are not binary16
-    values (so the arena gathers its float32 block), so the binary16 copy's gain is paired in
-    one run."""
+    values (so the arena keeps them in float32), so binary16 atoms' gain is paired in one run."""
     from kvdict_vk import codec
     from kvdict_vk.vk import ReadPlan
     f16 = args.atoms == "f16"
@@ -166,7 +165,7 @@ def bench_sparsity(s, args, dev, rng, out, copy_rec, baselines: dict, *, numpy_t
         for a in arenas:
             a.free()
     res = {"sparsity": s, "shader_mapping": arena.shader_mapping, "atoms": args.atoms,
-           "atoms_gathered": "f16" if arena.layout.layers[0].k.atoms16_word is not None else "f32",
+           "atoms_gathered": "f16" if arena.layout.layers[0].k.atoms_f16 else "f32",
            "output_bytes": 4 * n_words,
            "head_vectors": 2 * args.n_kv * args.n_ctx, "nmse_vs_float64": nmse, "candidates": {}}
     if nmse_f32 is not None:

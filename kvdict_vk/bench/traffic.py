@@ -94,8 +94,8 @@ def _gathers(layout, st, n_tokens: int) -> int:
 
 
 def _read(layout, ll, n_tokens: int) -> dict:
-    # reconstruct gathers the binary16 copy of the atoms where the layout keeps one: half the words
-    dictionary = sum(_atoms_touched(layout, st, _gathers(layout, st, n_tokens)) // (1 + (st.atoms16_word is not None))
+    # binary16 atoms (where the layout keeps them so): half the words
+    dictionary = sum(_atoms_touched(layout, st, _gathers(layout, st, n_tokens)) // (1 + st.atoms_f16)
                      + _side_words(st) for st in ll.streams)
     return {"cache": _cache_words(layout, ll, n_tokens), "dictionary": dictionary, "scratch": 0,
             "output": 2 * layout.n_kv_heads * n_tokens * layout.head_dim}

@@ -37,9 +37,9 @@ def _spans_with_padding(ll: L.LayerLayout) -> list[dict]:
     blocks = []
     for s in ll.streams:
         blocks.append((f"{s.stream} region", s.region_word, s.region_words))
-        for name, word, words in (("atoms", s.atoms_word, s.atoms_words), ("mean", s.mean_word, s.mean_words),
-                                  ("residual_scale", s.scale_word, s.scale_words),
-                                  ("atoms_f16", s.atoms16_word, s.atoms16_words)):
+        atoms = "atoms_f16" if s.atoms_f16 else "atoms"
+        for name, word, words in ((atoms, s.atoms_word, s.atoms_words), ("mean", s.mean_word, s.mean_words),
+                                  ("residual_scale", s.scale_word, s.scale_words)):
             if word is not None and words:
                 blocks.append((f"{s.stream} {name}", word, words))
         if s.kivi:  # the KIVI cache's blocks (kvdict_vk.kivi): key statistics, the exact window

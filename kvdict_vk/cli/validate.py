@@ -88,7 +88,7 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             out = arena.attend(0, q, n_used)
             ref = attention_ref.attend(q, ref_k, ref_v, n_used)
             rows.append(_row(f"attend dict n_used={n_used}", shape, ref, out, NMSE_ATTEND, time.perf_counter() - t0, arena))
-    if hd % L.ATOMS_F16_ELEMS == 0:  # binary16 atoms (as the forge makes them): reconstruct gathers their f16 copy
+    if hd % L.ATOMS_F16_ELEMS == 0:  # binary16 atoms (as the forge makes them): the arena keeps them so
         art16 = art.with_f16_atoms()
         with runtime.enabled_with(art16, allow_uncertified=True):
             arena16 = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, encoder="cpu")

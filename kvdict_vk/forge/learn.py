@@ -130,9 +130,9 @@ def learn_stream(x: np.ndarray, n_atoms: int, sparsity: int, *, iters: int = 10,
         if progress is not None:
             progress(it, stats.rel_error[-1])
     atoms = d if w is None else np.linalg.solve(w, d.T).T  # back to the data space
-    # Binary16 values (kept as float32): what the artifact holds is then also what the
-    # arena's binary16 copy of the atoms holds, which reconstruct gathers a quad (8 halves)
-    # per load — half the loads of float32 atoms, its pace on a GPU (docs/ARENA.md).
+    # Binary16 values (kept as float32): the arena then keeps its one copy of the atoms in
+    # binary16 — half the bytes of float32 atoms, and reconstruct gathers a quad (8 halves)
+    # per load, half the loads (docs/ARENA.md).
     # Rounding moves an atom by ≤ 2^-11 of itself, far under the codes' own error; the
     # coefficients, residual scales and the certificate come after it.
     atoms = atoms.astype(np.float32)

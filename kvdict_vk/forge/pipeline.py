@@ -44,7 +44,10 @@ class ForgeConfig:
     # (K 4 / V 3 at 48 B and K 5 / V 4 at 56 B fail on pydoc: docs/results/fidelity.json)
     k_bits: int = FORGE_RESIDUAL_BITS[0]
     v_bits: int = FORGE_RESIDUAL_BITS[1]
-    per_head: bool = True  # one dictionary per KV head (else shared by a layer's heads)
+    # one dictionary per KV head, or (the default) one shared by a layer's KV heads: at
+    # 1024 atoms both pass the gate with the same ΔPPL within noise, and the shared one is a
+    # third of the dictionary memory (docs/FIDELITY.md, "Dictionaries shared by the KV heads")
+    per_head: bool = False
     iters: int = 6
     method: str = "ksvd"
     train_vectors: int = 4096  # per dictionary, sampled from the calibration K/V
@@ -57,8 +60,8 @@ class ForgeConfig:
     calib_files: tuple | None = None  # calibration text files, windows in turn (None: the licenses)
     passthrough: list = field(default_factory=list)  # ["k:3", "v:0", …] streams left f32
     seed: int = 0
-    # atoms rounded to binary16 values (forge.learn): the arena then keeps a binary16 copy
-    # that reconstruct gathers (half the loads); False keeps the learner's float32 bits
+    # atoms rounded to binary16 values (forge.learn): the arena then keeps them in binary16
+    # (half the bytes, half reconstruct's loads); False keeps the learner's float32 bits
     f16_atoms: bool = True
 
     def stream_spec(self, k_not_v: bool) -> tuple[int, int]:
@@ -299,7 +302,10 @@ def cert_memory(art: KvDictArtifact, n_layers: int, n_kv_heads: int, head_dim: i
 
 
 def dict_row_name(cfg: ForgeConfig) -> str:
-    return f"dict {cfg.n_atoms} atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b"
+    """The fidelity table's name of a dictionary configuration: "dict N atoms, …" with one
+    dictionary per KV head, "dict N shared atoms, …" with one a layer's KV heads share."""
+    shared = "" if cfg.per_head else "shared "
+    return f"dict {cfg.n_atoms} {shared}atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b"
 
 
 def _jsonable(d: dict) -> dict:

@@ -114,13 +114,12 @@ def uint_block(name: str, *names: str, floats: tuple = (), defaults: dict | None
 # divides, Python checks the alignment. The reconstruct block's last three fields serve
 # per-head dictionaries (KV head h reads atoms at atoms_word + h·head_atoms, its mean and
 # residual scale at mean_word/scale_word + h·head_vec; both strides 0 when shared) and
-# the residual stage (scale_word is read only when the shader's RES_BITS > 0); atoms16_word
-# is the binary16 copy of the atoms (read only when ATOMS_F16; KV head h's at atoms16_word +
-# h·head_atoms/2; chunk-pair order, rows.atoms_f16_order).
+# the residual stage (scale_word is read only when the shader's RES_BITS > 0). The atoms are
+# binary16 where the specialization constant ATOMS_F16 says so (chunk-pair order,
+# rows.atoms_f16_order; shaders/atoms.glsl), head_atoms then counting their words.
 RECONSTRUCT_PUSH = uint_block("ReconstructPush", "src_word", "atoms_word", "mean_word", "n_atoms",
                               "n_ctx", "t0", "n_tok", "n_rows", "out_word", "scale_word", "head_atoms",
-                              "head_vec", "atoms16_word",
-                              defaults=dict(scale_word=0, head_atoms=0, head_vec=0, atoms16_word=0))
+                              "head_vec", defaults=dict(scale_word=0, head_atoms=0, head_vec=0))
 COPY_ROWS_PUSH = uint_block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
 READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word",
                             "stats_word", "window_word", "window", "state_word")
@@ -288,10 +287,12 @@ def _declare() -> tuple:
         Variant("fwd_argmax", "fwd_argmax.comp", (), (ro("X"), rw("Partial"), rw("State")), ARGMAX_PUSH),
     ]
     # decode attention (kvdict_vk/vk/attend/): f32 cache / dict-coded cache
+    # ATOMS_F16: the arena keeps the atoms in binary16 (shaders/atoms.glsl)
     coded = ATTEND_SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
-    direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF")
+    direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF", "ATOMS_F16")
     flash = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
-    flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET")
+    flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET", "ATOMS_F16")
+    atoms_spec = ATTEND_SPEC + ("ATOMS_F16",)
     merge = (ro("LayerQuads", 4), ro("Stats"), ro("Accs", 4), rw("Out", 4))
     flash_bindings = (ro("CacheWords"), ro("CacheQuads", 4), ro("Query"), rw("Accs"), rw("Stats"))
     out += [
@@ -299,9 +300,11 @@ def _declare() -> tuple:
                                        rw("Stats"), ro("Table"), rw("Bins"), rw("Scores")),
                 ATTEND_SPLIT_PUSH, coded, source="attend_split.comp",
                 optional=tuple((n, 0) for n in coded[4:])),  # 0 = passthrough stream / no residual
-        _attend("attend_table", (ro("LayerQuads", 4), ro("Query", 4), rw("Table")), ATTEND_TABLE_PUSH),
+        _attend("attend_table", (ro("LayerQuads", 4), ro("Query", 4), rw("Table")), ATTEND_TABLE_PUSH, atoms_spec,
+                optional=(("ATOMS_F16", 0),)),
         _attend("attend_combine", (rw("Stats"),), ATTEND_COMBINE_PUSH),
-        _attend("attend_atoms", (ro("LayerQuads", 4), ro("Stats"), rw("Bins"), rw("Blocks", 4)), ATTEND_ATOMS_PUSH),
+        _attend("attend_atoms", (ro("LayerQuads", 4), ro("Stats"), rw("Bins"), rw("Blocks", 4)), ATTEND_ATOMS_PUSH,
+                atoms_spec, optional=(("ATOMS_F16", 0),)),
         _attend("attend_reduce", (ro("LayerQuads", 4), ro("Stats"), ro("Accs", 4), ro("Blocks", 4), rw("Out", 4)),
                 ATTEND_REDUCE_PUSH),
         _attend("attend_direct", (ro("CacheWords"), ro("CacheQuads", 4), ro("FreshWords"), ro("FreshQuads", 4),
@@ -314,7 +317,8 @@ def _declare() -> tuple:
     out.append(_attend("attend_flash", flash_bindings, ATTEND_FLASH_PUSH, flash, optional=flash_optional))
     out.append(_attend("attend_flash_coded", (ro("CacheWords"), ro("CacheQuads", 4), ro("Table"), ro("Query"),
                                               rw("Accs"), rw("Stats")),
-                       ATTEND_FLASH_CODED_PUSH, flash_coded, optional=(("K_BITS", 0), ("V_BITS", 0))))
+                       ATTEND_FLASH_CODED_PUSH, flash_coded,
+                       optional=(("K_BITS", 0), ("V_BITS", 0), ("ATOMS_F16", 0))))
     # attend_flash summing a token's partial scores by subgroup shuffles (GPUs that have them);
     # attend_flash_wide: the split's end in a few barriers (the tuner times it beside attend_flash)
     for name, defines, ops in (("attend_flash_sg", (("SUBGROUP", 1),), _SG),

@@ -41,7 +41,8 @@ def _reconstruct_extents(p, s, lanes: int):
     if not p["n_rows"]:
         return [], [], [], []
     last = p["n_rows"] // p["n_tok"] - 1  # the last KV head read: strides × last
-    atoms = (p["atoms_word"], p["atoms_word"] + last * p["head_atoms"] + p["n_atoms"] * hd)
+    atom_words = p["n_atoms"] * hd // (2 if s["ATOMS_F16"] else 1)
+    atoms = (p["atoms_word"], p["atoms_word"] + last * p["head_atoms"] + atom_words)
     elems = [] if s["ATOMS_F16"] else [atoms]
     elems.append((p["mean_word"], p["mean_word"] + last * p["head_vec"] + hd))
     if bits:
@@ -52,7 +53,7 @@ def _reconstruct_extents(p, s, lanes: int):
             raise E.DispatchError(f"binary16 atoms are gathered a quad (8 halves) at a time: the vec4 variant "
                                   f"with head_dim % {L.ATOMS_F16_ELEMS} == 0 (head_dim {hd}, "
                                   f"{'vec4' if lanes == 4 else 'scalar'} variant)")
-        halves.append((p["atoms16_word"], p["atoms16_word"] + (last * p["head_atoms"] + p["n_atoms"] * hd) // 2))
+        halves.append(atoms)
     return ([_rows_extents(p, slot_words(hd, s["SPARSITY"], bits))], elems,
             [(p["out_word"], p["out_word"] + p["n_rows"] * hd)], halves)
 

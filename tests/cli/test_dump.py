@@ -26,7 +26,7 @@ def _dump(*args) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module", params=["f32-atoms", "f16-atoms"])
 def art_path(tmp_path_factory, request):
     """f16-atoms: the atoms rounded to binary16 values, as the forge makes them (the layout
-    then ends each tail with a binary16 copy of them)."""
+    then keeps them in binary16: half the atoms' words)."""
     rng = np.random.default_rng(4)
     art = toy_artifact(rng, n_layers=3, n_atoms=40, head_dim=16, s=3, passthrough=((1, 1),))
     if request.param == "f16-atoms":

@@ -39,7 +39,8 @@ def test_certified_artifact_loads(smoke_runs):
         assert meta == (4, 64)
         art = runtime.snapshot().artifact
         from kvdict_vk.forge.pipeline import ForgeConfig
-        assert art.n_heads == 3 and art.layers[0][0].residual_bits == ForgeConfig().k_bits
+        # one dictionary a stream, shared by the layer's KV heads (the default)
+        assert art.n_heads == 1 and art.layers[0][0].residual_bits == ForgeConfig().k_bits
         assert art.layers[0][1].residual_bits == ForgeConfig().v_bits
         assert art.layers[5] == (None, None)  # smoke codes layers 0 and 1 only
     finally:

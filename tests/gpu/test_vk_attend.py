@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import stream_entry, random_artifact, stable_seed
+from conftest import check_guards, stream_entry, random_artifact, stable_seed
 from helpers import rising_keys
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
@@ -396,6 +396,38 @@ def test_flash_path_needs_a_layer_it_fits(make_arena, activate):
     assert att.plan(0, 64).path in ("direct", "table") and not att.shapes.flash_fits(0)
     with pytest.raises(E.ArenaError, match="flash"):
         att.plan(0, 64, path="flash")
+
+
+@pytest.mark.parametrize("path", ["direct", "table", "flash"])
+@pytest.mark.parametrize("hd,n_kv,g,per_head", [(64, 3, 3, True), (32, 2, 4, False), (128, 1, 2, False)])
+def test_binary16_atoms_on_every_coded_path(hd, n_kv, g, per_head, path, make_arena, activate):
+    """Atoms that are binary16 values (as the forge's are): the arena keeps them once, in
+    binary16 (shaders/atoms.glsl), and every coded path — attend_direct, attend_table +
+    attend_atoms, attend_flash_coded — reads them exactly (1e-9 against float64 over the same
+    slots, out-of-range code words included), K or V uncoded in one layer."""
+    rng = np.random.default_rng(hd + 7 * n_kv + g)
+    pairs = [((4, 4), (4, 3)), ((2, 0), None), (None, (3, 5))]
+    art = random_artifact(rng, hd, 96, pairs, n_heads=n_kv if per_head else 1, f16_atoms=True)
+    activate(art)
+    n_ctx = 333
+    arena = make_arena(len(pairs), n_kv, hd, n_ctx, guard_words=64)
+    assert all(st.atoms_f16 for ll in arena.layout.layers for st in ll.streams)
+    stored = []
+    for layer, (kd, vd) in enumerate(art.layers):
+        k, v = (rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32) if d is None
+                else random_slots(rng, d, (n_kv, n_ctx), out_of_range=0.05) for d in (kd, vd))
+        arena.append_codes(layer, k, v)
+        stored.append((k, v, kd, vd))
+    att = arena.attention(n_kv * g)
+    att.path = path
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    for layer, (kd, vd) in enumerate(art.layers):
+        if path == "flash" and (kd is None or vd is None):
+            continue  # attend_flash_coded serves layers with both streams coded
+        for n_used in (1, 130, n_ctx):
+            assert att.plan(layer, n_used).path == path
+            _check(arena, stored, layer, q, n_used)
+    check_guards(arena)
 
 
 # (head_dim, n_kv, GQA, n_atoms, per-head dictionaries, ((K s, K bits), (V s, V bits)), n_ctx)

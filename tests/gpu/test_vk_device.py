@@ -129,14 +129,14 @@ def test_dispatch_contract_is_checked_before_the_driver(vk_device):
                        (dict(n_rows=3), "inconsistent"), (dict(n_atoms=0), "n_atoms")]:
         with pytest.raises(E.DispatchError, match=match):
             k.op(**{**ok, **bad})
-    # binary16 atoms (ATOMS_F16): read through binding 3, the float32 block not at all
+    # binary16 atoms (ATOMS_F16): the atoms block read through binding 3, as halves
     k16 = Kernel(vk_device, "reconstruct_vec4", [a, a, b, a], {**spec, "ATOMS_F16": 1})
-    ok16 = {**ok, "n_atoms": 13, "atoms16_word": 128}  # 13 atoms × 16 halves = 104 words
+    ok16 = {**ok, "n_atoms": 13, "atoms_word": 128}  # 13 atoms × 16 halves = 104 words
     k16.op(**ok16)
-    for bad, match in [(dict(atoms16_word=200), "binding 3"), (dict(atoms16_word=129), "aligned")]:
+    for bad, match in [(dict(atoms_word=200), "binding 3"), (dict(atoms_word=129), "aligned")]:
         with pytest.raises(E.DispatchError, match=match):
             k16.op(**{**ok16, **bad})
-    # the copy is gathered a quad (8 halves) at a time: the vec4 variant, head_dim % 8 == 0
+    # binary16 atoms are gathered a quad (8 halves) at a time: the vec4 variant, head_dim % 8 == 0
     for variant, s16 in (("reconstruct_vec4", {**spec, "HEAD_DIM": 12, "ATOMS_F16": 1}),
                          ("reconstruct_scalar", {**spec, "ATOMS_F16": 1})):
         bad16 = Kernel(vk_device, variant, [a, a, b, a], s16)

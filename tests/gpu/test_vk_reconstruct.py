@@ -104,7 +104,7 @@ MAPPINGS = ["row", "chunk-pipelined", "chunk-plain"]
 
 
 def _force_mapping(monkeypatch, table, table_f16=None):
-    """The GPU mapping tables for float32 atoms and for the binary16 copy (default: the same)."""
+    """The GPU mapping tables for float32 atoms and for binary16 ones (default: the same)."""
     monkeypatch.setattr(M, "RECONSTRUCT_GPU_MAPPINGS", table)
     monkeypatch.setattr(M, "RECONSTRUCT_GPU_MAPPINGS_F16", table if table_f16 is None else table_f16)
 
@@ -113,8 +113,9 @@ def _force_mapping(monkeypatch, table, table_f16=None):
 @pytest.mark.parametrize("mapping", MAPPINGS)
 @pytest.mark.parametrize("case", CASES + _random_cases(4), ids=_case_id)
 def test_gpu_reconstruct_equals_reference(case, mapping, atoms, make_arena, activate, monkeypatch):
-    """atoms "f16": binary16 values, as the forge makes them — the arena keeps a binary16 copy
-    (head_dim % 8 == 0) and reconstruct gathers from it; "f32": any float32 atoms."""
+    """atoms "f16": binary16 values, as the forge makes them — the arena keeps them in
+    binary16 (head_dim % 8 == 0: half the words) and reconstruct gathers them so; "f32": any
+    float32 atoms."""
     hd, na, n_kv, n_ctx, per_head, layers = case
     rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, na, layers, n_heads=n_kv if per_head else 1, f16_atoms=atoms == "f16")
@@ -123,7 +124,7 @@ def test_gpu_reconstruct_equals_reference(case, mapping, atoms, make_arena, acti
         _force_mapping(monkeypatch, ((None, (2, mapping == "chunk-pipelined")),))
     arena = make_arena(len(layers), n_kv, hd, n_ctx, guard_words=4 * hd, shader_mapping=mapping.split("-")[0])
     assert arena.mode == "dict" and arena.layout.n_dict_heads == art.n_heads
-    assert all((st.atoms16_word is not None) == (atoms == "f16" and hd % 8 == 0)
+    assert all(st.atoms_f16 == (atoms == "f16" and hd % 8 == 0)
                for ll in arena.layout.layers for st in ll.streams)
     row_chunks = hd // 4 if hd % 4 == 0 else hd
     for s in SPARSITIES:
@@ -161,7 +162,7 @@ def test_narrow_grids_walk_rows_across_heads(hd, cap, pipelined, make_arena, act
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("hd", [8, 16, 64, 128])
 def test_binary16_atoms_under_every_chunking(hd, pipelined, make_arena, activate, monkeypatch):
-    """The binary16 copy gathered a quad (8 halves: chunks c and c + hd/8) at a time, under
+    """Binary16 atoms gathered a quad (8 halves: chunks c and c + hd/8) at a time, under
     every number of chunks an invocation may write: even counts take both chunks of each quad
     (QUAD_PAIRS), one chunk takes its half of it, a whole row (the row mapping's path) each
     chunk's half in turn — per-head and shared dictionaries, out-of-range words, guards."""
@@ -173,7 +174,7 @@ def test_binary16_atoms_under_every_chunking(hd, pipelined, make_arena, activate
         for chunks in (c for c in (1, 2, 4, 8, 16, 32) if row_chunks % c == 0):
             _force_mapping(monkeypatch, ((None, (chunks, pipelined)),))
             arena = make_arena(1, 3, hd, 77, guard_words=4 * hd, shader_mapping="chunk")
-            assert all(st.atoms16_word is not None for st in arena.layout.layers[0].streams)
+            assert all(st.atoms_f16 for st in arena.layout.layers[0].streams)
             assert M.reconstruct_mapping(arena.memory, 4, atoms_f16=True) == (chunks, pipelined)
             stored = _fill(arena, art, rng, 77)
             for t0, t1 in ((0, 77), (30, 31), (5, 60)):
@@ -207,7 +208,7 @@ def test_gpu_mapping_follows_its_table(make_arena, monkeypatch):
     gpu = make_arena(1, 2, 64, 8, shader_mapping="chunk")  # 16 chunks a row
     assert [M.reconstruct_mapping(gpu.memory, s) for s in (1, 2, 3, 5, 6, 32)] == \
         [(4, True), (4, True), (8, False), (8, False), (2, True), (2, True)]
-    # the binary16 copy's own table
+    # binary16 atoms' own table
     assert [M.reconstruct_mapping(gpu.memory, s, atoms_f16=True) for s in (1, 3, 4, 32)] == [(1, False), (1, False), (4, True), (4, True)]
     narrow = make_arena(1, 2, 12, 8, shader_mapping="chunk")  # 3 chunks a row: none of 4, 8, 2 divides it
     assert [M.reconstruct_mapping(narrow.memory, s) for s in (1, 3, 6)] == [(1, True), (1, False), (1, True)]

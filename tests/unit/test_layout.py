@@ -150,10 +150,10 @@ def test_tail_image_is_the_atoms_flat_block():
 
 
 @pytest.mark.parametrize("n_heads", [1, 2])
-def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
-    """Atoms that are all binary16 values: the tail ends with K's and V's atoms again in
-    binary16, chunk-pair order (4-word aligned, after the scales), the same values; other
-    blocks keep their place."""
+def test_binary16_atoms_are_the_one_copy(n_heads):
+    """Atoms that are all binary16 values: each stream's atoms block holds them once, in
+    binary16, chunk-pair order (half the float32 block's words, 4-word aligned), the same
+    values; the means and scales follow; the tail is half the float32 atoms smaller."""
     rng = np.random.default_rng(7)
     plain = _artifact(rng, n_heads=n_heads)
     art = plain.with_f16_atoms()
@@ -161,33 +161,37 @@ def test_binary16_atoms_get_a_copy_at_the_tail_end(n_heads):
     hd, na, g = 16, 8, n_heads
     lay, lay32 = L.build_layout(3, 2, hd, 5, art), L.build_layout(3, 2, hd, 5, plain)
     flat = art.atoms_flat()
+    block = g * na * hd
     for ll, ll32, pair in zip(lay.layers, lay32.layers, art.layers):
         k, v = ll.streams
-        assert k.atoms16_word % L.VEC4_WORDS == 0 and v.atoms16_word % L.VEC4_WORDS == 0
-        assert k.atoms16_word >= v.scale_word + v.scale_words and v.atoms16_word >= k.atoms16_word + k.atoms16_words
-        assert k.atoms16_words == v.atoms16_words == g * na * hd // 2
-        assert ll.tail_word + ll.tail_words == v.atoms16_word + v.atoms16_words
-        for s, s32 in zip(ll.streams, ll32.streams):  # the float32 layout's blocks, unmoved
-            assert s32.atoms16_word is None and s32.atoms16_words == 0
-            assert (s.atoms_word, s.mean_word, s.scale_word) == (s32.atoms_word, s32.mean_word, s32.scale_word)
-            assert s.to_dict()["atoms_f16"] == {"word": s.atoms16_word, "words": s.atoms16_words,
-                                                "byte": 4 * s.atoms16_word, "bytes": 4 * s.atoms16_words}
+        assert k.atoms_f16 and v.atoms_f16 and not ll32.k.atoms_f16 and not ll32.v.atoms_f16
+        assert k.atoms_word % L.VEC4_WORDS == 0 and v.atoms_word % L.VEC4_WORDS == 0
+        assert k.atoms_words == v.atoms_words == block // 2 and ll32.k.atoms_words == block
+        assert v.atoms_word == k.atoms_word + k.atoms_words and k.mean_word == v.atoms_word + v.atoms_words
+        assert ll.tail_words == ll32.tail_words - block
+        for s in ll.streams:
+            assert s.to_dict()["atoms"] == {"word": s.atoms_word, "words": s.atoms_words,
+                                            "byte": 4 * s.atoms_word, "bytes": 4 * s.atoms_words}
+            assert s.to_dict()["atoms_format"] == "f16"
+        assert ll32.k.to_dict()["atoms_format"] == "f32"
         img = R.layer_tail_image(lay, ll.index, flat, tuple(None if d is None else d.mean for d in pair))
-        block = g * na * hd
         for j, s in enumerate(ll.streams):
-            h0 = s.atoms16_word - ll.tail_word
+            h0 = s.atoms_word - ll.tail_word
             halves = img[h0:h0 + block // 2].view(np.float16).astype(np.float32).reshape(g * na, hd)
             atoms = flat[(2 * ll.index + j) * block:(2 * ll.index + j + 1) * block].reshape(g * na, hd)
             # chunk-pair order: quad p = elements 4p..4p+3, then hd/2 + 4p..hd/2 + 4p+3
             for p in range(hd // 8):
                 assert np.array_equal(halves[:, 8 * p:8 * p + 4], atoms[:, 4 * p:4 * p + 4])
                 assert np.array_equal(halves[:, 8 * p + 4:8 * p + 8], atoms[:, hd // 2 + 4 * p:hd // 2 + 4 * p + 4])
+        img32 = R.layer_tail_image(lay32, ll.index, plain.atoms_flat(), (None, None))
+        atoms32 = plain.atoms_flat()[2 * ll.index * block:(2 * ll.index + 1) * block]
+        assert np.array_equal(img32[ll32.k.atoms_word - ll32.tail_word:][:block].view(np.float32), atoms32)
     with pytest.raises(E.DictMismatchError, match="binary16"):  # the layout wants f16 atoms, these are not
         R.layer_tail_image(lay, 0, plain.atoms_flat(), (None, None))
     guarded = L.build_layout(3, 2, hd, 5, art, guard_words=4)
     for ll in guarded.layers:  # guards before and after each f16 block
         for s in ll.streams:
-            lo, hi = s.atoms16_word, s.atoms16_word + s.atoms16_words
+            lo, hi = s.atoms_word, s.atoms_word + s.atoms_words
             assert any(b == lo for _, b in ll.guard_spans) and any(a == hi for a, _ in ll.guard_spans)
 
 
@@ -212,7 +216,8 @@ def test_binary16_atoms_need_head_dim_a_multiple_of_8_and_finite_halves():
     for hd in (15, 12, 20):
         odd = _artifact(rng, hd=hd).with_f16_atoms()
         assert odd.atoms_f16_exact
-        assert all(s.atoms16_word is None for ll in L.build_layout(3, 2, hd, 5, odd).layers for s in ll.streams)
+        odd_lay = L.build_layout(3, 2, hd, 5, odd)
+        assert all(not s.atoms_f16 and s.atoms_words == 8 * hd for ll in odd_lay.layers for s in ll.streams)
         if hd % 2 == 0:
             with pytest.raises(E.ArenaError, match="head_dim % 8"):
                 R.atoms_f16_order(hd)

@@ -63,7 +63,7 @@ def test_f16_is_128_bytes_a_vector_at_any_length():
 
 
 def test_dictionary_amortises_toward_its_slot_bytes():
-    spec = M.dictionary_spec(*SMOL)
+    spec = M.dictionary_spec(*SMOL, per_head=True)
     lengths = (1024, 4096, 8192, 32768, 131072, 1 << 20)
     at = M.arena_memory(*SMOL, spec, lengths)
     slot = at[0].bytes_per_token / (30 * 3 * 2)
@@ -74,10 +74,21 @@ def test_dictionary_amortises_toward_its_slot_bytes():
     for m in at:  # what is left above the slot is the dictionaries (and padding) spread over the tokens
         assert m.effective_bytes_per_vector - slot == (m.tail_bytes + m.padding_bytes) / (180 * m.n_ctx)
     assert len({m.tail_bytes for m in at}) == 1  # the dictionaries do not grow with the length
-    # the figures: 152.0 MiB at 8 192 tokens, 67.6 MiB of it dictionaries, 0.84 of f16
+    # at 8 192 tokens: 107.0 MiB, 22.6 MiB of it dictionaries (one binary16 copy of the atoms,
+    # 30 layers × 2 streams × 3 heads × 1 024 × 64 halves, and float32 means and scales), 0.59
+    # of f16 — the 152.0 / 67.6 / 0.84 kept a float32 copy beside the binary16 one
     m = at[2]
-    assert round(m.arena_bytes / 2 ** 20, 1) == 152.0 and round(m.tail_bytes / 2 ** 20, 1) == 67.6
-    assert round(m.vs_f16, 2) == 0.84
+    atoms = 30 * 2 * 3 * 1024 * 64 * 2
+    assert m.tail_bytes == atoms + 30 * 2 * 3 * 64 * 4 * 2
+    assert round(m.arena_bytes / 2 ** 20, 1) == 107.0 and round(m.tail_bytes / 2 ** 20, 1) == 22.6
+    assert round(m.vs_f16, 2) == 0.59
+    f32 = M.arena_memory(*SMOL, M.dictionary_spec(*SMOL, per_head=True, atoms_f16=False), (8192,))[0]
+    assert f32.tail_bytes - m.tail_bytes == atoms  # float32 atoms: twice the bytes
+    # the forge's default since: one dictionary a stream shared by the 3 KV heads, a third of
+    # the tail — 91.9 MiB at 8 192 tokens, 0.51 of f16
+    shared = M.arena_memory(*SMOL, M.dictionary_spec(*SMOL), (8192,))[0]
+    assert shared.tail_bytes * 3 == m.tail_bytes and shared.region_bytes == m.region_bytes
+    assert round(shared.arena_bytes / 2 ** 20, 1) == 91.9 and round(shared.vs_f16, 2) == 0.51
 
 
 def test_kivi_statistics_grow_and_window_amortises():
@@ -202,4 +213,26 @@ def test_fidelity_json_carries_the_memory_fields():
             if row["name"] == "KIVI 4 bit + 128 recent":
                 assert row["memory_model"] == "engine"
                 assert row["arena_bytes"]["8192"] == M.arena_memory(*SMOL, K.KiviSpec(), (8192,))[0].arena_bytes
-    assert doc["texts"]["gpl3"]["rows"][-1]["name"] == "q8_0"  # rows keep the forge's order
+    # rows keep the forge's order: its own run's (no "command"), then the rows merged from
+    # another run on the same windows, each with that run's command (fidelity_memory --merge)
+    own = [r for r in doc["texts"]["gpl3"]["rows"] if "command" not in r]
+    merged = doc["texts"]["gpl3"]["rows"][len(own):]
+    assert own[-1]["name"] == "q8_0" and all("command" in r for r in merged)
+    assert doc["default"] in {r["name"] for r in merged}
+    assert merged[0]["command"].startswith("kvdict-forge") and "--per-head" not in merged[0]["command"]
+
+
+def test_fidelity_merge_refuses_other_windows(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import fidelity_memory as FM
+    doc = json.loads((ROOT / "docs" / "results" / "fidelity.json").read_text())
+    run = {"command": "kvdict-forge x", "texts": copy.deepcopy(doc["texts"])}
+    for t in run["texts"].values():
+        t["rows"] = [dict(t["rows"][0], name="new row")]
+    merged = FM.merge(copy.deepcopy(doc), copy.deepcopy(run), "new row")
+    assert merged["default"] == "new row" and merged["texts"]["pydoc"]["rows"][-1]["command"] == "kvdict-forge x"
+    run["texts"]["sedfaq"]["windows"] += 1
+    with pytest.raises(SystemExit, match="windows"):
+        FM.merge(copy.deepcopy(doc), run)
+    with pytest.raises(SystemExit, match="no row"):
+        FM.merge(copy.deepcopy(doc), {"command": "c", "texts": doc["texts"]}, "absent")

@@ -52,6 +52,7 @@ class F32Rows:
     half: bool = False
     q8: bool = False
     rows: str = "f32"
+    atoms_f16: bool = False
 
 
 class PassBuilder:
@@ -121,7 +122,8 @@ class PassBuilder:
         if k.half != v.half or k.q8 or v.q8:
             raise E.ArenaError("attend_direct reads K and V rows in one format, f16 or f32 (q8_0: attend_flash)")
         spec = dict(K_SPARSITY=k.sparsity if k.coded else 0, K_BITS=k.residual_bits,
-                    V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits, ROW_HALF=int(k.half))
+                    V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits, ROW_HALF=int(k.half),
+                    ATOMS_F16=int(k.atoms_f16 or v.atoms_f16))
         kernel = self._kernel(("direct",) + key, "attend_direct",
                               [cache, cache, upload, upload, b.q, b.accs, b.stats, b.out],
                               grid.units * grid.max_splits, **spec)
@@ -235,7 +237,7 @@ class PassBuilder:
         n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
         # the q·atom table of every (KV head, query head): one invocation per atom and head block
         table = self._kernel(("table_all", layer), "attend_table", [buf, b.q, b.table],
-                             b.sizes.seqs * grid.units * lay.n_atoms)
+                             b.sizes.seqs * grid.units * lay.n_atoms, ATOMS_F16=int(k.atoms_f16))
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
                                n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs, q_word=at.q_word), self.sync(b.table)]
         # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
@@ -247,7 +249,7 @@ class PassBuilder:
                               [buf, buf, b.table, b.q, b.accs, b.stats],
                               b.sizes.seqs * n_kv * (grid.group // hb) * grid.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
-                              K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity,
+                              K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity, ATOMS_F16=int(v.atoms_f16),
                               BUCKET=self.shapes.flash_coded_bucket(layer, hb, local))
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                              n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word, **_split_push(plan, at),
@@ -281,7 +283,7 @@ class PassBuilder:
             # cost), each within the loop budget
             runs = max(grid.preferred_splits * grid.units, -(-grid.units * lay.n_atoms // (LOOP_BUDGET // 2)))
             table = self._kernel(("table", layer), "attend_table", [buf, b.q, b.table],
-                                 min(grid.units * lay.n_atoms, runs))
+                                 min(grid.units * lay.n_atoms, runs), ATOMS_F16=int(k.atoms_f16))
             ops += [self._cached_op(("table", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
                                     n_atoms=lay.n_atoms, n_kv=n_kv), self.sync(b.table)]
         spec = dict(K_CODED=int(k.coded), K_BITS=k.residual_bits, V_CODED=int(v.coded), V_BITS=v.residual_bits)
@@ -309,7 +311,7 @@ class PassBuilder:
                                 inv_l_word=sz.inv_l_word), self.sync(b.stats)]
         if v.coded:  # the atom weights times the atoms (and the bins cleared for the next call)
             atoms = self._kernel(("atoms", layer), "attend_atoms", [buf, b.stats, b.bins, b.blocks],
-                                 grid.units * n_blocks(lay.n_atoms))
+                                 grid.units * n_blocks(lay.n_atoms), ATOMS_F16=int(v.atoms_f16))
             ops += [self._cached_op(("atoms", layer), atoms, atoms_word=v.atoms_word, head_atoms=v.head_atoms_stride,
                                     n_atoms=lay.n_atoms, n_kv=n_kv, n_splits=records, f_word=sz.f_word),
                     self.sync(b.blocks)]

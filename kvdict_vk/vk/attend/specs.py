@@ -242,14 +242,21 @@ def _split_extents(p, s):
     return common + [table, bins, [_span(0, sizes.scores)]]
 
 
-def _atoms_span(p, hd):
-    return _span(p["atoms_word"], (p["n_kv"] - 1) * p["head_atoms"] + p["n_atoms"] * hd)
+def _atoms_span(p, s, n_atoms=None, word="atoms_word"):
+    """The atoms of every KV head a kernel reads: float32 rows, or binary16 (ATOMS_F16: half
+    the words, read a uvec4 at a time — atoms.glsl's layout, its alignment checked here)."""
+    hd, f16 = s["HEAD_DIM"], s.get("ATOMS_F16", 0)
+    if f16 and (hd % 8 or p[word] % 4 or p["head_atoms"] % 4):
+        raise E.DispatchError(f"binary16 atoms need HEAD_DIM % 8 == 0 and {word}, head_atoms multiples of 4 "
+                              f"(HEAD_DIM {hd}, {word} {p[word]}, head_atoms {p['head_atoms']})")
+    n = p["n_atoms"] if n_atoms is None else n_atoms
+    return _span(p[word], (p["n_kv"] - 1) * p["head_atoms"] + n * hd // (2 if f16 else 1))
 
 
 def _table_extents(p, s):
     _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1 and p["n_seqs"] >= 1, "attend_table", p)
     hd, g, heads = s["HEAD_DIM"], s["GROUP"], p["n_kv"] * p["n_seqs"]
-    return [[_atoms_span(p, hd)], [_query_span(p, heads * g * hd, "attend_table")],
+    return [[_atoms_span(p, s)], [_query_span(p, heads * g * hd, "attend_table")],
             [_span(0, heads * g * p["n_atoms"])]]
 
 
@@ -298,7 +305,7 @@ def _atoms_extents(p, s):
     _check(p["n_kv"] >= 1 and p["n_atoms"] >= 1 and p["n_splits"] >= 1, "attend_atoms", p)
     hd, g = s["HEAD_DIM"], s["GROUP"]
     records = p["n_kv"] * p["n_splits"] * g
-    return [[_atoms_span(p, hd)], [_span(p["f_word"], records)], [_span(0, records * p["n_atoms"])],
+    return [[_atoms_span(p, s)], [_span(p["f_word"], records)], [_span(0, records * p["n_atoms"])],
             [_span(0, p["n_kv"] * n_blocks(p["n_atoms"]) * g * hd)]]
 
 
@@ -336,7 +343,7 @@ def _direct_extents(p, s):
         if used > max(first, cached):
             (fresh_words if sparsity else fresh_quads).append(_span(fresh_word, n_kv * n_fresh * row))
         if sparsity:
-            quads.append(_atoms_span(dict(p, atoms_word=atoms_word), hd))
+            quads.append(_atoms_span(dict(p, atoms_word=atoms_word), s))
         if bits:
             quads.append(_vec_span(scale_word, n_kv, p["head_vec"], hd))
     if p["use_mean"]:
@@ -438,7 +445,7 @@ def _flash_coded_extents(p, s):
     for word, bits in ((p["k_scale_word"], s["K_BITS"]), (p["v_scale_word"], s["V_BITS"])):
         if bits:
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
-    atoms = _span(p["v_atoms_word"], (n_kv - 1) * p["head_atoms"] + s["N_ATOMS"] * hd)
+    atoms = _atoms_span(p, s, s["N_ATOMS"], "v_atoms_word")
     records = heads * p["n_splits"] * g
     queries = _query_span(p, query_words(p["n_seqs"], n_kv * g, hd), "attend_flash_coded")
     return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [queries],

@@ -12,7 +12,7 @@ from __future__ import annotations
 # "Pipelined" loads the next row's slot words early (reconstruct.comp's PIPELINED). More chunks
 # per invocation unpack a row's code words in fewer invocations, which pays most where each
 # chunk has few gathers (s 1); the early loads hide the slot words' latency until their
-# registers cost more than they save (from s 8 on float32 atoms, s 16 on the binary16 copy,
+# registers cost more than they save (from s 8 on float32 atoms, s 16 on binary16 atoms,
 # gathered a quad at a time). The measurements behind both tables: lab/NOTEBOOK.md, heading
 # "Reconstruct".
 RECONSTRUCT_GPU_MAPPINGS = ((1, (4, False)), (4, (2, True)), (None, (2, False)))
@@ -37,7 +37,7 @@ def row_chunks(memory) -> int:
 def reconstruct_mapping(memory, sparsity: int, atoms_f16: bool = False) -> tuple[int, bool]:
     """reconstruct's (CHUNKS, PIPELINED) on the arena ``memory`` (an ArenaMemory: its
     shader_mapping and layout) for a stream of ``sparsity`` code words gathering float32 atoms
-    or (``atoms_f16``) the binary16 copy: output chunks of a row one invocation writes (a
+    or (``atoms_f16``) binary16 ones: output chunks of a row one invocation writes (a
     whole row on CPU drivers) and whether it loads its next row's slot words early
     (RECONSTRUCT_GPU_MAPPINGS, RECONSTRUCT_GPU_MAPPINGS_F16)."""
     per_row = chunks_per_row(memory)

@@ -83,12 +83,11 @@ class ReadPlan:
             common = dict(src_word=st.region_word, n_ctx=lay.n_ctx, t0=t0, n_tok=max(n_tok, 1),
                           n_rows=n_kv * n_tok, out_word=j * n_kv * n_tok * hd)
             if st.coded:
-                halves = int(st.atoms16_word is not None)  # gather the binary16 copy of the atoms
                 kern = self._kernel("reconstruct", [layer_buf, layer_buf, out, layer_buf], SPARSITY=st.sparsity,
-                                    RES_BITS=st.residual_bits, ATOMS_F16=halves)
+                                    RES_BITS=st.residual_bits, ATOMS_F16=int(st.atoms_f16))
                 self.ops.append(kern.op(atoms_word=st.atoms_word, mean_word=st.mean_word, n_atoms=lay.n_atoms,
                                         scale_word=st.scale_word, head_atoms=st.head_atoms_stride,
-                                        head_vec=st.head_vec_stride, atoms16_word=st.atoms16_word or 0, **common))
+                                        head_vec=st.head_vec_stride, **common))
             elif st.kivi:
                 kern = self._kernel("read_rows_kivi", [layer_buf, out], BITS=st.kivi_bits,
                                     KEYS=int(st.stream == "k"), GROUP=K.GROUP)
