@@ -6,6 +6,9 @@ the forge's fidelity rows (kvdict_vk.forge.kivi) share.
   binary16 scale and one binary16 minimum; each key one b-bit level per channel.
 * Values per token over groups of GROUP dims: each (token, dim group) a binary16 scale and
   minimum; one b-bit level per dim.
+* A group is quantised from its values rounded to binary16 — what the exact window held
+  them as (KIVI keeps its recent tokens in fp16), so a device that quantises from the window
+  (shaders/append_kivi.comp) stores the same words as the host.
 * Level = round-to-nearest((x − min) / scale) with the *stored* binary16 scale and min,
   clipped to [0, 2^b − 1]; the value is level · scale + min (float32). A zero scale (a
   constant group) stores the minimum exactly.
@@ -99,8 +102,9 @@ def _f16(x: np.ndarray) -> np.ndarray:
 
 
 def _stats_levels(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """One (scale, min) per slice along ``axis`` as binary16, and x's levels."""
-    x = np.asarray(x, np.float32)
+    """One (scale, min) per slice along ``axis`` as binary16, and the levels of x rounded to
+    binary16 (the window's values)."""
+    x = _f16(x).astype(np.float32)
     lo = _f16(x.min(axis=axis, keepdims=True))
     top = (1 << bits) - 1
     scale = _f16((x.max(axis=axis, keepdims=True) - lo.astype(np.float32)) / np.float32(top))

@@ -128,6 +128,11 @@ SCATTER_PUSH = uint_block("ScatterPush", "src_word", "dst_word", "row_words", "g
 APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_word", "v_word", "k_row_words", "v_row_words",
                               "n_kv", "n_seqs", "n_ctx", "seq_rows", "lengths_word", "k_format", "v_format",
                               "head_dim")
+# a recorded step's append to a KIVI layer (one sequence): its rows into the rings, a group
+# leaving the window quantised on the device (shaders/append_kivi.comp)
+APPEND_KIVI_PUSH = uint_block("AppendKiviPush", "k_src_word", "v_src_word", "k_word", "v_word", "stats_word",
+                              "k_window_word", "v_window_word", "window", "recent", "state_word", "n_kv", "n_ctx",
+                              "lengths_word")
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")
 # A model's forward on the device (shaders/fwd_*.comp, kvdict_vk/vk/forward/).
@@ -262,6 +267,8 @@ def _declare() -> tuple:
         Variant("l2_flush", "l2_flush.comp", (), (ro("Src", 4), rw("Sink")), FLUSH_PUSH),
         Variant("scatter", "scatter.comp", (), (ro("Upload"), rw("Layer")), SCATTER_PUSH),
         Variant("append_step", "append_step.comp", (), (ro("Step"), ro("Query"), rw("Layer")), APPEND_STEP_PUSH),
+        Variant("append_kivi", "append_kivi.comp", (), (ro("Step"), ro("Query"), rw("Layer")), APPEND_KIVI_PUSH,
+                ("HEAD_DIM", "K_BITS", "V_BITS")),
         Variant("read_rows_f16", "read_rows_f16.comp", (), (ro("LayerWords"), rw("OutPairs", 2)), COPY_ROWS_PUSH,
                 ("HEAD_DIM",)),
         Variant("read_rows_q8", "read_rows_q8.comp", (), (ro("LayerWords"), rw("OutQuads", 4)), COPY_ROWS_PUSH,

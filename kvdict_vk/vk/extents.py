@@ -103,6 +103,25 @@ def _append_step_extents(p, s):
             [(p["k_word"], p["k_word"] + last * p["k_row_words"]), (p["v_word"], p["v_word"] + last * p["v_row_words"])])
 
 
+def _append_kivi_extents(p, s):
+    """append_kivi: the step's K and V rows; the n_used word; the K and V regions, the key
+    statistics, both rings and the state word (written where the device says)."""
+    hd, kb, vb, n_kv, n_ctx = s["HEAD_DIM"], s["K_BITS"], s["V_BITS"], p["n_kv"], p["n_ctx"]
+    ok = (n_kv >= 1 and n_ctx >= 1 and hd % K.GROUP == 0 and K.MIN_BITS <= kb <= K.MAX_BITS
+          and K.MIN_BITS <= vb <= K.MAX_BITS and p["window"] == p["recent"] + K.GROUP)
+    if not ok:
+        raise E.DispatchError(f"append_kivi: push constants {p} / specialization {s} are inconsistent")
+    rows = n_kv * n_ctx
+    return ([(p["k_src_word"], p["k_src_word"] + n_kv * hd), (p["v_src_word"], p["v_src_word"] + n_kv * hd)],
+            [(p["lengths_word"], p["lengths_word"] + 1)],
+            [(p["k_word"], p["k_word"] + rows * K.key_row_words(hd, kb)),
+             (p["v_word"], p["v_word"] + rows * K.value_row_words(hd, vb)),
+             (p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(n_ctx, hd)),
+             (p["k_window_word"], p["k_window_word"] + n_kv * K.window_words_per_head(p["window"], hd)),
+             (p["v_window_word"], p["v_window_word"] + n_kv * K.window_words_per_head(p["window"], hd)),
+             (p["state_word"], p["state_word"] + 1)])
+
+
 def _read_f16_extents(p, s):
     _check_rows(p)
     if not p["n_rows"]:
@@ -162,7 +181,7 @@ EXTENTS = {
     **{f"reconstruct_{v}": (lambda p, s, n=n: _reconstruct_extents(p, s, n)) for v, n in (("vec4", 4), ("scalar", 1))},
     "copy_rows_vec4": _copy_rows_extents, "copy_rows_scalar": _copy_rows_extents,
     "copy_vec4": _copy_extents, "copy_scalar": _copy_extents,
-    "scatter": _scatter_extents, "append_step": _append_step_extents, "l2_flush": _flush_extents,
+    "scatter": _scatter_extents, "append_step": _append_step_extents, "append_kivi": _append_kivi_extents, "l2_flush": _flush_extents,
     "read_rows_f16": _read_f16_extents, "read_rows_q8": _read_q8_extents, "read_rows_kivi": _read_kivi_extents,
 }
 # variant → invocations that share one row, from the spec (grid stride % groups == 0); others 1

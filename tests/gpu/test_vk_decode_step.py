@@ -306,14 +306,63 @@ def test_bad_input_leaves_the_arena_as_it_was(make_arena):
     assert other.closed
 
 
+@pytest.mark.parametrize("bits,recent", [((4, 4), 8), ((3, 5), 0), ((2, 8), 40)])
+def test_kivi_replays_quantise_on_the_device_as_the_host_does(bits, recent, make_arena):
+    """A KIVI cache's recorded step: each token into the exact windows on the device and, as a
+    group leaves them, the group quantised there (append_kivi.comp). Over steps that cross
+    several groups' exits (recent 0: the new token's own group) every replay equals
+    KvArena.step on a twin arena (the host's quantiser), the layers' words are the twin's bit
+    for bit, the output is the float64 reference over the rows the cache holds; then a host
+    append after the device's (reading the window back) and more replays stay equal."""
+    n_layers, n_kv, g, hd, n_ctx = 2, 2, 3, 64, 400
+    spec = K.KiviSpec(*bits, recent)
+    rng = np.random.default_rng(53 + recent)
+    stepped, plain = (make_arena(n_layers, n_kv, hd, n_ctx, cache="kivi", kivi=spec) for _ in range(2))
+    step = stepped.record_step(n_kv * g)
+    keys, vals = [[] for _ in range(n_layers)], [[] for _ in range(n_layers)]
+
+    def host_append(n):
+        k, v = (rng.standard_normal((n_kv, n, hd), dtype=np.float32) * 3 for _ in range(2))
+        for layer in range(n_layers):
+            stepped.append(layer, k, v)
+            plain.append(layer, k, v)
+            keys[layer].append(k)
+            vals[layer].append(v)
+
+    host_append(21)
+    for t in range(90):
+        if t == 50:
+            host_append(37)  # the host quantises from the window the device filled
+        k, v, q = _tokens(rng, n_layers, 1, n_kv, hd, n_kv * g)
+        got = step.run(k, v, q)
+        for layer in range(n_layers):
+            want = plain.step(layer, k[layer].transpose(1, 0, 2), v[layer].transpose(1, 0, 2), q[layer, 0])
+            keys[layer].append(k[layer].transpose(1, 0, 2))
+            vals[layer].append(v[layer].transpose(1, 0, 2))
+            n = stepped.n_tokens(layer)
+            assert n == plain.n_tokens(layer)
+            assert nmse(want, got[layer, 0]) <= 1e-9, f"layer {layer}, {n} tokens"
+            if t % 16 == 15 or t == 89:
+                kc, vc = K.cache_rows(np.concatenate(keys[layer], 1), np.concatenate(vals[layer], 1), n, spec)
+                assert nmse(reference(q[layer, 0], kc, vc, None, None, n), got[layer, 0]) <= 1e-9
+    for layer in range(n_layers):
+        a, b = stepped.memory.layer_words(layer), plain.memory.layer_words(layer)
+        ll, n = stepped.layout.layers[layer], stepped.n_tokens(layer)
+        q_end = K.quantised_end(n, recent)
+        assert a[ll.k.state_word] == b[ll.k.state_word] == q_end
+        live = np.ones(a.size, bool)  # the windows' slots of quantised tokens are dead (never read)
+        for st in ll.streams:
+            ring = np.arange(st.window_word, st.window_word + st.window_words).reshape(n_kv, st.window_tokens, -1)
+            live[ring] = False
+            live[ring[:, np.arange(q_end, n) % st.window_tokens]] = True
+        np.testing.assert_array_equal(a[live], b[live])
+
+
 def test_refusals(make_arena, activate):
     """What a recorded step cannot serve is a typed error at record time, before anything is
-    allocated: a KIVI cache, a layer coded in one stream only, a batch beyond the arena's
-    sequences, repeated layers, n_plan beyond the capacity."""
+    allocated: a layer coded in one stream only, a batch beyond the arena's sequences,
+    repeated layers, n_plan beyond the capacity."""
     rng = np.random.default_rng(47)
-    kivi = make_arena(1, 2, 64, 128, cache="kivi", kivi=K.KiviSpec(4, 4, 32))
-    with pytest.raises(E.ArenaError, match="KIVI"):
-        kivi.record_step(4)
     rows = make_arena(2, 2, 64, 128, cache="f16")
     for kw in (dict(batch=2), dict(layers=[0, 0]), dict(n_plan=129), dict(layers=[])):
         with pytest.raises(E.ArenaError):

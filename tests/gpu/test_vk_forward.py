@@ -124,6 +124,47 @@ def _check_forward(w, cache, row_threads, subgroups, make_arena, rng):
     assert forward.closed
 
 
+@pytest.mark.parametrize("bits,recent", [((4, 4), 8), ((3, 2), 20)])
+def test_kivi_cache_equals_the_forge_kivi_forward(bits, recent, make_arena):
+    """Over a KIVI cache the device forward (its windows filled and its groups quantised on the
+    device: append_kivi.comp) gives the forge's forward with KIVI's windows (forge.kivi.KiviHook's:
+    each query over the groups quantised by then, the rest binary16) within the NLL gate, over
+    enough tokens that groups leave the window. As for q8_0 (CacheAsHeld) the quantised values
+    are the arena's own — a level a float32 ulp from a rounding boundary may land a step away
+    from NumPy's — and they are held to the host quantiser's over the forge's K/V."""
+    from kvdict_vk import kivi as K
+    from kvdict_vk.forge.kivi import KiviHook
+    from kvdict_vk.metrics import nmse
+    rng = np.random.default_rng(64)
+    w = _small_model(rng, "q8_0", True)
+    cfg, spec = w.config, K.KiviSpec(*bits, recent)
+    tokens = rng.integers(0, cfg.vocab, 32 + recent + 40)
+    arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(tokens) + 4, cache="kivi", kivi=spec)
+    forward = DeviceForward(w, arena, logits=True, row_threads=8)
+    got, _ = _decode(forward, tokens)
+    assert int(arena.memory.layer_words(0)[arena.layout.layers[0].k.state_word]) == \
+        K.quantised_end(len(tokens), recent) >= 64
+    ref = _KiviAsHeld(arena, KiviHook(*bits, recent))
+    want = llama.token_nll(tokens, ref, model=dequantised_model(w))
+    assert np.abs(got - want).max() <= NLL_GATE, np.abs(got - want).max()
+    for layer, (k, v) in enumerate(ref.kv):  # what the device quantised, against the host's quantiser
+        for held, host in zip(arena.read(layer), K.cache_rows(k, v, len(tokens), spec)):
+            assert nmse(host, held) <= 1e-4
+    forward.free()
+
+
+class _KiviAsHeld(CacheAsHeld):
+    """Attention over a KIVI arena's values as held, with ``hook``'s exact windows per query."""
+
+    def __init__(self, arena, hook):
+        super().__init__(arena, "kivi")
+        self.exact_group, self.exact_recent, self.exact_sink = hook.exact_group, hook.exact_recent, hook.exact_sink
+
+    def __call__(self, layer, k, v):
+        self.kv.append((k, v))
+        return self.arena.read(layer)
+
+
 @pytest.mark.parametrize("cache", ["f32", "f16", "q8_0"])
 def test_smollm2_first_tokens_equal_the_forge_forward(cache, make_arena):
     """The real model (its GGUF's Q4_1 and Q8_0 blocks as stored) over the demo's text."""

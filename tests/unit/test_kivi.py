@@ -43,18 +43,24 @@ def test_words_round_trip_to_the_values(bits):
 
 
 def test_the_quantiser_is_the_previous_forge_one():
-    """The forge's KIVI rows are this module's values: the forge's numbers hold for the engine."""
+    """The forge's KIVI rows are this module's values: the forge's numbers hold for the engine.
+    A group is quantised from its values rounded to binary16 (what the exact window held: the
+    device quantises from it), the statistics as the forge computed them before."""
     x = _x(1)
     groups = [slice(t, t + 32) for t in range(0, 100, 32)]
     expect = np.empty_like(x)
     for sl in groups:  # per channel over each 32-token group, as KIVI's paper and the forge did
-        g = x[:, sl]
+        g = x[:, sl].astype(np.float16).astype(np.float32)
         lo = g.min(axis=1, keepdims=True).astype(np.float16).astype(np.float32)
         sc = ((g.max(axis=1, keepdims=True) - lo) / np.float32(15)).astype(np.float16).astype(np.float32)
         q = np.clip(np.rint((g - lo) / np.where(sc > 0, sc, np.float32(1))), 0, 15)
         expect[:, sl] = q * sc + lo
     np.testing.assert_array_equal(forge_kivi.keys(x, 4), expect)
     np.testing.assert_array_equal(forge_kivi.keys(x, 4), K.keys(x, 4))
+    half = x.astype(np.float16).astype(np.float32)
+    assert not np.array_equal(x, half)  # the float32 values' low bits do not matter
+    assert all(np.array_equal(a, b) for a, b in zip(K.quantise_keys(x[:, :96], 3), K.quantise_keys(half[:, :96], 3)))
+    assert np.array_equal(K.quantise_values(x, 3), K.quantise_values(half, 3))
 
 
 def test_a_constant_group_is_stored_exactly():

@@ -24,8 +24,10 @@ cooperative-matrix sibling where Attention.flash_kernel asks for it — and atte
 over a dict-coded layer); their launch shape is planned once, at the length ``n_plan``
 (default: the sequence's capacity), so a replay at a shorter context runs the same
 workgroups with shorter splits. A dict-coded layer's new tokens are coded on the host
-(codec.encode_heads), as KvArena.append's CPU path codes them. A KIVI cache's append
-quantises whole groups on the host as they leave its window: its steps run by KvArena.step.
+(codec.encode_heads), as KvArena.append's CPU path codes them. A KIVI layer's (one
+sequence) go into its exact windows on the device, which also quantises a group as it
+leaves them (append_kivi.comp: the host's words, bit for bit); the arena's host state of
+the layer then says the window's rows are on the device (kivi_store).
 
 The query blocks and the output are the DecodeStep's own buffers; the split records are the
 arena's attention engine's (a barrier between layers), so a DecodeStep and that engine's
@@ -72,9 +74,8 @@ class DecodeStep:
             raise E.ArenaError(f"record_step: n_plan {n_plan} outside 1..{memory.seq_ctx}")
         for i in self.layers:
             k, v = lay.layers[i].streams
-            if k.kivi:
-                raise E.ArenaError(f"layer {i}: a KIVI layer's appends quantise groups on the host as they leave "
-                                   f"its window; its decode steps run by KvArena.step")
+            if k.kivi and self.batch != 1:
+                raise E.ArenaError(f"layer {i}: a KIVI layer's recorded step serves one sequence, not {self.batch}")
             if k.coded != v.coded:
                 raise E.ArenaError(f"layer {i}: a recorded step attends by the flash kernels, which need both "
                                    f"streams dict-coded or neither")
@@ -83,6 +84,7 @@ class DecodeStep:
         self.plans = tuple(plans)  # each layer's flash launch shape (profiles print them)
         self._writes = writes
         self._streams = [lay.layers[i].streams for i in self.layers]
+        self._kivi_layers = [i for i in self.layers if lay.layers[i].k.kivi]
         # no coded stream: the step's rows go into the step buffer as they come, in one write each
         self._rows_only = not any(k.coded or v.coded for k, v in self._streams)
         # the step buffer: every layer's K source rows (batch, n_kv, row), then every layer's V rows
@@ -135,15 +137,26 @@ class DecodeStep:
         for j, (i, plan) in enumerate(zip(self.layers, plans)):
             k, v = self._streams[j]
             layer_buf, q_word = mem.layer_buffer(i), self.q_word(j)
-            units = sum(_append_units(st, lay.head_dim, self.batch * n_kv) for st in (k, v))
-            append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf], max_items=units * WG_SIZE)
-            ops = [append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
-                             v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
-                             n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
-                             lengths_word=q_word + self._lengths_at,
-                             k_format=R.APPEND_FORMATS[R.append_format(k)],
-                             v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim),
-                   barrier(layer_buf)]
+            if k.kivi:  # into the windows; a group leaving them quantised (one workgroup a KV head)
+                append = pipeline(self.device, "append_kivi", [self._step, self._q, layer_buf],
+                                  dict(HEAD_DIM=lay.head_dim, K_BITS=k.kivi_bits, V_BITS=v.kivi_bits),
+                                  max_items=n_kv * WG_SIZE)
+                op = append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
+                               v_word=v.region_word, stats_word=k.stats_word, k_window_word=k.window_word,
+                               v_window_word=v.window_word, window=k.window_tokens, recent=lay.kivi.recent,
+                               state_word=k.state_word, n_kv=n_kv, n_ctx=lay.n_ctx,
+                               lengths_word=q_word + self._lengths_at)
+            else:
+                units = sum(_append_units(st, lay.head_dim, self.batch * n_kv) for st in (k, v))
+                append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf],
+                                  max_items=units * WG_SIZE)
+                op = append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
+                               v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
+                               n_seqs=self.batch, n_ctx=lay.n_ctx, seq_rows=mem.seq_ctx,
+                               lengths_word=q_word + self._lengths_at,
+                               k_format=R.APPEND_FORMATS[R.append_format(k)],
+                               v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim)
+            ops = [op, barrier(layer_buf)]
             ops += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
                                     Placement(q_word=q_word, out_word=self.out_word(j), dynamic=True))
             ops.append(attention.barrier_op())
@@ -193,7 +206,10 @@ class DecodeStep:
         return used
 
     def advance(self) -> None:
-        """Count the token a replay appended to every sequence of every layer."""
+        """Count the token a replay appended to every sequence of every layer (a KIVI layer's
+        host state: its window's rows are on the device)."""
+        for i in self._kivi_layers:
+            self._writes.kivi_appended_on_device(i, self.memory.n_tokens(i) + 1)
         self.memory.advance_each(self._layer_rows, self.batch)
 
     # --- a step -------------------------------------------------------------------------------

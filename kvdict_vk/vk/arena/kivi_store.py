@@ -3,9 +3,12 @@ anything reaches the device, so a refused or failed append changes nothing the c
 
 A KIVI layer holds its newest tokens exact (binary16, the window ring) until their group is
 ``recent`` tokens old, then quantises the whole group: a key group's per-channel statistics
-need all of its tokens. The host keeps the float32 rows of the tokens not yet quantised
-(at most ``window`` per KV head), so the groups that leave the window are quantised from
-the rows as they arrived — exactly what kvdict_vk.kivi.cache_rows computes.
+need all of its tokens. The host keeps the rows of the tokens not yet quantised (at most
+``window`` per KV head), so the groups that leave the window are quantised from them — from
+their binary16 values, as kvdict_vk.kivi quantises — exactly what kvdict_vk.kivi.cache_rows
+computes. After a recorded decode step appended on the device (append_kivi.comp, which
+quantises the same way) those rows are the device's window: the next host append reads them
+back from it (``read_window``).
 
 An append's writes come in an order that keeps every token already visible readable at
 every point in between: the rows (and key statistics) of the groups it quantises, then the
@@ -30,16 +33,19 @@ SLICE = 2048  # tokens quantised per NumPy pass (the level packing's temporaries
 @dataclass(frozen=True)
 class LayerState:
     """A KIVI layer's host state: the quantised end and the float32 rows of tokens
-    [q_end, n_tokens) — (K, V), each (n_kv, n_tokens − q_end, head_dim)."""
+    [q_end, n_tokens) — (K, V), each (n_kv, n_tokens − q_end, head_dim) — or None where
+    they are only in the device's window (a recorded step appended them)."""
     q_end: int
-    pending: tuple
+    pending: tuple | None
 
 
 class KiviStore:
     """The host side of a KvArena's KIVI layers (one per arena)."""
 
-    def __init__(self, layout: L.ArenaLayout):
-        self.layout, self.spec = layout, layout.kivi
+    def __init__(self, layout: L.ArenaLayout, read_window=None):
+        """``read_window(layer, t0, t1)``: the (K, V) window rows of tokens [t0, t1) from the
+        device, float32 (n_kv, t1 − t0, head_dim) each."""
+        self.layout, self.spec, self._read_window = layout, layout.kivi, read_window
         hd, n_kv = layout.head_dim, layout.n_kv_heads
         empty = np.zeros((n_kv, 0, hd), np.float32)
         self._state = [LayerState(0, (empty, empty)) for _ in layout.layers]
@@ -52,7 +58,8 @@ class KiviStore:
         old = self._state[layer]
         n_new = n_tokens + k_rows.shape[1]
         q_new = K.quantised_end(n_new, spec.recent)
-        pending = [np.concatenate([p, r], axis=1) for p, r in zip(old.pending, (k_rows, v_rows))]
+        held = old.pending if old.pending is not None else self._read_window(layer, old.q_end, n_tokens)
+        pending = [np.concatenate([p, r], axis=1) for p, r in zip(held, (k_rows, v_rows))]
         writes = []
         if q_new > old.q_end:  # whole groups leave the window: quantise them
             n_q = q_new - old.q_end
@@ -79,6 +86,12 @@ class KiviStore:
 
     def commit(self, layer: int, state: LayerState) -> None:
         self._state[layer] = state
+
+    def appended_on_device(self, layer: int, n_tokens: int) -> None:
+        """A recorded step appended a token on the device (the layer now holds n_tokens):
+        the quantised end moves as the device moved it; the rows not yet quantised are the
+        device window's."""
+        self._state[layer] = LayerState(K.quantised_end(n_tokens, self.spec.recent), None)
 
 
 def _ring_writes(st: L.StreamLayout, t0: int, words: np.ndarray) -> list:

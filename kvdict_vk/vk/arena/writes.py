@@ -34,7 +34,7 @@ class ArenaWrites:
     def __init__(self, memory: ArenaMemory, art, encoder: str):
         self.memory, self.layout, self.encoder = memory, memory.layout, encoder
         self._art = art
-        self._kivi = KiviStore(self.layout) if self.layout.mode == L.KIVI_CACHE else None
+        self._kivi = KiviStore(self.layout, self._read_kivi_window) if self.layout.mode == L.KIVI_CACHE else None
         self._encoders: dict = {}  # (layer, "k"/"v") → GpuEncoder, made on first GPU-encoded append
         self._step_barriers: dict = {}  # layer → the barrier after a step's scatter (made once)
         # (layer, small) → the device's scatter pipeline: looked up once, not on every append
@@ -208,6 +208,23 @@ class ArenaWrites:
         self.write_blocks(layer, writes)
         self._kivi.commit(layer, state)
         return self.memory.advance(layer, 0, rows[0].shape[1])
+
+    def kivi_appended_on_device(self, layer: int, n_tokens: int) -> None:
+        """A recorded step's append to a KIVI layer, made on the device (kivi_store)."""
+        self._kivi.appended_on_device(layer, n_tokens)
+
+    def _read_kivi_window(self, layer: int, t0: int, t1: int) -> tuple:
+        """The KIVI layer's window rows of tokens [t0, t1), read back from the device (float32
+        of their binary16 values, (n_kv, t1 − t0, head_dim) each)."""
+        words = self.memory.layer_words(layer)
+        lay = self.layout
+        hd, n_kv = lay.head_dim, lay.n_kv_heads
+        out = []
+        for st in lay.layers[layer].streams:
+            ring = words[st.window_word:st.window_word + st.window_words].reshape(n_kv, st.window_tokens, hd // 2)
+            rows = ring[:, np.arange(t0, t1) % st.window_tokens]
+            out.append(np.ascontiguousarray(rows).view(np.float16).astype(np.float32).reshape(n_kv, t1 - t0, hd))
+        return tuple(out)
 
     def gpu_encodes(self, layer: int, rows) -> bool:
         """Whether the GPU encoder writes these rows' coded streams (encoder "auto": choice)."""

@@ -43,7 +43,8 @@ WEIGHT_BUFFER_BYTES = 1 << 30  # the most a weights buffer holds (whole layers),
 
 class DeviceForward:
     """``weights``' decode over ``arena`` (its layers, KV heads and head_dim the model's; an
-    uncoded cache: f32, f16 or q8_0 rows), sequence 0, one token a :meth:`run`. ``logits``:
+    uncoded cache — f32, f16 or q8_0 rows — or the KIVI cache, its groups quantised on the
+    device as they leave the window), sequence 0, one token a :meth:`run`. ``logits``:
     read the logits back each run (:meth:`logits`); ``timestamps``: GPU time of each run
     (:meth:`gpu_seconds`); ``n_plan``: the length the attention's launch shape is planned at
     (default: the arena's capacity); ``row_threads``: fwd_matvec's invocations a row (a power of
@@ -81,7 +82,7 @@ class DeviceForward:
         self._want_logits = bool(logits)
         self._buffers: list[Buffer] = []
         self._rec = None
-        self.step = arena.record_step(cfg.n_heads, n_plan=n_plan, record=False)  # refuses KIVI, checks n_plan
+        self.step = arena.record_step(cfg.n_heads, n_plan=n_plan, record=False)  # checks n_plan
         try:
             self._load(weights)
             self._rec = Recording(self.device, self._ops(), timestamps=timestamps and "spans",
