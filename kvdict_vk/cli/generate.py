@@ -23,7 +23,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", default="The GNU General Public License is")
     ap.add_argument("--tokens", type=int, default=32, help="tokens to generate")
-    ap.add_argument("--cache", choices=L.CACHES, default="f16")
+    ap.add_argument("--cache", choices=L.CACHES + (L.KIVI_CACHE,), default="f16",
+                    help="the KV cache: f16, f32, q8_0 rows or kivi (KiviSpec()'s: 4 bits, 128 recent tokens)")
     ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")
     a = ap.parse_args(argv)
     from ..forge import tokenizer

@@ -48,12 +48,13 @@ def test_generate_benchmark_rows_beside_llama_bench(tmp_path, restore_env, vk_de
                     "echo '[{\"n_prompt\": 0, \"n_gen\": 2, \"n_depth\": 48, \"avg_ts\": 50.0, \"stddev_ts\": 1.0}]'\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "generate.json"
-    assert generate.main(["--gguf", str(gguf), "--contexts", "48", "--caches", "f16,q8_0", "--tokens", "2",
+    assert generate.main(["--gguf", str(gguf), "--contexts", "48", "--caches", "f16,q8_0,kivi", "--tokens", "2",
                           "--llama-bench", str(fake), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["engine"], r["cache"], r["n_ctx"]) for r in rows] == [
-        ("kvdict", "f16", 48), ("llama.cpp", "f16", 48), ("kvdict", "q8_0", 48), ("llama.cpp", "q8_0", 48)]
+        ("kvdict", "f16", 48), ("llama.cpp", "f16", 48), ("kvdict", "q8_0", 48), ("llama.cpp", "q8_0", 48),
+        ("kvdict", "kivi", 48)]  # llama.cpp has no KIVI cache
     keys = {"engine", "cache", "n_ctx", "batch", "tokens_per_s", "host_us_per_token", "gpu_us_per_token", "command"}
     for r in rows:
         assert keys <= set(r) or (r["engine"] == "kvdict" and "gpu_us_per_token" not in r), r
@@ -62,7 +63,9 @@ def test_generate_benchmark_rows_beside_llama_bench(tmp_path, restore_env, vk_de
     assert all(r["tokens_per_s"] == pytest.approx(1 / r["wall_s"]["median"]) for r in ours)
     assert all(r["arena_bytes"] > 0 and r["weight_bytes"] > 0 for r in ours)
     s = result["summary"]["48"]
-    assert s["best_compressed"] == "q8_0"
+    fastest = max((r for r in ours if r["cache"] != "f16"), key=lambda r: r["tokens_per_s"])
+    assert s["best_compressed"] == fastest["cache"]
+    assert s["best_compressed_over_f16"] == pytest.approx(fastest["tokens_per_s"] / ours[0]["tokens_per_s"])
     assert s["kvdict_over_llama_f16"] == pytest.approx(ours[0]["tokens_per_s"] / 50.0)
     args = (tmp_path / "args").read_text().splitlines()
     assert len(args) == 2 and "-ctk f16 -ctv f16" in args[0] and "-d 48" in args[0] and "-ctk q8_0" in args[1]
@@ -78,3 +81,5 @@ def test_kvdict_generate_prints_text_speed_and_memory(capsys, restore_env, vk_de
     assert "weights" in out and "KV arena" in out
     assert generate.main(["--tokens", "0"]) == 1
     assert "--tokens" in capsys.readouterr().err
+    assert generate.main(["--tokens", "2", "--cache", "kivi", "--device", str(vk_device.info.index)]) == 0
+    assert "kivi KV arena" in capsys.readouterr().out
