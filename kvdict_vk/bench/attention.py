@@ -36,16 +36,16 @@ from .attention_common import (FLUSH_WAYS, dict_arena, flush_before, format_name
                                our_flush_bytes, our_recording_args, random_rows)
 
 NAME, TOOL = "attention", "kvdict_vk.bench.attention"
-# every preset: per-head dictionaries and the parser's code words a slot, the certified format's
-# (forge.pipeline.ForgeConfig; the parser's default was 8 until 2026-12-03, which made every coded
-# row before then twice the certified code words)
-PRESETS = {"quick": ["--n-used", "1024,4096", "--per-head", "--repeats", "5", "--sdpa-calls", "20"],
-           "cpu": ["--per-head"],
+# every preset: the certified format's dictionaries — shared by a layer's KV heads since stop 60
+# (per-head before: --per-head) — and code words a slot (forge.pipeline.ForgeConfig; the parser's
+# default was 8 until 2026-12-03, which made every coded row before then twice the certified code words)
+PRESETS = {"quick": ["--n-used", "1024,4096", "--repeats", "5", "--sdpa-calls", "20"],
+           "cpu": [],
            # the shapes, contexts well past a GPU's L2 (131 072 tokens of 8 × 128 f16: 512 MiB);
            # our passes timed as SDPA's kernel is: behind other work, the L2 flushed, not their first
            # dispatch in the submission (--our-flush primed; docs/DESIGN.md, "The first dispatch")
            "gpu": ["--shapes", "8x4,3x3", "--head-dims", "64,128", "--n-used", "8192,32768,131072",
-                   "--formats", "0/0,4/3,6/4", "--per-head", "--repeats", "20",
+                   "--formats", "0/0,4/3,6/4", "--repeats", "20",
                    "--case-budget-s", "10", "--batches", "8,64", "--our-flush", "primed"]}
 USES_DEVICE, REQUIRES = True, {}
 UNCODED = ("f16", "f32", "q8_0")

@@ -208,8 +208,8 @@ class DecodeStep:
     def advance(self) -> None:
         """Count the token a replay appended to every sequence of every layer (a KIVI layer's
         host state: its window's rows are on the device)."""
-        for i in self._kivi_layers:
-            self._writes.kivi_appended_on_device(i, self.memory.n_tokens(i) + 1)
+        if self._kivi_layers:
+            self._writes.kivi_appended_on_device(self._kivi_layers)
         self.memory.advance_each(self._layer_rows, self.batch)
 
     # --- a step -------------------------------------------------------------------------------

@@ -33,10 +33,9 @@ SLICE = 2048  # tokens quantised per NumPy pass (the level packing's temporaries
 @dataclass(frozen=True)
 class LayerState:
     """A KIVI layer's host state: the quantised end and the float32 rows of tokens
-    [q_end, n_tokens) — (K, V), each (n_kv, n_tokens − q_end, head_dim) — or None where
-    they are only in the device's window (a recorded step appended them)."""
+    [q_end, n_tokens) — (K, V), each (n_kv, n_tokens − q_end, head_dim)."""
     q_end: int
-    pending: tuple | None
+    pending: tuple
 
 
 class KiviStore:
@@ -49,6 +48,7 @@ class KiviStore:
         hd, n_kv = layout.head_dim, layout.n_kv_heads
         empty = np.zeros((n_kv, 0, hd), np.float32)
         self._state = [LayerState(0, (empty, empty)) for _ in layout.layers]
+        self._on_device: set = set()  # layers a recorded step appended to since the host last did
 
     def plan(self, layer: int, n_tokens: int, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple[list, LayerState]:
         """The writes of appending (K, V) rows (n_kv, T, head_dim) to ``layer`` holding
@@ -56,10 +56,12 @@ class KiviStore:
         lay, spec = self.layout, self.spec
         ll = lay.layers[layer]
         old = self._state[layer]
+        if layer in self._on_device:  # the device moved the quantised end; the window holds the rest
+            q_end = K.quantised_end(n_tokens, spec.recent)
+            old = LayerState(q_end, self._read_window(layer, q_end, n_tokens))
         n_new = n_tokens + k_rows.shape[1]
         q_new = K.quantised_end(n_new, spec.recent)
-        held = old.pending if old.pending is not None else self._read_window(layer, old.q_end, n_tokens)
-        pending = [np.concatenate([p, r], axis=1) for p, r in zip(held, (k_rows, v_rows))]
+        pending = [np.concatenate([p, r], axis=1) for p, r in zip(old.pending, (k_rows, v_rows))]
         writes = []
         if q_new > old.q_end:  # whole groups leave the window: quantise them
             n_q = q_new - old.q_end
@@ -86,12 +88,13 @@ class KiviStore:
 
     def commit(self, layer: int, state: LayerState) -> None:
         self._state[layer] = state
+        self._on_device.discard(layer)
 
-    def appended_on_device(self, layer: int, n_tokens: int) -> None:
-        """A recorded step appended a token on the device (the layer now holds n_tokens):
-        the quantised end moves as the device moved it; the rows not yet quantised are the
-        device window's."""
-        self._state[layer] = LayerState(K.quantised_end(n_tokens, self.spec.recent), None)
+    def appended_on_device(self, layers) -> None:
+        """A recorded step appended tokens to ``layers`` on the device: their quantised ends
+        moved as kivi.quantised_end says, their rows not yet quantised are the device
+        window's (the next host append reads them back)."""
+        self._on_device.update(layers)
 
 
 def _ring_writes(st: L.StreamLayout, t0: int, words: np.ndarray) -> list:

@@ -209,9 +209,9 @@ class ArenaWrites:
         self._kivi.commit(layer, state)
         return self.memory.advance(layer, 0, rows[0].shape[1])
 
-    def kivi_appended_on_device(self, layer: int, n_tokens: int) -> None:
-        """A recorded step's append to a KIVI layer, made on the device (kivi_store)."""
-        self._kivi.appended_on_device(layer, n_tokens)
+    def kivi_appended_on_device(self, layers) -> None:
+        """A recorded step's appends to KIVI layers, made on the device (kivi_store)."""
+        self._kivi.appended_on_device(layers)
 
     def _read_kivi_window(self, layer: int, t0: int, t1: int) -> tuple:
         """The KIVI layer's window rows of tokens [t0, t1), read back from the device (float32
