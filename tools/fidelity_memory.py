@@ -13,7 +13,9 @@ computes) for SmolLM2-135M's shapes (30 layers, 3 KV heads, head_dim 64):
 * ``"arena_bytes": {"8192": …}`` — the whole arena at the model's context;
 * ``"memory_model"`` — "engine" when the row's cache is one the engine keeps (the arena is
   exactly KvArena's), else how it was modelled (a lever the engine does not run: an engine
-  layout plus the bytes the lever adds, stated).
+  layout plus the bytes the lever adds, stated);
+* ``"passes"`` — whether the configuration passes the forge's gate: the upper end of its 95 %
+  interval within ``ForgeConfig.threshold`` on every text of the file.
 
 ``--merge`` first adds the rows of another forge run's fidelity file — measured on the same
 texts and windows (each text's file hash, window length and window count must match, else
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -39,11 +42,13 @@ sys.path.insert(0, str(ROOT))
 
 from kvdict_vk import kivi as K  # noqa: E402
 from kvdict_vk import memory_report as M  # noqa: E402
+from kvdict_vk.forge.pipeline import ForgeConfig  # noqa: E402
 
 COMMAND = "python tools/fidelity_memory.py --file docs/results/fidelity.json"
 MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=M.MODEL_N_CTX)
 LENGTHS = M.REPORT_LENGTHS  # 8192, 32768, 131072
 SINK_RECENT = 1 + 32  # forge.levers: token 0 and the 32 most recent tokens in binary16
+GATE = ForgeConfig().threshold  # the upper 95 % bound of ΔPPL on every text
 
 
 def cache_of(row: dict, shapes=(MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["head_dim"])):
@@ -86,6 +91,10 @@ def cache_of(row: dict, shapes=(MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["h
 
 def add_memory(doc: dict) -> dict:
     shapes = (MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["head_dim"])
+    worst: dict = {}  # row name → the largest upper bound over the texts
+    for text in doc["texts"].values():
+        for row in text["rows"]:
+            worst[row["name"]] = max(worst.get(row["name"], -math.inf), row["ci95"][1])
     for text in doc["texts"].values():
         for row in text["rows"]:
             cache, how = cache_of(row, shapes)
@@ -93,6 +102,7 @@ def add_memory(doc: dict) -> dict:
             row["effective_bytes_per_vector"] = {str(a.n_ctx): a.effective_bytes_per_vector for a in at}
             row["arena_bytes"] = {str(at[0].n_ctx): at[0].arena_bytes}
             row["memory_model"] = how
+            row["passes"] = bool(worst[row["name"]] <= GATE)
     doc["memory"] = dict(
         command=COMMAND, model=MODEL, lengths=list(LENGTHS),
         notes=["effective_bytes_per_vector[N] = the whole arena at N tokens (regions + tails + padding, "

@@ -204,8 +204,14 @@ def test_fidelity_json_carries_the_memory_fields():
     assert doc["memory"]["command"] == FM.COMMAND
     fresh = FM.add_memory(copy.deepcopy(doc))
     assert fresh == doc  # the committed fields are what the script computes now
+    upper = {}
     for text in doc["texts"].values():
         for row in text["rows"]:
+            upper[row["name"]] = max(upper.get(row["name"], -1.0), row["ci95"][1])
+    assert {n for n, u in upper.items() if u <= 0.01} >= {"q8_0", "KIVI 4 bit + 128 recent", doc["default"]}
+    for text in doc["texts"].values():
+        for row in text["rows"]:
+            assert row["passes"] == (upper[row["name"]] <= 0.01)  # the gate, on every text
             assert set(row["effective_bytes_per_vector"]) == {"8192", "32768", "131072"}
             assert set(row["arena_bytes"]) == {"8192"}
             if row["name"] == "q8_0":
