@@ -1,12 +1,12 @@
 // A dict-coded stream's atoms in the layer's tail (kvdict_vk.layout, docs/ARENA.md) and their
-// ONE decoder (reconstruct.comp gathers with its own chunk mapping through it). The arena keeps one copy a stream: float32 rows
-// (HEAD_DIM words an atom) or, ATOMS_F16 (every atom a binary16 value, HEAD_DIM % 8 == 0),
-// binary16 in chunk-pair order (HEAD_DIM / 2 words an atom: its uvec4 p, 8 halves, holds
-// elements 4p … 4p+3 then HEAD_DIM/2 + 4p … HEAD_DIM/2 + 4p+3; rows.atoms_f16_order), widened
-// exactly — so every reader stays exact. The includer declares HEAD_DIM and ATOMS_F16 (a bool
-// specialization constant) and reads the layer through a uvec4 view; `base` below is the
-// uvec4 index of a dictionary head's atoms ((atoms_word + g·head_atoms) / 4: the host keeps
-// both multiples of 4).
+// ONE decoder (reconstruct.comp gathers with its own chunk mapping through it). The arena keeps
+// one copy a stream: float32 rows (HEAD_DIM words an atom) or, ATOMS_F16 (every atom a
+// binary16 value, HEAD_DIM % 8 == 0), binary16 in chunk-pair order (HEAD_DIM / 2 words an
+// atom: its uvec4 p, 8 halves, holds elements 4p … 4p+3 then HEAD_DIM/2 + 4p … HEAD_DIM/2 +
+// 4p+3; rows.atoms_f16_order), widened exactly — so every reader stays exact. The includer
+// declares HEAD_DIM and ATOMS_F16 (a bool specialization constant) and reads the layer
+// through a uvec4 view; `base` below is the uvec4 index of a dictionary head's atoms
+// ((atoms_word + g·head_atoms) / 4: the host keeps both multiples of 4).
 const uint ATOM_QUADS = ATOMS_F16 ? HEAD_DIM / 8u : HEAD_DIM / 4u;  // uvec4s an atom
 const uint ATOM_HALF_QUADS = HEAD_DIM / 8u;                         // binary16: the lower half's quads
 

@@ -27,9 +27,9 @@ layout(constant_id = 3) const uint RES_BITS = 0u;
 // row's atom gathers (the host's arena.RECONSTRUCT_GPU_MAPPINGS says per sparsity, measured).
 layout(constant_id = 4) const bool PIPELINED = false;
 // Whether the atoms block holds binary16 atoms (the forge's atoms are binary16 values; vec4
-// variant with HEAD_DIM % 8 == 0 only, the host checks), not float32 rows. The gathers' count, not their bytes, is what costs
-// on the H200: a quad of 8 halves per load — two output chunks half a row apart — halves it
-// (docs/DESIGN.md, "Binary16 atoms, gathered a quad at a time").
+// variant with HEAD_DIM % 8 == 0 only, the host checks), not float32 rows. The gathers'
+// count, not their bytes, is what costs on the H200: a quad of 8 halves per load — two output
+// chunks half a row apart — halves it (docs/DESIGN.md, "The atoms stored once, in binary16").
 layout(constant_id = 5) const bool ATOMS_F16 = false;
 #include "atoms.glsl"
 
