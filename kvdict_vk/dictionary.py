@@ -23,6 +23,11 @@ FORGE_SPARSITY = 4
 # residual bits (K, V) the forge certifies by default (forge.pipeline.ForgeConfig): the
 # benchmarks mark this format's rows ``default``
 FORGE_RESIDUAL_BITS = (6, 4)
+# atoms a dictionary, and whether each KV head has its own (False: one a stream, shared by
+# the layer's KV heads) — the forge's defaults (docs/FIDELITY.md, "Dictionaries shared by the
+# KV heads"), the memory report's and the benchmarks'
+FORGE_N_ATOMS = 1024
+FORGE_PER_HEAD = False
 
 
 def _frozen_f32(a, shape: tuple[int, ...], what: str) -> np.ndarray:

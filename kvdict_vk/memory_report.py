@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from . import kivi as K
 from . import layout as L
-from .dictionary import KvDictArtifact
+from .dictionary import FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact
 
 MODEL_N_CTX = 8192  # SmolLM2-135M's context length (its GGUF's llama.context_length)
 LONG_LENGTHS = (32768, 131072)  # the long contexts every report adds
@@ -67,8 +67,9 @@ class ArenaFootprint:
         return asdict(self)
 
 
-def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int, n_atoms: int = 1024, k=(4, 6), v=(4, 4), *,
-                    per_head: bool = False, has_mean: bool = True, atoms_f16: bool = True) -> L.DictSpec:
+def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int, n_atoms: int = FORGE_N_ATOMS,
+                    k=(FORGE_SPARSITY, FORGE_RESIDUAL_BITS[0]), v=(FORGE_SPARSITY, FORGE_RESIDUAL_BITS[1]), *,
+                    per_head: bool = FORGE_PER_HEAD, has_mean: bool = True, atoms_f16: bool = True) -> L.DictSpec:
     """A dictionary cache's shapes without an artifact: every layer's K coded at ``k`` =
     (sparsity, residual bits) and V at ``v``; defaults: the forge's (one dictionary of 1024
     atoms with a mean a stream, shared by the layer's KV heads — ``per_head``: one per KV

@@ -35,10 +35,9 @@ layout(push_constant) uniform AppendKiviPush {
     uint k_word;         // the K region (n_ctx level rows per KV head)
     uint v_word;         // the V region
     uint stats_word;     // the keys' group statistics ((h · ceil(n_ctx / 32) + group) · HEAD_DIM + c)
-    uint k_window_word;  // the rings of `window` binary16 rows per KV head
+    uint k_window_word;  // the rings of recent + KIVI_GROUP binary16 rows per KV head
     uint v_window_word;
-    uint window;
-    uint recent;         // kivi.KiviSpec.recent (window = recent + KIVI_GROUP)
+    uint recent;         // kivi.KiviSpec.recent
     uint state_word;     // the layer's quantised end
     uint n_kv;
     uint n_ctx;
@@ -51,9 +50,12 @@ shared float ch_lo[HEAD_DIM];
 // kivi.quantised_end
 uint quantised_end(uint n) { return (n > pc.recent ? n - pc.recent : 0u) / KIVI_GROUP * KIVI_GROUP; }
 
+// The rings' rows a KV head (kivi.KiviSpec.window)
+uint ring_rows() { return pc.recent + KIVI_GROUP; }
+
 // Element e of token t's binary16 row in KV head h's ring from `base`, as a float (exact).
 float ring_elem(uint base, uint h, uint t, uint e) {
-    uint w = layer_words[kivi_window_row(base, h, t, pc.window, HEAD_DIM) + e / 2u];
+    uint w = layer_words[kivi_window_row(base, h, t, ring_rows(), HEAD_DIM) + e / 2u];
     return unpackHalf2x16(w)[e % 2u];
 }
 
@@ -99,7 +101,7 @@ void main() {
             uint w = key ? x : x - HALF_ROW;
             uint src = (key ? pc.k_src_word : pc.v_src_word) + h * HEAD_DIM + 2u * w;
             uint lo = f16_bits(uintBitsToFloat(step_words[src])), hi = f16_bits(uintBitsToFloat(step_words[src + 1u]));
-            layer_words[kivi_window_row(key ? pc.k_window_word : pc.v_window_word, h, t, pc.window, HEAD_DIM) + w] =
+            layer_words[kivi_window_row(key ? pc.k_window_word : pc.v_window_word, h, t, ring_rows(), HEAD_DIM) + w] =
                 lo | (hi << 16u);
         }
         if (q_new == q_old)

@@ -110,9 +110,7 @@ FELEM residual_chunk(uint lw0, uint lw1, uint chunk, float step_, FELEM scale) {
 // at atoms_base(head) + a * ATOM_STRIDE.
 const uint ATOM_STRIDE = ATOMS_F16 ? HALF_CHUNKS : ROW_CHUNKS;
 uint atoms_base(uint head) {
-    if (ATOMS_F16)
-        return (pc.atoms_word + head * pc.head_atoms) / 4u;
-    return (pc.atoms_word + head * pc.head_atoms) / LANES;
+    return (pc.atoms_word + head * pc.head_atoms) / (ATOMS_F16 ? 4u : LANES);
 }
 
 // Chunk `chunk` of the atom starting at `at` (atoms_base + a * ATOM_STRIDE), one load.

@@ -27,8 +27,13 @@ COMMAND = "python tools/arena_table.py --out docs/results/arena.json"
 
 MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=8192)
 LENGTHS = (8192, 32768, 131072)  # the model's context, 32 k and 128 k tokens (issue 51)
-DICT_DEFAULT = dict(n_atoms=1024, per_kv_head=False, has_mean=True, atoms_f16=True,
-                    k=dict(sparsity=4, residual_bits=6), v=dict(sparsity=4, residual_bits=4))
+sys.path.insert(0, str(ROOT))
+from kvdict_vk.dictionary import (FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS,  # noqa: E402
+                                  FORGE_SPARSITY)
+
+DICT_DEFAULT = dict(n_atoms=FORGE_N_ATOMS, per_kv_head=FORGE_PER_HEAD, has_mean=True, atoms_f16=True,
+                    k=dict(sparsity=FORGE_SPARSITY, residual_bits=FORGE_RESIDUAL_BITS[0]),
+                    v=dict(sparsity=FORGE_SPARSITY, residual_bits=FORGE_RESIDUAL_BITS[1]))
 
 
 def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int, per_kv_head: bool | None = None):

@@ -25,7 +25,7 @@ import numpy as np
 from .. import artifact as A
 from .. import errors as E
 from .. import codec, runtime
-from ..dictionary import FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact, StreamDict
+from ..dictionary import FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact, StreamDict
 from . import certify, llama, parallel, table, texts as T, tokenizer
 from .gguf_model import load_model
 from .learn import learn_stream
@@ -36,7 +36,7 @@ PRODUCER = {"name": "kvdict-forge", "version": "0.1.0"}
 
 @dataclass
 class ForgeConfig:
-    n_atoms: int = 1024
+    n_atoms: int = FORGE_N_ATOMS
     k_sparsity: int = FORGE_SPARSITY
     v_sparsity: int = FORGE_SPARSITY
     # residual stage bits (0 = atoms only). K 6 / V 4 (60 B a head vector): the smallest
@@ -47,7 +47,7 @@ class ForgeConfig:
     # one dictionary per KV head, or (the default) one shared by a layer's KV heads: at
     # 1024 atoms both pass the gate with the same ΔPPL within noise, and the shared one is a
     # third of the dictionary memory (docs/FIDELITY.md, "Dictionaries shared by the KV heads")
-    per_head: bool = False
+    per_head: bool = FORGE_PER_HEAD
     iters: int = 6
     method: str = "ksvd"
     train_vectors: int = 4096  # per dictionary, sampled from the calibration K/V

@@ -131,7 +131,7 @@ APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_w
 # a recorded step's append to a KIVI layer (one sequence): its rows into the rings, a group
 # leaving the window quantised on the device (shaders/append_kivi.comp)
 APPEND_KIVI_PUSH = uint_block("AppendKiviPush", "k_src_word", "v_src_word", "k_word", "v_word", "stats_word",
-                              "k_window_word", "v_window_word", "window", "recent", "state_word", "n_kv", "n_ctx",
+                              "k_window_word", "v_window_word", "recent", "state_word", "n_kv", "n_ctx",
                               "lengths_word")
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")

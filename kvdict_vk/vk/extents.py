@@ -108,17 +108,17 @@ def _append_kivi_extents(p, s):
     statistics, both rings and the state word (written where the device says)."""
     hd, kb, vb, n_kv, n_ctx = s["HEAD_DIM"], s["K_BITS"], s["V_BITS"], p["n_kv"], p["n_ctx"]
     ok = (n_kv >= 1 and n_ctx >= 1 and hd % K.GROUP == 0 and K.MIN_BITS <= kb <= K.MAX_BITS
-          and K.MIN_BITS <= vb <= K.MAX_BITS and p["window"] == p["recent"] + K.GROUP)
+          and K.MIN_BITS <= vb <= K.MAX_BITS)
     if not ok:
         raise E.DispatchError(f"append_kivi: push constants {p} / specialization {s} are inconsistent")
-    rows = n_kv * n_ctx
+    rows, window = n_kv * n_ctx, K.KiviSpec(kb, vb, p["recent"]).window
     return ([(p["k_src_word"], p["k_src_word"] + n_kv * hd), (p["v_src_word"], p["v_src_word"] + n_kv * hd)],
             [(p["lengths_word"], p["lengths_word"] + 1)],
             [(p["k_word"], p["k_word"] + rows * K.key_row_words(hd, kb)),
              (p["v_word"], p["v_word"] + rows * K.value_row_words(hd, vb)),
              (p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(n_ctx, hd)),
-             (p["k_window_word"], p["k_window_word"] + n_kv * K.window_words_per_head(p["window"], hd)),
-             (p["v_window_word"], p["v_window_word"] + n_kv * K.window_words_per_head(p["window"], hd)),
+             (p["k_window_word"], p["k_window_word"] + n_kv * K.window_words_per_head(window, hd)),
+             (p["v_window_word"], p["v_window_word"] + n_kv * K.window_words_per_head(window, hd)),
              (p["state_word"], p["state_word"] + 1)])
 
 

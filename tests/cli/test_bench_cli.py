@@ -254,9 +254,9 @@ def test_default_preset_follows_the_device_kind():
 
 def test_gpu_preset_sizes_are_past_a_gpu_l2():
     att = attention.parse_args(attention.PRESETS["gpu"])
-    from kvdict_vk.forge.pipeline import ForgeConfig
+    from kvdict_vk.dictionary import FORGE_PER_HEAD
     for preset in attention.PRESETS:  # the certified format's dictionaries: the forge's sharing
-        assert attention.parse_args(attention.PRESETS[preset]).per_head == ForgeConfig().per_head
+        assert attention.parse_args(attention.PRESETS[preset]).per_head == FORGE_PER_HEAD
     assert set(att.shape_list) == {(8, 4), (3, 3)} and set(att.head_dim_list) == {64, 128}
     assert att.n_used_list == [8192, 32768, 131072]
     biggest = max(2 * n_kv * max(att.n_used_list) * hd * 2 for n_kv, _ in att.shape_list for hd in att.head_dim_list)

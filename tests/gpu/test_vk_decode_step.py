@@ -37,6 +37,23 @@ def _tokens(rng, n_layers, batch, n_kv, hd, n_heads):
     return k, v, q
 
 
+def _replay_beside_step(stepped, plain, step, rng, n_heads, keys, vals):
+    """One token of every layer through ``step`` (recorded on ``stepped``) and through
+    KvArena.step on its twin ``plain``: outputs equal (1e-9), token counts equal; the token's
+    rows appended to keys / vals [layer]. Returns (q, the step's output)."""
+    lay = stepped.layout
+    k, v, q = _tokens(rng, lay.n_layers, 1, lay.n_kv_heads, lay.head_dim, n_heads)
+    got = step.run(k, v, q)
+    assert got.shape == q.shape and got.dtype == np.float32
+    for layer in range(lay.n_layers):
+        want = plain.step(layer, k[layer].transpose(1, 0, 2), v[layer].transpose(1, 0, 2), q[layer, 0])
+        keys[layer].append(k[layer].transpose(1, 0, 2))
+        vals[layer].append(v[layer].transpose(1, 0, 2))
+        assert stepped.n_tokens(layer) == plain.n_tokens(layer)
+        assert nmse(want, got[layer, 0]) <= 1e-9, f"layer {layer}, {stepped.n_tokens(layer)} tokens"
+    return q, got
+
+
 def _prefill(arenas, rng, n_layers, n_kv, hd, lengths):
     """lengths[s] random tokens appended to sequence s of every layer of every arena; returns
     [layer][seq] → (K, V) float32 (n_kv, T, hd) appended."""
@@ -74,16 +91,9 @@ def test_replays_equal_append_then_attend(cache, make_arena):
                 plain.append(layer, k, v)
                 keys[layer].append(k)
                 vals[layer].append(v)
-        k, v, q = _tokens(rng, n_layers, 1, n_kv, hd, n_kv * g)
-        got = step.run(k, v, q)
-        assert got.shape == q.shape and got.dtype == np.float32
+        q, got = _replay_beside_step(stepped, plain, step, rng, n_kv * g, keys, vals)
         for layer in range(n_layers):
-            want = plain.step(layer, k[layer].transpose(1, 0, 2), v[layer].transpose(1, 0, 2), q[layer, 0])
-            keys[layer].append(k[layer].transpose(1, 0, 2))
-            vals[layer].append(v[layer].transpose(1, 0, 2))
             n = stepped.n_tokens(layer)
-            assert n == plain.n_tokens(layer)
-            assert nmse(want, got[layer, 0]) <= 1e-9, f"layer {layer}, {n} tokens"
             k_all, v_all = (R.held_rows(np.concatenate(x, 1), cache) for x in (keys[layer], vals[layer]))
             assert nmse(reference(q[layer, 0], k_all, v_all, None, None, n), got[layer, 0]) <= 1e-9
     for layer in range(n_layers):  # the appended rows, read back, are the plain arena's
@@ -333,15 +343,9 @@ def test_kivi_replays_quantise_on_the_device_as_the_host_does(bits, recent, make
     for t in range(90):
         if t == 50:
             host_append(37)  # the host quantises from the window the device filled
-        k, v, q = _tokens(rng, n_layers, 1, n_kv, hd, n_kv * g)
-        got = step.run(k, v, q)
+        q, got = _replay_beside_step(stepped, plain, step, rng, n_kv * g, keys, vals)
         for layer in range(n_layers):
-            want = plain.step(layer, k[layer].transpose(1, 0, 2), v[layer].transpose(1, 0, 2), q[layer, 0])
-            keys[layer].append(k[layer].transpose(1, 0, 2))
-            vals[layer].append(v[layer].transpose(1, 0, 2))
             n = stepped.n_tokens(layer)
-            assert n == plain.n_tokens(layer)
-            assert nmse(want, got[layer, 0]) <= 1e-9, f"layer {layer}, {n} tokens"
             if t % 16 == 15 or t == 89:
                 kc, vc = K.cache_rows(np.concatenate(keys[layer], 1), np.concatenate(vals[layer], 1), n, spec)
                 assert nmse(reference(q[layer, 0], kc, vc, None, None, n), got[layer, 0]) <= 1e-9

@@ -143,7 +143,7 @@ class DecodeStep:
                                   max_items=n_kv * WG_SIZE)
                 op = append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
                                v_word=v.region_word, stats_word=k.stats_word, k_window_word=k.window_word,
-                               v_window_word=v.window_word, window=k.window_tokens, recent=lay.kivi.recent,
+                               v_window_word=v.window_word, recent=lay.kivi.recent,
                                state_word=k.state_word, n_kv=n_kv, n_ctx=lay.n_ctx,
                                lengths_word=q_word + self._lengths_at)
             else:

@@ -120,14 +120,18 @@ class ArenaMemory:
             self._outs[cls] = Buffer(self.device, cls, "device", f"read-back buffer ({cls} words)")
         return self._outs[cls]
 
-    def layer_words(self, layer: int) -> np.ndarray:
-        """A copy of a layer buffer's raw words (uint32), for tests and the dump tool."""
+    def layer_words(self, layer: int, word: int = 0, n_words: int | None = None) -> np.ndarray:
+        """A copy of a layer buffer's raw words (uint32) — all of them, or ``n_words`` from
+        ``word`` — for tests, the dump tool and a KIVI window read back."""
         i = self.layer_index(layer)
         src = self._layers[i]
-        dst = Buffer(self.device, src.words, "device", f"layer {i} read-back")
+        n = src.words - word if n_words is None else n_words
+        if not (0 <= word and 0 < n and word + n <= src.words):
+            raise E.ArenaError(f"layer_words: words [{word}, {word + n}) outside the layer's {src.words}")
+        dst = Buffer(self.device, n, "device", f"layer {i} read-back")
         try:
-            copy = pipeline(self.device, "copy_scalar", [src, dst], max_items=src.words)
-            run(self.device, copy.op(src_word=0, dst_word=0, n_words=src.words),
+            copy = pipeline(self.device, "copy_scalar", [src, dst], max_items=n)
+            run(self.device, copy.op(src_word=word, dst_word=0, n_words=n),
                 kp.OpTensorSyncLocal([dst.tensor]), what=f"reading layer {i} back")
             return np.array(dst.host_words(), np.uint32)
         finally:

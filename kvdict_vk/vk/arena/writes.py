@@ -216,12 +216,12 @@ class ArenaWrites:
     def _read_kivi_window(self, layer: int, t0: int, t1: int) -> tuple:
         """The KIVI layer's window rows of tokens [t0, t1), read back from the device (float32
         of their binary16 values, (n_kv, t1 − t0, head_dim) each)."""
-        words = self.memory.layer_words(layer)
         lay = self.layout
         hd, n_kv = lay.head_dim, lay.n_kv_heads
         out = []
-        for st in lay.layers[layer].streams:
-            ring = words[st.window_word:st.window_word + st.window_words].reshape(n_kv, st.window_tokens, hd // 2)
+        for st in lay.layers[layer].streams:  # the rings only, not the layer
+            ring = self.memory.layer_words(layer, st.window_word, st.window_words).reshape(n_kv, st.window_tokens,
+                                                                                            hd // 2)
             rows = ring[:, np.arange(t0, t1) % st.window_tokens]
             out.append(np.ascontiguousarray(rows).view(np.float16).astype(np.float32).reshape(n_kv, t1 - t0, hd))
         return tuple(out)
