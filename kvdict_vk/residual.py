@@ -46,13 +46,15 @@ def pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
     """(N, d) uint levels < 2^bits → (N, ceil(d·bits/32)) uint32 bitstream."""
     n, d = levels.shape
     n_words = -(-d * bits // 32)
-    bit_index = np.arange(d * bits)
-    # bit j of the stream is bit (j mod bits) of element j // bits
-    stream_bits = (levels[:, bit_index // bits] >> (bit_index % bits)) & 1
-    padded = np.zeros((n, n_words * 32), np.uint64)
-    padded[:, : d * bits] = stream_bits
-    weights = (np.uint64(1) << np.arange(32, dtype=np.uint64))
-    return (padded.reshape(n, n_words, 32) * weights).sum(-1).astype(np.uint32)
+    # bit j of the stream is bit (j mod bits) of element j // bits: element e sits at bit e·bits,
+    # possibly straddling two words (a column at a time: d passes over N rows)
+    out = np.zeros((n, n_words + 1), np.uint64)
+    for e in range(d):
+        w, sh = divmod(e * bits, 32)
+        x = np.asarray(levels[:, e], np.uint64) << np.uint64(sh)
+        out[:, w] |= x & np.uint64(0xFFFFFFFF)
+        out[:, w + 1] |= x >> np.uint64(32)
+    return out[:, :n_words].astype(np.uint32)
 
 
 def unpack_levels(words: np.ndarray, d: int, bits: int) -> np.ndarray:

@@ -57,6 +57,13 @@
 #ifndef KIVI
 #define KIVI 0
 #endif
+// ROUND_SOFTMAX 1: a round's TB tokens take their softmax step together — every token's scores
+// first, one reference move per round (to the round's largest score), the TB probabilities'
+// exps and shuffles independent of each other, then p·v — so a lane's tokens of a round do not
+// wait on each other's shuffle and exp latencies (0: token by token, take_token).
+#ifndef ROUND_SOFTMAX
+#define ROUND_SOFTMAX 1
+#endif
 #include "common.glsl"
 #include "attend_common.glsl"
 #if KIVI
@@ -399,6 +406,135 @@ void take_token(vec4 k_lo, vec4 k_hi, float k_scale, vec4 v_lo, vec4 v_hi, float
     }
 }
 
+#if ROUND_SOFTMAX
+// The round's scores per token and query head (partials, then the token's sums; SCATTERED: a
+// lane's own head's in rs[b][0]) and probabilities as every lane of the token sees them.
+float rs[TB][MAX_G];
+float rp[TB][MAX_G];
+
+// Token b of the round: its unit of the key decoded (k_scale · k), the partial scores.
+void round_score(uint b, vec4 k_lo, vec4 k_hi, float k_scale) {
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+        rs[b][h] = (dot(k_lo, q_lo[h]) + dot(k_hi, q_hi[h])) * k_scale;
+}
+
+// The round's softmax step (``live[b]``: token b is within the split; every lane of the subgroup
+// calls it): the scores summed over the token's lanes, the reference moved once to the round's
+// largest score where it passes the reference by GROW_MARGIN (the sums so far rescaled), the
+// probabilities into rp.
+void round_softmax(bool live[TB]) {
+#if SUBGROUP
+    if (SCATTERED) {
+        // each token's sums reduce-scattered as take_token does: rs[b][0] is the token's score
+        // for head unit / HEAD_LANES
+        [[unroll]] for (uint b = 0u; b < TB; ++b) {
+            [[unroll]] for (uint width = MAX_G / 2u; width >= 1u; width >>= 1u) {
+                if (width < GROUP_POW2) {
+                    uint mask = HEAD_LANES * width;
+                    bool upper = (unit & mask) != 0u;
+                    [[unroll]] for (uint x = 0u; x < MAX_G / 2u; ++x) {
+                        if (x < width) {
+                            float send = upper ? rs[b][x] : rs[b][x + width];
+                            float keep = upper ? rs[b][x + width] : rs[b][x];
+                            rs[b][x] = keep + subgroupShuffleXor(send, mask);
+                        }
+                    }
+                }
+            }
+            for (uint w = HEAD_LANES / 2u; w > 0u; w >>= 1u)
+                rs[b][0] += subgroupShuffleXor(rs[b][0], w);
+        }
+        float top = NEG_INF;
+        [[unroll]] for (uint b = 0u; b < TB; ++b)
+            top = live[b] ? max(top, rs[b][0]) : top;
+        bool moved = top > m_own + GROW_MARGIN;
+        float corr = exp(moved ? m_own - top : 0.0);  // 0 on the lane's first round
+        m_own = moved ? top : m_own;
+        float e[TB];
+        float sum = 0.0;
+        [[unroll]] for (uint b = 0u; b < TB; ++b) {
+            e[b] = live[b] ? exp(rs[b][0] - m_own) : 0.0;
+            sum += e[b];
+        }
+        l_own = l_own * corr + sum;
+        // every head's factor and probabilities from the lanes that took its step; the
+        // shuffles outside any branch
+        float got_corr[MAX_G];
+        bool any_moved = false;
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+            got_corr[h] = 1.0;
+            if (h < GROUP) {
+                got_corr[h] = subgroupShuffle(corr, lane0 + h * HEAD_LANES);
+                any_moved = any_moved || got_corr[h] != 1.0;
+                [[unroll]] for (uint b = 0u; b < TB; ++b)
+                    rp[b][h] = subgroupShuffle(e[b], lane0 + h * HEAD_LANES);
+            }
+        }
+        [[dont_flatten]] if (any_moved) {  // rare: a head's reference moved
+            [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+                if (h < GROUP) {
+                    acc_lo[h] *= got_corr[h];
+                    acc_hi[h] *= got_corr[h];
+                }
+            }
+        }
+        return;
+    }
+    [[unroll]] for (uint b = 0u; b < TB; ++b)
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+            if (h < GROUP)
+                for (uint w = 1u; w < UNITS; w <<= 1u)
+                    rs[b][h] += subgroupShuffleXor(rs[b][h], w);
+#else
+    [[unroll]] for (uint b = 0u; b < TB; ++b) {
+        barrier();  // the last token's partials are read
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+            if (h < GROUP)
+                red_sh[h * LOCAL + tid] = rs[b][h];
+        barrier();
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+            if (h < GROUP) {
+                float a = 0.0;
+                for (uint u = 0u; u < UNITS; ++u)
+                    a += red_sh[h * LOCAL + tlane * UNITS + u];
+                rs[b][h] = a;
+            }
+        }
+    }
+#endif
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+        if (h < GROUP) {
+            float top = NEG_INF;
+            [[unroll]] for (uint b = 0u; b < TB; ++b)
+                top = live[b] ? max(top, rs[b][h]) : top;
+            if (top > m[h] + GROW_MARGIN) {  // the reference moves up to the round's largest score
+                float corr = exp(m[h] - top);  // 0 on the lane's first round
+                m[h] = top;
+                l[h] *= corr;
+                acc_lo[h] *= corr;
+                acc_hi[h] *= corr;
+            }
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                rp[b][h] = live[b] ? exp(rs[b][h] - m[h]) : 0.0;
+                l[h] += rp[b][h];
+            }
+        }
+    }
+}
+
+// Token b of the round (live: within the split): its unit of the value decoded (v_scale · v)
+// added into each head's sum of p·v.
+void round_value(uint b, vec4 v_lo, vec4 v_hi, float v_scale, bool live) {
+    if (live)
+        [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
+            if (h < GROUP) {
+                float p = rp[b][h] * v_scale;
+                acc_lo[h] += p * v_lo;
+                acc_hi[h] += p * v_hi;
+            }
+}
+#endif
+
 void main() {
     // lane_index(): with subgroups the UNITS invocations of a token are neighbours in one
     // subgroup (the host makes LOCAL a multiple of the subgroup size and UNITS a power of two
@@ -464,6 +600,22 @@ void main() {
             uint next = r0 + TLANES * TB;
             if (next < q_rel)
                 LOAD_QUANT_ROUND(next);
+#if ROUND_SOFTMAX
+            bool live[TB];
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                live[b] = TOKEN_OF(r0, b) < q_rel;
+                vec4 k_lo, k_hi;
+                kivi_unit_x(kc[b], kivi_unit_bit(unit, K_BITS), K_BITS, k_lo, k_hi);
+                round_score(b, k_lo * ks_lo + kb_lo, k_hi * ks_hi + kb_hi, 1.0);
+            }
+            round_softmax(live);
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                vec4 v_lo, v_hi;
+                vec2 sv = kivi_fold(vc[b].x, V_BITS);
+                kivi_unit_x(vc[b].yzw, kivi_unit_bit(unit, V_BITS), V_BITS, v_lo, v_hi);
+                round_value(b, v_lo * sv.x + sv.y, v_hi * sv.x + sv.y, 1.0, live[b]);
+            }
+#else
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 vec4 k_lo, k_hi, v_lo, v_hi;
                 kivi_unit_x(kc[b], kivi_unit_bit(unit, K_BITS), K_BITS, k_lo, k_hi);
@@ -472,9 +624,30 @@ void main() {
                 take_token(k_lo * ks_lo + kb_lo, k_hi * ks_hi + kb_hi, 1.0, v_lo * sv.x + sv.y, v_hi * sv.x + sv.y,
                            1.0, TOKEN_OF(r0, b) < q_rel);
             }
+#endif
         }
         // (from the round holding q_rel; none where every token is quantised)
         for (uint r0 = q_rel < n_tok ? q_rel - q_rel % (TLANES * TB) : n_tok; r0 < n_tok; r0 += TLANES * TB) {
+#if ROUND_SOFTMAX
+            bool live[TB];
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                uint t = TOKEN_OF(r0, b);
+                live[b] = t >= q_rel && t < n_tok;
+                uint tw = t0 + min(t, n_tok - 1u);  // any token's ring row is in the buffer
+                vec4 k_lo, k_hi;
+                half_unit(cache_quads[(kivi_window_row(pc.k_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                          k_lo, k_hi);
+                round_score(b, k_lo, k_hi, 1.0);
+            }
+            round_softmax(live);
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                uint tw = t0 + min(TOKEN_OF(r0, b), n_tok - 1u);
+                vec4 v_lo, v_hi;
+                half_unit(cache_quads[(kivi_window_row(pc.v_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                          v_lo, v_hi);
+                round_value(b, v_lo, v_hi, 1.0, live[b]);
+            }
+#else
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 uint t = TOKEN_OF(r0, b);
                 uint tw = t0 + min(t, n_tok - 1u);  // any token's ring row is in the buffer
@@ -485,6 +658,7 @@ void main() {
                           v_lo, v_hi);
                 take_token(k_lo, k_hi, 1.0, v_lo, v_hi, 1.0, t >= q_rel && t < n_tok);
             }
+#endif
         }
 #else
         uint k_base = pc.k_word + (g * pc.n_ctx + seq * pc.seq_rows + t0) * ROW_WORDS;
@@ -504,8 +678,19 @@ void main() {
             uint next = r0 + TLANES * TB;
             if (PREFETCH && next < n_tok)
                 LOAD_ROUND(next);
+#if ROUND_SOFTMAX
+            bool live[TB];
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                live[b] = TOKEN_OF(r0, b) < n_tok;
+                round_score(b, k_lo[b], k_hi[b], k_scale[b]);
+            }
+            round_softmax(live);
+            [[unroll]] for (uint b = 0u; b < TB; ++b)
+                round_value(b, v_lo[b], v_hi[b], v_scale[b], live[b]);
+#else
             [[unroll]] for (uint b = 0u; b < TB; ++b)
                 take_token(k_lo[b], k_hi[b], k_scale[b], v_lo[b], v_hi[b], v_scale[b], TOKEN_OF(r0, b) < n_tok);
+#endif
             if (!(PREFETCH) && next < n_tok)
                 LOAD_ROUND(next);
         }

@@ -24,9 +24,15 @@ import numpy as np
 KIVI_VARIANTS = ("attend_flash_kivi", "attend_flash_kivi_sg")
 ROW_VARIANTS = ("attend_flash", "attend_flash_sg")
 # label → (the variants it rebuilds, the defines it adds)
+WIDE_VARIANTS = ("attend_flash_wide", "attend_flash_wide_sg")
+ALL_FLASH = KIVI_VARIANTS + ROW_VARIANTS + WIDE_VARIANTS
 KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "8u"}),
          "nohalves": (KIVI_VARIANTS, {"LEVELS_BY_HALVES": "0"}),
-         "int8bits": (ROW_VARIANTS, {"INT8_BY_BITS": "1"})}
+         "int8bits": (ROW_VARIANTS, {"INT8_BY_BITS": "1"}),
+         # the softmax step token by token (take_token) rather than a round's tokens together
+         "token_step": (ALL_FLASH, {"ROUND_SOFTMAX": "0"}),
+         "rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "4u"}),
+         "rows_tb3": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "3u"})}
 # label → (the variants, how they were built): builds made by hand into --spv/<label>, not by --build.
 # "before": attend_flash's four row builds at ce49b03, q8_0 levels converted by int→float and
 # scaled element by element (INT8_BY_BITS 0, no folded scales), e.g.
@@ -86,14 +92,14 @@ def _core_us(att, q, n, repeats: int = 15, warm_s: float = 1.0) -> float:
         rec.free()
 
 
-def measure(label: str, n_ctx: int, baseline: bool, cache: str | None) -> dict:
+def measure(label: str, n_ctx: int, baseline: bool, cache: str | None, shapes=SHAPES) -> dict:
     """One build (the SPIR-V $KVDICT_VK_SPV_DIR holds, else the shipped one): its KIVI
     attention per shape — time, plan, NMSE against float64 — and with ``baseline`` f16's and SDPA's."""
     from kvdict_vk import kivi as K
     from kvdict_vk.attention_ref import attend as ref_attend
     from kvdict_vk.metrics import nmse
     out = {}
-    for n_kv, g, hd in SHAPES:
+    for n_kv, g, hd in shapes:
         rng = np.random.default_rng(hd + g)
         block = rng.standard_normal((2, n_kv, 4096, hd), dtype=np.float32)
         rows = [np.ascontiguousarray(np.tile(b, (1, n_ctx // 4096, 1))) for b in block]
@@ -127,20 +133,25 @@ def main(argv=None) -> None:
     ap.add_argument("--spv", type=Path, default=Path("lab/spv_probe"), help="the --build directory")
     ap.add_argument("--n-ctx", type=int, default=131072)
     ap.add_argument("--only", help="these knob labels (comma-separated) after the shipped build")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{g}x{d}" for n, g, d in SHAPES),
+                    help="KV heads x query heads a KV head x head_dim, comma-separated")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: this label's build
     a = ap.parse_args(argv)
+    a.shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.shapes.split(",")]
     if a.build:
         return build(a.build)
     if a.one:
-        rebuilt = {**KNOBS, **PREBUILT}[a.one][0] if a.one in KNOBS or a.one in PREBUILT else None
-        cache = None if rebuilt is None else ("kivi" if rebuilt == KIVI_VARIANTS else "q8_0")
-        json.dump(measure(a.one, a.n_ctx, a.one == "shipped", cache), sys.stdout)
+        rebuilt = {**KNOBS, **PREBUILT}[a.one][0] if a.one in KNOBS or a.one in PREBUILT else ALL_FLASH
+        kivi, rows = any(v in KIVI_VARIANTS for v in rebuilt), any(v in ROW_VARIANTS for v in rebuilt)
+        cache = None if kivi and rows else ("kivi" if kivi else "q8_0")
+        json.dump(measure(a.one, a.n_ctx, rows, cache, a.shapes), sys.stdout)
         return None
-    result = {"n_ctx": a.n_ctx, "knobs": {k: {"variants": v, "defines": d} for k, (v, d) in KNOBS.items()},
+    result = {"n_ctx": a.n_ctx, "command": "python " + " ".join(sys.argv), "knobs": {k: {"variants": v, "defines": d} for k, (v, d) in KNOBS.items()},
               "builds": {}}
     for label in ("shipped",) + tuple(a.only.split(",") if a.only else KNOBS):
         result["builds"][label] = run_child(__file__, label, None if label == "shipped" else a.spv,
-                                            ["--n-ctx", str(a.n_ctx)])
+                                            ["--n-ctx", str(a.n_ctx), "--shapes",
+                                             ",".join("x".join(map(str, sh)) for sh in a.shapes)])
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "kivi_variants.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
