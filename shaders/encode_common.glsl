@@ -42,7 +42,11 @@ layout(push_constant) uniform EncodePush {
     uint t0;
     uint atoms_t_word;    // tiled: the unit atoms transposed, [heads][DIM][atoms_pad]
     uint atoms_pad;       // tiled: atoms per head in both unit-atom blocks (n_atoms padded)
+    uint x_word;          // where the input vectors start (a multiple of LANES: host-checked)
 } pc;
+
+// Element i (LANES floats) of the input vectors (the includer declares x_elems).
+#define X_ELEM(i) x_elems[pc.x_word / LANES + (i)]
 
 // Component c of a LANES-wide element.
 float elem_at(FELEM v, uint c) {

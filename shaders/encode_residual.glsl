@@ -45,7 +45,7 @@ vec2 residual_element_of(float x_e, uint dict_head, uint e, uint idx[SPARSITY], 
 }
 
 vec2 residual_element(uint dict_head, uint v, uint e, uint idx[SPARSITY], float coef16[SPARSITY]) {
-    return residual_element_of(elem_at(x_elems[(v * DIM + e) / LANES], e % LANES), dict_head, e, idx, coef16);
+    return residual_element_of(elem_at(X_ELEM((v * DIM + e) / LANES), e % LANES), dict_head, e, idx, coef16);
 }
 
 // u's RMS from its sum of squares.

@@ -38,7 +38,7 @@ const uint STATE_WORDS = SPARSITY * SPARSITY + 2u * SPARSITY;
 const uint Z_AT = SPARSITY * SPARSITY;
 const uint IDX_AT = Z_AT + SPARSITY;
 
-layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at v*DIM
+layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at x_word + v*DIM
 layout(std430, binding = 1) readonly buffer DictElems { FELEM dict_elems[]; };
 layout(std430, binding = 2) readonly buffer DictFloats { float dict_floats[]; };
 layout(std430, binding = 3) buffer StateElems { FELEM state_elems[]; };
@@ -58,7 +58,7 @@ void start(uint v, uint dict_head) {
     uint mean_elem = pc.mean_word / LANES + dict_head * DIM_ELEMS;
     uint r_elem = pc.res_word / LANES + v * DIM_ELEMS;
     [[unroll]] for (uint e = 0u; e < DIM_ELEMS; ++e)  // float32 of the exact difference
-        state_elems[r_elem + e] = x_elems[v * DIM_ELEMS + e] - dict_elems[mean_elem + e];
+        state_elems[r_elem + e] = X_ELEM(v * DIM_ELEMS + e) - dict_elems[mean_elem + e];
 }
 
 void omp_step(uint v, uint dict_head, uint k) {

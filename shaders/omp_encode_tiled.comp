@@ -54,7 +54,7 @@ const uint IDX_AT = Z_AT + SPARSITY;
 const uint STATE_WORDS = IDX_AT + SPARSITY;
 const uint A_SH = CHUNK_DIMS > 0u ? CHUNK_DIMS * AGROUPS : 1u;
 
-layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at v*DIM
+layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at x_word + v*DIM
 layout(std430, binding = 1) readonly buffer DictElems { FELEM dict_elems[]; };
 layout(std430, binding = 2) readonly buffer DictFloats { float dict_floats[]; };
 // Work state, a region per workgroup (from word 0): the bases and the bookkeeping words,
@@ -84,7 +84,7 @@ shared float cand_step_sh[TILE_VECTORS * N_STEPS];
 float r_get(uint d, uint lv) { return r_sh[d * VGROUPS + (lv >> 2u)][lv & 3u]; }
 void r_set(uint d, uint lv, float v) { r_sh[d * VGROUPS + (lv >> 2u)][lv & 3u] = v; }
 uint sw_at(uint wg_state, uint w, uint lv) { return wg_state + w * TILE_VECTORS + lv; }
-float x_at(uint v, uint d) { return elem_at(x_elems[(v * DIM + d) / LANES], d % LANES); }
+float x_at(uint v, uint d) { return elem_at(X_ELEM((v * DIM + d) / LANES), d % LANES); }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;

@@ -47,7 +47,7 @@ const uint LOCAL = gl_WorkGroupSize.x;
 const uint SEGMENTS_F = SPARSITY + 2u;  // float sums at once: <= SPARSITY - 1 dots, or 2 norms
 const uint NONE = 0xFFFFFFFFu;
 
-layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at v*DIM
+layout(std430, binding = 0) readonly buffer InputElems { FELEM x_elems[]; };  // vector v at x_word + v*DIM
 layout(std430, binding = 1) readonly buffer DictFloats { float dict_floats[]; };
 layout(std430, binding = 2) readonly buffer DictVec4 { vec4 dict_vec4[]; };  // the same image
 layout(std430, binding = 3) writeonly buffer Dest { uint dest_words[]; };
@@ -77,7 +77,7 @@ shared vec2 max_sh[SUM_D];                   // partial maxima of |u|
 shared vec2 err_sh[N_STEPS * SUM_D];         // partial candidate errors, candidate s at s*SUM_D
 #endif
 
-float x_at(uint v, uint d) { return elem_at(x_elems[(v * DIM + d) / LANES], d % LANES); }
+float x_at(uint v, uint d) { return elem_at(X_ELEM((v * DIM + d) / LANES), d % LANES); }
 
 // Sums the SUM_F partials of each of the first n_seg segments of sum_sh into its first
 // word, by a tree; on return every invocation may read them. Uniform control flow only.

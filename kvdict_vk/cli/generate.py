@@ -2,6 +2,7 @@
 
     kvdict-generate --prompt "The GNU General Public License is" --tokens 32 --cache f16
     kvdict-generate --cache q8_0 --device NVIDIA
+    kvdict-generate --cache dict --artifact out/forge/smollm2.q42art   # the certified dictionaries
 
 Every token — the prompt's, one at a time, then the generated ones — is one submission of a
 recorded forward (kvdict_vk.vk.forward.DeviceForward: the GGUF's own Q4_1/Q8_0 weights
@@ -23,10 +24,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", default="The GNU General Public License is")
     ap.add_argument("--tokens", type=int, default=32, help="tokens to generate")
-    ap.add_argument("--cache", choices=L.CACHES + (L.KIVI_CACHE,), default="f16",
-                    help="the KV cache: f16, f32, q8_0 rows or kivi (KiviSpec()'s: 4 bits, 128 recent tokens)")
+    ap.add_argument("--cache", choices=L.CACHES + (L.KIVI_CACHE, "dict"), default="f16",
+                    help="the KV cache: f16, f32, q8_0 rows, kivi (KiviSpec()'s: 4 bits, 128 recent tokens) or dict "
+                         "(the certified artifact's dictionaries, each token coded on the device)")
+    ap.add_argument("--artifact", default="out/forge/smollm2.q42art",
+                    help="--cache dict: the certified artifact (make demo forges it there)")
     ap.add_argument("--device", default=None, help="index or name substring (default: $KVDICT_VK_DEVICE, 0)")
     a = ap.parse_args(argv)
+    from .. import runtime
     from ..forge import tokenizer
     from ..vk import KvArena, get_device
     from ..vk.forward import DeviceForward, from_gguf
@@ -39,7 +44,16 @@ def main(argv=None) -> int:
         weights = from_gguf()
         cfg = weights.config
         dev = get_device(a.device)
-        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt) + a.tokens, device=dev, cache=a.cache)
+        n_ctx = len(prompt) + a.tokens
+        if a.cache == "dict":  # the certified artifact for this arena (fail-closed), the switch as it was after
+            before = runtime.snapshot()
+            try:
+                runtime.activate(a.artifact)
+                arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, device=dev, cache="dict")
+            finally:
+                runtime.restore(before)
+        else:
+            arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, device=dev, cache=a.cache)
     except (E.KvDictError, FileNotFoundError) as e:
         print(f"kvdict-generate: {e}", file=sys.stderr)
         return 1

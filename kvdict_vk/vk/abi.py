@@ -183,8 +183,8 @@ ATTEND_MERGE_HEAD_PUSH = uint_block("AttendMergeHeadPush", "n_kv", "n_splits", "
 ENCODE_PUSH = uint_block("EncodePush", "phase", "step", "group0", "block", "dict_head", "n_tok",
                          "n_vectors", "n_atoms", "per_head", "atoms_word", "inv_norm_word", "mean_word",
                          "metric_word", "raw_atoms_word", "scale_word", "steps_word", "res_word",
-                         "basis_word", "dst_word", "n_ctx", "t0", "atoms_t_word", "atoms_pad",
-                         defaults=dict(atoms_t_word=0, atoms_pad=0))
+                         "basis_word", "dst_word", "n_ctx", "t0", "atoms_t_word", "atoms_pad", "x_word",
+                         defaults=dict(atoms_t_word=0, atoms_pad=0, x_word=0))
 
 
 # --- variants ----------------------------------------------------------------------------------

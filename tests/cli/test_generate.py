@@ -48,13 +48,13 @@ def test_generate_benchmark_rows_beside_llama_bench(tmp_path, restore_env, vk_de
                     "echo '[{\"n_prompt\": 0, \"n_gen\": 2, \"n_depth\": 48, \"avg_ts\": 50.0, \"stddev_ts\": 1.0}]'\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "generate.json"
-    assert generate.main(["--gguf", str(gguf), "--contexts", "48", "--caches", "f16,q8_0,kivi", "--tokens", "2",
+    assert generate.main(["--gguf", str(gguf), "--contexts", "48", "--caches", "f16,q8_0,kivi,dict", "--tokens", "2",
                           "--llama-bench", str(fake), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["engine"], r["cache"], r["n_ctx"]) for r in rows] == [
         ("kvdict", "f16", 48), ("llama.cpp", "f16", 48), ("kvdict", "q8_0", 48), ("llama.cpp", "q8_0", 48),
-        ("kvdict", "kivi", 48)]  # llama.cpp has no KIVI cache
+        ("kvdict", "kivi", 48), ("kvdict", "dict", 48)]  # llama.cpp has no KIVI or dictionary cache
     keys = {"engine", "cache", "n_ctx", "batch", "tokens_per_s", "host_us_per_token", "gpu_us_per_token", "command"}
     for r in rows:
         assert keys <= set(r) or (r["engine"] == "kvdict" and "gpu_us_per_token" not in r), r
@@ -83,3 +83,28 @@ def test_kvdict_generate_prints_text_speed_and_memory(capsys, restore_env, vk_de
     assert "--tokens" in capsys.readouterr().err
     assert generate.main(["--tokens", "2", "--cache", "kivi", "--device", str(vk_device.info.index)]) == 0
     assert "kivi KV arena" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_kvdict_generate_over_a_certified_dictionary(tmp_path, capsys, restore_env, vk_device):
+    """--cache dict decodes through the artifact's dictionaries (SmolLM2's shapes: shared, every
+    layer coded), each token's K/V coded on the device; an uncertified artifact is refused."""
+    from helpers import toy_cert
+    from kvdict_vk import artifact as A
+    from kvdict_vk import runtime, synthetic
+    from kvdict_vk.bench.generate import smollm2_shapes
+    from kvdict_vk.cli import generate
+    from kvdict_vk.dictionary import KvDictArtifact
+    cfg = smollm2_shapes()
+    dicts = synthetic.random_dicts(np.random.default_rng(5), cfg.head_dim, 64, 4, (6, 4))
+    art = KvDictArtifact(cfg.head_dim, 64, 4, ((dicts[0], dicts[1]),) * cfg.n_layers)
+    before = runtime.snapshot()
+    for passed, code in ((True, 0), (False, 1)):
+        path = tmp_path / f"{passed}.q42art"
+        A.write_artifact(path, art, toy_cert(art, passed=passed, n_kv_heads=cfg.n_kv_heads))
+        assert generate.main(["--tokens", "2", "--cache", "dict", "--artifact", str(path),
+                              "--device", str(vk_device.info.index)]) == code
+        out, err = capsys.readouterr()
+        assert ("dict KV arena" in out) if passed else ("kvdict-generate:" in err and "dict KV arena" not in out)
+    after = runtime.snapshot()  # the artifact was the arena's: the switch is as it was
+    assert (after.enabled, after.artifact, after.cert) == (before.enabled, before.artifact, before.cert)

@@ -39,8 +39,9 @@ class CacheAsHeld(llama.KVHook):
 
     def __call__(self, layer, k, v):
         self.kv.append((k, v))
-        return self.arena.read(layer) if self.cache == "q8_0" else (R.held_rows(k, self.cache),
-                                                                     R.held_rows(v, self.cache))
+        if self.cache in ("q8_0", "dict"):  # the arena's own values (a dict cache: its slots decoded)
+            return self.arena.read(layer)
+        return R.held_rows(k, self.cache), R.held_rows(v, self.cache)
 
     def check_rows(self) -> None:
         """The rows the device appended are the model's K/V as the cache holds them (q8_0:
@@ -153,6 +154,37 @@ def test_kivi_cache_equals_the_forge_kivi_forward(bits, recent, make_arena):
     forward.free()
 
 
+@pytest.mark.parametrize("n_heads", [1, 2])
+def test_dict_cache_equals_the_forward_over_its_slots(n_heads, make_arena, activate):
+    """Over a dict-coded cache (residual stages; a shared or a per-head dictionary) the device
+    forward codes each token's K/V rows on the device — the GPU encoder's one dispatch a stream,
+    recorded in the token — and attends over the slots: within the NLL gate of the forge's
+    forward over the arena's own slots decoded (arena.read); and those slots are the host
+    codec's coding of the forge's K/V (OMP near-ties aside: at most one vector in twenty)."""
+    from conftest import random_artifact
+    from kvdict_vk import codec, runtime
+    rng = np.random.default_rng(66)
+    w = _small_model(rng, "q8_0", True)
+    cfg = w.config
+    activate(random_artifact(rng, cfg.head_dim, 64, [((4, 4), (4, 3))] * cfg.n_layers, n_heads=n_heads))
+    tokens = rng.integers(0, cfg.vocab, 12)
+    arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16)
+    assert arena.mode == "dict"
+    forward = DeviceForward(w, arena, logits=True, row_threads=8)
+    got, _ = _decode(forward, tokens)
+    ref = CacheAsHeld(arena, "dict")
+    want = llama.token_nll(tokens, ref, model=dequantised_model(w))
+    assert np.abs(got - want).max() <= NLL_GATE, np.abs(got - want).max()
+    same = []
+    for layer, kv in enumerate(ref.kv):
+        for rows, held, is_k in zip(kv, arena.read(layer), (True, False)):
+            d = runtime.clone_layer_dict(layer, is_k)
+            host = codec.decode_heads(codec.encode_heads(rows, d), d, np.float32)
+            same += list(np.all(np.abs(host - held) <= 1e-5 * (1 + np.abs(host)), axis=-1).reshape(-1))
+    assert len(same) == 2 * cfg.n_layers * cfg.n_kv_heads * len(tokens) and np.mean(same) >= 0.95, np.mean(same)
+    forward.free()
+
+
 class _KiviAsHeld(CacheAsHeld):
     """Attention over a KIVI arena's values as held, with ``hook``'s exact windows per query."""
 
@@ -202,7 +234,7 @@ def test_weight_repacking_is_the_gguf_dequantisation():
 def test_bad_input_and_refusals(make_arena, activate):
     """A token outside the vocabulary, a full sequence: typed errors before anything is
     written (the counts stay, the next run is still right). An arena of other shapes, a
-    dict-coded arena, a bad row_threads: refused before anything is allocated. Logits not
+    bad row_threads, a device-coded step of two sequences: refused before anything is allocated. Logits not
     asked for, a freed forward: ArenaError."""
     from conftest import random_artifact
     rng = np.random.default_rng(61)
@@ -236,9 +268,9 @@ def test_bad_input_and_refusals(make_arena, activate):
     with pytest.raises(E.ArenaError, match="logits"):
         DeviceForward(w, make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8, cache="f16")).logits()
     activate(random_artifact(rng, cfg.head_dim, 64, [((4, 4), (4, 4))] * cfg.n_layers, n_heads=cfg.n_kv_heads))
-    coded = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8)
-    with pytest.raises(E.ArenaError, match="dict-coded"):
-        DeviceForward(w, coded)
+    coded = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8, seqs=2)
+    with pytest.raises(E.ArenaError, match="one sequence"):  # rows coded on the device: one sequence's
+        coded.record_step(cfg.n_heads, batch=2, record=False)
 
 
 def test_matrix_shapes_are_checked():

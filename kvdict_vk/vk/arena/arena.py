@@ -260,10 +260,11 @@ class KvArena:
         query heads and sequences 0 .. batch − 1: ``step.run(k_rows, v_rows, q)`` appends one
         token per sequence to each layer and attends over it, replaying the same commands with
         the step's values in buffers (kvdict_vk.vk.arena.decode says how). The flash kernels
-        attend (f16 / f32 / q8_0 rows, or both streams dict-coded; not a KIVI layer), their
+        attend (f16 / f32 / q8_0 rows, both streams dict-coded, or KIVI for one sequence), their
         launch shape planned at ``n_plan`` tokens (default: the capacity). The step is freed
         with the arena, or by its own free(). ``record`` False: its ops only, for a device
-        forward to record among its own (kvdict_vk.vk.forward.DeviceForward)."""
+        forward to record among its own (kvdict_vk.vk.forward.DeviceForward), the rows made
+        on the device (a dict-coded stream's coded there by the GPU encoder)."""
         att = self.attention(n_heads)
         idx = list(range(self.layout.n_layers)) if layers is None else [self.memory.layer_index(i) for i in layers]
         step = DecodeStep(self.memory, self._writes, att, idx, batch, check_scale(scale, self.layout.head_dim),

@@ -24,7 +24,10 @@ cooperative-matrix sibling where Attention.flash_kernel asks for it — and atte
 over a dict-coded layer); their launch shape is planned once, at the length ``n_plan``
 (default: the sequence's capacity), so a replay at a shorter context runs the same
 workgroups with shorter splits. A dict-coded layer's new tokens are coded on the host
-(codec.encode_heads), as KvArena.append's CPU path codes them. A KIVI layer's (one
+(codec.encode_heads), as KvArena.append's CPU path codes them — or, in a step a device forward
+records (``record`` False, one sequence: its rows are made on the device), by the GPU encoder's
+one-dispatch form from float rows in the step buffer into a buffer of slots that append_step
+copies from (GpuEncoder.recorded_op; its ties may differ from the host's). A KIVI layer's (one
 sequence) go into its exact windows on the device, which also quantises a group as it
 leaves them (append_kivi.comp: the host's words, bit for bit); the arena's host state of
 the layer then says the window's rows are on the device (kivi_store).
@@ -85,6 +88,10 @@ class DecodeStep:
         self._writes = writes
         self._streams = [lay.layers[i].streams for i in self.layers]
         self._kivi_layers = [i for i in self.layers if lay.layers[i].k.kivi]
+        # a device forward's rows are made on the device: its coded streams are coded there too
+        self._device_coded = not record and any(k.coded or v.coded for k, v in self._streams)
+        if self._device_coded and self.batch != 1:
+            raise E.ArenaError(f"a device forward's dict-coded step serves one sequence, not {self.batch}")
         # no coded stream: the step's rows go into the step buffer as they come, in one write each
         self._rows_only = not any(k.coded or v.coded for k, v in self._streams)
         # the step buffer: every layer's K source rows (batch, n_kv, row), then every layer's V rows
@@ -92,16 +99,28 @@ class DecodeStep:
         v_n = [self.batch * n_kv * _source_words(v, hd) for _, v in self._streams]
         self._k_src = np.cumsum([0] + k_n).tolist()
         self._v_src = (self._k_src[-1] + np.cumsum([0] + v_n)).tolist()
+        # device-coded streams: their float rows after the sources, each area on a quad (their
+        # slots, at the sources' words, in a buffer of their own: a kernel's written buffer is
+        # bound once)
+        self._rows_at, end = {}, -(-self._v_src[-1] // 4) * 4
+        for j, streams in enumerate(self._streams):
+            for st in streams:
+                if self._device_coded and st.coded:
+                    self._rows_at[(j, st.stream)] = end
+                    end += -(-n_kv * hd // 4) * 4
         self._q_words = query_words(self.batch, self.n_heads, hd)
         self._q_stride = -(-self._q_words // 4) * 4  # each layer's block starts on a quad
         self._lengths_at = lengths_word(self.batch, self.n_heads, hd)
         self._out_words = self.batch * self.n_heads * hd  # a multiple of 4: head_dim is
         n_l = len(self.layers)
-        self._q = self._out = self._step = self._rec = None
+        self._q = self._out = self._step = self._slots = self._rec = None
+        self._encoders = []
         try:
             # device-local (append_step reads each source float of a q8_0 block 32 times), up in
             # the same copy as the queries
-            self._step = Buffer(self.device, self._v_src[-1], "device", "decode step K/V rows")
+            self._step = Buffer(self.device, end, "device", "decode step K/V rows")
+            if self._device_coded:
+                self._slots = Buffer(self.device, self._v_src[-1], "storage", "decode step slots")
             self._q = Buffer(self.device, n_l * self._q_stride, "device", "decode step queries")
             self._out = Buffer(self.device, n_l * self._out_words, "device", "decode step output")
             self.layer_ops = self._layer_ops(attention, plans)
@@ -137,6 +156,9 @@ class DecodeStep:
         for j, (i, plan) in enumerate(zip(self.layers, plans)):
             k, v = self._streams[j]
             layer_buf, q_word = mem.layer_buffer(i), self.q_word(j)
+            encode = [self._encode_op(i, j, st) for st in (k, v) if (j, st.stream) in self._rows_at]
+            if encode:  # the rows' slots into the slots buffer's source area, for append_step
+                encode.append(barrier(self._slots))
             if k.kivi:  # into the windows; a group leaving them quantised (one workgroup a KV head)
                 append = pipeline(self.device, "append_kivi", [self._step, self._q, layer_buf],
                                   dict(HEAD_DIM=lay.head_dim, K_BITS=k.kivi_bits, V_BITS=v.kivi_bits),
@@ -148,7 +170,8 @@ class DecodeStep:
                                lengths_word=q_word + self._lengths_at)
             else:
                 units = sum(_append_units(st, lay.head_dim, self.batch * n_kv) for st in (k, v))
-                append = pipeline(self.device, "append_step", [self._step, self._q, layer_buf],
+                src = self._slots if encode else self._step
+                append = pipeline(self.device, "append_step", [src, self._q, layer_buf],
                                   max_items=units * WG_SIZE)
                 op = append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
                                v_word=v.region_word, k_row_words=k.row_words, v_row_words=v.row_words, n_kv=n_kv,
@@ -156,12 +179,22 @@ class DecodeStep:
                                lengths_word=q_word + self._lengths_at,
                                k_format=R.APPEND_FORMATS[R.append_format(k)],
                                v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim)
-            ops = [op, barrier(layer_buf)]
+            ops = [*encode, op, barrier(layer_buf)]
             ops += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
                                     Placement(q_word=q_word, out_word=self.out_word(j), dynamic=True))
             ops.append(attention.barrier_op())
             out.append(ops)
         return out
+
+    def _encode_op(self, i: int, j: int, st):
+        """The GPU encoder's op coding layer i's (j-th of the step) stream ``st`` from its float
+        rows into its slots (an encoder of the step's own, one-dispatch form)."""
+        from ..encode.encoder import GpuEncoder
+        enc = GpuEncoder(self.device, self._writes.stream_dict(i, st.stream), max_batch=self.layout.n_kv_heads,
+                         kernel="tiled")
+        self._encoders.append(enc)
+        src = self._k_src[j] if st.stream == "k" else self._v_src[j]
+        return enc.recorded_op(self._step, self._rows_at[(j, st.stream)], self._slots, src, self.layout.n_kv_heads)
 
     # --- where a device forward writes and reads (layer j of ``layers``) ---------------------------
     @property
@@ -174,10 +207,11 @@ class DecodeStep:
         return j * self._q_stride
 
     def k_rows_word(self, j: int) -> int:
-        return self._k_src[j]
+        """Where layer j's new K rows go as float32 (batch, n_kv, head_dim)."""
+        return self._rows_at.get((j, "k"), self._k_src[j])
 
     def v_rows_word(self, j: int) -> int:
-        return self._v_src[j]
+        return self._rows_at.get((j, "v"), self._v_src[j])
 
     def out_word(self, j: int) -> int:
         return j * self._out_words
@@ -300,10 +334,13 @@ class DecodeStep:
         if self._rec is not None:
             self._rec.free()
             self._rec = None
-        for buf in (self._q, self._out, self._step):
+        for enc in self._encoders:
+            enc.free()
+        self._encoders = []
+        for buf in (self._q, self._out, self._step, self._slots):
             if buf is not None:
                 buf.destroy()
-        self._q = self._out = self._step = None
+        self._q = self._out = self._step = self._slots = None
 
     @property
     def closed(self) -> bool:

@@ -290,6 +290,29 @@ class GpuEncoder:
         self._check_dest(dest, n_kv, n_tok, region_word, n_ctx, t0)
         return self._batch_ops(dest, x, region_word, n_ctx, t0)
 
+    def recorded_op(self, x: Buffer, x_word: int, dest: Buffer, region_word: int, n_kv: int):
+        """The op that encodes one vector per KV head read on the device — head h's at
+        x_word + h·head_dim of ``x`` — into its slot at region_word + h·slot_words of ``dest``:
+        for a recording replayed per token (a decode step's rows made by earlier kernels of
+        the same submission). The tiled form only (one dispatch: its vector kernel)."""
+        self._live()
+        if self._tiled is None:
+            raise E.DispatchError(f"recorded_op: the {self.kernel} encoder records several dispatches a step; "
+                                  f"make the encoder with kernel='tiled'")
+        for what, buf in (("x", x), ("dest", dest)):
+            if not isinstance(buf, Buffer) or not buf.alive or any(buf is b for b in self._buffers.values()):
+                raise E.DispatchError(f"recorded_op: {what} must be a live Buffer of the caller's, got {buf!r}")
+        x_word, n_kv = self._index("x_word", x_word), self._index("n_kv", n_kv)
+        lanes = 4 if self.head_dim % 4 == 0 else 1
+        if x_word % lanes or x_word + n_kv * self.head_dim > x.words or not 1 <= n_kv <= self.capacity:
+            raise E.DispatchError(f"recorded_op: {n_kv} vectors from word {x_word} (a multiple of {lanes}) "
+                                  f"of {x.name} ({x.words} words), at most {self.capacity}")
+        region_word, _, _ = self._check_dest(dest, n_kv, 1, region_word, 1, 0)
+        per_group = 1 if self.stream.n_heads > 1 else n_kv
+        kern = self._tiled.kernel(tile_for(per_group, self.vector_per_head), dest, _MAX_DEST_KERNELS, x)
+        return kern.op(**dict(self._push, phase=0, step=0, group0=0, block=0, dict_head=0, n_tok=1, n_vectors=n_kv,
+                              dst_word=region_word, n_ctx=1, t0=0, x_word=x_word))
+
     def one_batch(self, n_kv: int, n_tok: int) -> bool:
         """Whether n_kv × n_tok vectors (n_tok ≥ 1) are one batch: what ops_into takes."""
         return n_tok >= 1 and n_kv * n_tok <= self.capacity

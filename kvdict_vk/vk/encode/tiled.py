@@ -211,15 +211,17 @@ class TiledKernels:
         self._state[tile_vectors] = (shape, basis, words, workgroups)
         return self._state[tile_vectors]
 
-    def kernel(self, tile_vectors: int, dest: Buffer, max_dests: int) -> Kernel:
-        """The pipeline for this tile size writing into ``dest`` (made on first use; at most
-        ``max_dests`` destinations are kept per tile size)."""
+    def kernel(self, tile_vectors: int, dest: Buffer, max_dests: int, x: Buffer | None = None) -> Kernel:
+        """The pipeline for this tile size reading its vectors from ``x`` (None: the encoder's
+        input buffer) and writing into ``dest`` (made on first use; at most ``max_dests``
+        destinations are kept per tile size)."""
         if tile_vectors == VECTOR_FORM and self.vector is None:  # the smallest tile stands in
             tile_vectors = TILE_SIZES[-1]
         shape, basis, words, workgroups = self._state_for(tile_vectors)
-        key = (tile_vectors, id(dest))
+        x = self.x_buffer if x is None else x
+        key = (tile_vectors, id(dest), id(x))
         kern = self._kernels.get(key)
-        if kern is not None and kern.buffers[-1] is dest:
+        if kern is not None and kern.buffers[-1] is dest and kern.buffers[0] is x:
             return kern
         if kern is not None:  # a freed buffer's id was reused
             release(self._kernels.pop(key))
@@ -228,10 +230,10 @@ class TiledKernels:
             release(self._kernels.pop(same[0]))
         b = self.dict_buffer
         if tile_vectors == VECTOR_FORM:
-            kern = pipeline(self.device, self.vector_variant, [self.x_buffer, b, b, dest],
+            kern = pipeline(self.device, self.vector_variant, [x, b, b, dest],
                           V.spec(self.stream, shape, self.n_steps), max_items=workgroups * shape.local)
         else:
-            kern = pipeline(self.device, self.variant, [self.x_buffer, b, b, basis, words, dest], self.spec(shape),
+            kern = pipeline(self.device, self.variant, [x, b, b, basis, words, dest], self.spec(shape),
                           max_items=workgroups * shape.local)
         if kern.workgroups > workgroups:  # the state holds a region per workgroup
             release(kern)

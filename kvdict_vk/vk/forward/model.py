@@ -43,8 +43,9 @@ WEIGHT_BUFFER_BYTES = 1 << 30  # the most a weights buffer holds (whole layers),
 
 class DeviceForward:
     """``weights``' decode over ``arena`` (its layers, KV heads and head_dim the model's; an
-    uncoded cache — f32, f16 or q8_0 rows — or the KIVI cache, its groups quantised on the
-    device as they leave the window), sequence 0, one token a :meth:`run`. ``logits``:
+    uncoded cache — f32, f16 or q8_0 rows —, the KIVI cache, its groups quantised on the
+    device as they leave the window, or the dictionary cache, its rows coded on the device by
+    the GPU encoder), sequence 0, one token a :meth:`run`. ``logits``:
     read the logits back each run (:meth:`logits`); ``timestamps``: GPU time of each run
     (:meth:`gpu_seconds`); ``n_plan``: the length the attention's launch shape is planned at
     (default: the arena's capacity); ``row_threads``: fwd_matvec's invocations a row (a power of
@@ -59,10 +60,6 @@ class DeviceForward:
         if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
             raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
                                f"the model has {cfg.n_layers} of {cfg.n_kv_heads} × {cfg.head_dim}")
-        coded = [i for i, layer in enumerate(lay.layers) if any(st.coded for st in layer.streams)]
-        if coded:
-            raise E.ArenaError(f"layers {coded} are dict-coded: a device forward appends rows it made on the device, "
-                               f"and their coding runs on the host (KvArena.step decodes over such a cache)")
         if cfg.hidden % 32 or cfg.ffn % 32 or (cfg.n_heads * cfg.head_dim) % 32:
             raise E.ShapeError("a device forward needs hidden, ffn and n_heads · head_dim multiples of 32")
         self.config, self.arena, self.device = cfg, arena, arena.device
