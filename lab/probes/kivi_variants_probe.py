@@ -29,8 +29,10 @@ ALL_FLASH = KIVI_VARIANTS + ROW_VARIANTS + WIDE_VARIANTS
 KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "8u"}),
          "nohalves": (KIVI_VARIANTS, {"LEVELS_BY_HALVES": "0"}),
          "int8bits": (ROW_VARIANTS, {"INT8_BY_BITS": "1"}),
-         # the softmax step token by token (take_token) rather than a round's tokens together
-         "token_step": (ALL_FLASH, {"ROUND_SOFTMAX": "0"}),
+         # a round's tokens take their softmax step together rather than token by token
+         "round_step": (ALL_FLASH, {"ROUND_SOFTMAX": "1"}),
+         "round_tb8": (KIVI_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "8u"}),
+         "round_rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "4u"}),
          "rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "4u"}),
          "rows_tb3": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "3u"})}
 # label → (the variants, how they were built): builds made by hand into --spv/<label>, not by --build.
