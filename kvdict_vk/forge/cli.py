@@ -3,6 +3,7 @@
     kvdict-forge                       # defaults: a certified artifact in a few minutes
     kvdict-forge --k-bits 0 --v-bits 0 --k-sparsity 8 --v-sparsity 8   # plain atoms
     kvdict-forge --smoke               # CI: 2 layers, small windows
+    kvdict-forge --eval-window 4096 --eval-windows 3 --texts sedfaq,pydoc,cmake   # the long-context gate
     kvdict-forge curve                 # the ΔPPL-vs-bytes sweep (long; see --help)
 
 Writes <out>/<name>.q42art (passed = true or false), <name>.json, <name>.md and <name>.png.
@@ -50,7 +51,9 @@ def config_from_args(a) -> P.ForgeConfig:
 
 
 def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
-          command: str = "kvdict-forge") -> tuple[int, dict]:
+          command: str = "kvdict-forge", table_rows: tuple | None = None) -> tuple[int, dict]:
+    """Learn, certify and package ``cfg``'s dictionary into ``out``; with_baselines: measure
+    the other caches' rows too (``table_rows``: only those named)."""
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     cache = os.path.join(out, "cache")
@@ -59,7 +62,7 @@ def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
     art = P.learn_artifact(kv, cfg, progress=_progress(n_streams, "learning streams"))
     t_learn = time.perf_counter() - t0
     sets = P.eval_sets(cfg, cache)
-    _log("gate: " + ", ".join(f"{es.text.name} {len(es.windows)} × {cfg.window}" for es in sets) + " tokens")
+    _log("gate: " + ", ".join(f"{es.text.name} {len(es.windows)} × {cfg.gate_window()}" for es in sets) + " tokens")
     results = P.certify_artifact(art, sets)
     cert = P.make_cert(results, cfg, sets, art)
     path = os.path.join(out, f"{name}.q42art")
@@ -73,9 +76,9 @@ def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
     rows = [dict(name=dict_name, kind="dictionary", bytes_per_vector=bpv["all"], note="certified (this artifact)",
                  texts={n: r.to_dict() for n, r in results.items()})]
     if with_baselines:
-        table_rows = table.baseline_rows(levers.residual_stats(kv), art.head_dim, cfg.window) + \
+        candidates = table.baseline_rows(levers.residual_stats(kv), art.head_dim, cfg.gate_window()) + \
             levers.dictionary_rows(art, cfg, bpv["all"])
-        rows += table.measure(table_rows, sets, cache, log=_log)
+        rows += table.measure(table.select(candidates, table_rows), sets, cache, log=_log)
     summary = dict(artifact=path, passed=cert.passed, gate={n: r.to_dict() for n, r in results.items()},
                    bytes_per_vector=bpv, config=dataclasses.asdict(cfg), learn_seconds=t_learn,
                    total_seconds=time.perf_counter() - t0, rows=rows)
@@ -112,7 +115,10 @@ def main(argv=None) -> int:
                     help="calibration text files (comma-separated; .gz read as gzip), their windows "
                          "taken in turn (default: the licenses but GPL-3, concatenated)")
     ap.add_argument("--texts", type=lambda s: tuple(s.split(",")), default=None,
-                    help="evaluation texts (default gpl3,sedfaq,pydoc; see kvdict_vk/forge/texts.py)")
+                    help="evaluation texts (default gpl3,sedfaq,pydoc; the long-context gate's: sedfaq,pydoc,cmake; "
+                         "see kvdict_vk/forge/texts.py)")
+    ap.add_argument("--table-rows", type=lambda s: tuple(x.strip() for x in s.split(";") if x.strip()), default=None,
+                    help="only these rows beside the dictionary, by name, ';'-separated (default: every one)")
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     ap.add_argument("--curve-atoms", type=ints, default=None, help="curve: atom counts (default 1024,4096,16384)")
     ap.add_argument("--curve-sparsities", type=ints, default=None, help="curve: sparsities (default 4,6,8,12,16,24)")
@@ -127,7 +133,8 @@ def main(argv=None) -> int:
                                    sparsities=a.curve_sparsities or curve.SPARSITIES,
                                    residual_configs=() if a.curve_plain_only else curve.RESIDUAL_CONFIGS)
         command = " ".join(["kvdict-forge"] + list(sys.argv[1:] if argv is None else argv))
-        code, _ = build(cfg, a.out, a.name, with_baselines=not a.no_baselines and not a.smoke, command=command)
+        code, _ = build(cfg, a.out, a.name, with_baselines=not a.no_baselines and not a.smoke, command=command,
+                        table_rows=a.table_rows)
         return code
     except E.KvDictError as e:
         print(f"kvdict-forge: {e}", file=sys.stderr)

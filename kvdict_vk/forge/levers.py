@@ -33,7 +33,7 @@ def dictionary_rows(art, cfg: P.ForgeConfig, coded_bytes: float) -> list:
     return [
         table.Row(base + " + group scales", "dictionary", coded_bytes + 2 * hd / R.GROUP,
                   lambda: R.GroupScaleDictHook(art), ident, "lever: per-32-token residual scales (not in the slot format)"),
-        table.Row(base + f" + sink + {RECENT} recent", "dictionary", _windowed_bytes(coded_bytes, cfg.window, hd),
+        table.Row(base + f" + sink + {RECENT} recent", "dictionary", _windowed_bytes(coded_bytes, cfg.gate_window(), hd),
                   lambda: Installed(art, WindowedRuntimeHook()), ident,
                   "lever: token 0 and the 32 most recent tokens in binary16 (engine has no such window)"),
     ]

@@ -52,8 +52,11 @@ class ForgeConfig:
     method: str = "ksvd"
     train_vectors: int = 4096  # per dictionary, sampled from the calibration K/V
     calib_tokens: int = 4096
-    window: int = 1024
+    window: int = 1024  # tokens a calibration window holds (and an evaluation window's, by default)
     eval_windows: int | None = None  # windows per text (None: each text's own, forge.texts)
+    # tokens an evaluation window holds (None: ``window``): a long-context gate takes 4 096 or
+    # more, so a recent window is a few per cent of a window's tokens (forge.texts.LONG_TEXTS)
+    eval_window: int | None = None
     texts: tuple = T.DEFAULT_TEXTS  # the gate's evaluation texts
     threshold: float = 0.01  # the gate: upper end of the 95 % CI of ΔPPL ≤ +1 % on every text
     layers: list | None = None  # layers to code (None = all); the rest pass through
@@ -63,6 +66,10 @@ class ForgeConfig:
     # atoms rounded to binary16 values (forge.learn): the arena then keeps them in binary16
     # (half the bytes, half reconstruct's loads); False keeps the learner's float32 bits
     f16_atoms: bool = True
+
+    def gate_window(self) -> int:
+        """Tokens an evaluation window holds."""
+        return self.eval_window or self.window
 
     def stream_spec(self, k_not_v: bool) -> tuple[int, int]:
         return (self.k_sparsity, self.k_bits) if k_not_v else (self.v_sparsity, self.v_bits)
@@ -231,7 +238,7 @@ class RuntimeHook(llama.KVHook):
 
 def eval_sets(cfg: ForgeConfig, cache_dir: str | None = None) -> list[table.EvalSet]:
     """Each evaluation text's windows and f32 baseline NLL (cached in cache_dir)."""
-    return [table.load_eval_set(t, cfg.window, cfg.eval_windows, cache_dir) for t in T.get(cfg.texts)]
+    return [table.load_eval_set(t, cfg.gate_window(), cfg.eval_windows, cache_dir) for t in T.get(cfg.texts)]
 
 
 def certify_artifact(art: KvDictArtifact, sets: list, hook: RuntimeHook | None = None) -> dict:
@@ -285,7 +292,7 @@ def make_cert(results: dict, cfg: ForgeConfig, sets: list, art: KvDictArtifact) 
                       memory=cert_memory(art, c.n_layers, c.n_kv_heads, c.head_dim, c.context_length),
                       blas_core=parallel.learning_core() or "native"),  # the kernels it was learned on
         extra=dict(ci95=list(worst.ci95), worst_text=worst_name, windows=sum(len(es.windows) for es in sets),
-                   window=cfg.window, gate_rule="upper end of the 95 % CI <= threshold on every text",
+                   window=cfg.gate_window(), gate_rule="upper end of the 95 % CI <= threshold on every text",
                    texts=per_text, calibration=calibration_sha256(calibration_files(cfg.calib_files))),
     )
 

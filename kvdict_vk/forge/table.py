@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import errors as E
 from . import certify, kivi, llama, quant, rotated, tokenizer
 from . import residual_only as R
 from .texts import EvalText
@@ -103,6 +104,18 @@ def baseline_rows(means_scales: list | None, head_dim: int, context: int) -> lis
             rows.append(Row(name, "residual_only", R.residual_only_bytes(k, v, group, head_dim),
                             lambda k=k, v=v, g=group: R.ResidualOnlyHook(means_scales, k, v, g), ident))
     return rows
+
+
+def select(rows: list[Row], names: tuple | None) -> list[Row]:
+    """The rows named (all where ``names`` is None), in the order given; an unknown name is a
+    KvDictError that lists the known ones."""
+    if names is None:
+        return rows
+    by_name = {r.name: r for r in rows}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise E.KvDictError(f"unknown table row(s) {unknown}; known: {list(by_name)}")
+    return [by_name[n] for n in names]
 
 
 def measure(rows: list[Row], sets: list[EvalSet], cache_dir: str | None, log=print) -> list[dict]:

@@ -5,6 +5,9 @@ with scripts/setup.sh's packages holds, none of it used for calibration.
 * ``sedfaq`` — /usr/share/doc/sed/sedfaq.txt.gz, the sed FAQ (technical question-and-answer
   prose; package sed, which is Essential, so every Debian system has it unless its docs
   were stripped, as "slim" container images do).
+* ``cmake`` — CMake's build-system manual, /usr/share/cmake-3.25/Help/manual/cmake-buildsystem.7.rst
+  (package cmake-data, which scripts/setup.sh's cmake depends on): the long-context gate's
+  third text (LONG_TEXTS), not the default gate's.
 * ``pydoc`` — the Python language reference's topics in
   /usr/lib/python3.11/pydoc_data/topics.py (reference-manual prose; package
   libpython3.11-stdlib, which the virtualenv's interpreter needs). The file is a Python
@@ -73,8 +76,14 @@ EVAL_TEXTS = {
     "gpl3": EvalText("gpl3", GPL3, 7, "legal (software license)"),
     "sedfaq": EvalText("sedfaq", "/usr/share/doc/sed/sedfaq.txt.gz", 4, "technical FAQ"),
     "pydoc": EvalText("pydoc", "/usr/lib/python3.11/pydoc_data/topics.py", 4, "language reference manual"),
+    "cmake": EvalText("cmake", "/usr/share/cmake-3.25/Help/manual/cmake-buildsystem.7.rst", 12,
+                      "build-system manual (reStructuredText)"),
 }
 DEFAULT_TEXTS = ("gpl3", "sedfaq", "pydoc")
+# The long-context gate's (ForgeConfig.eval_window 4 096): texts of at least three 4 096-token
+# windows — GPL-3 holds one (7 639 tokens), so cmake's build-system manual (12 467 tokens, package
+# cmake-data, which setup.sh's cmake brings) stands beside sedfaq (47 122) and pydoc (112 333).
+LONG_TEXTS = ("sedfaq", "pydoc", "cmake")
 
 
 def get(names) -> list[EvalText]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvdict_vk import errors as E
 from kvdict_vk.forge import certify, kivi, llama, pipeline as P, rotated, texts
 from kvdict_vk.forge import residual_only as R
 
@@ -131,3 +132,13 @@ def test_calibration_windows_interleave_the_files(tmp_path):
     assert all(np.array_equal(g, e) for g, e in zip(got, expect)) and len(got) == 3 * depth
     concat = P.calibration_windows(paths, window, 2, interleave=False)
     assert np.array_equal(concat[0], per_file[0][0])
+
+
+def test_table_rows_are_selected_by_name():
+    """--table-rows: the rows named, in that order; an unknown name is refused with the known ones."""
+    from kvdict_vk.forge import table
+    rows = table.baseline_rows(None, 64, 4096)
+    assert [r.name for r in table.select(rows, ("KIVI 4 bit + 128 recent", "q8_0"))] == ["KIVI 4 bit + 128 recent", "q8_0"]
+    assert table.select(rows, None) is rows
+    with pytest.raises(E.KvDictError, match="known: .*KIVI 2 bit"):
+        table.select(rows, ("q8_0", "KIVI 9 bit"))

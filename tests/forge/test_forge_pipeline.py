@@ -23,6 +23,22 @@ def smoke_runs(tmp_path_factory):
     return out, ok, bad
 
 
+def test_long_context_gate_windows(tmp_path):
+    """--eval-window: the gate's windows longer than the calibration's (the long-context gate's
+    texts, forge.texts.LONG_TEXTS, one of each here); the certificate and the fidelity table
+    record the evaluation window, and the calibration captures are the smoke run's."""
+    from kvdict_vk.forge import cli
+    from kvdict_vk.forge.texts import LONG_TEXTS
+    assert cli.main(["--smoke", "--out", str(tmp_path), "--name", "long", "--threshold", "0.5", "--eval-window",
+                     "384", "--texts", ",".join(LONG_TEXTS)]) == 0
+    cert = A.read_header(tmp_path / "long.q42art")
+    assert cert.extra["window"] == 384 and cert.eval_tokens == len(LONG_TEXTS) * 383
+    assert [t["name"] for t in cert.extra["texts"]] == list(LONG_TEXTS)
+    assert cert.producer["config"]["window"] == 256 and cert.producer["config"]["eval_window"] == 384
+    fid = json.loads((tmp_path / "long-fidelity.json").read_text())
+    assert {t["window"] for t in fid["texts"].values()} == {384}
+
+
 def test_certified_artifact_loads(smoke_runs):
     out, ok, _ = smoke_runs
     assert ok == 0
