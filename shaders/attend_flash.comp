@@ -60,11 +60,11 @@
 // ROUND_SOFTMAX 1: a round's TB tokens take their softmax step together — every token's scores
 // first, one reference move per round (to the round's largest score), the TB probabilities'
 // exps and shuffles independent of each other, then p·v — so a lane's tokens of a round need not
-// wait on each other's shuffle and exp latencies. 0: token by token (take_token), the build the
-// GPU figures were measured with; 1 is exact too (the attention tests pass with it) but not yet
-// timed on a GPU — a build-time knob for lab/probes/kivi_variants_probe.py ("round_step").
+// wait on each other's shuffle and exp latencies. 0: token by token (take_token). On an H100 the
+// KIVI builds gain with it (and with 8 tokens a lane), the row builds lose (their decoded units
+// of a round stay live across it): lab/NOTEBOOK.md, "A round's softmax step together".
 #ifndef ROUND_SOFTMAX
-#define ROUND_SOFTMAX 0
+#define ROUND_SOFTMAX KIVI
 #endif
 #include "common.glsl"
 #include "attend_common.glsl"
@@ -108,7 +108,7 @@ const uint TLANES = LOCAL / UNITS;        // tokens in flight per workgroup
 // q8_0 rows, f32 rows — twice the registers a unit — won without (lab/NOTEBOOK.md,
 // "attend_flash, the f16 flash kernel"). Build-time knobs for such probes.
 #ifndef TOKENS_PER_LANE
-#define TOKENS_PER_LANE (KIVI > 0 ? 4u : 2u)
+#define TOKENS_PER_LANE (KIVI > 0 ? 8u : 2u)
 #endif
 #ifndef PREFETCH
 #define PREFETCH (ROW_Q8 > 0u || ROW_HALF > 0u)

@@ -331,8 +331,8 @@ def test_flash_splits_are_whole_rounds(make_arena):
     assert S.flash_round_tokens(128, 256, coded=False) == 256 // 16 * S.FLASH_TOKENS_PER_LANE == 32
     assert S.flash_round_tokens(64, 256, coded=True) == 256
     # KIVI: a lane's tokens of a round share a key group, a split starts on one
-    assert S.flash_round_tokens(64, 256, False, kivi=True) == 32 * S.FLASH_KIVI_TOKENS_PER_LANE == 128
-    assert S.flash_round_tokens(128, 64, False, kivi=True) == 32  # 4 lanes × 4 tokens: two rounds a group
+    assert S.flash_round_tokens(64, 256, False, kivi=True) == 32 * S.FLASH_KIVI_TOKENS_PER_LANE == 256
+    assert S.flash_round_tokens(128, 64, False, kivi=True) == 32  # 4 lanes × 8 tokens: a round a group
     n_kv, g, hd = 2, 4, 128
     arena = make_arena(1, n_kv, hd, 40000, cache="f16", shader_mapping="chunk")
     att = arena.attention(n_kv * g)

@@ -75,7 +75,7 @@ def mma_shared_bytes(head_dim: int, local: int, rows: str) -> int:
 # attend_flash.comp's TOKENS_PER_LANE (its defaults; a test reads the shader's): rows, and the
 # KIVI builds (a round's tokens of an invocation share their key group's statistics)
 FLASH_TOKENS_PER_LANE = 2
-FLASH_KIVI_TOKENS_PER_LANE = 4
+FLASH_KIVI_TOKENS_PER_LANE = 8
 
 
 def flash_round_tokens(head_dim: int, local: int, coded: bool, kivi: bool = False, mma: bool = False) -> int:
