@@ -89,8 +89,11 @@ def test_gate_needs_the_upper_bound_within_the_threshold_on_every_text():
 def test_evaluation_texts_exist_differ_and_are_not_calibration():
     bodies = {t.name: t.text() for t in texts.EVAL_TEXTS.values()}
     assert all(len(P.tokenizer.encode(b)) > 1024 * t.windows for b, t in zip(bodies.values(), texts.EVAL_TEXTS.values()))
-    assert len({certify.text_sha256(b) for b in bodies.values()}) == 3
+    assert len({certify.text_sha256(b) for b in bodies.values()}) == len(bodies) == 4
     assert not texts.eval_paths() & set(P.calibration_files())
+    # the long-context gate's texts hold three 4 096-token windows each (GPL-3 holds one)
+    assert all(len(P.tokenizer.encode(bodies[n])) >= 3 * 4096 for n in texts.LONG_TEXTS)
+    assert len(P.tokenizer.encode(bodies["gpl3"])) < 2 * 4096
 
 
 def test_calibration_files_given_stay_disjoint_from_evaluation(tmp_path):
