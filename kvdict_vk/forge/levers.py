@@ -4,7 +4,7 @@ dictionaries with a lever an engine does not implement today, each measured in t
 
 * group scales: the residual's per-channel scale per 32-token group (residual_only), +4 B.
 * sink + recent window: token 0 and the 32 most recent tokens kept in binary16 (the rest
-  through the engine's own reconstruct-on-write), charged at the 1024-token context.
+  through the engine's own reconstruct-on-write), charged at the gate's window length.
 """
 from __future__ import annotations
 
@@ -25,15 +25,21 @@ def _windowed_bytes(coded: float, context: int, head_dim: int) -> float:
     return ((context - exact) * coded + exact * 2 * head_dim) / context
 
 
+def dictionary_row_names(cfg: P.ForgeConfig) -> list[str]:
+    """The names of dictionary_rows' rows, known before anything is learned."""
+    base = P.dict_row_name(cfg)
+    return [base + " + group scales", base + f" + sink + {RECENT} recent"]
+
+
 def dictionary_rows(art, cfg: P.ForgeConfig, coded_bytes: float) -> list:
     ident = table.digest(*[a for pair in art.layers for d in pair if d is not None
                            for a in (d.atoms, d.mean, d.residual_scale)])
-    base = P.dict_row_name(cfg)
+    grouped, windowed = dictionary_row_names(cfg)
     hd = art.head_dim
     return [
-        table.Row(base + " + group scales", "dictionary", coded_bytes + 2 * hd / R.GROUP,
+        table.Row(grouped, "dictionary", coded_bytes + 2 * hd / R.GROUP,
                   lambda: R.GroupScaleDictHook(art), ident, "lever: per-32-token residual scales (not in the slot format)"),
-        table.Row(base + f" + sink + {RECENT} recent", "dictionary", _windowed_bytes(coded_bytes, cfg.gate_window(), hd),
+        table.Row(windowed, "dictionary", _windowed_bytes(coded_bytes, cfg.gate_window(), hd),
                   lambda: Installed(art, WindowedRuntimeHook()), ident,
                   "lever: token 0 and the 32 most recent tokens in binary16 (engine has no such window)"),
     ]

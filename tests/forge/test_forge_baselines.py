@@ -137,9 +137,12 @@ def test_calibration_windows_interleave_the_files(tmp_path):
     assert np.array_equal(concat[0], per_file[0][0])
 
 
-def test_table_rows_are_selected_by_name():
-    """--table-rows: the rows named, in that order; an unknown name is refused with the known ones."""
-    from kvdict_vk.forge import table
+def test_table_rows_are_selected_by_name(tmp_path, capsys):
+    """--table-rows: the rows named, in that order; an unknown name is refused with the known ones
+    — by kvdict-forge before it learns or writes anything."""
+    from kvdict_vk.forge import cli, table
+    assert cli.main(["--out", str(tmp_path / "f"), "--table-rows", "q8_0;KIVI 9 bit"]) == 2
+    assert "KIVI 9 bit" in capsys.readouterr().err and not (tmp_path / "f").exists()
     rows = table.baseline_rows(None, 64, 4096)
     assert [r.name for r in table.select(rows, ("KIVI 4 bit + 128 recent", "q8_0"))] == ["KIVI 4 bit + 128 recent", "q8_0"]
     assert table.select(rows, None) is rows
