@@ -52,8 +52,9 @@
 // attention stays right as appends quantise more groups) from the exact windows' binary16
 // rings, in a loop of their own after the quantised tokens' (so the quantised loop holds a
 // few level words a token, not binary16 units: registers bound this build). Decoded to floats
-// per unit as each token is taken (kivi_unit_x: no int→float conversion), then the same
-// step (take_token) and end as the other rows.
+// per unit where they are used — a round's keys for its scores, then its values for p·v
+// (kivi_unit_x: no int→float conversion) — with the round's softmax step (ROUND_SOFTMAX) and
+// the same end as the other rows.
 #ifndef KIVI
 #define KIVI 0
 #endif
