@@ -149,6 +149,17 @@ def enabled_with(artifact: KvDictArtifact, *, allow_uncertified: bool = False):
         restore(prev)
 
 
+@contextlib.contextmanager
+def activated(path: str | os.PathLike):
+    """``activate(path)`` for the block (yielding its CertInfo), then :func:`restore` of the
+    state before: a certified artifact for the arenas a block makes (kvdict-generate)."""
+    prev = snapshot()
+    try:
+        yield activate(path)
+    finally:
+        restore(prev)
+
+
 def is_enabled() -> bool:
     return _STATE.enabled
 

@@ -51,14 +51,23 @@ def parse_args(argv=None):
 
 
 def fill_random(arena, rng, n_tokens: int) -> None:
-    """n_tokens random rows in every layer (the same rows: the times do not depend on them)."""
+    """n_tokens random rows in every layer (the same rows: the times do not depend on them); a
+    dict-coded stream random slots of its dictionary (coding that many rows would take longer
+    than the run)."""
+    from kvdict_vk import synthetic
     lay = arena.layout
     chunk = 4096
     k = rng.standard_normal((lay.n_kv_heads, min(chunk, n_tokens), lay.head_dim), dtype=np.float32)
     for layer in range(lay.n_layers):
+        streams = lay.layers[layer].streams
+        src = [synthetic.random_slots(rng, arena.stream_dict(layer, st.stream), k.shape[:2]) if st.coded else k
+               for st in streams]
         for t0 in range(0, n_tokens, chunk):
             n = min(chunk, n_tokens - t0)
-            arena.append(layer, k[:, :n], k[:, :n])
+            if any(st.coded for st in streams):
+                arena.append_codes(layer, *(s[:, :n] for s in src))
+            else:
+                arena.append(layer, k[:, :n], k[:, :n])
 
 
 def bench_case(dev, shape, cache: str, n_ctx: int, args, rng, progress) -> dict:

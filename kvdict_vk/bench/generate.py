@@ -79,16 +79,10 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
     from kvdict_vk.vk.forward import DeviceForward
     cfg, rng = weights.config, np.random.default_rng(1)
     capacity = depth + args.tokens + WARM_TOKENS
-    if cache == "dict":
-        arena, slots = _dict_arena(dev, cfg, capacity, depth, rng)
-    else:
-        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=cache)
+    arena = _dict_arena(dev, cfg, capacity, rng) if cache == "dict" else \
+        KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=cache)
     try:
-        if cache == "dict":
-            for layer in range(cfg.n_layers):
-                arena.append_codes(layer, *slots)
-        else:
-            fill_random(arena, rng, depth)
+        fill_random(arena, rng, depth)
         forward = DeviceForward(weights, arena, timestamps=True)
         token, t0, warm = 1, time.perf_counter(), 0
         while warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S):
@@ -112,9 +106,9 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
         arena.free()
 
 
-def _dict_arena(dev, cfg, capacity: int, depth: int, rng) -> tuple:
+def _dict_arena(dev, cfg, capacity: int, rng):
     """A dict-coded arena of random dictionaries in the forge's default format (every layer the
-    same ones) and (K, V) random slots of ``depth`` tokens."""
+    same ones)."""
     from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import (FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY,
                                       KvDictArtifact)
@@ -123,8 +117,7 @@ def _dict_arena(dev, cfg, capacity: int, depth: int, rng) -> tuple:
                                    cfg.n_kv_heads if FORGE_PER_HEAD else 1)
     art = KvDictArtifact(cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, ((dicts[0], dicts[1]),) * cfg.n_layers)
     with runtime.enabled_with(art, allow_uncertified=True):
-        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache="dict")
-    return arena, [synthetic.random_slots(rng, d, (cfg.n_kv_heads, depth)) for d in dicts]
+        return KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache="dict")
 
 
 def llama_rows(binary: Path, gguf: Path, cache: str, depth: int, tokens: int) -> list[dict]:

@@ -46,12 +46,8 @@ def main(argv=None) -> int:
         dev = get_device(a.device)
         n_ctx = len(prompt) + a.tokens
         if a.cache == "dict":  # the certified artifact for this arena (fail-closed), the switch as it was after
-            before = runtime.snapshot()
-            try:
-                runtime.activate(a.artifact)
+            with runtime.activated(a.artifact):
                 arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, device=dev, cache="dict")
-            finally:
-                runtime.restore(before)
         else:
             arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, device=dev, cache=a.cache)
     except (E.KvDictError, FileNotFoundError) as e:

@@ -106,15 +106,19 @@ def baseline_rows(means_scales: list | None, head_dim: int, context: int) -> lis
     return rows
 
 
+def check_names(known, names) -> None:
+    """An unknown row name among ``names`` is a KvDictError that lists the known ones."""
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise E.KvDictError(f"unknown table row(s) {unknown}; known: {list(known)}")
+
+
 def select(rows: list[Row], names: tuple | None) -> list[Row]:
-    """The rows named (all where ``names`` is None), in the order given; an unknown name is a
-    KvDictError that lists the known ones."""
+    """The rows named (all where ``names`` is None), in the order given (check_names)."""
     if names is None:
         return rows
     by_name = {r.name: r for r in rows}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise E.KvDictError(f"unknown table row(s) {unknown}; known: {list(by_name)}")
+    check_names(by_name, names)
     return [by_name[n] for n in names]
 
 

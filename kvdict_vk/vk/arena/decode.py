@@ -188,7 +188,9 @@ class DecodeStep:
 
     def _encode_op(self, i: int, j: int, st):
         """The GPU encoder's op coding layer i's (j-th of the step) stream ``st`` from its float
-        rows into its slots (an encoder of the step's own, one-dispatch form)."""
+        rows into its slots. An encoder of the step's own (one-dispatch form), not the arena's
+        (kvdict_vk.vk.arena.writes.gpu_encoder): an encoder keeps a few pipelines per destination
+        and releases the oldest, which a live recording must not lose."""
         from ..encode.encoder import GpuEncoder
         enc = GpuEncoder(self.device, self._writes.stream_dict(i, st.stream), max_batch=self.layout.n_kv_heads,
                          kernel="tiled")

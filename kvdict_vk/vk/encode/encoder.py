@@ -115,8 +115,9 @@ class GpuEncoder:
         if max(sizes.values()) > max_words:
             raise E.ArenaTooLargeError(f"{self.device.name}: one batch of {TILE} vectors needs "
                                        f"{4 * max(sizes.values())} bytes in one binding")
-        lanes = "vec4" if self.head_dim % 4 == 0 else "scalar"
-        self.metric_rows = I.metric_rows(d.head_dim, 4 if lanes == "vec4" else 1)
+        self.lanes = 4 if d.head_dim % 4 == 0 else 1  # floats an input element holds (the _vec4 builds)
+        lanes = "vec4" if self.lanes == 4 else "scalar"
+        self.metric_rows = I.metric_rows(d.head_dim, self.lanes)
         residual = "_residual" if d.residual_bits else ""
         self._variants = {"corr": f"omp_encode_corr_{lanes}", "metric": f"omp_encode_metric_{lanes}",
                           "pick": f"omp_encode_pick{residual}_{lanes}", "tiled": f"omp_encode_tiled{residual}_{lanes}",
@@ -239,9 +240,7 @@ class GpuEncoder:
         push = dict(self._push, phase=0, step=0, group0=0, block=0, dict_head=0, n_tok=n_tok,
                     n_vectors=n, dst_word=region_word, n_ctx=n_ctx, t0=t0)
         if self._tiled is not None:  # one dispatch: every step of every tile
-            per_group = n_tok if self.stream.n_heads > 1 else n
-            tile = tile_for(per_group, self.vector_per_head)
-            return [self._tiled.kernel(tile, dest, _MAX_DEST_KERNELS).op(**push)]
+            return [self._tiled_op(dest, push)]
         pick = self._pick_kernel(dest)
         b = self._buffers
         state = barrier(b["state_elems"], b["state_words"])  # pick → metric / corr / pick
@@ -290,6 +289,12 @@ class GpuEncoder:
         self._check_dest(dest, n_kv, n_tok, region_word, n_ctx, t0)
         return self._batch_ops(dest, x, region_word, n_ctx, t0)
 
+    def _tiled_op(self, dest: Buffer, push: dict, x: Buffer | None = None):
+        """The tiled form's one dispatch for ``push``'s batch (its tile size from the vectors a
+        dictionary head takes), reading x (None: the encoder's input buffer)."""
+        per_group = push["n_tok"] if self.stream.n_heads > 1 else push["n_vectors"]
+        return self._tiled.kernel(tile_for(per_group, self.vector_per_head), dest, _MAX_DEST_KERNELS, x).op(**push)
+
     def recorded_op(self, x: Buffer, x_word: int, dest: Buffer, region_word: int, n_kv: int):
         """The op that encodes one vector per KV head read on the device — head h's at
         x_word + h·head_dim of ``x`` — into its slot at region_word + h·slot_words of ``dest``:
@@ -303,15 +308,12 @@ class GpuEncoder:
             if not isinstance(buf, Buffer) or not buf.alive or any(buf is b for b in self._buffers.values()):
                 raise E.DispatchError(f"recorded_op: {what} must be a live Buffer of the caller's, got {buf!r}")
         x_word, n_kv = self._index("x_word", x_word), self._index("n_kv", n_kv)
-        lanes = 4 if self.head_dim % 4 == 0 else 1
-        if x_word % lanes or x_word + n_kv * self.head_dim > x.words or not 1 <= n_kv <= self.capacity:
-            raise E.DispatchError(f"recorded_op: {n_kv} vectors from word {x_word} (a multiple of {lanes}) "
+        if x_word % self.lanes or x_word + n_kv * self.head_dim > x.words or not 1 <= n_kv <= self.capacity:
+            raise E.DispatchError(f"recorded_op: {n_kv} vectors from word {x_word} (a multiple of {self.lanes}) "
                                   f"of {x.name} ({x.words} words), at most {self.capacity}")
         region_word, _, _ = self._check_dest(dest, n_kv, 1, region_word, 1, 0)
-        per_group = 1 if self.stream.n_heads > 1 else n_kv
-        kern = self._tiled.kernel(tile_for(per_group, self.vector_per_head), dest, _MAX_DEST_KERNELS, x)
-        return kern.op(**dict(self._push, phase=0, step=0, group0=0, block=0, dict_head=0, n_tok=1, n_vectors=n_kv,
-                              dst_word=region_word, n_ctx=1, t0=0, x_word=x_word))
+        return self._tiled_op(dest, dict(self._push, phase=0, step=0, group0=0, block=0, dict_head=0, n_tok=1,
+                                         n_vectors=n_kv, dst_word=region_word, n_ctx=1, t0=0, x_word=x_word), x)
 
     def one_batch(self, n_kv: int, n_tok: int) -> bool:
         """Whether n_kv × n_tok vectors (n_tok ≥ 1) are one batch: what ops_into takes."""
