@@ -5,7 +5,8 @@ Byte-level description: docs/FORMAT.md. In short::
     frame   (20 bytes)  magic[8] | frame_version u16 | flags u16 | header_len u32 | header_crc32 u32
     header  (CBOR map)  kind, passed, gate{...}, payload{length, sha256}, model{...}, producer{...}
     payload (CBOR map)  KvDictArtifact: format_version, n_layers, head_dim, n_atoms, sparsity,
-                        layers[{k: dict|null, v: dict|null}], dict = {atoms, mean?, metric?, sparsity?}
+                        layers[{k: dict|null, v: dict|null}], window?{sink, recent},
+                        dict = {atoms, mean?, metric?, sparsity?, residual_bits?, residual_scale?}
 
 Arrays are RFC 8746 typed arrays: tag 40 [shape, tag 85 (float32 little-endian bytes)].
 
@@ -29,11 +30,14 @@ import numpy as np
 
 from . import errors as E
 from .dictionary import KvDictArtifact, StreamDict, MAX_N_ATOMS
+from .window import NO_WINDOW, ExactWindow
 
 MAGIC = b"\x89Q42\r\n\x1a\n"  # PNG-style: high bit, CRLF, ^Z, LF catch text-mode mangling
 FRAME = struct.Struct("<8sHHII")  # magic, frame_version, flags, header_len, header_crc32
 FRAME_VERSION = 1
-PAYLOAD_FORMAT_VERSION = 1
+PAYLOAD_FORMAT_VERSION = 2
+# what each payload format version added: named when an older payload is refused
+_VERSION_CHANGES = {2: "the dictionary cache's exact window"}
 KIND = "KvDictionary"
 TAG_NDARRAY = 40  # RFC 8746 multi-dimensional array, row-major: [shape, typed array]
 TAG_F32LE = 85  # RFC 8746 typed array: IEEE-754 binary32, little-endian
@@ -150,14 +154,19 @@ def payload_to_cbor(art: KvDictArtifact) -> bytes:
             m["residual_bits"] = d.residual_bits
             m["residual_scale"] = _encode_array(d.residual_scale[0] if shared else d.residual_scale)
         return m
-    return cbor2.dumps({
+    m = {
         "format_version": PAYLOAD_FORMAT_VERSION, "n_layers": art.n_layers,
         "head_dim": art.head_dim, "n_atoms": art.n_atoms, "sparsity": art.sparsity,
         "layers": [{"k": enc(k), "v": enc(v)} for k, v in art.layers],
-    })
+    }
+    if art.window:  # absent = no window: one encoding per artifact
+        m["window"] = {"sink": art.window.sink, "recent": art.window.recent}
+    return cbor2.dumps(m)
 
 
 _PAYLOAD_KEYS = {"format_version", "n_layers", "head_dim", "n_atoms", "sparsity", "layers"}
+_PAYLOAD_OPTIONAL = {"window"}
+_WINDOW_KEYS = {"sink", "recent"}
 _DICT_KEYS = {"atoms", "mean", "metric", "sparsity", "residual_bits", "residual_scale"}
 _DICT_ARRAYS = ("atoms", "mean", "metric", "residual_scale")
 # Array ranks per key: atoms (n_heads, n_atoms, head_dim) or shared (n_atoms, head_dim);
@@ -173,11 +182,11 @@ def payload_from_cbor(data: bytes, limits: Limits = DEFAULT_LIMITS) -> KvDictArt
     S = E.SchemaError
     if not isinstance(m, dict):
         raise S("payload is not a CBOR map")
-    if set(m) != _PAYLOAD_KEYS:
-        raise S(f"payload keys {sorted(map(str, m))} != {sorted(_PAYLOAD_KEYS)}")
-    ver = _get(m, "format_version", int, "payload", S)
-    if ver != PAYLOAD_FORMAT_VERSION:
-        raise S(f"payload format_version {ver} not supported (this reader: {PAYLOAD_FORMAT_VERSION})")
+    # the version first: it decides the schema the other keys are read by
+    _check_format_version(_get(m, "format_version", int, "payload", S))
+    if not _PAYLOAD_KEYS <= set(m) <= _PAYLOAD_KEYS | _PAYLOAD_OPTIONAL:
+        raise S(f"payload keys {sorted(map(str, m))}: required {sorted(_PAYLOAD_KEYS)}, "
+                f"optional {sorted(_PAYLOAD_OPTIONAL)}")
     n_layers = _get(m, "n_layers", int, "payload", S)
     head_dim = _get(m, "head_dim", int, "payload", S)
     n_atoms = _get(m, "n_atoms", int, "payload", S)
@@ -219,7 +228,33 @@ def payload_from_cbor(data: bytes, limits: Limits = DEFAULT_LIMITS) -> KvDictArt
         if not isinstance(ent, dict) or set(ent) != {"k", "v"}:
             raise S(f"layers[{i}] must be a map with exactly the keys 'k' and 'v'")
         layers.append((dec(ent["k"], f"layers[{i}].k"), dec(ent["v"], f"layers[{i}].v")))
-    return KvDictArtifact(head_dim=head_dim, n_atoms=n_atoms, sparsity=sparsity, layers=tuple(layers))
+    return KvDictArtifact(head_dim=head_dim, n_atoms=n_atoms, sparsity=sparsity, layers=tuple(layers),
+                          window=_window_from_cbor(m["window"]) if "window" in m else NO_WINDOW)
+
+
+def _check_format_version(ver: int) -> None:
+    if ver < 1:
+        raise E.SchemaError(f"payload format_version {ver} is not a format version")
+    if ver < PAYLOAD_FORMAT_VERSION:
+        changed = "; ".join(_VERSION_CHANGES[v] for v in range(ver + 1, PAYLOAD_FORMAT_VERSION + 1))
+        raise E.FormatVersionError(
+            f"payload format_version {ver} is older than this reader's {PAYLOAD_FORMAT_VERSION} "
+            f"({changed}, docs/FORMAT.md): forge the artifact again with kvdict-forge")
+    if ver > PAYLOAD_FORMAT_VERSION:
+        raise E.FormatVersionError(
+            f"payload format_version {ver} is newer than this reader's {PAYLOAD_FORMAT_VERSION}: "
+            "read it with the kvdict_vk that wrote it, or a newer one")
+
+
+def _window_from_cbor(w) -> ExactWindow:
+    if not isinstance(w, dict) or set(w) != _WINDOW_KEYS:
+        raise E.SchemaError("payload.window must be a map with exactly the keys 'recent' and 'sink'")
+    if any(type(w[k]) is not int for k in _WINDOW_KEYS):
+        raise E.SchemaError("payload.window: sink and recent must be unsigned integers")
+    window = ExactWindow(w["sink"], w["recent"])  # DimsError outside its ranges
+    if not window:
+        raise E.SchemaError("payload.window is empty: an artifact without a window leaves the key out")
+    return window
 
 
 # --- header ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import errors as E
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, slot_words
+from .window import NO_WINDOW, ExactWindow
 
 MAX_N_ATOMS = 1 << 16  # a code word's atom index is 16 bits
 # code words a slot the forge learns by default (forge.pipeline.ForgeConfig, both streams): the
@@ -178,13 +179,17 @@ class KvDictArtifact:
     (passthrough). All dictionaries share head_dim, n_atoms and n_heads (1 = shared by a
     layer's KV heads, else one per KV head), so every layer's atom tail in the arena has
     the same shape; each stream has its own sparsity (≤ the artifact's `sparsity`, the
-    maximum) and residual bits."""
+    maximum) and residual bits. ``window``: the tokens the cache keeps in binary16 beside
+    their slots (kvdict_vk.window), part of what was certified."""
     head_dim: int
     n_atoms: int
     sparsity: int
     layers: tuple
+    window: ExactWindow = NO_WINDOW
 
     def __post_init__(self):
+        if not isinstance(self.window, ExactWindow):
+            raise E.SchemaError(f"window is a {type(self.window).__name__}, not an ExactWindow")
         layers = tuple(tuple(pair) for pair in self.layers)
         object.__setattr__(self, "layers", layers)
         if not layers:
@@ -238,7 +243,7 @@ class KvDictArtifact:
         (``ForgeConfig.f16_atoms``), for validating and testing the arena's binary16 atoms."""
         return KvDictArtifact(self.head_dim, self.n_atoms, self.sparsity, tuple(
             tuple(None if d is None else dataclasses.replace(d, atoms=round_to_f16(d.atoms)) for d in pair)
-            for pair in self.layers))
+            for pair in self.layers), self.window)
 
     def atoms_flat(self) -> np.ndarray:
         """[layer][K atoms n_heads×n_atoms×head_dim][V atoms …] float32, zeros for

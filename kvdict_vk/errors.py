@@ -64,6 +64,11 @@ class SchemaError(ArtifactError):
     """The payload decodes but does not follow the KvDictArtifact schema."""
 
 
+class FormatVersionError(SchemaError):
+    """The payload's format_version is one this reader does not read (older or newer); an
+    older artifact is forged again (docs/FORMAT.md, "Versioning")."""
+
+
 class TypedArrayError(SchemaError):
     """An array is not an RFC 8746 little-endian float32 typed array of the right shape."""
 

@@ -23,6 +23,9 @@ dump tool read the same numbers. One storage buffer per layer:
   half; every reader widens them exactly, shaders/atoms.glsl), each block on a 4-word
   boundary — else in float32, G×n_atoms×head_dim words (exactly the layer's block of
   ``atoms_flat()``).
+* an artifact with an exact window (kvdict_vk.window): after the regions, each coded
+  stream's window block — n_kv × window.rows binary16 rows, token t at window.row_of(t) —
+  and the layer's state word (the tokens appended), before the tail
 * no active dictionary → every stream passthrough and no tail: the uncoded cache, f16 by
   default (``cache="f32"`` keeps f32 rows). Passthrough streams of a dict-coded layout
   (streams the artifact leaves uncoded) keep f32 rows.
@@ -45,6 +48,7 @@ from . import errors as E
 from . import kivi as K
 from .dictionary import MAX_N_ATOMS, KvDictArtifact
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words, slot_words
+from .window import NO_WINDOW, ExactWindow
 
 WORD_BYTES = 4
 ALIGN_WORDS = 64  # 256 bytes: ≥ any minStorageBufferOffsetAlignment, one cache line pair
@@ -102,6 +106,7 @@ class DictSpec:
     layers: tuple  # per layer a (K, V) pair of StreamSpec
     n_heads: int = 1  # dictionary heads of every stream (KvDictArtifact.n_heads)
     atoms_f16: bool = False  # every atom a binary16 value (KvDictArtifact.atoms_f16_exact)
+    window: ExactWindow = NO_WINDOW  # the coded streams' exact window (KvDictArtifact.window)
 
     @classmethod
     def from_artifact(cls, art: KvDictArtifact) -> "DictSpec":
@@ -110,7 +115,8 @@ class DictSpec:
                 return StreamSpec(False)
             return StreamSpec(True, d.sparsity, d.mean is not None, d.residual_bits, d.n_heads, d.slot_words)
         return cls(art.head_dim, art.n_atoms, art.sparsity,
-                   tuple((spec(k), spec(v)) for k, v in art.layers), art.n_heads, art.atoms_f16_exact)
+                   tuple((spec(k), spec(v)) for k, v in art.layers), art.n_heads, art.atoms_f16_exact,
+                   art.window)
 
 
 # --- the layout objects ------------------------------------------------------------------
@@ -141,6 +147,8 @@ class StreamLayout:
     # statistics (n_kv × ⌈n_ctx / GROUP⌉ × head_dim words, K only); the exact window, a ring
     # of window_tokens binary16 rows per KV head (token t at t mod window_tokens); and the
     # layer's state word (how many tokens are quantised, written by every append).
+    # A dict-coded stream with an exact window (kvdict_vk.window) uses window_word,
+    # window_tokens (the window's rows) and state_word (the tokens appended) the same way.
     kivi_bits: int = 0
     stats_word: int | None = None
     stats_words: int = 0
@@ -150,6 +158,12 @@ class StreamLayout:
     # The atoms block holds binary16 atoms in chunk-pair order (atoms_f16_order), not float32
     # rows: atoms that are all binary16 values, head_dim % 8 == 0.
     atoms_f16: bool = False
+    exact_window: ExactWindow = NO_WINDOW  # a coded stream's exact window
+
+    @property
+    def windowed(self) -> bool:
+        """A dict-coded stream that keeps an exact window beside its slots."""
+        return self.coded and bool(self.exact_window)
 
     @property
     def row_format(self) -> str:
@@ -162,7 +176,7 @@ class StreamLayout:
 
     @property
     def window_words(self) -> int:
-        """Words of a KIVI stream's exact window (binary16 pairs; 0 for other streams)."""
+        """Words of a KIVI or windowed stream's exact window (binary16 pairs; else 0)."""
         return self.n_kv_heads * K.window_words_per_head(self.window_tokens, self.head_dim)
 
     @property
@@ -220,7 +234,10 @@ class StreamLayout:
                 **({"kivi_bits": self.kivi_bits, "window_tokens": self.window_tokens,
                     "group_stats": None if self.stats_word is None else _span(self.stats_word, self.stats_words),
                     "window": _span(self.window_word, self.window_words),
-                    "state": _span(self.state_word, 1)} if self.kivi else {})}
+                    "state": _span(self.state_word, 1)} if self.kivi else {}),
+                **({"exact_window": {"sink": self.exact_window.sink, "recent": self.exact_window.recent},
+                    "window": _span(self.window_word, self.window_words),
+                    "state": _span(self.state_word, 1)} if self.windowed else {})}
 
 
 def _span(word: int, words: int) -> dict:
@@ -240,6 +257,11 @@ class LayerLayout:
     @property
     def streams(self) -> tuple[StreamLayout, StreamLayout]:
         return (self.k, self.v)
+
+    @property
+    def windowed(self) -> bool:
+        """A dict-coded layer whose coded streams keep an exact window (kvdict_vk.window)."""
+        return self.k.windowed or self.v.windowed
 
     @property
     def total_bytes(self) -> int:
@@ -432,6 +454,15 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
         kivi_fields = [dict(kivi_bits=kivi.bits(j == 0), stats_word=stats if j == 0 else None,
                             stats_words=n_stats if j == 0 else 0, window_word=windows[j],
                             window_tokens=kivi.window, state_word=state) for j in range(2)]
+    elif spec is not None and spec.window and any(ss.coded for ss in pair):
+        if hd % 2:
+            raise E.DictMismatchError(f"an exact window keeps binary16 pairs: head_dim {hd} is odd")
+        win = spec.window
+        windows = [place(n_kv * K.window_words_per_head(win.rows, hd), ALIGN_WORDS) if ss.coded else None
+                   for ss in pair]
+        state = place(VEC4_WORDS, VEC4_WORDS)
+        kivi_fields = [dict(window_word=w, window_tokens=win.rows, state_word=state, exact_window=win)
+                       if ss.coded else {} for ss, w in zip(pair, windows)]
     tail_word, tail_words = None, 0
     atoms, means, scales = [None, None], [None, None], [None, None]
     g = 1 if spec is None else spec.n_heads

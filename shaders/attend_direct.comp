@@ -15,6 +15,9 @@
 // sparsity x HEAD_DIM atom words per token and stream. Below a few hundred tokens that is
 // far less; kvdict_vk.vk.attend_plan picks the path by the words each would load.
 //
+// A windowed dictionary layer (kvdict_vk.window): the cached tokens the exact window holds are
+// skipped here and attended by attend_window.comp (one more record, merged with these).
+//
 // Two sources of tokens, so a decode step can attend over the token it appends in the same
 // submission without a barrier on the layer buffer (Kompute records none for storage
 // buffers): tokens t < n_cached come from the cache (the layer's regions, or f32 rows of
@@ -35,6 +38,7 @@
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 #include "attend_common.glsl"
+#include "window.glsl"
 
 layout(constant_id = 4) const uint K_SPARSITY = 0u;  // code words per K slot (0: f32 rows)
 layout(constant_id = 5) const uint K_BITS = 0u;      // residual bits of K (0: none)
@@ -84,6 +88,9 @@ layout(push_constant) uniform AttendDirectPush {
     uint write_out;     // 1: one split covers every token: write the output, not a record
     uint use_mean;      // (write_out) add the V dictionary's mean
     uint mean_word;
+    uint win_sink;      // a windowed layer (window.glsl): only tokens [win_sink, coded_end) from here
+    uint win_recent;
+    uint state_word;    // (windowed) the layer's token count
     float score_scale;
 } pc;
 
@@ -201,7 +208,12 @@ void main() {
 
         uint k_base = pc.k_word + g * pc.n_ctx * K_ROW;
         uint v_base = pc.v_word + g * pc.n_ctx * V_ROW;
-        for (uint t = t0; t < min(t1, pc.n_cached); ++t)
+        uint lo = 0u, hi = pc.n_cached;  // the cached tokens read from here
+        if (pc.win_sink + pc.win_recent > 0u) {  // attend_window attends over the rest
+            lo = pc.win_sink;
+            hi = min(hi, window_coded_end(cache_words[pc.state_word], pc.win_sink, pc.win_recent));
+        }
+        for (uint t = max(t0, lo); t < min(t1, hi); ++t)
             attend_token(false, k_base + t * K_ROW, v_base + t * V_ROW, g);
         k_base = pc.fresh_k_word + g * n_fresh * K_ROW;
         v_base = pc.fresh_v_word + g * n_fresh * V_ROW;

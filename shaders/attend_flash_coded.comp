@@ -33,11 +33,14 @@
 // reduction: probabilities stay ≤ e^GROW_MARGIN, each invocation sums its own, and the
 // record's (m, l) are exact for any reference (the merge rescales by exp(m - M)).
 // Levels become floats without an int→float conversion (slot.glsl's centred_level).
-// An out-of-range atom index contributes exactly zero.
+// An out-of-range atom index contributes exactly zero. A windowed dictionary layer
+// (kvdict_vk.window): tokens its exact window holds score -inf here (attend_window.comp
+// attends over them, one more record for the merge).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 #include "attend_common.glsl"
+#include "window.glsl"
 
 layout(constant_id = 4) const uint K_BITS = 0u;   // residual bits of K (0: atoms only)
 layout(constant_id = 5) const uint V_BITS = 0u;
@@ -89,6 +92,9 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint seq_rows;      // rows between two sequences' first tokens in a KV head
     uint split_round;   // split_len 0: the splits' rounding (SPLIT_LEN)
     uint q_word;        // the query block's first word (SEQ_USED)
+    uint win_sink;      // a windowed layer (window.glsl): only tokens [win_sink, coded_end) score here
+    uint win_recent;
+    uint state_word;    // (windowed) the layer's token count
     float score_scale;
 } pc;
 
@@ -188,6 +194,11 @@ void main() {
         uint split_len = SPLIT_LEN(n_used);
         uint t0 = i * split_len;
         uint t1 = min(t0 + split_len, n_used);
+        uint lo = 0u, hi = t1;  // the tokens scored here; a window's (attend_window's) are not
+        if (pc.win_sink + pc.win_recent > 0u) {
+            lo = pc.win_sink;
+            hi = min(hi, window_coded_end(cache_words[pc.state_word], pc.win_sink, pc.win_recent));
+        }
 
         [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
             uint x = tid + r * LOCAL;
@@ -240,7 +251,7 @@ void main() {
 
         for (uint c0 = t0; c0 < t1; c0 += LOCAL) {
             uint n = min(LOCAL, t1 - c0);
-            bool live = tid < n;
+            bool live = tid < n && c0 + tid >= lo && c0 + tid < hi;  // staged either way: every token has a slot
             uint kc[K_ARR], vc[V_ARR];  // this chunk's slots (prefetched)
             [[unroll]] for (uint r = 0u; r < K_ROW; ++r)
                 kc[r] = kw[r];
@@ -313,15 +324,16 @@ void main() {
             //    owners; its step and levels staged
             float p[HB];
             [[unroll]] for (uint h = 0u; h < HB; ++h) {
-                p[h] = exp(s[h] - m[h]);  // 0 past the split's end
+                p[h] = live ? exp(s[h] - m[h]) : 0.0;  // m may still be -inf where no token was live
                 l[h] += p[h];
             }
             publish(tid, p);
             uint pending = 0u;  // bit j: V code word j still to hand over
-            if (live) {
+            if (live)
                 [[unroll]] for (uint j = 0u; j < V_SPARSITY; ++j)
                     if (code_atom(vc[j]) < N_ATOMS)
                         pending |= 1u << j;
+            if (tid < n) {  // a skipped token's p is 0: its finite step and levels add nothing
                 if (V_BITS > 0u) {
                     step_sh[tid] = uintBitsToFloat(vc[V_SPARSITY + V_LEVEL_WORDS]);
                     [[unroll]] for (uint w_ = 0u; w_ < V_STAGE; ++w_)

@@ -61,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--head-dims", default=None, help="comma-separated (default: --head-dim)")
     ap.add_argument("--formats", default="0/0,4/3", help="K/V residual bits per dict format ('0/0' = none)")
     ap.add_argument("--per-head", action="store_true", help="one dictionary per KV head (default: shared)")
+    ap.add_argument("--window", default="", help="SINK/RECENT: each dict format also with that exact window "
+                                                 "(kvdict_vk.window), e.g. 1/32")
     ap.add_argument("--no-reconstruct", action="store_true", help="skip reconstruct-then-attend")
     ap.add_argument("--case-budget-s", type=float, default=30.0,
                     help="seconds the repeats of one context length may take (fewer repeats, at least 3, past it)")
@@ -97,6 +99,10 @@ def parse_args(argv=None):
     args.n_used_list = [int(x) for x in args.n_used.split(",")]
     args.format_list = [tuple(int(b) for b in f.split("/")) for f in args.formats.split(",") if f.strip()]
     args.batch_list = [int(x) for x in args.batches.split(",") if x.strip()]
+    args.exact_window = None
+    if args.window:
+        from kvdict_vk.window import ExactWindow
+        args.exact_window = ExactWindow(*(int(x) for x in args.window.split("/")))
     if any(b < 1 for b in args.batch_list) or args.batch_n_used < 1:
         ap.error("--batches and --batch-n-used take positive integers")
     return args
@@ -140,7 +146,15 @@ def _arenas(n_kv, hd, args, dev, rng) -> dict:
     del rows
     for bits in args.format_list:
         arenas[format_name(bits)] = dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng)[0]
+        if args.exact_window:
+            arenas[window_format(bits, args)] = dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng,
+                                                           window=args.exact_window)[0]
     return arenas
+
+
+def window_format(bits, args) -> str:
+    """A dict format with --window's exact window: its rows' ``format``."""
+    return f"{format_name(bits)}+sink{args.exact_window.sink}+recent{args.exact_window.recent}"
 
 
 def _modes(arenas, args, n_heads: int) -> dict:
@@ -165,6 +179,9 @@ def _modes(arenas, args, n_heads: int) -> dict:
             modes[f"dict_{f}_table"] = (arenas[f], "dict", f, "table", False)
         if not args.no_reconstruct:
             modes[f"recon_{f}"] = (arenas[f], "dict", f, None, True)
+        if args.exact_window:
+            modes[f"dict_{f}_window"] = (arenas[window_format(bits, args)], "dict", window_format(bits, args), None,
+                                         False)
     return modes
 
 
@@ -309,7 +326,7 @@ def _run(args, progress) -> dict:
             cases.append({"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "by_n_used": by_n, "by_batch": by_batch})
     result = {**common.run_header(TOOL, args, dev, t0),
               "config": {**{k: getattr(args, k) for k in ("sparsity", "n_atoms", "per_head", "repeats", "formats",
-                                                          "case_budget_s")},
+                                                          "window", "case_budget_s")},
                          "codes": str(args.codes) if args.codes else "uniform",
                          "tune_flush_mib": args.tune_flush_mib, "our_flush": args.our_flush},
               "timing": "Attention.recording (query upload, passes, read-back; with our_flush 'submission' the "

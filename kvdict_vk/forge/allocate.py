@@ -150,7 +150,7 @@ def _certify(art: KvDictArtifact, allocations: list, uniform: list, cache: str, 
         ident = table.digest(*[x for pair in coded.layers for d in pair if d is not None
                                for x in (d.atoms, d.residual_scale, np.array([d.residual_bits]))])
         rows.append(table.Row(name, "dictionary", mean_bytes(art, bits),
-                              lambda coded=coded: levers.Installed(coded, P.RuntimeHook()), ident,
+                              lambda coded=coded: levers.Installed(coded, P.RuntimeHook(coded.window)), ident,
                               "lever: residual bits per layer and stream" if "allocated" in name else ""))
     measured = table.measure(rows, sets, cache, log=log)
     print(table.markdown(measured, sets), file=sys.stderr)  # stdout is the JSON's when --out is not given

@@ -4,6 +4,7 @@
     kvdict-forge --k-bits 0 --v-bits 0 --k-sparsity 8 --v-sparsity 8   # plain atoms
     kvdict-forge --smoke               # CI: 2 layers, small windows
     kvdict-forge --eval-window 4096 --eval-windows 3 --texts sedfaq,pydoc,cmake   # the long-context gate
+    kvdict-forge --sink 1 --recent 32  # an artifact with an exact window, certified with it
     kvdict-forge curve                 # the ΔPPL-vs-bytes sweep (long; see --help)
 
 Writes <out>/<name>.q42art (passed = true or false), <name>.json, <name>.md and <name>.png.
@@ -47,6 +48,7 @@ def config_from_args(a) -> P.ForgeConfig:
         cfg.calib_tokens, cfg.train_vectors, cfg.iters = 512, 512, 2
         cfg.n_atoms = min(cfg.n_atoms, 128)
         cfg.window, cfg.eval_windows = 256, 1
+    cfg.exact_window()  # out of range: refused before anything is learned
     return cfg
 
 
@@ -72,20 +74,23 @@ def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
     path = os.path.join(out, f"{name}.q42art")
     A.write_artifact(path, art, cert)
     bpv = P.bytes_per_vector(art, art.head_dim)
+    # the window's tokens charged as the lever rows charge theirs (levers.dictionary_rows)
+    row_bytes = P.windowed_bytes(bpv["all"], cfg.gate_window(), art.head_dim, art.window)
     for n, res in results.items():
         _log(f"{n}: ΔPPL {100 * res.delta_rel:+.2f} % (95 % CI {100 * res.ci95[0]:+.2f} … {100 * res.ci95[1]:+.2f} %)")
-    _log(f"at {bpv['all']:.1f} B/vector: {'PASSED' if cert.passed else 'FAILED'} the gate "
+    _log(f"at {row_bytes:.1f} B/vector (exact window: {art.window.describe()}): "
+         f"{'PASSED' if cert.passed else 'FAILED'} the gate "
          f"(upper 95 % bound ≤ +{100 * cfg.threshold:g} % on every text)")
     dict_name = P.dict_row_name(cfg)
-    rows = [dict(name=dict_name, kind="dictionary", bytes_per_vector=bpv["all"], note="certified (this artifact)",
+    rows = [dict(name=dict_name, kind="dictionary", bytes_per_vector=row_bytes, note="certified (this artifact)",
                  texts={n: r.to_dict() for n, r in results.items()})]
     if with_baselines:
         candidates = table.baseline_rows(levers.residual_stats(kv), art.head_dim, cfg.gate_window()) + \
             levers.dictionary_rows(art, cfg, bpv["all"])
         rows += table.measure(table.select(candidates, table_rows), sets, cache, log=_log)
     summary = dict(artifact=path, passed=cert.passed, gate={n: r.to_dict() for n, r in results.items()},
-                   bytes_per_vector=bpv, config=dataclasses.asdict(cfg), learn_seconds=t_learn,
-                   total_seconds=time.perf_counter() - t0, rows=rows)
+                   bytes_per_vector=dict(bpv, certified_row=row_bytes), config=dataclasses.asdict(cfg),
+                   learn_seconds=t_learn, total_seconds=time.perf_counter() - t0, rows=rows)
     report.summary_json(os.path.join(out, f"{name}.json"), summary)
     report.summary_json(os.path.join(out, f"{name}-fidelity.json"),
                         table.fidelity_json(rows, sets, command, dict_name))
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (2 layers, 256-token window)")
     ap.add_argument("--no-baselines", action="store_true")
     for f in dataclasses.fields(P.ForgeConfig):
-        if f.name in ("layers", "passthrough", "texts", "calib_files"):
+        if f.name in ("layers", "passthrough", "texts", "calib_files", "window_sink", "window_recent"):
             continue
         kind = type(f.default) if f.default is not None else int
         ap.add_argument("--" + f.name.replace("_", "-"), type=kind if kind is not bool else _bool, default=None)
@@ -121,6 +126,11 @@ def main(argv=None) -> int:
     ap.add_argument("--texts", type=lambda s: tuple(s.split(",")), default=None,
                     help="evaluation texts (default gpl3,sedfaq,pydoc; the long-context gate's: sedfaq,pydoc,cmake; "
                          "see kvdict_vk/forge/texts.py)")
+    ap.add_argument("--sink", dest="window_sink", type=int, default=None,
+                    help="exact window: the first N tokens kept in binary16 beside their slots (default 0)")
+    ap.add_argument("--recent", dest="window_recent", type=int, default=None,
+                    help="exact window: the N most recent tokens kept in binary16 (default 0); the artifact "
+                         "carries the window and is certified with it (kvdict_vk/window.py)")
     ap.add_argument("--table-rows", type=lambda s: tuple(x.strip() for x in s.split(";") if x.strip()), default=None,
                     help="only these rows beside the dictionary, by name, ';'-separated (default: every one)")
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
@@ -132,6 +142,8 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(a)
         if a.command == "curve":
+            if cfg.exact_window():  # its rows are measured without one: a window would only rename them
+                raise E.KvDictError("--sink/--recent apply to build; curve measures caches without an exact window")
             from . import curve
             return curve.run_curve(cfg, a.out, log=_log, atoms=a.curve_atoms or curve.ATOMS,
                                    sparsities=a.curve_sparsities or curve.SPARSITIES,

@@ -79,7 +79,7 @@ def rows(art, stored: bool = True) -> list:
                            for x in (d.atoms, d.residual_scale, np.array([d.residual_bits]))])
     k, v = art.layers[0]
     name = f"dict {art.n_atoms} atoms, K {k.sparsity}+{k.residual_bits} b, V {v.sparsity}+{v.residual_bits} b"
-    out = [table.Row(name, "dictionary", coded_bytes(art, 4), lambda: Installed(art, P.RuntimeHook()), ident)]
+    out = [table.Row(name, "dictionary", coded_bytes(art, 4), lambda: Installed(art, P.RuntimeHook(art.window)), ident)]
     out.append(table.Row(name + " + fp8 coefficients", "dictionary", coded_bytes(art, 3), lambda: Fp8CoefHook(art),
                          ident, "lever: E4M3 coefficients, 3-byte code words (not in the slot format)"))
     return out if stored else out[1:]

@@ -26,6 +26,7 @@ from .. import artifact as A
 from .. import errors as E
 from .. import codec, runtime
 from ..dictionary import FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact, StreamDict
+from ..window import NO_WINDOW, ExactWindow
 from . import certify, llama, parallel, table, texts as T, tokenizer
 from .gguf_model import load_model
 from .learn import learn_stream
@@ -66,10 +67,18 @@ class ForgeConfig:
     # atoms rounded to binary16 values (forge.learn): the arena then keeps them in binary16
     # (half the bytes, half reconstruct's loads); False keeps the learner's float32 bits
     f16_atoms: bool = True
+    # the exact window the artifact carries and is certified with (kvdict_vk.window): the
+    # first window_sink tokens and the window_recent most recent kept in binary16
+    window_sink: int = 0
+    window_recent: int = 0
 
     def gate_window(self) -> int:
         """Tokens an evaluation window holds."""
         return self.eval_window or self.window
+
+    def exact_window(self) -> ExactWindow:
+        """The artifact's exact window (DimsError when out of range)."""
+        return ExactWindow(self.window_sink, self.window_recent)
 
     def stream_spec(self, k_not_v: bool) -> tuple[int, int]:
         return (self.k_sparsity, self.k_bits) if k_not_v else (self.v_sparsity, self.v_bits)
@@ -220,12 +229,17 @@ def learn_artifact(kv: list, cfg: ForgeConfig, progress=None) -> KvDictArtifact:
         layers[li][j] = StreamDict(atoms, mean, None, s, bits, scale)
     head_dim = kv[0][0].shape[-1]
     s_max = max(max(cfg.k_sparsity, cfg.v_sparsity), 1)
-    return KvDictArtifact(head_dim, cfg.n_atoms, s_max, [tuple(p) for p in layers])
+    return KvDictArtifact(head_dim, cfg.n_atoms, s_max, [tuple(p) for p in layers], cfg.exact_window())
 
 
 class RuntimeHook(llama.KVHook):
     """The certified path: K/V go through runtime.reconstruct_kv — the engine's own
-    reconstruct-on-write, quality-identical to storing codes and reconstructing on read."""
+    reconstruct-on-write, quality-identical to storing codes and reconstructing on read —
+    with ``window``'s tokens read in binary16 instead (llama's per-query exact mask)."""
+
+    def __init__(self, window: ExactWindow = NO_WINDOW):
+        self.window = window
+        self.exact_sink, self.exact_recent = window.sink, window.recent
 
     def __call__(self, layer, k, v):
         out = []
@@ -243,11 +257,12 @@ def eval_sets(cfg: ForgeConfig, cache_dir: str | None = None) -> list[table.Eval
 
 def certify_artifact(art: KvDictArtifact, sets: list, hook: RuntimeHook | None = None) -> dict:
     """Paired ΔPPL of the installed-and-enabled artifact on every evaluation text
-    (process-wide runtime state): {text name: PairedResult}. The candidate has no
-    certificate yet — measuring it is how it gets one."""
+    (process-wide runtime state), with the artifact's exact window: {text name: PairedResult}.
+    The candidate has no certificate yet — measuring it is how it gets one."""
     runtime.enable(art, allow_uncertified=True)
     try:
-        return {es.text.name: certify.evaluate(es.windows, hook or RuntimeHook(), es.base_nll) for es in sets}
+        return {es.text.name: certify.evaluate(es.windows, hook or RuntimeHook(art.window), es.base_nll)
+                for es in sets}
     finally:
         runtime.deactivate()
 
@@ -272,6 +287,12 @@ def bytes_per_vector(art: KvDictArtifact, head_dim: int) -> dict:
     v = [4 * (head_dim if p[1] is None else p[1].slot_words) for p in art.layers]
     return dict(all=float(np.mean(per_stream)), k=float(np.mean(k)), v=float(np.mean(v)),
                 dictionary_bytes=art.nbytes())
+
+
+def windowed_bytes(coded: float, context: int, head_dim: int, window: ExactWindow) -> float:
+    """Bytes per head vector over ``context`` tokens: ``coded`` a token, plus ``window``'s
+    binary16 rows beside the slots (the arena keeps both: docs/ARENA.md) spread over them."""
+    return coded + min(window.rows, context) * 2 * head_dim / context
 
 
 def make_cert(results: dict, cfg: ForgeConfig, sets: list, art: KvDictArtifact) -> A.CertInfo:
@@ -317,9 +338,13 @@ def cert_memory(art: KvDictArtifact, n_layers: int, n_kv_heads: int, head_dim: i
 
 def dict_row_name(cfg: ForgeConfig) -> str:
     """The fidelity table's name of a dictionary configuration: "dict N atoms, …" with one
-    dictionary per KV head, "dict N shared atoms, …" with one a layer's KV heads share."""
+    dictionary per KV head, "dict N shared atoms, …" with one a layer's KV heads share;
+    " + sink S + R recent" with an exact window."""
     shared = "" if cfg.per_head else "shared "
-    return f"dict {cfg.n_atoms} {shared}atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, V {cfg.v_sparsity}+{cfg.v_bits} b"
+    w = cfg.exact_window()
+    window = (f" + sink {w.sink}" if w.sink else "") + (f" + {w.recent} recent" if w.recent else "")
+    return (f"dict {cfg.n_atoms} {shared}atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, "
+            f"V {cfg.v_sparsity}+{cfg.v_bits} b{window}")
 
 
 def _jsonable(d: dict) -> dict:

@@ -123,6 +123,9 @@ RECONSTRUCT_PUSH = uint_block("ReconstructPush", "src_word", "atoms_word", "mean
 COPY_ROWS_PUSH = uint_block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
 READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word",
                             "stats_word", "window_word", "window", "state_word")
+# a dict-coded stream's exact window over a read's rows (shaders/read_window.comp)
+READ_WINDOW_PUSH = uint_block("ReadWindowPush", "window_word", "rows", "sink", "recent", "state_word", "n_kv",
+                              "t0", "n_tok", "out_word")
 SCATTER_PUSH = uint_block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                           "group_stride", "n_words")
 APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_word", "v_word", "k_row_words", "v_row_words",
@@ -133,6 +136,9 @@ APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_w
 APPEND_KIVI_PUSH = uint_block("AppendKiviPush", "k_src_word", "v_src_word", "k_word", "v_word", "stats_word",
                               "k_window_word", "v_window_word", "recent", "state_word", "n_kv", "n_ctx",
                               "lengths_word")
+# a recorded step's new token into a windowed dictionary layer's exact window (shaders/append_window.comp)
+APPEND_WINDOW_PUSH = uint_block("AppendWindowPush", "k_rows_word", "v_rows_word", "k_window_word", "v_window_word",
+                                "rows", "sink", "recent", "state_word", "n_kv", "head_dim", "lengths_word")
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")
 # A model's forward on the device (shaders/fwd_*.comp, kvdict_vk/vk/forward/).
@@ -153,11 +159,15 @@ ATTEND_ATOMS_PUSH = uint_block("AttendAtomsPush", "atoms_word", "head_atoms", "n
                                "f_word")
 ATTEND_REDUCE_PUSH = uint_block("AttendReducePush", "n_kv", "n_splits", "f_word", "inv_l_word", "n_blocks",
                                 "use_mean", "mean_word", "head_vec")
+# a windowed dictionary layer (kvdict_vk.window; shaders/window.glsl): the coded passes skip
+# the window's tokens, attend_window attends over them; win_sink + win_recent 0: no window
+_WINDOW_WORDS = ("win_sink", "win_recent", "state_word")
+_NO_WINDOW = dict(win_sink=0, win_recent=0, state_word=0)
 ATTEND_DIRECT_PUSH = uint_block("AttendDirectPush", "k_word", "v_word", "n_ctx", "fresh_k_word", "fresh_v_word",
                                 "t_first", "n_used", "n_cached", "split_len", "n_splits", "split0", "n_kv",
                                 "n_atoms", "k_atoms_word", "v_atoms_word", "head_atoms", "k_scale_word",
                                 "v_scale_word", "head_vec", "write_out", "use_mean", "mean_word",
-                                floats=("score_scale",))
+                                *_WINDOW_WORDS, floats=("score_scale",), defaults=_NO_WINDOW)
 # the flash paths batch sequences (n_seqs, seq_rows, seq_heads: shaders/attend_common.glsl);
 # attend_flash's KIVI builds (one sequence) read a KIVI layer's keys' group statistics, its two
 # exact windows (rings of `window` binary16 rows) and its state word (the quantised end)
@@ -173,8 +183,11 @@ ATTEND_FLASH_PUSH = uint_block("AttendFlashPush", "k_word", "v_word", "n_ctx", "
 ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
                                      "n_splits", "n_kv", "v_atoms_word", "head_atoms", "k_scale_word",
                                      "v_scale_word", "head_vec", "n_seqs", "seq_rows", "split_round", "q_word",
-                                     floats=("score_scale",),
-                                     defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0))
+                                     *_WINDOW_WORDS, floats=("score_scale",),
+                                     defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0, **_NO_WINDOW))
+ATTEND_WINDOW_PUSH = uint_block("AttendWindowPush", "k_window_word", "v_window_word", "rows", "sink", "recent",
+                                "state_word", "k_mean_word", "v_mean_word", "head_vec", "n_kv", "n_used", "split0",
+                                "n_seqs", "q_word", floats=("score_scale",), defaults=dict(n_seqs=1, q_word=0))
 ATTEND_MERGE_PUSH = uint_block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
 ATTEND_MERGE_HEAD_PUSH = uint_block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word",
                                     "head_vec", "seq_heads", "out_word", defaults=dict(out_word=0))
@@ -269,12 +282,15 @@ def _declare() -> tuple:
         Variant("append_step", "append_step.comp", (), (ro("Step"), ro("Query"), rw("Layer")), APPEND_STEP_PUSH),
         Variant("append_kivi", "append_kivi.comp", (), (ro("Step"), ro("Query"), rw("Layer")), APPEND_KIVI_PUSH,
                 ("HEAD_DIM", "K_BITS", "V_BITS")),
+        Variant("append_window", "append_window.comp", (), (ro("Step"), ro("Query"), rw("Layer")), APPEND_WINDOW_PUSH),
         Variant("read_rows_f16", "read_rows_f16.comp", (), (ro("LayerWords"), rw("OutPairs", 2)), COPY_ROWS_PUSH,
                 ("HEAD_DIM",)),
         Variant("read_rows_q8", "read_rows_q8.comp", (), (ro("LayerWords"), rw("OutQuads", 4)), COPY_ROWS_PUSH,
                 ("HEAD_DIM",)),
         Variant("read_rows_kivi", "read_rows_kivi.comp", (), (ro("LayerWords"), rw("OutQuads", 4)), READ_KIVI_PUSH,
                 ("HEAD_DIM", "BITS", "KEYS", "GROUP"), (("KEYS", 1),)),
+        Variant("read_window", "read_window.comp", (), (ro("LayerWords"), rw("OutPairs", 2)), READ_WINDOW_PUSH,
+                ("HEAD_DIM",)),
     ]
     # a model's forward (kvdict_vk/vk/forward/): FORMAT is weights.glsl's weight format
     # FORMAT: weights.glsl's weight format; X_MODE: how matvec.glsl reads x
@@ -317,6 +333,7 @@ def _declare() -> tuple:
         _attend("attend_direct", (ro("CacheWords"), ro("CacheQuads", 4), ro("FreshWords"), ro("FreshQuads", 4),
                                   ro("Query", 4), rw("Accs", 4), rw("Stats"), rw("Out", 4)),
                 ATTEND_DIRECT_PUSH, direct, optional=tuple((n, 0) for n in direct[4:])),
+        _attend("attend_window", (ro("LayerWords"), ro("Query"), rw("Accs", 4), rw("Stats")), ATTEND_WINDOW_PUSH),
         _attend("attend_merge", merge, ATTEND_MERGE_PUSH),
         _attend("attend_merge_head", merge, ATTEND_MERGE_HEAD_PUSH),
     ]

@@ -1,5 +1,5 @@
 """The words each dispatch of the arena's own shaders touches — reconstruct, copy_rows, copy,
-scatter, append_step, l2_flush, read_rows_* — for given push constants and specialization constants.
+scatter, append_step, append_window, l2_flush, read_rows_*, read_window — for given push constants and specialization constants.
 
 Each extents function maps (push dict, spec dict) to, per binding, a list of spans (first
 word, one past the last); kernels.Kernel.op refuses a dispatch whose spans leave a buffer
@@ -122,6 +122,18 @@ def _append_kivi_extents(p, s):
              (p["state_word"], p["state_word"] + 1)])
 
 
+def _append_window_extents(p, s):
+    """append_window: the token's K and V float rows; its n_used word; both windows; the state word."""
+    n_kv, hd, rows = p["n_kv"], p["head_dim"], p["rows"]
+    if n_kv < 1 or hd < 2 or hd % 2 or rows != p["sink"] + p["recent"] or rows < 1:
+        raise E.DispatchError(f"append_window: push constants {p} are inconsistent")
+    block = n_kv * rows * hd // 2
+    return ([(p["k_rows_word"], p["k_rows_word"] + n_kv * hd), (p["v_rows_word"], p["v_rows_word"] + n_kv * hd)],
+            [(p["lengths_word"], p["lengths_word"] + 1)],
+            [(p["k_window_word"], p["k_window_word"] + block), (p["v_window_word"], p["v_window_word"] + block),
+             (p["state_word"], p["state_word"] + 1)])
+
+
 def _read_f16_extents(p, s):
     _check_rows(p)
     if not p["n_rows"]:
@@ -160,6 +172,18 @@ def _read_kivi_extents(p, s):
     return reads, [(p["out_word"], p["out_word"] + p["n_rows"] * hd)] if p["n_rows"] else []
 
 
+def _read_window_extents(p, s):
+    hd, rows = s["HEAD_DIM"], p["rows"]
+    if hd % 2 or p["out_word"] % 2 or rows != p["sink"] + p["recent"] or rows < 1:
+        raise E.DispatchError(f"read_window: HEAD_DIM {hd}, out_word {p['out_word']}, rows {rows}, "
+                              f"sink {p['sink']}, recent {p['recent']}")
+    reads = [(p["state_word"], p["state_word"] + 1)]
+    if not (p["n_kv"] and p["n_tok"]):
+        return reads, []
+    reads.append((p["window_word"], p["window_word"] + p["n_kv"] * rows * hd // 2))
+    return reads, [(p["out_word"], p["out_word"] + p["n_kv"] * p["n_tok"] * hd)]
+
+
 def _copy_extents(p, s):
     n = p["n_words"]
     return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
@@ -181,8 +205,10 @@ EXTENTS = {
     **{f"reconstruct_{v}": (lambda p, s, n=n: _reconstruct_extents(p, s, n)) for v, n in (("vec4", 4), ("scalar", 1))},
     "copy_rows_vec4": _copy_rows_extents, "copy_rows_scalar": _copy_rows_extents,
     "copy_vec4": _copy_extents, "copy_scalar": _copy_extents,
-    "scatter": _scatter_extents, "append_step": _append_step_extents, "append_kivi": _append_kivi_extents, "l2_flush": _flush_extents,
+    "scatter": _scatter_extents, "append_step": _append_step_extents, "append_kivi": _append_kivi_extents,
+    "append_window": _append_window_extents, "l2_flush": _flush_extents,
     "read_rows_f16": _read_f16_extents, "read_rows_q8": _read_q8_extents, "read_rows_kivi": _read_kivi_extents,
+    "read_window": _read_window_extents,
 }
 # variant → invocations that share one row, from the spec (grid stride % groups == 0); others 1
 GROUPS = {f"{k}_{v}": (lambda s, n=n: _row_groups(s, n))

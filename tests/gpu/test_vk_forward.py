@@ -154,25 +154,32 @@ def test_kivi_cache_equals_the_forge_kivi_forward(bits, recent, make_arena):
     forward.free()
 
 
-@pytest.mark.parametrize("n_heads", [1, 2])
-def test_dict_cache_equals_the_forward_over_its_slots(n_heads, make_arena, activate):
-    """Over a dict-coded cache (residual stages; a shared or a per-head dictionary) the device
-    forward codes each token's K/V rows on the device — the GPU encoder's one dispatch a stream,
-    recorded in the token — and attends over the slots: within the NLL gate of the forge's
-    forward over the arena's own slots decoded (arena.read); and those slots are the host
-    codec's coding of the forge's K/V (OMP near-ties aside: at most one vector in twenty)."""
+@pytest.mark.parametrize("n_heads,window", [(1, (0, 0)), (2, (0, 0)), (1, (1, 4))],
+                         ids=["shared", "per-head", "window"])
+def test_dict_cache_equals_the_forward_over_its_slots(n_heads, window, make_arena, activate):
+    """Over a dict-coded cache (residual stages; a shared or a per-head dictionary; an exact
+    window) the device forward codes each token's K/V rows on the device — the GPU encoder's one
+    dispatch a stream, recorded in the token — and attends over the slots (and the window's
+    binary16 rows, append_window): within the NLL gate of the forge's forward over the arena's
+    own slots decoded (arena.read; the window per query, as the forge certifies it); and those
+    slots are the host codec's coding of the forge's K/V (OMP near-ties aside: at most one
+    vector in twenty)."""
     from conftest import random_artifact
     from kvdict_vk import codec, runtime
+    from kvdict_vk.dictionary import KvDictArtifact
+    from kvdict_vk.window import ExactWindow
     rng = np.random.default_rng(66)
     w = _small_model(rng, "q8_0", True)
     cfg = w.config
-    activate(random_artifact(rng, cfg.head_dim, 64, [((4, 4), (4, 3))] * cfg.n_layers, n_heads=n_heads))
+    art = random_artifact(rng, cfg.head_dim, 64, [((4, 4), (4, 3))] * cfg.n_layers, n_heads=n_heads)
+    activate(KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity, art.layers, ExactWindow(*window)))
     tokens = rng.integers(0, cfg.vocab, 12)
     arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16)
-    assert arena.mode == "dict"
+    assert arena.mode == "dict" and arena.layout.layers[0].windowed == any(window)
     forward = DeviceForward(w, arena, logits=True, row_threads=8)
     got, _ = _decode(forward, tokens)
     ref = CacheAsHeld(arena, "dict")
+    ref.exact_sink, ref.exact_recent = window
     want = llama.token_nll(tokens, ref, model=dequantised_model(w))
     assert np.abs(got - want).max() <= NLL_GATE, np.abs(got - want).max()
     same = []
@@ -180,6 +187,9 @@ def test_dict_cache_equals_the_forward_over_its_slots(n_heads, make_arena, activ
         for rows, held, is_k in zip(kv, arena.read(layer), (True, False)):
             d = runtime.clone_layer_dict(layer, is_k)
             host = codec.decode_heads(codec.encode_heads(rows, d), d, np.float32)
+            if any(window):  # the window's tokens are the forge's rows in binary16
+                exact = ExactWindow(*window).exact(len(tokens))
+                host[:, exact] = rows[:, exact].astype(np.float16)
             same += list(np.all(np.abs(host - held) <= 1e-5 * (1 + np.abs(host)), axis=-1).reshape(-1))
     assert len(same) == 2 * cfg.n_layers * cfg.n_kv_heads * len(tokens) and np.mean(same) >= 0.95, np.mean(same)
     forward.free()

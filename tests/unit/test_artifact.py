@@ -3,6 +3,7 @@ typed error while the installed runtime state stays exactly as it was."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import cbor2
 import numpy as np
@@ -13,6 +14,7 @@ from kvdict_vk import artifact as A
 from kvdict_vk import errors as E
 from kvdict_vk import runtime
 from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+from kvdict_vk.window import NO_WINDOW, ExactWindow
 
 from helpers import file_with_payload, frame, header_for, toy_artifact, toy_cert
 
@@ -239,7 +241,10 @@ def _tagged(a):
     (lambda p: p.update(sparsity=17), E.DimsError),
     (lambda p: p["layers"][0]["k"].update(sparsity=9), E.DimsError),
     (lambda p: p.update(n_layers=4), E.DimsError),
-    (lambda p: p.update(format_version=2), E.SchemaError),
+    (lambda p: p.update(format_version=3), E.FormatVersionError),
+    (lambda p: p.update(format_version=0), E.SchemaError),
+    (lambda p: p.update(format_version=-1), E.SchemaError),
+    (lambda p: p.update(format_version="2"), E.SchemaError),
     (lambda p: p.update(extra=1), E.SchemaError),
     (lambda p: p["layers"].__setitem__(0, {"k": None}), E.SchemaError),
     (lambda p: p["layers"][0]["k"].update(atoms=[[1.0] * 16] * 64), E.TypedArrayError),
@@ -330,4 +335,75 @@ def test_per_head_and_residual_round_trip(tmp_path):
 def test_residual_and_head_schema(tmp_path, installed, good, mutate, exc):
     p = _raw_payload(good)
     mutate(p["layers"][1]["k"])
+    _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), exc)
+
+
+# --- payload format version 2: the exact window ------------------------------------------------
+
+@pytest.mark.parametrize("window", [NO_WINDOW, ExactWindow(1, 32), ExactWindow(0, 4096), ExactWindow(256, 0)])
+def test_window_round_trip(tmp_path, good, window):
+    art = dataclasses.replace(good[0], window=window)
+    p = tmp_path / "w.q42art"
+    A.write_artifact(p, art, good[1])
+    _, back = A.read_artifact(p)
+    assert back.window == window and np.array_equal(back.atoms_flat(), art.atoms_flat())
+    raw = cbor2.loads(A.payload_to_cbor(art))
+    assert raw["format_version"] == A.PAYLOAD_FORMAT_VERSION == 2
+    # written only for a window: the same dictionaries without one encode as they did
+    assert raw.get("window") == ({"sink": window.sink, "recent": window.recent} if window else None)
+    assert ("window" in raw) == bool(window)
+
+
+def test_window_survives_f16_atoms_and_is_validated(good):
+    art = dataclasses.replace(good[0], window=ExactWindow(1, 32))
+    assert art.with_f16_atoms().window == ExactWindow(1, 32)
+    assert good[0].window is NO_WINDOW
+    with pytest.raises(E.SchemaError, match="ExactWindow"):
+        dataclasses.replace(good[0], window=(1, 32))
+
+
+@pytest.mark.parametrize("old", [1])
+def test_older_format_version_refused_naming_both(tmp_path, installed, good, old):
+    assert issubclass(E.FormatVersionError, E.SchemaError)
+    p = _raw_payload(good)
+    p["format_version"] = old
+    _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), E.FormatVersionError,
+             match=rf"format_version {old} is older than this reader's {A.PAYLOAD_FORMAT_VERSION}.*kvdict-forge")
+
+
+def test_newer_format_version_refused(tmp_path, installed, good):
+    p = _raw_payload(good)
+    p["format_version"] = A.PAYLOAD_FORMAT_VERSION + 1
+    _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), E.FormatVersionError,
+             match=f"{A.PAYLOAD_FORMAT_VERSION + 1} is newer than this reader's {A.PAYLOAD_FORMAT_VERSION}")
+
+
+def test_version_checked_before_the_keys(tmp_path, installed, good):
+    """A version-1 payload with a window (never written) is refused for its version."""
+    p = _raw_payload(good)
+    p.update(format_version=1, window={"sink": 1, "recent": 32})
+    _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), E.FormatVersionError)
+
+
+@pytest.mark.parametrize("window,exc", [
+    ({"sink": 1, "recent": 32, "group": 1}, E.SchemaError),  # an extra key
+    ({"sink": 1}, E.SchemaError),  # a missing key
+    ({"sink": -1, "recent": 32}, E.DimsError),
+    ({"sink": 1, "recent": -32}, E.DimsError),
+    ({"sink": True, "recent": 32}, E.SchemaError),
+    ({"sink": 1, "recent": False}, E.SchemaError),
+    ({"sink": 1.0, "recent": 32}, E.SchemaError),
+    ({"sink": "1", "recent": 32}, E.SchemaError),
+    ({"sink": 257, "recent": 32}, E.DimsError),
+    ({"sink": 1, "recent": 4097}, E.DimsError),
+    ({"sink": 1, "recent": 1 << 70}, E.DimsError),
+    ({"sink": 0, "recent": 0}, E.SchemaError),  # empty: written by leaving the key out
+    ([1, 32], E.SchemaError),
+    (None, E.SchemaError),
+    (33, E.SchemaError),
+    ({b"sink": 1, b"recent": 32}, E.SchemaError),
+])
+def test_malformed_window_refused(tmp_path, installed, good, window, exc):
+    p = _raw_payload(good)
+    p["window"] = window
     _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), exc)

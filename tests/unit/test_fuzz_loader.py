@@ -4,6 +4,7 @@ and a bound on memory: whatever a file declares, reading it never allocates much
 than the file itself. (tools/fuzz_loader.py runs a longer coverage-guided campaign.)"""
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 
 import cbor2
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvdict_vk import artifact as A
 from kvdict_vk import errors as E
 from kvdict_vk import runtime
+from kvdict_vk.window import ExactWindow
 
 from helpers import file_with_payload, frame, header_for, toy_artifact, toy_cert
 
@@ -25,7 +27,8 @@ _leaf = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allo
 _tags = st.builds(cbor2.CBORTag, st.sampled_from([40, 85, 86, 0, 1, 2, 24, 55799]), _leaf)
 cbor_values = st.recursive(_leaf | _tags, lambda kids: st.lists(kids, max_size=4)
                            | st.dictionaries(st.text(max_size=6) | st.sampled_from(
-                               ["k", "v", "atoms", "layers", "sparsity", "n_atoms"]), kids, max_size=4)
+                               ["k", "v", "atoms", "layers", "sparsity", "n_atoms", "sink", "recent"]),
+                                             kids, max_size=4)
                            | st.builds(cbor2.CBORTag, st.sampled_from([40, 85]), kids), max_leaves=12)
 
 _GOOD = None
@@ -35,6 +38,7 @@ def _good():
     global _GOOD
     if _GOOD is None:
         art = toy_artifact(np.random.default_rng(2), n_layers=2, n_atoms=8, head_dim=4, s=2, passthrough=())
+        art = dataclasses.replace(art, window=ExactWindow(1, 4))  # so the window's slots exist
         _GOOD = (art, toy_cert(art), cbor2.loads(A.payload_to_cbor(art)))
     return _GOOD
 
@@ -62,7 +66,8 @@ def _set_path(obj, path, value):
 _PAYLOAD_SLOTS = [("format_version",), ("n_layers",), ("head_dim",), ("n_atoms",), ("sparsity",),
                   ("layers",), ("layers", 0), ("layers", 0, "k"), ("layers", 1, "v"),
                   ("layers", 0, "k", "atoms"), ("layers", 0, "k", "mean"),
-                  ("layers", 0, "k", "sparsity"), ("layers", 1, "v", "metric"), ("extra",)]
+                  ("layers", 0, "k", "sparsity"), ("layers", 1, "v", "metric"), ("window",),
+                  ("window", "sink"), ("window", "recent"), ("window", "extra"), ("extra",)]
 
 
 @FUZZ

@@ -61,6 +61,9 @@ class KvArena:
         snap = runtime.snapshot()  # once: the layout never changes under a live arena
         cache = C.resolve_cache(cache, snap.active)
         art = snap.artifact if cache == "dict" else None
+        if art is not None and art.window and seqs > 1:
+            raise E.ArenaError(f"a dictionary cache with an exact window ({art.window.describe()}) holds one "
+                               f"sequence; asked for {seqs}")
         if kivi is not None and cache != L.KIVI_CACHE:
             raise E.ArenaError(f"kivi settings given for a {cache!r} cache")
         layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx * int(seqs), art,
@@ -134,11 +137,13 @@ class KvArena:
         i, seq = self.memory.layer_index(layer), self.memory.seq_index(seq)
         return self._writes.append(i, self._writes.new_rows(i, k_rows, v_rows, seq), seq)
 
-    def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray, seq: int = 0) -> int:
+    def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray, seq: int = 0, rows=None) -> int:
         """Append already-encoded tokens to sequence ``seq``: uint32 slots (n_kv, T_new,
         slot_words) for a coded stream (codec.encode_heads' output), float32 rows (n_kv,
         T_new, head_dim) for a passthrough stream (stored as f16 in an f16 cache). Slots are
-        stored as given (an out-of-range atom index reconstructs as zero)."""
+        stored as given (an out-of-range atom index reconstructs as zero). A layer with an
+        exact window (kvdict_vk.window) also takes ``rows``: the tokens' (K, V) float32 rows,
+        whose sink and recent ones it keeps in binary16."""
         i, seq = self.memory.layer_index(layer), self.memory.seq_index(seq)
         w = self._writes
         if w.kivi:  # float32 rows: a KIVI cache quantises them itself
@@ -150,7 +155,16 @@ class KvArena:
             else:
                 words.append(R.row_words_of(w.rows(n, a, np.float32, self.layout.head_dim), st))
         w.check_room(i, words[0].shape[1], words[1].shape[1], seq)
-        return w.append_words(i, *words, seq=seq)
+        if self.layout.layers[i].windowed:
+            if rows is None:
+                raise E.ArenaError(f"layer {i}: a dictionary cache with an exact window keeps its tokens' binary16 "
+                                   f"rows beside their slots: give append_codes the float32 rows too (rows=(K, V))")
+            rows = w.new_rows(i, *rows, seq)
+            if rows[0].shape[1] != words[0].shape[1]:
+                raise E.ShapeError(f"append_codes: {words[0].shape[1]} tokens' codes, {rows[0].shape[1]} tokens' rows")
+        elif rows is not None:
+            raise E.ArenaError(f"layer {i}: rows are for a windowed layer's window; this layer keeps none")
+        return w.append_words(i, *words, seq=seq, rows=rows)
 
     def read(self, layer: int, t0: int = 0, t1: int | None = None, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) float32 (n_kv, t1 − t0, head_dim) for tokens [t0, t1) of sequence ``seq``,
@@ -239,8 +253,8 @@ class KvArena:
         t0, t_new = self.memory.n_tokens(i), rows[0].shape[1]
         q, n_used, scale = check_query(self.layout, q, max(t0 + t_new, 1), t0 + t_new, scale)
         att = self.attention(q.shape[0])
-        if w.kivi:  # append, then attend: two submissions
-            w.append_kivi(i, rows)
+        if w.kivi or self.layout.layers[i].windowed:  # append, then attend: two submissions
+            w.append(i, rows)
             return att.attend(i, q, n_used, scale)
         if w.gpu_encodes(i, rows):
             w.append_gpu(i, rows)  # the slots are made on the device: two submissions

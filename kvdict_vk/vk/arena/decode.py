@@ -102,10 +102,11 @@ class DecodeStep:
         # device-coded streams: their float rows after the sources, each area on a quad (their
         # slots, at the sources' words, in a buffer of their own: a kernel's written buffer is
         # bound once)
+        # a windowed layer's streams (kvdict_vk.window): their float rows too, for append_window
         self._rows_at, end = {}, -(-self._v_src[-1] // 4) * 4
         for j, streams in enumerate(self._streams):
             for st in streams:
-                if self._device_coded and st.coded:
+                if (self._device_coded and st.coded) or st.windowed:
                     self._rows_at[(j, st.stream)] = end
                     end += -(-n_kv * hd // 4) * 4
         self._q_words = query_words(self.batch, self.n_heads, hd)
@@ -135,7 +136,8 @@ class DecodeStep:
             raise
         # views of the host-visible words, made once (a replay writes and reads only these)
         words = self._step.host_words()
-        self._k_host, self._v_host = words[:self._k_src[-1]], words[self._k_src[-1]:]
+        self._k_host, self._v_host = words[:self._k_src[-1]], words[self._k_src[-1]:self._v_src[-1]]
+        self._step_host = words
         blocks = self._q.host_words().reshape(n_l, self._q_stride)
         self._q_host, self._used_host = blocks[:, :self._lengths_at], blocks[:, self._lengths_at:self._q_words]
         self._out_host = self._out.host_words()
@@ -156,7 +158,7 @@ class DecodeStep:
         for j, (i, plan) in enumerate(zip(self.layers, plans)):
             k, v = self._streams[j]
             layer_buf, q_word = mem.layer_buffer(i), self.q_word(j)
-            encode = [self._encode_op(i, j, st) for st in (k, v) if (j, st.stream) in self._rows_at]
+            encode = [self._encode_op(i, j, st) for st in (k, v) if self._device_coded and st.coded]
             if encode:  # the rows' slots into the slots buffer's source area, for append_step
                 encode.append(barrier(self._slots))
             if k.kivi:  # into the windows; a group leaving them quantised (one workgroup a KV head)
@@ -180,11 +182,24 @@ class DecodeStep:
                                k_format=R.APPEND_FORMATS[R.append_format(k)],
                                v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim)
             ops = [*encode, op, barrier(layer_buf)]
+            if k.windowed:  # the token's binary16 rows into the windows, and the state word
+                ops += [self._window_op(i, j), barrier(layer_buf)]
             ops += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
                                     Placement(q_word=q_word, out_word=self.out_word(j), dynamic=True))
             ops.append(attention.barrier_op())
             out.append(ops)
         return out
+
+    def _window_op(self, i: int, j: int):
+        """append_window of layer i (j-th of the step): the token's rows from their float rows."""
+        k, v = self._streams[j]
+        win, n_kv, hd = k.exact_window, self.layout.n_kv_heads, self.layout.head_dim
+        kernel = pipeline(self.device, "append_window", [self._step, self._q, self.memory.layer_buffer(i)],
+                          max_items=2 * n_kv * hd // 2)
+        return kernel.op(k_rows_word=self._rows_at[(j, "k")], v_rows_word=self._rows_at[(j, "v")],
+                         k_window_word=k.window_word, v_window_word=v.window_word, rows=win.rows, sink=win.sink,
+                         recent=win.recent, state_word=k.state_word, n_kv=n_kv, head_dim=hd,
+                         lengths_word=self.q_word(j) + self._lengths_at)
 
     def _encode_op(self, i: int, j: int, st):
         """The GPU encoder's op coding layer i's (j-th of the step) stream ``st`` from its float
@@ -270,6 +285,9 @@ class DecodeStep:
             k_words, v_words = self._sources(k_rows, v_rows)  # a dict-coded layer's OMP: before any write
             self._k_host[:] = k_words
             self._v_host[:] = v_words
+            for (j, stream), at in self._rows_at.items():  # a windowed layer's float rows (batch 1)
+                rows = (k_rows if stream == "k" else v_rows)[j].reshape(-1).view(np.uint32)
+                self._step_host[at:at + rows.size] = rows
         self._q_in[:] = q
         self._rec.run()
         self.advance()

@@ -53,6 +53,8 @@ class ArenaWrites:
             self._init_layer(ll, flat)
 
     def _init_layer(self, ll: L.LayerLayout, flat) -> None:
+        if ll.windowed:  # no token appended (storage buffers start undefined)
+            self._write_words(ll.index, ll.k.state_word or ll.v.state_word, np.zeros(1, np.uint32))
         if ll.k.kivi:  # the quantised end starts at 0 (storage buffers start undefined)
             image = np.full(ll.total_words, self.layout.guard_value, np.uint32) if ll.guard_spans else None
             if image is None:
@@ -170,10 +172,13 @@ class ArenaWrites:
             return self.append_kivi(layer, rows)
         if self.gpu_encodes(layer, rows):
             return self.append_gpu(layer, rows, seq)
-        return self.append_words(layer, *self.encode(layer, rows), seq=seq)
+        return self.append_words(layer, *self.encode(layer, rows), seq=seq, rows=rows)
 
     def append_batch(self, layer: int, rows) -> None:
         """Checked rows [(K, V)] of sequences 0 .. B − 1, the same count each, appended."""
+        if self.layout.layers[layer].windowed:  # one sequence (KvArena refuses more)
+            self.append(layer, rows[0], 0)
+            return
         if self.gpu_encodes(layer, rows[0]):
             # a sequence at a time: the encoder stages its rows for one destination range
             for b, r in enumerate(rows):
@@ -188,10 +193,42 @@ class ArenaWrites:
         for b in range(len(rows)):
             self.memory.advance(layer, b, n_new)
 
-    def append_words(self, layer: int, k_words: np.ndarray, v_words: np.ndarray, seq: int = 0) -> int:
-        """Words (n_kv, T_new, row_words) of K and V, already checked, scattered to the sequence."""
+    def append_words(self, layer: int, k_words: np.ndarray, v_words: np.ndarray, seq: int = 0,
+                     rows=None) -> int:
+        """Words (n_kv, T_new, row_words) of K and V, already checked, scattered to the sequence;
+        ``rows`` the float32 rows they code (a windowed layer's window takes them)."""
         self._scatter_words(layer, list(zip((k_words, v_words), self.layout.layers[layer].streams)), seq)
-        return self.memory.advance(layer, seq, k_words.shape[1])
+        return self._advance(layer, seq, k_words.shape[1], rows)
+
+    def _advance(self, layer: int, seq: int, t_new: int, rows) -> int:
+        """The append's last writes — a windowed layer's state word, then its window's new rows
+        (in that order, so every visible token stays readable) — then the token count."""
+        if self.layout.layers[layer].windowed:
+            if rows is None:
+                raise E.ArenaError(f"layer {layer}: a windowed append needs the float32 rows")
+            self.write_blocks(layer, self._window_writes(layer, rows, self.memory.n_tokens(layer, seq)))
+        return self.memory.advance(layer, seq, t_new)
+
+    def _window_writes(self, layer: int, rows, t0: int) -> list[Write]:
+        """The Writes of an append of ``rows`` at token t0 to a windowed layer: the state word
+        (the new token count), then each coded stream's new sink and recent tokens' binary16
+        rows at their window rows (kvdict_vk.window), a Write per contiguous run."""
+        ll = self.layout.layers[layer]
+        n = t0 + rows[0].shape[1]
+        writes = [Write(ll.k.state_word or ll.v.state_word, np.full((1, 1, 1), n, np.uint32), 0)]
+        for r, st in zip(rows, ll.streams):
+            if not st.windowed:
+                continue
+            win, half_row = st.exact_window, self.layout.head_dim // 2
+            new = np.flatnonzero(win.exact(n)[t0:])  # of the new tokens, those the window keeps
+            if not new.size:
+                continue
+            words = np.ascontiguousarray(r[:, new]).astype(np.float16).view(np.uint32)
+            at = win.row_of(t0 + new)
+            for run in np.split(np.arange(new.size), np.flatnonzero(np.diff(at) != 1) + 1):
+                writes.append(Write(st.window_word + int(at[run[0]]) * half_row, words[:, run[0]:run[-1] + 1],
+                                    win.rows * half_row))
+        return writes
 
     def _scatter_words(self, layer: int, parts, seq: int = 0) -> None:
         """Words (n_kv, T_new, row_words) of the given streams, [(words, StreamLayout)], to
@@ -271,7 +308,7 @@ class ArenaWrites:
                        if not st.coded]
         if passthrough and t_new:
             self._scatter_words(layer, passthrough, seq)
-        return self.memory.advance(layer, seq, t_new)
+        return self._advance(layer, seq, t_new, rows)
 
     def encode(self, layer: int, rows) -> list:
         """(K, V) rows → the words to store: slots of a coded stream (codec.encode_heads:

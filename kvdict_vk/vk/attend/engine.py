@@ -17,7 +17,11 @@ attend_combine → attend_atoms (dict-coded V) → attend_reduce, never decoding
 record (attend_common.glsl) that the last passes merge. On GPUs the flash kernels
 (kvdict_vk.vk.attend.flash: their launch shapes) attend instead. A KIVI layer attends by
 attend_flash's KIVI build over its words (every device), or — ``path`` "rows" — by reading
-its rows out to f32 and attending over those (attend_reconstructed).
+its rows out to f32 and attending over those (attend_reconstructed). A dict-coded layer with
+an exact window (kvdict_vk.window) attends by attend_flash_coded (GPUs) or attend_direct (CPU
+drivers), which skip the window's tokens, and attend_window over those, one more record for the
+merge; or — ``path`` "rows", or a layer with a passthrough stream — read out, the window's rows
+over the slots' (read_window.comp).
 
 Between dependent dispatches of one submission we record a compute→compute barrier on
 the buffers just written (kvdict_vk.vk.kernels.barrier: Kompute's OpMemoryBarrier, which
@@ -55,7 +59,7 @@ SPLIT_LANES_PER_CPU = 8  # CPU drivers: splits (over all KV heads) per hardware 
 GPU_LOCAL = 64
 HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps for its block of heads
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
-PATHS = (None, "direct", "table", "flash", "rows")  # "rows": a KIVI layer read out to f32 rows, then attended
+PATHS = (None, "direct", "table", "flash", "rows")  # "rows": a KIVI or windowed layer read out to f32 rows, then attended
 
 
 def head_block(group: int, head_dim: int) -> int:
@@ -135,7 +139,9 @@ class Attention:
         self.shapes = FlashShapes(self.device, lay, group, needed)
         self._warm_layers: set[int] = set()
         self.passes = None
-        sizes = Sizes(n_kv, group, hd, max(lay.n_atoms, 1), seq_ctx, needed, self.seqs)
+        # a windowed layer's attend_window writes one record after the coded pass's splits
+        window_record = int(any(ll.windowed for ll in lay.layers))
+        sizes = Sizes(n_kv, group, hd, max(lay.n_atoms, 1), seq_ctx, needed + window_record, self.seqs)
         self.buffers = AttendBuffers(self.device, sizes, n_heads, self.any_k_coded, self.any_v_coded)
         self.passes = PassBuilder(memory, self.buffers, self.shapes, self.grid)
 
@@ -159,6 +165,14 @@ class Attention:
         if path not in PATHS:
             raise E.ArenaError(f"Attention.path must be one of {PATHS}, got {path!r}")
         k, v = self.layout.layers[layer].streams
+        windowed = self.layout.layers[layer].windowed
+        if windowed and not (k.windowed and v.windowed):
+            raise E.ArenaError(f"layer {layer}: a windowed layer with a passthrough stream attends by its read-out "
+                               f"path only (Attention.attend_reconstructed, KvArena.attend)")
+        if windowed and path in ("table", "rows"):
+            raise E.ArenaError(f"layer {layer}: a windowed dictionary layer attends by attend_flash_coded or "
+                               f"attend_direct beside attend_window, or read out (Attention.attend_reconstructed); "
+                               f"not by the {path} path")
         if k.kivi:  # attend_flash_kivi over the words; the read-out path is attend_reconstructed's
             if path in ("direct", "table", "rows"):
                 raise E.ArenaError(f"layer {layer}: a KIVI layer attends by attend_flash_kivi (path None or "
@@ -169,7 +183,7 @@ class Attention:
                                    f"{FLASH_MAX_GROUP}); Attention.attend_reconstructed can")
             return self.flash_plan(layer, n_used)
         if path == "rows":
-            raise E.ArenaError(f"layer {layer}: path 'rows' (read out, then attend) is a KIVI layer's only")
+            raise E.ArenaError(f"layer {layer}: path 'rows' (read out, then attend) is a KIVI or windowed layer's only")
         n_cached = n_used if n_cached is None else n_cached
         # GPUs: the flash kernels (a workgroup per split and KV head) over uncoded rows and
         # over layers whose streams are both coded; CPU drivers keep attend_direct and the
@@ -183,7 +197,7 @@ class Attention:
         if path == "flash" or (path is None and (self.grid.local == GPU_LOCAL or k.q8) and fits(layer)):
             return self.flash_plan(layer, n_used)
         p = P.plan(k, v, self.layout.head_dim, self.grid.hb, self.layout.n_atoms, n_used, n_cached,
-                   self.grid.preferred_splits, path)
+                   self.grid.preferred_splits, "direct" if windowed else path)
         if p.records > self.grid.max_splits:
             raise E.ArenaError(f"attention over {n_used} tokens needs {p.records} splits, this engine holds "
                                f"{self.grid.max_splits}")
@@ -306,7 +320,7 @@ class Attention:
             plans.append(P.Plan("direct", 1, n_used))
             if self.grid.max_splits >= 2:
                 plans.append(P.Plan("direct", 2, -(-n_used // 2)))
-        if k.coded or v.coded:
+        if (k.coded or v.coded) and not self.layout.layers[layer].windowed:
             plans.append(P.Plan("table", 1, n_used))
         plannable = self.grid.local == GPU_LOCAL or self.path == "flash" or k.q8  # the flash kernels planned there
         if self.shapes.flash_fits(layer) and plannable:
@@ -316,7 +330,10 @@ class Attention:
         self._warm_layers.add(layer)
 
     def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float) -> np.ndarray:
-        if self.layout.layers[layer].k.kivi and self.path in ("direct", "table", "rows"):
+        ll = self.layout.layers[layer]
+        if ll.windowed and (self.path == "rows" or not (ll.k.windowed and ll.v.windowed)):
+            return self.attend_reconstructed(layer, q, n_used, scale)
+        if ll.k.kivi and self.path in ("direct", "table", "rows"):
             return self.attend_reconstructed(layer, q, n_used, scale)  # the read-out path (the fallback)
         self._warm(layer, n_used, scale)
         ops = self.passes.ops(layer, self.plan(layer, n_used), n_used, n_used, scale)
@@ -338,6 +355,8 @@ class Attention:
         """Batched decode attention (KvArena.attend_batch: arguments checked there): sequence
         b's query heads q[b] over its first n_used[b] tokens, every sequence in the same
         flash dispatches. Returns (seqs, n_heads, head_dim) float32."""
+        if self.layout.layers[layer].windowed:  # an arena of one sequence (config.check_seqs)
+            return self.attend(layer, q[0], n_used[0], scale)[None]
         ops = self._batch_ops(layer, len(n_used), max(n_used), scale)
         self.buffers.upload_query(q, n_used)
         return self._eval(ops, f"batched attention over layer {layer}", seqs=len(n_used))
@@ -357,7 +376,8 @@ class Attention:
 
     def attend_reconstructed(self, layer: int, q: np.ndarray, n_used: int, scale: float) -> np.ndarray:
         """Reconstruct-then-attend (the KIVI cache's read-out path — ``path`` "rows", the
-        fallback of attend_flash_kivi; a benchmark baseline for the dict-coded one): reconstruct K and V of [0, n_used) on the GPU into an f32 buffer
+        fallback of attend_flash_kivi; a windowed dictionary layer's path; a benchmark
+        baseline for the dict-coded one): reconstruct K and V of [0, n_used) on the GPU into an f32 buffer
         (one submission), then attention over those rows (a second submission: the rows are
         far too large for the barrier-by-copy) — attend_flash where it plans the flash
         kernels (GPUs, or ``path`` "flash"; its default launch shape, untuned), else

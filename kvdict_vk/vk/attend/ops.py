@@ -53,6 +53,7 @@ class F32Rows:
     q8: bool = False
     rows: str = "f32"
     atoms_f16: bool = False
+    windowed: bool = False
 
 
 class PassBuilder:
@@ -127,7 +128,7 @@ class PassBuilder:
         kernel = self._kernel(("direct",) + key, "attend_direct",
                               [cache, cache, upload, upload, b.q, b.accs, b.stats, b.out],
                               grid.units * grid.max_splits, **spec)
-        write_out = int(plan.write_out and t_first == 0)
+        write_out = int(plan.write_out and t_first == 0 and not k.windowed)
         use_mean = int(write_out and v.coded and v.has_mean)
         return kernel.op(**source, fresh_k_word=fresh_words[0], fresh_v_word=fresh_words[1], t_first=t_first,
                          n_used=n_used, n_cached=n_cached, split_len=split_len, n_splits=n_splits, split0=split0,
@@ -136,7 +137,7 @@ class PassBuilder:
                          head_atoms=k.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                          v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                          write_out=write_out, use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
-                         score_scale=scale)
+                         **_window_push(k), score_scale=scale)
 
     def _merge(self, key, buf, v, records: int, per_head: bool = False, n_seqs: int = 1, out_word: int = 0) -> list:
         """attend_merge (one invocation per output quad: the direct path's, shaped for CPU
@@ -177,6 +178,9 @@ class PassBuilder:
         if plan.path == "direct":
             ops = [self._direct(key, buf, k, v, source, plan, n_used, n_cached, 0, plan.n_splits, plan.split_len,
                                 0, scale, fresh_words)]
+            if k.windowed:
+                return ops + self._window_ops(layer, plan.records, n_used, scale) \
+                    + self._merge(key, buf, v, plan.records + 1)
             return ops if plan.write_out else ops + self._merge(key, buf, v, plan.records)
         ops = self._table_ops(layer, plan, n_cached, scale)
         if plan.fresh_splits:  # a step's new tokens: records after the split pass's
@@ -255,9 +259,28 @@ class PassBuilder:
                              n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word, **_split_push(plan, at),
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
-                             n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale, q_word=at.q_word))
-        return ops + self._merge(("layer", layer), buf, v, plan.records, per_head=True, n_seqs=plan.seqs,
+                             n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale, q_word=at.q_word,
+                             **_window_push(k)))
+        records = plan.records
+        if k.windowed:
+            ops += self._window_ops(layer, records, n_used, scale, at)
+            records += 1
+        return ops + self._merge(("layer", layer), buf, v, records, per_head=True, n_seqs=plan.seqs,
                                  out_word=at.out_word)
+
+    def _window_ops(self, layer: int, split0: int, n_used: int, scale: float, at: Placement = AT_START) -> list:
+        """attend_window over a windowed layer's exact window (kvdict_vk.window): its records
+        at split split0, after the coded pass's (a barrier between: both write the records)."""
+        b, lay = self.buffers, self.layout
+        k, v = lay.layers[layer].streams
+        win = k.exact_window
+        kernel = self._kernel(("window", layer), "attend_window", [self.memory.layer_buffer(layer), b.q, b.accs, b.stats],
+                              lay.n_kv_heads * self.grid.group, HB=1)
+        return [self.sync(b.accs, b.stats), kernel.op(
+            k_window_word=k.window_word, v_window_word=v.window_word, rows=win.rows, sink=win.sink,
+            recent=win.recent, state_word=k.state_word, k_mean_word=k.mean_word, v_mean_word=v.mean_word,
+            head_vec=k.head_vec_stride, n_kv=lay.n_kv_heads, n_used=n_used, split0=split0, q_word=at.q_word,
+            score_scale=scale)]
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,
@@ -339,6 +362,14 @@ class PassBuilder:
         """Forget the operations; the pipelines go with the buffers they bind."""
         self._ops.clear()
         self._kernels.clear()
+
+
+def _window_push(st) -> dict:
+    """The coded passes' window fields for a stream of a windowed layer (none otherwise)."""
+    if not st.windowed:
+        return {}
+    win = st.exact_window
+    return dict(win_sink=win.sink, win_recent=win.recent, state_word=st.state_word)
 
 
 def _split_push(plan, at: Placement) -> dict:

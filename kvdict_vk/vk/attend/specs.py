@@ -348,6 +348,7 @@ def _direct_extents(p, s):
             quads.append(_vec_span(scale_word, n_kv, p["head_vec"], hd))
     if p["use_mean"]:
         quads.append(_vec_span(p["mean_word"], n_kv, p["head_vec"], hd))
+    words += _window_state(p)
     lo, hi = p["split0"] * n_kv * g, (p["split0"] + p["n_splits"]) * n_kv * g  # records
     records = [] if p["write_out"] else [[_span(lo * hd, (hi - lo) * hd)], [_span(2 * lo, 2 * (hi - lo))]]
     return [words, quads, fresh_words, fresh_quads, [_span(0, n_kv * g * hd)],
@@ -445,11 +446,33 @@ def _flash_coded_extents(p, s):
     for word, bits in ((p["k_scale_word"], s["K_BITS"]), (p["v_scale_word"], s["V_BITS"])):
         if bits:
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
+    words += _window_state(p)
     atoms = _atoms_span(p, s, s["N_ATOMS"], "v_atoms_word")
     records = heads * p["n_splits"] * g
     queries = _query_span(p, query_words(p["n_seqs"], n_kv * g, hd), "attend_flash_coded")
     return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [queries],
             [_span(0, records * hd)], [_span(0, 2 * records)]]
+
+
+def _window_state(p) -> list:
+    """A windowed layer's state word (the coded passes read the token count there)."""
+    return [_span(p["state_word"], 1)] if p["win_sink"] + p["win_recent"] else []
+
+
+def _window_extents(p, s):
+    """attend_window.comp: the state word, both streams' window blocks and means, the
+    queries, the records of split split0."""
+    hd, g, n_kv, rows = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["rows"]
+    _check(n_kv >= 1 and rows >= 1 and rows == p["sink"] + p["recent"] and p["n_seqs"] == 1 and hd % 4 == 0
+           and s["HB"] == 1, "attend_window", p)
+    layer = [_span(p["state_word"], 1)]
+    for word in (p["k_window_word"], p["v_window_word"]):
+        layer.append(_span(word, n_kv * rows * hd // 2))
+    for word in (p["k_mean_word"], p["v_mean_word"]):
+        layer.append(_vec_span(word, n_kv, p["head_vec"], hd))
+    lo = p["split0"] * n_kv * g
+    queries = _query_span(p, query_words(1, n_kv * g, hd), "attend_window")
+    return [layer, [queries], [_span(lo * hd, n_kv * g * hd)], [_span(2 * lo, 2 * n_kv * g)]]
 
 
 def _merge_extents(p, s):
@@ -491,6 +514,7 @@ EXTENTS = {
     "attend_atoms": _atoms_extents,
     "attend_reduce": _reduce_extents,
     "attend_direct": _direct_extents,
+    "attend_window": _window_extents,
     "attend_merge": _merge_extents,
     "attend_merge_head": _merge_head_extents,
     **{name: _flash_extents for name in ("attend_flash", "attend_flash_sg", "attend_flash_wide",

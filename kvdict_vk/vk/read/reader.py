@@ -19,7 +19,7 @@ import numpy as np
 from ... import errors as E
 from ... import kivi as K
 from ..device import kp
-from ..kernels import Buffer, Kernel, pipeline
+from ..kernels import Buffer, Kernel, barrier, pipeline
 from ..submit import Recording
 from . import mapping as M
 
@@ -100,6 +100,16 @@ class ReadPlan:
             else:
                 kern = self._kernel("copy_rows", [layer_buf, out])
                 self.ops.append(kern.op(**common))
+        windowed = [(j, st) for j, st in enumerate(lay.layers[layer].streams) if st.windowed]
+        if windowed and n_tok:  # the window's rows over the slots' reconstruction
+            self.ops.append(barrier(out))
+            for j, st in windowed:
+                win = st.exact_window
+                kern = pipeline(arena.device, "read_window", [layer_buf, out], {"HEAD_DIM": hd},
+                                max_items=n_kv * win.rows * hd // 2)
+                self.ops.append(kern.op(window_word=st.window_word, rows=win.rows, sink=win.sink,
+                                        recent=win.recent, state_word=st.state_word, n_kv=n_kv, t0=t0,
+                                        n_tok=n_tok, out_word=j * n_kv * n_tok * hd))
         self._recordings: dict = {}
 
     def _kernel(self, shader: str, buffers, **spec) -> Kernel:

@@ -1,0 +1,43 @@
+"""kvdict-forge --smoke --sink 1 --recent 32 end to end: the window reaches the artifact, the
+header and the certified row, and the gate measures what the window lever measures."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvdict_vk.forge import cli, levers, pipeline as P
+from kvdict_vk.window import NO_WINDOW
+
+
+@pytest.mark.slow
+def test_smoke_forge_with_a_window(tmp_path):
+    """kvdict-forge --smoke --sink 1 --recent 32: the artifact carries the window, the header
+    records it, the certified row is named and charged for it, and the gate's numbers are the
+    window lever's on the same dictionaries without a window (one implementation)."""
+    import json
+
+    from kvdict_vk import artifact as A
+    from kvdict_vk.forge import table
+    assert cli.main(["--smoke", "--out", str(tmp_path), "--name", "w", "--threshold", "0.5",
+                     "--sink", "1", "--recent", str(levers.RECENT)]) == 0
+    cert, art = A.read_artifact(tmp_path / "w.q42art")
+    assert art.window == levers.WINDOW
+    assert (cert.producer["config"]["window_sink"], cert.producer["config"]["window_recent"]) == (1, levers.RECENT)
+    summary = json.loads((tmp_path / "w.json").read_text())
+    cfg = P.ForgeConfig(**{k: tuple(v) if isinstance(v, list) and k in ("texts", "calib_files") else v
+                           for k, v in summary["config"].items()})
+    bpv = summary["bytes_per_vector"]
+    assert bpv["certified_row"] == P.windowed_bytes(bpv["all"], cfg.gate_window(), art.head_dim, art.window)
+    fid = json.loads((tmp_path / "w-fidelity.json").read_text())
+    assert fid["default"] == P.dict_row_name(cfg) and fid["default"].endswith(f" + sink 1 + {levers.RECENT} recent")
+    row = fid["texts"]["gpl3"]["rows"][0]
+    assert row["name"] == fid["default"] and row["bytes_per_vector"] == bpv["certified_row"]
+    plain_cfg = dataclasses.replace(cfg, window_sink=0, window_recent=0)
+    plain = dataclasses.replace(art, window=NO_WINDOW)
+    lever = [r for r in levers.dictionary_rows(plain, plain_cfg, bpv["all"]) if "recent" in r.name]
+    assert lever[0].bytes_per_vector == bpv["certified_row"]
+    sets = P.eval_sets(cfg, str(tmp_path / "cache"))
+    measured = table.measure(lever, sets, None, log=lambda m: None)[0]["texts"]
+    for t in cert.extra["texts"]:
+        assert measured[t["name"]]["delta_rel"] == t["value"], t["name"]
