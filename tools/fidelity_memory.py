@@ -31,6 +31,7 @@ script. The file's ``"memory"`` records the command and the model's shapes. Idem
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -41,12 +42,11 @@ sys.path.insert(0, str(ROOT))
 
 from kvdict_vk import kivi as K  # noqa: E402
 from kvdict_vk import memory_report as M  # noqa: E402
-from kvdict_vk.forge.levers import RECENT  # noqa: E402
 from kvdict_vk.forge.pipeline import ForgeConfig, gate_passes  # noqa: E402
+from kvdict_vk.window import ExactWindow  # noqa: E402
 
 MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=M.MODEL_N_CTX)
 LENGTHS = M.REPORT_LENGTHS  # 8192, 32768, 131072
-SINK_RECENT = 1 + RECENT  # forge.levers: token 0 and the RECENT most recent tokens in binary16
 GATE = ForgeConfig().threshold  # the upper 95 % bound of ΔPPL on every text
 
 
@@ -65,14 +65,12 @@ def cache_of(row: dict, shapes=(MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["h
         spec = M.dictionary_spec(n_layers, n_kv, hd, int(m[1]), (int(m[3]), int(m[4])), (int(m[5]), int(m[6])),
                                  per_head=not m[2])
         lever = (m[7] or "")[3:]
+        w = re.fullmatch(r"sink (\d*) ?\+ (\d+) recent", lever)  # the engine's exact window (the lever's: sink 1)
+        if w:
+            lever, spec = "", dataclasses.replace(spec, window=ExactWindow(int(w[1] or 1), int(w[2])))
         if not lever:
             return spec, "engine"
         slot_bpv = M.build(n_layers, n_kv, hd, 64, spec).bytes_per_token / (n_layers * n_kv * 2)
-        if lever == "sink + 32 recent":
-            fixed = n_layers * 2 * n_kv * SINK_RECENT * hd * 2
-            return M.Modelled(spec, 0.0, fixed, "the engine's dictionary arena + a binary16 window of token 0 "
-                                                "and the 32 most recent tokens per KV head, beside the codes"), \
-                "modelled: the dictionary arena + 33 binary16 rows per (layer, stream, KV head)"
         if lever == "group scales":
             return M.Modelled(spec, bpv - slot_bpv, 0, "per-32-token residual scales"), \
                 f"modelled: the dictionary arena + {bpv - slot_bpv:g} B per vector of group scales"

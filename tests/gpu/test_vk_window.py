@@ -108,6 +108,28 @@ def test_attention_matches_the_reference_over_the_windowed_cache(group, path, ma
     assert nmse(attention_ref.attend(q, *coded, n), arena.attend(0, q, n)) > 1e-7
 
 
+@pytest.mark.parametrize("path", [None, "flash"])
+def test_a_window_of_several_chunks(path, make_arena, activate):
+    """attend_window walks its rows in chunks of its workgroup (64): 2 + 150 rows, partly filled."""
+    hd, n_kv, group, window = 32, 2, 2, ExactWindow(2, 150)
+    rng = np.random.default_rng(3)
+    art = _windowed(random_artifact(rng, hd, 64, [((3, 4), (3, 3))]), window)
+    activate(art)
+    arena = make_arena(1, n_kv, hd, 500)
+    arena.attention(n_kv * group).path = path
+    k = 2 * rng.standard_normal((n_kv, 500, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, 500, hd)).astype(np.float32)
+    sizes, n = [], 0
+    for size in (70, 60, 1, 200, 1):  # the window partly filled, then full, then the ring wrapping
+        arena.append(0, k[:, n:n + size], v[:, n:n + size])
+        n += size
+        sizes.append(size)
+        kr, vr = _reference(art, 0, window, k, v, sizes)
+        q = rng.standard_normal((n_kv * group, hd)).astype(np.float32)
+        for n_used in (n, max(1, n - 40)):
+            assert nmse(attention_ref.attend(q, kr, vr, n_used), arena.attend(0, q, n_used)) <= 1e-9
+
+
 def test_a_recorded_read_follows_the_window(make_arena, activate):
     """read_window takes the token count from the layer's state word: a read recorded early
     reads tokens that left the window later from their slots."""

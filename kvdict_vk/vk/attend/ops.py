@@ -22,6 +22,7 @@ from ..device import kp
 from ..kernels import Kernel, barrier, pipeline
 
 OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (never in steady decode)
+WINDOW_LOCAL = 64  # attend_window's workgroup on every device: a window row an invocation, a quad of p·v each
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,7 @@ class PassBuilder:
         k, v = lay.layers[layer].streams
         win = k.exact_window
         kernel = self._kernel(("window", layer), "attend_window", [self.memory.layer_buffer(layer), b.q, b.accs, b.stats],
-                              lay.n_kv_heads * self.grid.group, HB=1)
+                              lay.n_kv_heads * self.grid.group * WINDOW_LOCAL, HB=1, LOCAL=WINDOW_LOCAL)
         return [self.sync(b.accs, b.stats), kernel.op(
             k_window_word=k.window_word, v_window_word=v.window_word, rows=win.rows, sink=win.sink,
             recent=win.recent, state_word=k.state_word, k_mean_word=k.mean_word, v_mean_word=v.mean_word,

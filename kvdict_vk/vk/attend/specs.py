@@ -461,10 +461,12 @@ def _window_state(p) -> list:
 
 def _window_extents(p, s):
     """attend_window.comp: the state word, both streams' window blocks and means, the
-    queries, the records of split split0."""
+    queries, the records of split split0 (a power-of-two workgroup with a quad of every
+    element per invocation)."""
     hd, g, n_kv, rows = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["rows"]
+    local = s["LOCAL"]
     _check(n_kv >= 1 and rows >= 1 and rows == p["sink"] + p["recent"] and p["n_seqs"] == 1 and hd % 4 == 0
-           and s["HB"] == 1, "attend_window", p)
+           and s["HB"] == 1 and local & (local - 1) == 0 and 4 * local >= hd, "attend_window", dict(p, **s))
     layer = [_span(p["state_word"], 1)]
     for word in (p["k_window_word"], p["v_window_word"]):
         layer.append(_span(word, n_kv * rows * hd // 2))
