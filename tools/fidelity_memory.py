@@ -31,19 +31,16 @@ script. The file's ``"memory"`` records the command and the model's shapes. Idem
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvdict_vk import kivi as K  # noqa: E402
 from kvdict_vk import memory_report as M  # noqa: E402
+from kvdict_vk.forge import ranking  # noqa: E402
 from kvdict_vk.forge.pipeline import ForgeConfig, gate_passes  # noqa: E402
-from kvdict_vk.window import ExactWindow  # noqa: E402
 
 MODEL = dict(name="SmolLM2-135M", n_layers=30, n_kv_heads=3, head_dim=64, n_ctx=M.MODEL_N_CTX)
 LENGTHS = M.REPORT_LENGTHS  # 8192, 32768, 131072
@@ -51,39 +48,11 @@ GATE = ForgeConfig().threshold  # the upper 95 % bound of ΔPPL on every text
 
 
 def cache_of(row: dict, shapes=(MODEL["n_layers"], MODEL["n_kv_heads"], MODEL["head_dim"])):
-    """(cache description for memory_report, memory_model) of a fidelity row, from its name."""
-    n_layers, n_kv, hd = shapes
-    name, bpv = row["name"], float(row["bytes_per_vector"])
-    if name in ("f16", "f32", "q8_0"):
-        return name, "engine"
-    m = re.fullmatch(r"KIVI (?:(\d) bit|K(\d) V(\d))(?: \+ (\d+) recent)?", name)
-    if m:
-        kb, vb = (int(m[1]), int(m[1])) if m[1] else (int(m[2]), int(m[3]))
-        return K.KiviSpec(kb, vb, int(m[4] or 0)), "engine"
-    m = re.fullmatch(r"dict (\d+) (shared )?atoms, K (\d+)\+(\d+) b, V (\d+)\+(\d+) b( \+ .*)?", name)
-    if m:
-        spec = M.dictionary_spec(n_layers, n_kv, hd, int(m[1]), (int(m[3]), int(m[4])), (int(m[5]), int(m[6])),
-                                 per_head=not m[2])
-        lever = (m[7] or "")[3:]
-        w = re.fullmatch(r"sink (\d*) ?\+ (\d+) recent", lever)  # the engine's exact window (the lever's: sink 1)
-        if w:
-            lever, spec = "", dataclasses.replace(spec, window=ExactWindow(int(w[1] or 1), int(w[2])))
-        if not lever:
-            return spec, "engine"
-        slot_bpv = M.build(n_layers, n_kv, hd, 64, spec).bytes_per_token / (n_layers * n_kv * 2)
-        if lever == "group scales":
-            return M.Modelled(spec, bpv - slot_bpv, 0, "per-32-token residual scales"), \
-                f"modelled: the dictionary arena + {bpv - slot_bpv:g} B per vector of group scales"
-        raise SystemExit(f"fidelity_memory: unknown dictionary lever {lever!r} in row {name!r}")
-    m = re.fullmatch(r"residual only \(s 0\) K(\d) V(\d) b( \+ group scales)?", name)
-    if m:  # per (layer, stream, KV head): a float32 mean, and a static scale unless group scales
-        fixed = n_layers * 2 * n_kv * hd * 4 * (1 if m[3] else 2)
-        return M.Modelled(None, bpv, fixed, "residual-only rows"), \
-            "modelled: the row's bytes per vector + float32 means" + ("" if m[3] else " and scales")
-    if re.fullmatch(r"Hadamard \+ q\d_\d", name):
-        return M.Modelled(None, bpv, 0, "rotated block rows"), \
-            "modelled: the row's bytes per vector (a fixed Hadamard transform, nothing stored)"
-    raise SystemExit(f"fidelity_memory: no cache configuration known for row {name!r}")
+    """(cache description for memory_report, memory_model) of a fidelity row (forge.ranking)."""
+    try:
+        return ranking.cache_of(row["name"], float(row["bytes_per_vector"]), shapes)
+    except ValueError as e:
+        raise SystemExit(f"fidelity_memory: {e}") from None
 
 
 def add_memory(doc: dict, command: str) -> dict:

@@ -5,14 +5,17 @@
 3. validate the shaders against NumPy on this device;
 4. decode real text (GPL-3) token by token with the KV cache on the GPU, twice — an f32
    arena (the cache the certificate is relative to) and the dict-coded arena the runtime
-   switch gives — attention computed on the GPU in both;
+   switch gives — attention computed on the GPU in both; and a third time through the forge's
+   winner (the certified cache with the smallest whole arena at the model's context, gated
+   beside the dictionary: q8_0, KIVI) where that is not the dictionary;
 5. check both decodes against the CPU path: at every (layer, token) step the GPU cache's
    attention output equals the NumPy reference's over the same cached vectors (the
    forge's codec for the dict cache) within the validation tolerance; and the f32
    decode's per-token NLL equals the forge's batched CPU forward within NLL_TOLERANCE.
    (The dict decode's NLL is not compared per token: see kvdict_vk.forge.decode.)
 6. report the certified ΔPPL (from the certificate, once), bytes per token and
-   compression, tokens/s for both caches, and the validation NMSE.
+   compression, the ranking and why the winner won, tokens/s for each cache, and the
+   validation NMSE.
 
 The device: --device, else $KVDICT_VK_DEVICE, else lavapipe (the embedded default, which
 scripts/setup.sh installs), by index or name substring; `kvdict-validate --list` lists them.
@@ -43,25 +46,30 @@ def _log(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-def ensure_artifact(out: str, rebuild: bool) -> str:
-    """The forge's default artifact, reused when it exists, passed, and was made with the
-    current default settings for this model."""
-    from ..forge import cli as forge_cli, pipeline as P
+def ensure_artifact(out: str, rebuild: bool) -> tuple[str, dict]:
+    """The forge's default artifact and its ranking (forge.ranking: the certified caches by
+    their whole arena at the model's context, the dictionary beside q8_0 and KIVI), reused when
+    both exist, the artifact passed, and was made with the current default settings."""
+    from ..forge import cli as forge_cli, pipeline as P, ranking
     path = os.path.join(out, "smollm2.q42art")
+    ranked_path = os.path.join(out, "smollm2-ranking.json")
     want = P.config_key(P.ForgeConfig())
-    if os.path.exists(path) and not rebuild:
+    if os.path.exists(path) and os.path.exists(ranked_path) and not rebuild:
         try:
             info = A.read_header(path)
-            if info.passed and info.producer.get("config_key") == want:
-                _log(f"reusing {path} (ΔPPL {100 * info.value:+.2f} %, certified)")
-                return path
-        except E.ArtifactError as e:
+            with open(ranked_path) as f:
+                ranked = json.load(f)
+            if info.passed and info.producer.get("config_key") == want and "default" in ranked:
+                _log(f"reusing {path} (ΔPPL {100 * info.value:+.2f} %, certified) and its ranking")
+                return path, ranked
+        except (E.ArtifactError, ValueError, OSError) as e:
             _log(f"{path} unusable ({e}); rebuilding")
-    _log("forging a dictionary for SmolLM2-135M (first run: a few minutes)")
-    code, _ = forge_cli.build(P.ForgeConfig(), out, "smollm2", with_baselines=False)
+    _log("forging a dictionary for SmolLM2-135M and gating q8_0 and KIVI beside it (first run: a few minutes)")
+    code, summary = forge_cli.build(P.ForgeConfig(), out, "smollm2", with_baselines=True,
+                                    table_rows=ranking.RANKED_BASELINES, show=False)
     if code != 0:
         raise SystemExit("the dictionary did not pass its gate; see the forge report")
-    return path
+    return path, summary["ranking"]
 
 
 # Per-token NLL of the f32-cache GPU decode against the forge's batched CPU forward, in
@@ -72,18 +80,20 @@ NLL_TOLERANCE = 1e-3
 DEFAULT_DEVICE = "llvmpipe"  # Mesa lavapipe: the device scripts/setup.sh installs everywhere
 
 
-def run_decode(tokens, n_ctx: int, label: str, dev, cache: str | None = None):
-    """A GPU decode — ``cache`` as KvArena takes it (None: the runtime switch decides) —
-    checked step by step against the NumPy reference cache: (DecodeResult, arena layout,
-    ReferenceCheck, the SPIR-V variant its attention ran on at the last step)."""
+def run_decode(tokens, n_ctx: int, label: str, dev, cache: str | None = None, kivi=None):
+    """A GPU decode — ``cache`` (and ``kivi``) as KvArena takes them (None: the runtime switch
+    decides) — checked step by step against the NumPy reference cache: (DecodeResult, arena
+    layout, ReferenceCheck, the SPIR-V variant its attention ran on at the last step)."""
     from ..forge import decode
     from ..forge.gguf_model import load_model
     from ..vk import KvArena
     c = load_model().config
-    with KvArena(c.n_layers, c.n_kv_heads, c.head_dim, n_ctx, device=dev, cache=cache) as arena:
+    with KvArena(c.n_layers, c.n_kv_heads, c.head_dim, n_ctx, device=dev, cache=cache, kivi=kivi) as arena:
         _log(f"{label}: arena mode {arena.mode}, {arena.layout.total_bytes / 2**20:.1f} MiB; decoding {len(tokens)} tokens")
         art = runtime.snapshot().artifact if arena.mode == "dict" else None
-        check = decode.ReferenceCheck(decode.NumpyCache(c.n_layers, c.n_kv_heads, c.head_dim, n_ctx, art))
+        rows = arena.mode if arena.mode in ("f16", "q8_0") else "f32"
+        check = decode.ReferenceCheck(decode.NumpyCache(c.n_layers, c.n_kv_heads, c.head_dim, n_ctx, art,
+                                                        kivi=arena.layout.kivi, rows=rows))
         step = max(1, len(tokens) // 4)
         res = decode.decode(tokens, arena, observe=check,
                             progress=lambda p: (p + 1) % step == 0 and _log(f"{label}: {p + 1}/{len(tokens)}"))
@@ -91,6 +101,32 @@ def run_decode(tokens, n_ctx: int, label: str, dev, cache: str | None = None):
         variant = att.variant(0, att.plan(0, len(tokens)))
         _log(f"{label}: attention ran on {variant}")
         return res, arena.layout, check, variant
+
+
+def decode_winner(ranked: dict, tokens, n_ctx: int, dev) -> dict | None:
+    """The forge's winner decoded too where it is not the dictionary cache (decoded anyway):
+    its steps checked like the others'; None when the winner is the dictionary or none passes."""
+    default = ranked.get("default")
+    if default is None or default["cache"] == "dict":
+        return None
+    from ..kivi import KiviSpec
+    kivi = KiviSpec(**default["kivi"]) if "kivi" in default else None
+    res, _, steps, variant = run_decode(tokens, n_ctx, f"{ranked['winner']} cache (the winner)", dev,
+                                        cache=default["cache"], kivi=kivi)
+    return dict(name=ranked["winner"], cache=default["cache"], steps=steps.steps, worst_step_nmse=steps.worst_nmse,
+                tokens_per_s=res.tokens_per_s, variant=variant)
+
+
+def format_ranking(ranked: dict) -> list[str]:
+    """The demo's lines for the forge's ranking: every certified cache by its whole arena, the winner."""
+    mib = 2 ** 20
+    lines = [f"  ranking         the caches the forge gated, by their whole arena at {ranked['n_ctx']} tokens:"]
+    for i, r in enumerate(ranked["rows"], 1):
+        lines.append(f"    {i}. {r['name']:<52} {r['arena_bytes'] / mib:7.1f} MiB  "
+                     f"{'passes' if r['passes'] else 'FAILS '} (worst {r['worst_text']} "
+                     f"{100 * r['worst_delta_ppl']:+.2f} %, upper bound {100 * r['worst_upper']:+.2f} %)")
+    lines.append(f"  winner          {ranked['winner'] or 'none'}: {ranked['reason']}")
+    return lines
 
 
 def nll_agreement(gpu_nll: np.ndarray, cpu_nll: np.ndarray) -> dict:
@@ -131,7 +167,7 @@ def _run(a) -> int:
     from ..forge import llama, texts, tokenizer
     from .validate import NMSE_ATTEND, run_validation, worst_by_metric
     t0 = time.perf_counter()
-    path = ensure_artifact(a.out, a.rebuild)
+    path, ranked = ensure_artifact(a.out, a.rebuild)
     cert = runtime.load_certified(path)
     dev, how, devices = choose_device(a)
     _log(f"device: {dev.name} ({how}; devices here: {'; '.join(devices)})")
@@ -151,7 +187,9 @@ def _run(a) -> int:
     f32_nll = nll_agreement(f32.nll, llama.token_nll(tokens))
     runtime.activate(path)
     coded, coded_layout, coded_steps, coded_variant = run_decode(tokens, n_ctx, "dict cache", dev)
-    steps_ok = max(f32_steps.worst_nmse, coded_steps.worst_nmse) <= NMSE_ATTEND
+    winner = decode_winner(ranked, tokens, n_ctx, dev)
+    steps_ok = max(f32_steps.worst_nmse, coded_steps.worst_nmse,
+                   winner["worst_step_nmse"] if winner else 0.0) <= NMSE_ATTEND
     reproduced = steps_ok and f32_nll["max_abs_nll_diff"] <= NLL_TOLERANCE
 
     report = dict(
@@ -165,7 +203,9 @@ def _run(a) -> int:
                     f32=dict(steps=f32_steps.steps, worst_step_nmse=f32_steps.worst_nmse,
                              nll_vs_cpu_forward=f32_nll, tokens_per_s=f32.tokens_per_s, variant=f32_variant),
                     dict=dict(steps=coded_steps.steps, worst_step_nmse=coded_steps.worst_nmse,
-                              tokens_per_s=coded.tokens_per_s, variant=coded_variant)),
+                              tokens_per_s=coded.tokens_per_s, variant=coded_variant),
+                    **({"winner": winner} if winner else {})),
+        ranking=ranked,
         memory=dict(f32_bytes_per_token=f32_layout.bytes_per_token, dict_bytes_per_token=coded_layout.bytes_per_token,
                     compression_vs_f32=f32_layout.bytes_per_token / coded_layout.bytes_per_token,
                     compression_vs_f16=f32_layout.bytes_per_token / 2 / coded_layout.bytes_per_token,
@@ -221,6 +261,10 @@ def format_report(r: dict) -> str:
         f"{m['compression_vs_f16']:.2f}× vs f16, {m['compression_vs_f32']:.2f}× vs f32 "
         f"(+ {m['dictionary_tail_bytes'] / 2**20:.1f} MiB of dictionaries once)",
         *(format_arena(m["arena"]) if m.get("arena") else []),
+        *(format_ranking(r["ranking"]) if r.get("ranking") else []),
+        *([f"  winner decode   {w['name']}: {w['steps']} (layer, token) steps = NumPy over the same cache (worst "
+           f"NMSE {w['worst_step_nmse']:.1e}), {w['tokens_per_s']:.1f} tok/s ({w['variant']})"]
+          if (w := d.get("winner")) else []),
         f"  speed           f32 cache {f['tokens_per_s']:.1f} tok/s, dict cache {c['tokens_per_s']:.1f} tok/s "
         f"(attention kernels on this device: f32 {f['variant']}, dict {c['variant']}; kvdict-validate --variants)",
         f"  validation      {v['passed']}/{v['cases']} shader cases pass vs NumPy: worst NMSE {v['worst_nmse']:.1e} "

@@ -7,7 +7,9 @@
     kvdict-forge --sink 1 --recent 32  # an artifact with an exact window, certified with it
     kvdict-forge curve                 # the ΔPPL-vs-bytes sweep (long; see --help)
 
-Writes <out>/<name>.q42art (passed = true or false), <name>.json, <name>.md and <name>.png.
+Writes <out>/<name>.q42art (passed = true or false), <name>.json, <name>.md and <name>.png; with
+the baselines, <name>-ranking.json too: the certified caches the engine keeps ranked by their
+whole arena at the model's context, and the winner (forge.ranking).
 Exit status: 0 when the gate passed, 1 when it failed (the refused artifact is still
 written so the refusal can be seen), 2 on usage or input errors.
 """
@@ -21,7 +23,9 @@ import time
 
 from .. import artifact as A
 from .. import errors as E
-from . import levers, pipeline as P, report, table
+from ..memory_report import MODEL_N_CTX
+from . import levers, pipeline as P, ranking, report, table
+from .gguf_model import load_model
 
 
 def _progress(total: int, what: str):
@@ -53,9 +57,10 @@ def config_from_args(a) -> P.ForgeConfig:
 
 
 def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
-          command: str = "kvdict-forge", table_rows: tuple | None = None) -> tuple[int, dict]:
+          command: str = "kvdict-forge", table_rows: tuple | None = None, show: bool = True) -> tuple[int, dict]:
     """Learn, certify and package ``cfg``'s dictionary into ``out``; with_baselines: measure
-    the other caches' rows too (``table_rows``: only those named)."""
+    the other caches' rows too (``table_rows``: only those named) and rank the certified ones
+    (<name>-ranking.json); ``show``: print the table to stdout."""
     if with_baselines and table_rows is not None:  # a misspelt row refused before the minutes of learning
         # (the rows' names do not depend on the head_dim or the statistics given here)
         names = [r.name for r in table.baseline_rows([], 64, cfg.gate_window())] + levers.dictionary_row_names(cfg)
@@ -88,19 +93,39 @@ def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
         candidates = table.baseline_rows(levers.residual_stats(kv), art.head_dim, cfg.gate_window()) + \
             levers.dictionary_rows(art, cfg, bpv["all"])
         rows += table.measure(table.select(candidates, table_rows), sets, cache, log=_log)
+    ranked = None
+    if with_baselines:  # the certified caches ranked by their whole arena at the model's context
+        c = load_model().config
+        ranked = ranking.rank(rows, (c.n_layers, c.n_kv_heads, c.head_dim), cert.model.get("n_ctx") or MODEL_N_CTX,
+                              cfg.threshold, caches={dict_name: art})
+        ranked["default"] = _default_cache(ranked, dict_name, path, (c.n_layers, c.n_kv_heads, c.head_dim))
+        report.summary_json(os.path.join(out, f"{name}-ranking.json"), ranked)
+        _log(f"winner: {ranked['winner']} — {ranked['reason']}")
     summary = dict(artifact=path, passed=cert.passed, gate={n: r.to_dict() for n, r in results.items()},
                    bytes_per_vector=dict(bpv, certified_row=row_bytes), config=dataclasses.asdict(cfg),
-                   learn_seconds=t_learn, total_seconds=time.perf_counter() - t0, rows=rows)
+                   learn_seconds=t_learn, total_seconds=time.perf_counter() - t0, rows=rows, ranking=ranked)
     report.summary_json(os.path.join(out, f"{name}.json"), summary)
     report.summary_json(os.path.join(out, f"{name}-fidelity.json"),
                         table.fidelity_json(rows, sets, command, dict_name))
     md = table.markdown(rows, sets)
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(md)
-    if with_baselines:
+    if with_baselines and show:
         print(md)
     report.plot_texts(rows, sets, os.path.join(out, f"{name}.png"))
     return (0 if cert.passed else 1), summary
+
+
+def _default_cache(ranked: dict, dict_name: str, artifact: str, shapes) -> dict | None:
+    """The winner as KvArena takes it: {"cache": "dict", "artifact": path} (the certified
+    artifact), {"cache": "kivi", "kivi": KiviSpec's fields}, {"cache": "q8_0"}; None when no
+    cache passes."""
+    if ranked["winner"] is None:
+        return None
+    if ranked["winner"] == dict_name:
+        return dict(cache="dict", artifact=artifact)
+    cache, spec = ranking.engine_cache(ranked["winner"], shapes)
+    return dict(cache=cache, **({"kivi": dataclasses.asdict(spec)} if spec is not None else {}))
 
 
 def main(argv=None) -> int:
@@ -149,8 +174,9 @@ def main(argv=None) -> int:
                                    sparsities=a.curve_sparsities or curve.SPARSITIES,
                                    residual_configs=() if a.curve_plain_only else curve.RESIDUAL_CONFIGS)
         command = " ".join(["kvdict-forge"] + list(sys.argv[1:] if argv is None else argv))
-        code, _ = build(cfg, a.out, a.name, with_baselines=not a.no_baselines and not a.smoke, command=command,
-                        table_rows=a.table_rows)
+        # --smoke measures no other cache unless rows are named
+        baselines = not a.no_baselines and (not a.smoke or a.table_rows is not None)
+        code, _ = build(cfg, a.out, a.name, with_baselines=baselines, command=command, table_rows=a.table_rows)
         return code
     except E.KvDictError as e:
         print(f"kvdict-forge: {e}", file=sys.stderr)

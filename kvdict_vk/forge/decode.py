@@ -23,31 +23,59 @@ import numpy as np
 
 from .. import attention_ref, codec
 from ..dictionary import KvDictArtifact
+from ..kivi import cache_rows as kivi_cache_rows
+from ..rows import held_rows
+from ..window import cache_rows as window_cache_rows
 from ..metrics import nmse
 from .gguf_model import Model, load_model
 from .llama import rms_norm, rope_cos_sin, rotate_pairs, silu
 
 
 class NumpyCache:
-    """Reference cache: f32 rows, or (given an artifact) slots decoded in float64 — what
-    the GPU arena must reproduce."""
+    """Reference cache: what the GPU arena of the same mode must reproduce — f32 rows; or
+    (given an artifact) slots decoded in float64, an exact window's tokens in binary16
+    (kvdict_vk.window.cache_rows); or (``kivi``, a KiviSpec) the KIVI cache's values
+    (kvdict_vk.kivi.cache_rows); or (``rows`` "f16" / "q8_0") the uncoded cache's rows
+    (kvdict_vk.rows.held_rows)."""
 
-    def __init__(self, n_layers: int, n_kv: int, head_dim: int, n_ctx: int, art: KvDictArtifact | None = None):
-        self.art, self.n_ctx = art, n_ctx
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, n_ctx: int, art: KvDictArtifact | None = None,
+                 kivi=None, rows: str = "f32"):
+        self.art, self.n_ctx, self.kivi, self.rows = art, n_ctx, kivi, rows
         self.k = np.zeros((n_layers, n_kv, n_ctx, head_dim), np.float64)
         self.v = np.zeros_like(self.k)
+        self.raw = tuple(np.zeros((n_layers, n_kv, n_ctx, head_dim), np.float32) for _ in "kv")  # as appended
         self.n = [0] * n_layers
 
     def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
         t0, t = self.n[layer], k_rows.shape[1]
-        for store, rows, d in ((self.k, k_rows, None if self.art is None else self.art.layers[layer][0]),
-                               (self.v, v_rows, None if self.art is None else self.art.layers[layer][1])):
-            store[layer, :, t0:t0 + t] = rows if d is None else codec.decode_heads(codec.encode_heads(rows, d), d)
+        for j, (store, rows) in enumerate(((self.k, k_rows), (self.v, v_rows))):
+            d = None if self.art is None else self.art.layers[layer][j]
+            self.raw[j][layer, :, t0:t0 + t] = rows
+            if d is not None:
+                rows = codec.decode_heads(codec.encode_heads(rows, d), d)
+            elif self.rows != "f32":
+                rows = held_rows(rows, self.rows)
+            store[layer, :, t0:t0 + t] = rows
         self.n[layer] = t0 + t
         return self.n[layer]
 
+    def held(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) of the layer's tokens as the cache holds them."""
+        n = self.n[layer]
+        k_raw, v_raw = self.raw[0][layer, :, :n], self.raw[1][layer, :, :n]
+        if self.kivi is not None:
+            return kivi_cache_rows(k_raw, v_raw, n, self.kivi)
+        out = []
+        for j, (x, raw) in enumerate(((self.k[layer, :, :n], k_raw), (self.v[layer, :, :n], v_raw))):
+            d = None if self.art is None else self.art.layers[layer][j]
+            if d is not None and self.art.window:
+                x = window_cache_rows(x.transpose(1, 0, 2), raw.transpose(1, 0, 2), self.art.window).transpose(1, 0, 2)
+            out.append(x)
+        return out[0], out[1]
+
     def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None) -> np.ndarray:
-        return attention_ref.attend(q, self.k[layer], self.v[layer], n_used, scale)
+        k, v = self.held(layer)
+        return attention_ref.attend(q, k, v, n_used, scale)
 
 
 class ReferenceCheck:

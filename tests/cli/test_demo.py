@@ -39,6 +39,26 @@ def test_report_says_the_certified_delta_ppl_once_and_what_the_decode_verified()
     assert "DO NOT reproduce" in demo.format_report(_report(reproduces=False))
 
 
+def test_report_ranks_the_gated_caches_and_says_why_the_winner_won():
+    r = _report()
+    ranked = dict(n_ctx=8192, threshold=0.01, winner="KIVI 4 bit + 128 recent", winner_kind="kivi",
+                  reason="the smallest whole arena at 8192 tokens (59.8 MiB) among the caches that pass the gate; "
+                         "not a dictionary — the dictionary cache stays a certified option",
+                  rows=[dict(name="KIVI 4 bit + 128 recent", passes=True, arena_bytes=int(59.8 * 2 ** 20),
+                             worst_text="gpl3", worst_delta_ppl=0.0038, worst_upper=0.006),
+                        dict(name="q8_0", passes=False, arena_bytes=int(95.6 * 2 ** 20), worst_text="pydoc",
+                             worst_delta_ppl=0.02, worst_upper=0.03)])
+    r["ranking"] = ranked
+    r["decode"]["winner"] = dict(name="KIVI 4 bit + 128 recent", cache="kivi", steps=7680, worst_step_nmse=4e-14,
+                                 tokens_per_s=4.0, variant="attend_flash_kivi")
+    text = demo.format_report(r)
+    assert "1. KIVI 4 bit + 128 recent" in text and "59.8 MiB  passes" in text and "2. q8_0" in text
+    assert "FAILS" in text and "upper bound +3.00 %" in text
+    assert "winner          KIVI 4 bit + 128 recent: the smallest whole arena" in text and "not a dictionary" in text
+    assert "winner decode   KIVI 4 bit + 128 recent: 7680 (layer, token) steps" in text
+    assert "ranking" not in demo.format_report(_report())  # a report without one says nothing of it
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("flag, env, chosen_by", [
     (None, None, "the embedded default"),

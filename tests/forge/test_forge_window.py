@@ -41,3 +41,28 @@ def test_smoke_forge_with_a_window(tmp_path):
     measured = table.measure(lever, sets, None, log=lambda m: None)[0]["texts"]
     for t in cert.extra["texts"]:
         assert measured[t["name"]]["delta_rel"] == t["value"], t["name"]
+
+
+@pytest.mark.slow
+def test_smoke_forge_ranks_the_certified_caches(tmp_path):
+    """kvdict-forge --smoke --table-rows 'q8_0;KIVI 4 bit + 128 recent': the dictionary and the
+    two caches gated on the same windows, ranked by their whole arena at the model's context
+    (<name>-ranking.json), the winner named with the cache KvArena keeps for it."""
+    import json
+
+    from kvdict_vk.forge import ranking
+    assert cli.main(["--smoke", "--out", str(tmp_path), "--name", "r", "--threshold", "0.5",
+                     "--table-rows", ";".join(ranking.RANKED_BASELINES)]) == 0
+    ranked = json.loads((tmp_path / "r-ranking.json").read_text())
+    names = [r["name"] for r in ranked["rows"]]
+    assert sorted(names) == sorted([*ranking.RANKED_BASELINES, P.dict_row_name(cli.config_from_args(
+        cli.argparse.Namespace(smoke=True, **{f.name: None for f in dataclasses.fields(P.ForgeConfig)})))])
+    passing = [r for r in ranked["rows"] if r["passes"]]
+    assert passing and ranked["winner"] == passing[0]["name"]
+    assert [r["arena_bytes"] for r in passing] == sorted(r["arena_bytes"] for r in passing)
+    default = ranked["default"]
+    if ranked["winner_kind"] == "dictionary":
+        assert default == {"cache": "dict", "artifact": str(tmp_path / "r.q42art")}
+    else:
+        cache, spec = ranking.engine_cache(ranked["winner"], (30, 3, 64))
+        assert default["cache"] == cache and default.get("kivi") == (dataclasses.asdict(spec) if spec else None)
