@@ -187,10 +187,12 @@ def test_dict_cache_equals_the_forward_over_its_slots(n_heads, window, make_aren
         for rows, held, is_k in zip(kv, arena.read(layer), (True, False)):
             d = runtime.clone_layer_dict(layer, is_k)
             host = codec.decode_heads(codec.encode_heads(rows, d), d, np.float32)
-            if any(window):  # the window's tokens are the forge's rows in binary16
+            tol = np.full(host.shape[:2] + (1,), 1e-5)
+            if any(window):  # the window's tokens are the forge's rows in binary16, to a binary16 step
                 exact = ExactWindow(*window).exact(len(tokens))
                 host[:, exact] = rows[:, exact].astype(np.float16)
-            same += list(np.all(np.abs(host - held) <= 1e-5 * (1 + np.abs(host)), axis=-1).reshape(-1))
+                tol[:, exact] = 2.0 ** -10
+            same += list(np.all(np.abs(host - held) <= tol * (1 + np.abs(host)), axis=-1).reshape(-1))
     assert len(same) == 2 * cfg.n_layers * cfg.n_kv_heads * len(tokens) and np.mean(same) >= 0.95, np.mean(same)
     forward.free()
 

@@ -179,9 +179,9 @@ class PassBuilder:
         if plan.path == "direct":
             ops = [self._direct(key, buf, k, v, source, plan, n_used, n_cached, 0, plan.n_splits, plan.split_len,
                                 0, scale, fresh_words)]
-            if k.windowed:
-                return ops + self._window_ops(layer, plan.records, n_used, scale) \
-                    + self._merge(key, buf, v, plan.records + 1)
+            if k.windowed:  # after the coded pass, a barrier between: both write the records
+                return ops + [self.sync(self.buffers.accs, self.buffers.stats)] \
+                    + self._window_ops(layer, plan.records, n_used, scale) + self._merge(key, buf, v, plan.records + 1)
             return ops if plan.write_out else ops + self._merge(key, buf, v, plan.records)
         ops = self._table_ops(layer, plan, n_cached, scale)
         if plan.fresh_splits:  # a step's new tokens: records after the split pass's
@@ -244,7 +244,12 @@ class PassBuilder:
         table = self._kernel(("table_all", layer), "attend_table", [buf, b.q, b.table],
                              b.sizes.seqs * grid.units * lay.n_atoms, ATOMS_F16=int(k.atoms_f16))
         ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
-                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs, q_word=at.q_word), self.sync(b.table)]
+                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs, q_word=at.q_word)]
+        records = plan.records
+        if k.windowed:  # beside the table, before the coded pass: its record after the splits'
+            ops = self._window_ops(layer, records, n_used, scale, at) + ops
+            records += 1
+        ops.append(self.sync(b.table, b.accs, b.stats) if k.windowed else self.sync(b.table))
         # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
         options = self.shapes.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
@@ -262,22 +267,18 @@ class PassBuilder:
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                              n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale, q_word=at.q_word,
                              **_window_push(k)))
-        records = plan.records
-        if k.windowed:
-            ops += self._window_ops(layer, records, n_used, scale, at)
-            records += 1
         return ops + self._merge(("layer", layer), buf, v, records, per_head=True, n_seqs=plan.seqs,
                                  out_word=at.out_word)
 
     def _window_ops(self, layer: int, split0: int, n_used: int, scale: float, at: Placement = AT_START) -> list:
         """attend_window over a windowed layer's exact window (kvdict_vk.window): its records
-        at split split0, after the coded pass's (a barrier between: both write the records)."""
+        at split split0. The caller orders it against the coded pass (both write the records)."""
         b, lay = self.buffers, self.layout
         k, v = lay.layers[layer].streams
         win = k.exact_window
         kernel = self._kernel(("window", layer), "attend_window", [self.memory.layer_buffer(layer), b.q, b.accs, b.stats],
                               lay.n_kv_heads * self.grid.group * WINDOW_LOCAL, HB=1, LOCAL=WINDOW_LOCAL)
-        return [self.sync(b.accs, b.stats), kernel.op(
+        return [kernel.op(
             k_window_word=k.window_word, v_window_word=v.window_word, rows=win.rows, sink=win.sink,
             recent=win.recent, state_word=k.state_word, k_mean_word=k.mean_word, v_mean_word=v.mean_word,
             head_vec=k.head_vec_stride, n_kv=lay.n_kv_heads, n_used=n_used, split0=split0, q_word=at.q_word,
