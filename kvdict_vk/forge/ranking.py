@@ -86,9 +86,11 @@ def rank(rows: list[dict], shapes, n_ctx: int, threshold: float, caches: dict | 
         reason = f"no cache passes the gate (the upper 95 % bound of ΔPPL ≤ +{100 * threshold:g} % on every text)"
     else:
         rest = [r for r in out[1:] if r["passes"]]
-        reason = (f"the smallest whole arena at {n_ctx} tokens ({winner['arena_bytes'] / 2 ** 20:.1f} MiB) among the "
-                  f"caches that pass the gate" + (f"; next: {rest[0]['name']} at {rest[0]['arena_bytes'] / 2 ** 20:.1f} MiB"
-                                                  if rest else ""))
+        mib = 2 ** 20
+        reason = (f"the smallest whole arena at {n_ctx} tokens ({winner['arena_bytes'] / mib:.1f} MiB) among the "
+                  f"caches that pass the gate")
+        if rest:
+            reason += f"; next: {rest[0]['name']} at {rest[0]['arena_bytes'] / mib:.1f} MiB"
         if winner["kind"] != "dictionary":
             reason += "; not a dictionary — the dictionary cache stays a certified option"
     return dict(n_ctx=n_ctx, threshold=threshold, rows=out, winner=None if winner is None else winner["name"],

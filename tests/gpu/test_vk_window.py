@@ -55,6 +55,7 @@ def test_reads_equal_the_reference_as_the_cache_grows(case, make_arena, activate
     activate(art)
     arena = make_arena(2, n_kv, hd, n_ctx)
     assert arena.layout.layers[0].windowed and not arena.layout.layers[1].windowed
+    assert arena.layer_words(0)[arena.layout.layers[0].k.state_word] == 0  # no token yet, guards around it
     k = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
     v = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
     n = 0

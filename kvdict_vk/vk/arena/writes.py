@@ -53,8 +53,6 @@ class ArenaWrites:
             self._init_layer(ll, flat)
 
     def _init_layer(self, ll: L.LayerLayout, flat) -> None:
-        if ll.windowed:  # no token appended (storage buffers start undefined)
-            self._write_words(ll.index, ll.k.state_word or ll.v.state_word, np.zeros(1, np.uint32))
         if ll.k.kivi:  # the quantised end starts at 0 (storage buffers start undefined)
             image = np.full(ll.total_words, self.layout.guard_value, np.uint32) if ll.guard_spans else None
             if image is None:
@@ -71,13 +69,18 @@ class ArenaWrites:
             means = tuple(None if d is None else d.mean for d in pair)
             scales = tuple(None if d is None else d.residual_scale for d in pair)
             tail = R.layer_tail_image(lay, ll.index, flat, means, scales)
+        state = (ll.k.state_word or ll.v.state_word) if ll.windowed else None  # a window's: no token yet
         if ll.guard_spans:
             image = np.full(ll.total_words, lay.guard_value, np.uint32)
             if ll.tail_word is not None:
                 image[ll.tail_word:ll.tail_word + ll.tail_words] = tail
+            if state is not None:
+                image[state] = 0
             self._write_words(ll.index, 0, image)
         else:
             self._write_words(ll.index, ll.tail_word, tail)
+            if state is not None:
+                self._write_words(ll.index, state, np.zeros(1, np.uint32))
 
     def _write_words(self, layer: int, dst_word: int, words: np.ndarray) -> None:
         """Contiguous words (a tail or guard image, a state word) at dst_word of the layer."""

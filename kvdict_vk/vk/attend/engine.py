@@ -59,7 +59,7 @@ SPLIT_LANES_PER_CPU = 8  # CPU drivers: splits (over all KV heads) per hardware 
 GPU_LOCAL = 64
 HEAD_BLOCK_FLOATS = 192  # query (and accumulator) floats an invocation keeps for its block of heads
 BINS_BUDGET_WORDS = 1 << 24  # the atom weights of all splits: at most 64 MiB
-PATHS = (None, "direct", "table", "flash", "rows")  # "rows": a KIVI or windowed layer read out to f32 rows, then attended
+PATHS = (None, "direct", "table", "flash", "rows")  # "rows": a KIVI or windowed layer read out, then attended
 
 
 def head_block(group: int, head_dim: int) -> int:
