@@ -8,7 +8,8 @@
     kvdict-validate --variants             # the kernel each cache type attends by on this device
 
 Each row is one operation at one shape: reconstruct (read), append (encode + scatter,
-checked through a read), attention over the dict-coded and the f32 cache (and, where the
+checked through a read), attention over the dict-coded cache (with and without an exact
+window), the uncoded caches and the KIVI cache (and, where the
 device has cooperative matrices, attend_mma at the fast paths' gate), and the GPU
 OMP encoder — with guard words around every region, compared by NMSE (Σ(a−b)²/Σa²) and
 exact NaN/Inf positions. Exit status 1 if any row fails, 2 if no device could be used.
@@ -16,6 +17,7 @@ exact NaN/Inf positions. Exit status 1 if any row fails, 2 if no device could be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -29,6 +31,7 @@ from .. import rows as R
 from .. import errors as E
 from ..dictionary import KvDictArtifact, StreamDict
 from ..metrics import compare
+from ..window import ExactWindow, cache_rows as window_rows
 
 NMSE_READ = 1e-12  # reconstruct / append: float32 GPU vs float64 reference
 NMSE_ATTEND = 1e-9
@@ -98,6 +101,29 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             for name, x, d, g in zip("KV", (k, v), art16.layers[0], got):
                 ref = x if d is None else codec.decode_heads(codec.encode_heads(x, d), d)
                 rows.append(_row(f"append+reconstruct {name}, binary16 atoms", shape, ref, g, NMSE_READ, None, arena16))
+    if hd % 2 == 0:  # the exact window (kvdict_vk.window): appended in two parts, so its ring wraps
+        win = ExactWindow(1, 32)
+        artw = dataclasses.replace(art, window=win)
+        with runtime.enabled_with(artw, allow_uncertified=True):
+            arena_w = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, encoder="cpu")
+        with arena_w:
+            half = n_ctx // 2
+            held = []
+            for x, d in zip((k, v), artw.layers[0]):
+                if d is None:
+                    held.append(x)
+                    continue
+                coded = np.concatenate([codec.decode_heads(codec.encode_heads(x[:, a:b], d), d)
+                                        for a, b in ((0, half), (half, n_ctx))], axis=1)
+                held.append(window_rows(coded.transpose(1, 0, 2), x.transpose(1, 0, 2), win).transpose(1, 0, 2))
+            arena_w.append(0, k[:, :half], v[:, :half])
+            arena_w.append(0, k[:, half:], v[:, half:])
+            for name, ref, got in zip("KV", held, arena_w.read(0, 0, n_ctx)):
+                rows.append(_row(f"append+read {name}, exact window {win.describe()}", shape, ref, got, NMSE_READ,
+                                 None, arena_w))
+            out = arena_w.attend(0, q, n_ctx)
+            rows.append(_row(f"attend dict, exact window {win.describe()}", shape,
+                             attention_ref.attend(q, *held, n_ctx), out, NMSE_ATTEND, None, arena_w))
     # GPU attention over f16 needs hd % 8; over q8_0 (attend_flash), head_dim / 4 dividing 128
     caches = ["f32"] + (["f16"] if hd % 8 == 0 else []) + (["q8_0"] if hd % 32 == 0 and 128 % (hd // 4) == 0 else [])
     for cache in caches:

@@ -29,7 +29,7 @@ def _report(reproduces: bool = True) -> dict:
 def test_report_says_the_certified_delta_ppl_once_and_what_the_decode_verified():
     text = demo.format_report(_report())
     assert text.count("ΔPPL") == 1 and "+0.64 %" in text and "+0.19 … +1.09 %" in text
-    assert "reproduce the CPU path" in text and "15360 (layer, token) steps" in text
+    assert "reproduce the CPU path" in text and "15360 (layer, token) steps" in text and "twice" in text
     assert "max |Δ| 3.8e-05 ≤ 0.001 nats" in text
     assert "f32 attend_direct, dict attend_split_coded" in text  # the kernels the decodes ran on
     assert "worst of its texts (pydoc)" in text and "gpl3 [+0.10, +0.90] %" in text and "on every text" in text
@@ -56,6 +56,7 @@ def test_report_ranks_the_gated_caches_and_says_why_the_winner_won():
     assert "FAILS" in text and "upper bound +3.00 %" in text
     assert "winner          KIVI 4 bit + 128 recent: the smallest whole arena" in text and "not a dictionary" in text
     assert "winner decode   KIVI 4 bit + 128 recent: 7680 (layer, token) steps" in text
+    assert "256 tokens three times" in text and "23040 (layer, token) steps" in text and "kivi 4.0e-14" in text
     assert "ranking" not in demo.format_report(_report())  # a report without one says nothing of it
 
 
