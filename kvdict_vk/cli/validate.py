@@ -101,26 +101,23 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             for name, x, d, g in zip("KV", (k, v), art16.layers[0], got):
                 ref = x if d is None else codec.decode_heads(codec.encode_heads(x, d), d)
                 rows.append(_row(f"append+reconstruct {name}, binary16 atoms", shape, ref, g, NMSE_READ, None, arena16))
-    if hd % 2 == 0:  # the exact window (kvdict_vk.window): appended in two parts, so its ring wraps
+    if hd % 2 == 0 and ks and vs:  # the exact window (kvdict_vk.window), appended in two parts: its ring wraps
         win = ExactWindow(1, 32)
         artw = dataclasses.replace(art, window=win)
         with runtime.enabled_with(artw, allow_uncertified=True):
             arena_w = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, encoder="cpu")
         with arena_w:
             half = n_ctx // 2
-            held = []
+            held = []  # each part coded as the arena codes it, the window's tokens in binary16
             for x, d in zip((k, v), artw.layers[0]):
-                if d is None:
-                    held.append(x)
-                    continue
                 coded = np.concatenate([codec.decode_heads(codec.encode_heads(x[:, a:b], d), d)
                                         for a, b in ((0, half), (half, n_ctx))], axis=1)
                 held.append(window_rows(coded.transpose(1, 0, 2), x.transpose(1, 0, 2), win).transpose(1, 0, 2))
             arena_w.append(0, k[:, :half], v[:, :half])
             arena_w.append(0, k[:, half:], v[:, half:])
             for name, ref, got in zip("KV", held, arena_w.read(0, 0, n_ctx)):
-                rows.append(_row(f"append+read {name}, exact window {win.describe()}", shape, ref, got, NMSE_READ,
-                                 None, arena_w))
+                rows.append(_row(f"append+reconstruct {name}, exact window {win.describe()}", shape, ref, got,
+                                 NMSE_READ, None, arena_w))
             out = arena_w.attend(0, q, n_ctx)
             rows.append(_row(f"attend dict, exact window {win.describe()}", shape,
                              attention_ref.attend(q, *held, n_ctx), out, NMSE_ATTEND, None, arena_w))

@@ -8,7 +8,7 @@ then, at the best, one token recorded with a timestamp after every op, summed by
 DeviceForward.op_labels (embedding, qkv, rope, append + attention, o, mlp, norms, lm head, argmax).
 With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the same for that build.
 
-    python lab/probes/forward_profile.py [--depth 1024] [--cache f16] [--row-threads 4,8,16,32,64]
+    python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
         [--subgroups 1,0] [--tokens 10] [--label NAME] [--out lab/results/<device>/forward_profile.json]
 """
 from __future__ import annotations
@@ -43,8 +43,12 @@ def main(argv=None) -> None:
     cfg = smollm2_shapes()
     weights = random_weights(cfg, np.random.default_rng(0), "q4_1", embedding="q8_0")
     configs = len(a.row_threads.split(",")) * len(a.subgroups.split(","))
-    arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, a.depth + (configs + 1) * (WARM_TOKENS + a.tokens + 4),
-                    device=dev, cache=a.cache)
+    capacity = a.depth + (configs + 1) * (WARM_TOKENS + a.tokens + 4)
+    if a.cache == "dict":  # random dictionaries in the forge's default format, as the generate benchmark's
+        from kvdict_vk.bench.generate import _dict_arena
+        arena = _dict_arena(dev, cfg, capacity, np.random.default_rng(2))
+    else:
+        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=a.cache)
     fill_random(arena, np.random.default_rng(1), a.depth)
     out = {"device": dev.name, "label": a.label, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
