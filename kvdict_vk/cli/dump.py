@@ -42,12 +42,12 @@ def _spans_with_padding(ll: L.LayerLayout) -> list[dict]:
                                   ("residual_scale", s.scale_word, s.scale_words)):
             if word is not None and words:
                 blocks.append((f"{s.stream} {name}", word, words))
-        if s.kivi:  # the KIVI cache's blocks (kvdict_vk.kivi): key statistics, the exact window
-            if s.stats_words:
-                blocks.append((f"{s.stream} group_stats", s.stats_word, s.stats_words))
+        if s.kivi and s.stats_words:  # the KIVI cache's key statistics (kvdict_vk.kivi)
+            blocks.append((f"{s.stream} group_stats", s.stats_word, s.stats_words))
+        if s.kivi or s.windowed:  # an exact window: KIVI's, or a dictionary's (kvdict_vk.window)
             blocks.append((f"{s.stream} window", s.window_word, s.window_words))
-    if ll.k.kivi:
-        blocks.append(("k state", ll.k.state_word, 1))  # the layer's quantised end (K and V)
+    if ll.k.kivi or ll.windowed:  # the layer's state word (K and V): KIVI's quantised end, a window's token count
+        blocks.append(("k state", ll.k.state_word or ll.v.state_word, 1))
     blocks.sort(key=lambda b: b[1])
     out = []
     for i, (name, word, words) in enumerate(blocks):

@@ -23,15 +23,21 @@ def _dump(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", NO_KP, *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="module", params=["f32-atoms", "f16-atoms"])
+@pytest.fixture(scope="module", params=["f32-atoms", "f16-atoms", "window"])
 def art_path(tmp_path_factory, request):
     """f16-atoms: the atoms rounded to binary16 values, as the forge makes them (the layout
-    then keeps them in binary16: half the atoms' words)."""
+    then keeps them in binary16: half the atoms' words); window: an exact window (its blocks
+    and state word in every layer with a coded stream)."""
+    import dataclasses
+
+    from kvdict_vk.window import ExactWindow
     rng = np.random.default_rng(4)
     art = toy_artifact(rng, n_layers=3, n_atoms=40, head_dim=16, s=3, passthrough=((1, 1),))
     if request.param == "f16-atoms":
         art = art.with_f16_atoms()
         assert art.atoms_f16_exact
+    if request.param == "window":
+        art = dataclasses.replace(art, window=ExactWindow(1, 8))
     cert = toy_cert(art)
     cert = A.CertInfo(**{**cert.__dict__, "producer": {"name": "evil\x1b[31m\nname", "version": "1"}})
     p = tmp_path_factory.mktemp("dump") / "t.q42art"
@@ -54,6 +60,8 @@ def test_json_totals_add_up_without_kp(art_path):
     assert t["bytes"] == lay.total_bytes and t["bytes_per_token"] == lay.bytes_per_token
     assert d["certification"]["passed"] and "\x1b" not in out.stdout and "\n" not in d["certification"]["producer"]
     assert d["layers"][1]["v"]["coded"] is False and d["layers"][0]["k"]["sparsity"] == 3
+    names = {b["name"] for b in d["layers"][0]["blocks"]}
+    assert ({"k window", "v window", "k state"} <= names) == bool(art.window)
 
 
 def test_human_table_and_layer_filter(art_path):
