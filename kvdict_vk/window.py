@@ -48,9 +48,9 @@ class ExactWindow:
         """At n cached tokens, tokens [sink, coded_end(n)) are read from their slots."""
         return max(self.sink, n - self.recent)
 
-    def exact(self, n: int) -> np.ndarray:
-        """Bool mask over tokens [0, n): read from the window."""
-        t = np.arange(n)
+    def exact(self, n: int, t0: int = 0) -> np.ndarray:
+        """Bool mask over tokens [t0, n) of a cache of n tokens: read from the window."""
+        t = np.arange(t0, n)
         return (t < self.sink) | (t >= self.coded_end(n))
 
     def row_of(self, t):
@@ -68,10 +68,11 @@ NO_WINDOW = ExactWindow()
 
 
 def cache_rows(coded: np.ndarray, rows: np.ndarray, window: ExactWindow) -> np.ndarray:
-    """What a windowed dictionary cache holds for tokens [0, n): ``coded`` (n, …, head_dim),
-    the slots' reconstruction, with the window's tokens replaced by ``rows`` rounded to
-    binary16 — the reference every read and attention of such a cache equals."""
-    out = np.array(coded, np.float32, copy=True)
-    exact = window.exact(out.shape[0])
-    out[exact] = np.asarray(rows, np.float32)[exact].astype(np.float16).astype(np.float32)
+    """What a windowed dictionary cache holds for tokens [0, n): ``coded`` (n_kv, n, head_dim),
+    the slots' reconstruction, with the window's tokens replaced by ``rows`` (n_kv, ≥ n,
+    head_dim) rounded to binary16 — the reference every read and attention of such a cache
+    equals (kvdict_vk.kivi.cache_rows' shapes), in ``coded``'s precision (float32 at least)."""
+    out = np.array(coded, np.result_type(coded, np.float32), copy=True)
+    exact = window.exact(out.shape[1])
+    out[:, exact] = np.asarray(rows[:, :out.shape[1]], np.float32)[:, exact].astype(np.float16)
     return out

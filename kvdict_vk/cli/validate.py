@@ -112,7 +112,7 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             for x, d in zip((k, v), artw.layers[0]):
                 coded = np.concatenate([codec.decode_heads(codec.encode_heads(x[:, a:b], d), d)
                                         for a, b in ((0, half), (half, n_ctx))], axis=1)
-                held.append(window_rows(coded.transpose(1, 0, 2), x.transpose(1, 0, 2), win).transpose(1, 0, 2))
+                held.append(window_rows(coded, x, win))
             arena_w.append(0, k[:, :half], v[:, :half])
             arena_w.append(0, k[:, half:], v[:, half:])
             for name, ref, got in zip("KV", held, arena_w.read(0, 0, n_ctx)):

@@ -69,7 +69,7 @@ class NumpyCache:
         for j, (x, raw) in enumerate(((self.k[layer, :, :n], k_raw), (self.v[layer, :, :n], v_raw))):
             d = None if self.art is None else self.art.layers[layer][j]
             if d is not None and self.art.window:
-                x = window_cache_rows(x.transpose(1, 0, 2), raw.transpose(1, 0, 2), self.art.window).transpose(1, 0, 2)
+                x = window_cache_rows(x, raw, self.art.window)
             out.append(x)
         return out[0], out[1]
 

@@ -42,7 +42,7 @@ def _reference(art, layer, window, k, v, sizes):
             parts.append(codec.decode_heads(codec.encode_heads(x[:, t:t + n], d), d))
             t += n
         coded = np.concatenate(parts, axis=1)
-        held = cache_rows(coded.transpose(1, 0, 2), x[:, :t].transpose(1, 0, 2), window).transpose(1, 0, 2)
+        held = cache_rows(coded, x, window)
         out.append(held)
     return out
 

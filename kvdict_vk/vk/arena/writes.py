@@ -223,7 +223,7 @@ class ArenaWrites:
             if not st.windowed:
                 continue
             win, half_row = st.exact_window, self.layout.head_dim // 2
-            new = np.flatnonzero(win.exact(n)[t0:])  # of the new tokens, those the window keeps
+            new = np.flatnonzero(win.exact(n, t0))  # of the new tokens, those the window keeps
             if not new.size:
                 continue
             words = np.ascontiguousarray(r[:, new]).astype(np.float16).view(np.uint32)
