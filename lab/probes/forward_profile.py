@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-WARM_TOKENS = 300
+WARM_TOKENS = int(__import__("os").environ.get("PROBE_WARM_TOKENS", 300))
 
 
 def main(argv=None) -> None:
@@ -39,6 +39,7 @@ def main(argv=None) -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    names = _name_ops()
     dev = get_device(None)
     cfg = smollm2_shapes()
     weights = random_weights(cfg, np.random.default_rng(0), "q4_1", embedding="q8_0")
@@ -93,14 +94,38 @@ def main(argv=None) -> None:
     out["plan_layer0"] = repr(f.step.plans[0])
     first = [i for i, label in enumerate(f.op_labels) if label == "append + attention"][:len(f.step.layer_ops[0]) + 1]
     out["layer0_attention_ops_us"] = [1e6 * ticks_to_seconds(dev, ts[i], ts[i + 1]) for i in first]
+    out["layer0_attention_ops"] = [names.get(id(ops[i]), ("other",))[0] for i in first]
+    by_kernel = defaultdict(float)  # every op of the token, by kernel (barriers apart)
+    for i, op in enumerate(ops):
+        by_kernel[names.get(id(op), ("other",))[0]] += 1e6 * ticks_to_seconds(dev, ts[i], ts[i + 1])
+    out["by_kernel_us"] = dict(sorted(by_kernel.items(), key=lambda kv: -kv[1]))
     print(f"  layer 0 plan {out['plan_layer0']}")
-    print("  layer 0 append + attention, op by op (µs): " + " ".join(f"{x:.1f}" for x in out["layer0_attention_ops_us"]))
+    print("  layer 0 append + attention, op by op (µs): " + " ".join(
+        f"{n}={x:.1f}" for n, x in zip(out["layer0_attention_ops"], out["layer0_attention_ops_us"])))
+    for k, v in out["by_kernel_us"].items():
+        print(f"  {k:32s} {v:9.1f} µs")
     rec.free()
     f.free()
     arena.free()
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _name_ops() -> dict:
+    """id(op) → the kernel variant of every dispatch op made from now on: the probe's labels
+    for a recorded token's ops (kp's ops carry no name; the others — barriers, copies — are
+    "other")."""
+    from kvdict_vk.vk import kernels
+    names = {}
+    op = kernels.Kernel.op
+
+    def named_op(self, **push):
+        o = op(self, **push)
+        names[id(o)] = (self.shader.variant, o)  # the op kept alive: its id is not reused
+        return o
+    kernels.Kernel.op = named_op
+    return names
 
 
 if __name__ == "__main__":
