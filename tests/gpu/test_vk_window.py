@@ -221,6 +221,23 @@ def test_append_codes_with_rows_equals_append(make_arena, activate):
         assert np.array_equal(a.layer_words(0), b.layer_words(0))
 
 
+def test_the_benchmarks_fill_a_windowed_arena(make_arena, activate):
+    """bench.decode_step.fill_random (the benchmarks' and probes' filler: random slots) hands a
+    windowed layer its rows: the window's tokens read back as those rows in binary16."""
+    from kvdict_vk.bench.decode_step import fill_random
+    rng = np.random.default_rng(5)
+    art = _windowed(random_artifact(rng, 32, 64, [((3, 4), (3, 4))] * 2), ExactWindow(1, 8))
+    activate(art)
+    arena = make_arena(2, 2, 32, 100)
+    fill_random(arena, np.random.default_rng(6), 40)
+    rows = np.random.default_rng(6).standard_normal((2, 40, 32), dtype=np.float32)  # fill_random's first draw
+    for layer in range(2):
+        k, v = arena.read(layer)
+        for x in (k, v):
+            held = [0, *range(32, 40)]  # the sink and the 8 most recent tokens
+            assert np.array_equal(x[:, held], rows[:, held].astype(np.float16).astype(np.float32))
+
+
 def test_the_layout_places_a_window_block_and_a_state_word(activate):
     from kvdict_vk import layout as L
     art = _windowed(random_artifact(np.random.default_rng(0), 64, 32, [((4, 6), None)]), ExactWindow(1, 32))
