@@ -109,10 +109,11 @@ def test_attention_matches_the_reference_over_the_windowed_cache(group, path, ma
     assert nmse(attention_ref.attend(q, *coded, n), arena.attend(0, q, n)) > 1e-7
 
 
-@pytest.mark.parametrize("path", [None, "flash"])
-def test_a_window_of_several_chunks(path, make_arena, activate):
+# hd 24: the workgroup's 64 invocations are not whole row groups of 6 quads (no flash kernel fits it)
+@pytest.mark.parametrize("path, hd", [(None, 32), ("flash", 32), (None, 24)])
+def test_a_window_of_several_chunks(path, hd, make_arena, activate):
     """attend_window walks its rows in chunks of its workgroup (64): 2 + 150 rows, partly filled."""
-    hd, n_kv, group, window = 32, 2, 2, ExactWindow(2, 150)
+    n_kv, group, window = 2, 2, ExactWindow(2, 150)
     rng = np.random.default_rng(3)
     art = _windowed(random_artifact(rng, hd, 64, [((3, 4), (3, 3))]), window)
     activate(art)

@@ -22,7 +22,7 @@ from ..device import kp
 from ..kernels import Kernel, barrier, pipeline
 
 OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (never in steady decode)
-WINDOW_LOCAL = 64  # attend_window's workgroup on every device: a window row an invocation, a quad of p·v each
+WINDOW_LOCAL = 64  # attend_window's workgroup on every device: a window row an invocation, (row group, quad) pairs for p·v
 
 
 @dataclass(frozen=True)
