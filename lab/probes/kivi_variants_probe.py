@@ -37,7 +37,11 @@ KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANT
          "round_tb8": (KIVI_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "8u"}),
          "round_rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "4u"}),
          "rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "4u"}),
-         "rows_tb3": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "3u"})}
+         "rows_tb3": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "3u"}),
+         # rounds for the rows with each unit decoded where it is used (raw words live, not floats)
+         "rows_decode_tb2": (ROW_VARIANTS, {"ROUND_SOFTMAX": "1", "DECODE_IN_ROUND": "1", "TOKENS_PER_LANE": "2u"}),
+         "rows_decode_tb4": (ROW_VARIANTS, {"ROUND_SOFTMAX": "1", "DECODE_IN_ROUND": "1", "TOKENS_PER_LANE": "4u"}),
+         "rows_decode_tb8": (ROW_VARIANTS, {"ROUND_SOFTMAX": "1", "DECODE_IN_ROUND": "1", "TOKENS_PER_LANE": "8u"})}
 # label → (the variants, how they were built): builds made by hand into --spv/<label>, not by --build.
 # "before": attend_flash's four row builds at ce49b03, q8_0 levels converted by int→float and
 # scaled element by element (INT8_BY_BITS 0, no folded scales), e.g.
