@@ -34,6 +34,7 @@ KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANT
          # the KIVI build as it shipped before stop 61 (token by token, 4 tokens a lane), and at 4 with rounds
          "kivi_before": (KIVI_VARIANTS, {"ROUND_SOFTMAX": "0", "TOKENS_PER_LANE": "4u"}),
          "kivi_tb4": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "4u"}),
+         "kivi_tb16": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "16u"}),
          "round_tb8": (KIVI_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "8u"}),
          "round_rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "4u"}),
          "rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "4u"}),
