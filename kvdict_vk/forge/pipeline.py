@@ -71,6 +71,11 @@ class ForgeConfig:
     # first window_sink tokens and the window_recent most recent kept in binary16
     window_sink: int = 0
     window_recent: int = 0
+    # one dictionary a stream for each run of this many neighbouring layers (0, 1 | 2, 3 | …),
+    # learned on their calibration vectors pooled (issue 51's cross-layer sharing, measured);
+    # None: a layer's own. The artifact still holds each layer's copy (the engine keeps a
+    # layer's atoms in its tail): a measurement of what sharing would cost in fidelity
+    layer_share: int | None = None
 
     def gate_window(self) -> int:
         """Tokens an evaluation window holds."""
@@ -213,20 +218,28 @@ def _learn_task(x, cfg, k_not_v, seed):
 
 
 def learn_artifact(kv: list, cfg: ForgeConfig, progress=None) -> KvDictArtifact:
-    """Every coded (layer, stream), learned in worker processes (see forge.parallel)."""
+    """Every coded (layer, stream), learned in worker processes (see forge.parallel); with
+    ``layer_share`` L, one dictionary a stream for layers [L·i, L·i + L), learned once on
+    their coded layers' calibration vectors pooled."""
+    share = 1 if cfg.layer_share is None else cfg.layer_share
+    if share < 1:
+        raise E.DimsError(f"layer_share {cfg.layer_share}: at least 1")
     tasks, where = [], []
-    for li, (k, v) in enumerate(kv):
-        for j, (k_not_v, x) in enumerate(((True, k), (False, v))):
-            if cfg.coded(li, k_not_v):
-                tasks.append((x, cfg, k_not_v, cfg.seed + 2 * li + j))
-                where.append((li, j))
+    for l0 in range(0, len(kv), share):
+        for j, k_not_v in enumerate((True, False)):
+            group = [li for li in range(l0, min(l0 + share, len(kv))) if cfg.coded(li, k_not_v)]
+            if group:  # (n_kv, T · layers, hd): the group's vectors pooled
+                x = np.concatenate([kv[li][j] for li in group], axis=1) if len(group) > 1 else kv[group[0]][j]
+                tasks.append((x, cfg, k_not_v, cfg.seed + 2 * group[0] + j))
+                where.append((group, j))
     # BLAS pinned to one thread in-process too: its reductions then run in one fixed order,
     # so the bytes learned do not depend on the machine's core count (forge.parallel).
     with parallel.blas_threads(1):
         results = parallel.map_tasks(_learn_task, tasks, progress)
     layers = [[None, None] for _ in kv]
-    for (li, j), (atoms, mean, s, bits, scale) in zip(where, results):
-        layers[li][j] = StreamDict(atoms, mean, None, s, bits, scale)
+    for (group, j), (atoms, mean, s, bits, scale) in zip(where, results):
+        for li in group:
+            layers[li][j] = StreamDict(atoms, mean, None, s, bits, scale)
     head_dim = kv[0][0].shape[-1]
     s_max = max(max(cfg.k_sparsity, cfg.v_sparsity), 1)
     return KvDictArtifact(head_dim, cfg.n_atoms, s_max, [tuple(p) for p in layers], cfg.exact_window())
@@ -339,12 +352,14 @@ def cert_memory(art: KvDictArtifact, n_layers: int, n_kv_heads: int, head_dim: i
 def dict_row_name(cfg: ForgeConfig) -> str:
     """The fidelity table's name of a dictionary configuration: "dict N atoms, …" with one
     dictionary per KV head, "dict N shared atoms, …" with one a layer's KV heads share;
-    " + sink S + R recent" with an exact window."""
+    " + L layers a dictionary" with dictionaries shared by L neighbouring layers, " + sink S +
+    R recent" with an exact window."""
     shared = "" if cfg.per_head else "shared "
     w = cfg.exact_window()
+    layers = f" + {cfg.layer_share} layers a dictionary" if (cfg.layer_share or 1) > 1 else ""
     window = (f" + sink {w.sink}" if w.sink else "") + (f" + {w.recent} recent" if w.recent else "")
     return (f"dict {cfg.n_atoms} {shared}atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, "
-            f"V {cfg.v_sparsity}+{cfg.v_bits} b{window}")
+            f"V {cfg.v_sparsity}+{cfg.v_bits} b{layers}{window}")
 
 
 def _jsonable(d: dict) -> dict:

@@ -15,7 +15,7 @@ import re
 
 from .. import kivi as K
 from .. import memory_report as M
-from ..window import ExactWindow
+from ..window import NO_WINDOW, ExactWindow
 from .pipeline import gate_passes
 
 # the rows the forge's default run measures beside its dictionary (kvdict-forge, the demo):
@@ -39,10 +39,18 @@ def cache_of(name: str, bytes_per_vector: float, shapes) -> tuple:
         spec = M.dictionary_spec(n_layers, n_kv, hd, int(m[1]), (int(m[3]), int(m[4])), (int(m[5]), int(m[6])),
                                  per_head=not m[2])
         lever = (m[7] or "")[3:]
+        share = re.match(r"(\d+) layers a dictionary(?: \+ |$)", lever)  # forge's layer_share
+        lever = lever[share.end():] if share else lever
         w = re.fullmatch(r"(?:sink (\d*) ?\+ )?(\d+) recent|sink (\d+)", lever)  # the engine's exact window
         if w:  # "sink + 32 recent" is the lever's name for sink 1
             sink = int(w[3]) if w[3] else (int(w[1]) if w[1] else (1 if "sink" in lever else 0))
             lever, spec = "", dataclasses.replace(spec, window=ExactWindow(sink, int(w[2] or 0)))
+        if share and not lever:  # the engine keeps a layer's atoms in its tail: modelled as stored once a run
+            plain = dataclasses.replace(spec, window=NO_WINDOW)
+            every = M.arena_memory(n_layers, n_kv, hd, plain, (1,))[0].tail_bytes  # the dictionaries' tails
+            saved = every - every // int(share[1])
+            return M.Modelled(spec, 0.0, -saved, f"dictionaries shared by {share[1]} layers"), \
+                f"modelled: the dictionary arena with its tails stored once per {share[1]} layers ({saved} B less)"
         if not lever:
             return spec, "engine"
         slot_bpv = M.build(n_layers, n_kv, hd, 64, spec).bytes_per_token / (n_layers * n_kv * 2)

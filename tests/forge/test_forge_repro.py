@@ -116,3 +116,27 @@ def test_evaluation_does_not_depend_on_the_blas_thread_count():
     with parallel.blas_threads(2):
         two = certify.baseline_nll(windows)
     assert np.array_equal(one, two)
+
+
+def test_layer_share_learns_one_dictionary_a_run_of_layers_on_their_vectors_pooled(monkeypatch):
+    """layer_share 2 over three layers: layers 0 and 1 hold one dictionary a stream, learned on
+    both layers' vectors (not layer 0's dictionary copied: it differs from layer 0's own), and
+    layer 2 its own, the same bytes as without sharing (its seed and vectors unchanged); a
+    passthrough stream stays out of its run's pool."""
+    monkeypatch.setenv("KVDICT_FORGE_WORKERS", "1")
+    kv = [(_stream(1), _stream(2)), (_stream(3), _stream(4)), (_stream(5), _stream(6))]
+    base = P.ForgeConfig(n_atoms=48, train_vectors=600, iters=2, k_bits=4, v_bits=3, f16_atoms=False)
+    own = P.learn_artifact(kv, base)
+    shared = P.learn_artifact(kv, dataclasses.replace(base, layer_share=2))
+    for j in (0, 1):
+        a, b = shared.layers[0][j], shared.layers[1][j]
+        assert all(np.array_equal(x, y) for x, y in ((a.atoms, b.atoms), (a.mean, b.mean),
+                                                      (a.residual_scale, b.residual_scale)))
+        assert not np.array_equal(shared.layers[0][j].atoms, own.layers[0][j].atoms)
+        assert np.array_equal(shared.layers[2][j].atoms, own.layers[2][j].atoms)
+    pooled = P.learn_head_stream(np.concatenate([kv[0][0], kv[1][0]], axis=1), base, True, base.seed)
+    assert np.array_equal(shared.layers[0][0].atoms, pooled.atoms)
+    part = P.learn_artifact(kv, dataclasses.replace(base, layer_share=2, passthrough=["k:1"]))
+    assert part.layers[1][0] is None and np.array_equal(part.layers[0][0].atoms, own.layers[0][0].atoms)
+    with pytest.raises(Exception, match="layer_share"):
+        P.learn_artifact(kv, dataclasses.replace(base, layer_share=0))

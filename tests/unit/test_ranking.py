@@ -70,3 +70,19 @@ def test_a_row_given_its_cache_is_ranked_by_it():
     assert r["rows"][0]["arena_bytes"] == M.arena_memory(*SHAPES, per_head, (8192,))[0].arena_bytes
     assert r["rows"][0]["arena_bytes"] > ranking.rank([_row(DICT, "dictionary", 0.006)], SHAPES, 8192,
                                                       0.01)["rows"][0]["arena_bytes"]
+
+
+def test_dictionaries_shared_by_layers_are_modelled_with_their_tails_once_a_run():
+    """The forge's layer_share rows: not an engine cache (the engine keeps each layer's atoms),
+    modelled as the dictionary arena with its tails stored once per run of layers, a window
+    or not."""
+    from kvdict_vk import memory_report as M
+    shapes = (30, 3, 64)
+    plain, how = ranking.cache_of("dict 1024 shared atoms, K 4+6 b, V 4+4 b", 60, shapes)
+    at = M.arena_memory(*shapes, plain, (8192,))[0]
+    for suffix in ("", " + sink 1 + 32 recent"):
+        c, how = ranking.cache_of("dict 1024 shared atoms, K 4+6 b, V 4+4 b + 2 layers a dictionary" + suffix, 60, shapes)
+        assert how.startswith("modelled") and isinstance(c, M.Modelled)
+        shared = M.arena_memory(*shapes, c, (8192,))[0]
+        window = M.arena_memory(*shapes, c.base, (8192,))[0].arena_bytes - at.arena_bytes
+        assert shared.arena_bytes == at.arena_bytes + window - (at.tail_bytes - at.tail_bytes // 2)
