@@ -69,8 +69,7 @@ def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
     t0 = time.perf_counter()
     cache = os.path.join(out, "cache")
     kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=_log, cache_dir=cache, files=cfg.calib_files)
-    n_streams = sum(cfg.coded(i, kv_) for i in range(len(kv)) for kv_ in (True, False))
-    art = P.learn_artifact(kv, cfg, progress=_progress(n_streams, "learning streams"))
+    art = P.learn_artifact(kv, cfg, progress=_progress(len(P.dictionary_runs(len(kv), cfg)), "learning streams"))
     t_learn = time.perf_counter() - t0
     sets = P.eval_sets(cfg, cache)
     _log("gate: " + ", ".join(f"{es.text.name} {len(es.windows)} × {cfg.gate_window()}" for es in sets) + " tokens")

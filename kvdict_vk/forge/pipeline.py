@@ -217,21 +217,28 @@ def _learn_task(x, cfg, k_not_v, seed):
     return d.atoms, d.mean, d.sparsity, d.residual_bits, d.residual_scale  # plain arrays travel
 
 
-def learn_artifact(kv: list, cfg: ForgeConfig, progress=None) -> KvDictArtifact:
-    """Every coded (layer, stream), learned in worker processes (see forge.parallel); with
-    ``layer_share`` L, one dictionary a stream for layers [L·i, L·i + L), learned once on
-    their coded layers' calibration vectors pooled."""
+def dictionary_runs(n_layers: int, cfg: ForgeConfig) -> list[tuple[list, int]]:
+    """The dictionaries ``cfg`` learns: (its coded layers, stream j: 0 K, 1 V) each — one a
+    coded (layer, stream), or with ``layer_share`` L one a stream for layers [L·i, L·i + L)."""
     share = 1 if cfg.layer_share is None else cfg.layer_share
     if share < 1:
         raise E.DimsError(f"layer_share {cfg.layer_share}: at least 1")
-    tasks, where = [], []
-    for l0 in range(0, len(kv), share):
+    runs = []
+    for l0 in range(0, n_layers, share):
         for j, k_not_v in enumerate((True, False)):
-            group = [li for li in range(l0, min(l0 + share, len(kv))) if cfg.coded(li, k_not_v)]
-            if group:  # (n_kv, T · layers, hd): the group's vectors pooled
-                x = np.concatenate([kv[li][j] for li in group], axis=1) if len(group) > 1 else kv[group[0]][j]
-                tasks.append((x, cfg, k_not_v, cfg.seed + 2 * group[0] + j))
-                where.append((group, j))
+            group = [li for li in range(l0, min(l0 + share, n_layers)) if cfg.coded(li, k_not_v)]
+            if group:
+                runs.append((group, j))
+    return runs
+
+
+def learn_artifact(kv: list, cfg: ForgeConfig, progress=None) -> KvDictArtifact:
+    """Every dictionary of :func:`dictionary_runs`, learned in worker processes (see
+    forge.parallel) on its layers' calibration vectors (pooled where they are several)."""
+    tasks, where = [], dictionary_runs(len(kv), cfg)
+    for group, j in where:  # x (n_kv, T · layers, hd)
+        x = np.concatenate([kv[li][j] for li in group], axis=1) if len(group) > 1 else kv[group[0]][j]
+        tasks.append((x, cfg, j == 0, cfg.seed + 2 * group[0] + j))
     # BLAS pinned to one thread in-process too: its reductions then run in one fixed order,
     # so the bytes learned do not depend on the machine's core count (forge.parallel).
     with parallel.blas_threads(1):
