@@ -8,20 +8,21 @@ then, at the best, one token recorded with a timestamp after every op, summed by
 DeviceForward.op_labels (embedding, qkv, rope, append + attention, o, mlp, norms, lm head, argmax).
 With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the same for that build.
 
-    python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
+    [PROBE_WARM_TOKENS=N] python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
         [--subgroups 1,0] [--tokens 10] [--label NAME] [--out lab/results/<device>/forward_profile.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-WARM_TOKENS = int(__import__("os").environ.get("PROBE_WARM_TOKENS", 300))
+WARM_TOKENS = int(os.environ.get("PROBE_WARM_TOKENS", 300))  # tokens before timing (fewer: a quick run)
 
 
 def main(argv=None) -> None:

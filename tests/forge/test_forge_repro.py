@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from kvdict_vk import errors as E
 from kvdict_vk.forge import parallel, pipeline as P
 
 
@@ -138,5 +139,5 @@ def test_layer_share_learns_one_dictionary_a_run_of_layers_on_their_vectors_pool
     assert np.array_equal(shared.layers[0][0].atoms, pooled.atoms)
     part = P.learn_artifact(kv, dataclasses.replace(base, layer_share=2, passthrough=["k:1"]))
     assert part.layers[1][0] is None and np.array_equal(part.layers[0][0].atoms, own.layers[0][0].atoms)
-    with pytest.raises(Exception, match="layer_share"):
+    with pytest.raises(E.DimsError, match="layer_share"):
         P.learn_artifact(kv, dataclasses.replace(base, layer_share=0))

@@ -76,7 +76,6 @@ def test_dictionaries_shared_by_layers_are_modelled_with_their_tails_once_a_run(
     """The forge's layer_share rows: not an engine cache (the engine keeps each layer's atoms),
     modelled as the dictionary arena with its tails stored once per run of layers, a window
     or not."""
-    from kvdict_vk import memory_report as M
     shapes = (30, 3, 64)
     plain, how = ranking.cache_of("dict 1024 shared atoms, K 4+6 b, V 4+4 b", 60, shapes)
     at = M.arena_memory(*shapes, plain, (8192,))[0]
