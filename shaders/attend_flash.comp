@@ -67,12 +67,6 @@
 #ifndef ROUND_SOFTMAX
 #define ROUND_SOFTMAX KIVI
 #endif
-// DECODE_IN_ROUND 1 (the row builds with ROUND_SOFTMAX; a knob for probes): the round's raw unit
-// words stay live, each token's key unit decoded in the scores' loop and its value unit in
-// p·v's, as the KIVI builds decode — not the round's decoded floats live across it.
-#ifndef DECODE_IN_ROUND
-#define DECODE_IN_ROUND 0
-#endif
 #include "common.glsl"
 #include "attend_common.glsl"
 #if KIVI
@@ -678,26 +672,6 @@ void main() {
         if (n_tok > 0u)
             LOAD_ROUND(0u);
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
-#if ROUND_SOFTMAX && DECODE_IN_ROUND
-            // the round's raw words kept, each unit decoded where it is used (KIVI's way)
-            uvec4 kar[TB] = ka, kbr[TB] = kb, var_[TB] = va, vbr[TB] = vb;
-            uint next = r0 + TLANES * TB;
-            if (next < n_tok)
-                LOAD_ROUND(next);
-            bool live[TB];
-            [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                live[b] = TOKEN_OF(r0, b) < n_tok;
-                vec4 k_lo, k_hi;
-                float k_scale = unit_values(kar[b], kbr[b], unit, k_lo, k_hi);
-                round_score(b, k_lo, k_hi, k_scale);
-            }
-            round_softmax(live);
-            [[unroll]] for (uint b = 0u; b < TB; ++b) {
-                vec4 v_lo, v_hi;
-                float v_scale = unit_values(var_[b], vbr[b], unit, v_lo, v_hi);
-                round_value(b, v_lo, v_hi, v_scale, live[b]);
-            }
-#else
             vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
             float k_scale[TB], v_scale[TB];
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
@@ -722,7 +696,6 @@ void main() {
 #endif
             if (!(PREFETCH) && next < n_tok)
                 LOAD_ROUND(next);
-#endif
         }
 #endif
 #if SUBGROUP

@@ -48,7 +48,8 @@ def cache_of(name: str, bytes_per_vector: float, shapes) -> tuple:
         if share and not lever:  # the engine keeps a layer's atoms in its tail: modelled as stored once a run
             plain = dataclasses.replace(spec, window=NO_WINDOW)
             every = M.arena_memory(n_layers, n_kv, hd, plain, (1,))[0].tail_bytes  # the dictionaries' tails
-            saved = every - every // int(share[1])
+            runs = -(-n_layers // int(share[1]))  # the last run may be shorter
+            saved = every // n_layers * (n_layers - runs)  # every layer's tail alike
             return M.Modelled(spec, 0.0, -saved, f"dictionaries shared by {share[1]} layers"), \
                 f"modelled: the dictionary arena with its tails stored once per {share[1]} layers ({saved} B less)"
         if not lever:

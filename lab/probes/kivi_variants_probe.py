@@ -38,17 +38,17 @@ KNOBS = {"tb2": (KIVI_VARIANTS, {"TOKENS_PER_LANE": "2u"}), "tb8": (KIVI_VARIANT
          "round_tb8": (KIVI_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "8u"}),
          "round_rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"ROUND_SOFTMAX": "1", "TOKENS_PER_LANE": "4u"}),
          "rows_tb4": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "4u"}),
-         "rows_tb3": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "3u"}),
-         # rounds for the rows with each unit decoded where it is used (raw words live, not floats)
-         "rows_decode_tb2": (ROW_VARIANTS, {"ROUND_SOFTMAX": "1", "DECODE_IN_ROUND": "1", "TOKENS_PER_LANE": "2u"}),
-         "rows_decode_tb4": (ROW_VARIANTS, {"ROUND_SOFTMAX": "1", "DECODE_IN_ROUND": "1", "TOKENS_PER_LANE": "4u"}),
-         "rows_decode_tb8": (ROW_VARIANTS, {"ROUND_SOFTMAX": "1", "DECODE_IN_ROUND": "1", "TOKENS_PER_LANE": "8u"})}
+         "rows_tb3": (ROW_VARIANTS + WIDE_VARIANTS, {"TOKENS_PER_LANE": "3u"})}
 # label → (the variants, how they were built): builds made by hand into --spv/<label>, not by --build.
 # "before": attend_flash's four row builds at ce49b03, q8_0 levels converted by int→float and
 # scaled element by element (INT8_BY_BITS 0, no folded scales), e.g.
 #   git worktree add /tmp/old ce49b03 && (cd /tmp/old && python -m kvdict_vk.vk.shader_build) &&
 #   cp /tmp/old/kvdict_vk/spv/attend_flash{,_sg,_wide,_wide_sg}.spv lab/spv_probe/before/
-PREBUILT = {"before": (ROW_VARIANTS + ("attend_flash_wide", "attend_flash_wide_sg"), "ce49b03")}
+# "rows_decode_tb2" / "rows_decode_tb4": attend_flash's row builds at fccd669 built with
+# -DROUND_SOFTMAX=1 -DDECODE_IN_ROUND=1 -DTOKENS_PER_LANE=2u / 4u (the knob, measured slower —
+# lab/results/h100/rows_decode_in_round.json — and removed after)
+PREBUILT = {"before": (ROW_VARIANTS + ("attend_flash_wide", "attend_flash_wide_sg"), "ce49b03"),
+            "rows_decode_tb2": (ROW_VARIANTS, "fccd669"), "rows_decode_tb4": (ROW_VARIANTS, "fccd669")}
 SHAPES = ((8, 4, 64), (8, 4, 128), (3, 3, 64))
 FLUSH = 128 << 20
 

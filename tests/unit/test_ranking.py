@@ -84,4 +84,7 @@ def test_dictionaries_shared_by_layers_are_modelled_with_their_tails_once_a_run(
         assert how.startswith("modelled") and isinstance(c, M.Modelled)
         shared = M.arena_memory(*shapes, c, (8192,))[0]
         window = M.arena_memory(*shapes, c.base, (8192,))[0].arena_bytes - at.arena_bytes
-        assert shared.arena_bytes == at.arena_bytes + window - (at.tail_bytes - at.tail_bytes // 2)
+        assert shared.arena_bytes == at.arena_bytes + window - at.tail_bytes // 2  # 15 runs of 30 layers
+    c, _ = ranking.cache_of("dict 1024 shared atoms, K 4+6 b, V 4+4 b + 4 layers a dictionary", 60, shapes)
+    per_layer = at.tail_bytes // 30
+    assert M.arena_memory(*shapes, c, (8192,))[0].arena_bytes == at.arena_bytes - per_layer * (30 - 8)  # 8 runs
