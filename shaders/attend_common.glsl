@@ -69,13 +69,6 @@ uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
 // The first record of split i of KV head g (add hj for query head hj of the group).
 uint record(uint i, uint g, uint n_kv) { return (i * n_kv + g) * GROUP; }
 
-// A record's (or a merged set's) contribution at factor f — exp(m_i - M) against the merge's
-// maximum M, 0 for an empty split: l += f * l_i, o += f * acc_i.
-void merge_add(float f, float l_i, vec4 acc_i, inout float l, inout vec4 o) {
-    l += f * l_i;
-    o += f * acc_i;
-}
-
 // Writes an invocation's HB records from record rec (its first query head's) on: (m, l) into
 // stats, the accumulator quads into accs — the includer's buffers; m, l, acc its private
 // arrays of HB, HB and BQ (the per-invocation passes, attend_split.comp and attend_direct.comp).

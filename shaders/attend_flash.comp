@@ -89,17 +89,12 @@ layout(constant_id = 5) const uint ROW_Q8 = 0u;
 #define WIDE_END 0
 #endif
 layout(constant_id = 6) const uint END_ELEMS = 1u;
-// MERGE_LAST 1: the last of a virtual head's splits to finish merges every split's record into
-// the output (merge_if_last), so no attend_merge_head dispatch follows — where the pass writes
-// all of the head's records (no fresh or window records after it) and LOCAL is a multiple of
-// HEAD_DIM / 4 (host-checked). Its arrivals counter is back at 0 when the dispatch ends.
-layout(constant_id = 7) const uint MERGE_LAST = 0u;
 const uint LOCAL = gl_WorkGroupSize.x;  // specialization constant 2
 const uint Q8_SCALE_WORDS = (HEAD_DIM / 32u + 1u) / 2u;
 const uint ROW_WORDS = ROW_Q8 > 0u ? Q8_SCALE_WORDS + HEAD_DIM / 4u : (ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM);
 #if KIVI
-layout(constant_id = 8) const uint K_BITS = 4u;  // 2 .. 8 (kvdict_vk.kivi.KiviSpec)
-layout(constant_id = 9) const uint V_BITS = 4u;
+layout(constant_id = 7) const uint K_BITS = 4u;  // 2 .. 8 (kvdict_vk.kivi.KiviSpec)
+layout(constant_id = 8) const uint V_BITS = 4u;
 const uint K_ROW = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);                       // a key: its levels
 const uint V_STATS = HEAD_DIM / KIVI_GROUP;                                     // a value: its dim
 const uint V_ROW = V_STATS + SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);             // groups' stats, levels
@@ -138,11 +133,8 @@ const float GROW_MARGIN = 8.0;
 layout(std430, binding = 0) readonly buffer CacheWords { uint cache_words[]; };
 layout(std430, binding = 1) readonly buffer CacheQuads { uvec4 cache_quads[]; };
 layout(std430, binding = 2) readonly buffer Query { float q_floats[]; };
-// the records: coherent, so the last split's merge reads every split's writes past its L1
-layout(std430, binding = 3) coherent buffer Accs { float acc_floats[]; };
-layout(std430, binding = 4) coherent buffer Stats { float stats[]; };
-layout(std430, binding = 5) coherent buffer Arrivals { uint arrivals[]; };  // MERGE_LAST: per virtual head
-layout(std430, binding = 6) writeonly buffer Out { vec4 out_quads[]; };      // MERGE_LAST: from out_word on
+layout(std430, binding = 3) writeonly buffer Accs { float acc_floats[]; };
+layout(std430, binding = 4) writeonly buffer Stats { float stats[]; };
 
 layout(push_constant) uniform AttendFlashPush {
     uint k_word;    // the layer's K region (multiple of 4), n_ctx rows per KV head
@@ -164,7 +156,6 @@ layout(push_constant) uniform AttendFlashPush {
     uint state_word;
     uint split_round;  // split_len 0: the splits' rounding (SPLIT_LEN)
     uint q_word;       // the query block's first word (SEQ_USED)
-    uint out_word;     // MERGE_LAST: where the output starts in Out, a multiple of 4
     float score_scale;
 } pc;
 
@@ -185,34 +176,6 @@ shared float lane_f_sh[GROUP * TLANES];
 shared float red_sh[END_ELEMS * GROUP * LOCAL];
 #endif
 shared float split_m_sh[GROUP];  // the split's reference M per query head
-
-#define MERGE_ACC(rec, c) vec4(acc_floats[(rec) * HEAD_DIM + 4u * (c)], acc_floats[(rec) * HEAD_DIM + 4u * (c) + 1u], \
-                               acc_floats[(rec) * HEAD_DIM + 4u * (c) + 2u], acc_floats[(rec) * HEAD_DIM + 4u * (c) + 3u])
-#include "merge_head.glsl"
-shared bool last_sh;
-
-// MERGE_LAST: after a split's record of virtual head vh is written, the workgroup counts itself
-// in; the last of the head's n_splits merges them all into its GROUP query heads' output
-// (attend_merge_head's work) and sets the count back to 0. Every invocation makes its record
-// writes visible before the count (the counter's atomic then orders them), the last reads
-// them back through coherent loads — no split waits on another.
-void merge_if_last(uint vh, uint tid) {
-    memoryBarrierBuffer();
-    barrier();
-    if (tid == 0u)
-        last_sh = atomicAdd(arrivals[vh], 1u) == pc.n_splits - 1u;
-    barrier();
-    if (last_sh) {  // the same in the whole workgroup
-        memoryBarrierBuffer();
-        for (uint hj = 0u; hj < GROUP; ++hj) {
-            vec4 o = merge_head(vh, hj, pc.n_splits, pc.n_kv * pc.n_seqs, tid);
-            if (tid < Q4)
-                out_quads[pc.out_word / 4u + (vh * GROUP + hj) * Q4 + tid] = o;
-        }
-        if (tid == 0u)
-            arrivals[vh] = 0u;
-    }
-}
 
 // Element e of this invocation's unit of query head h's sum of p·v (h and e constants after
 // unrolling: the vectors are indexed by constants only).
@@ -838,8 +801,6 @@ void main() {
             stats[(rec0 + tid) * 2u + 1u] = sum;
         }
 #endif
-        if (MERGE_LAST != 0u)
-            merge_if_last(vh, tid);
         barrier();  // shared memory is reused by the next item
     }
 }

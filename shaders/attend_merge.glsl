@@ -3,8 +3,7 @@
 // (table path, factors from attend_combine.comp) and attend_merge_head.comp (flash paths).
 // Each merges in its own order — the maximum first then the sums (attend_merge), precomputed
 // factors (attend_reduce), a running rescale per split lane then across lanes
-// (attend_merge_head, merge_head.glsl's) — and shares the buffers and the mean (the record's
-// contribution, merge_add, is attend_common.glsl's).
+// (attend_merge_head) — and shares the buffers, the record's contribution and the mean.
 //
 // Include after common.glsl, attend_common.glsl and the shader's push block, which has
 // use_mean, mean_word and head_vec; the output buffer (binding 3, or 4 after attend_reduce's
@@ -21,6 +20,13 @@ void quad_item(uint item, out uint h, out uint c, out uint g, out uint hj) {
     c = item - h * Q4;
     g = h / GROUP;
     hj = h - g * GROUP;
+}
+
+// A record's (or a merged set's) contribution at factor f — exp(m_i - M) against the merge's
+// maximum M, 0 for an empty split: l += f * l_i, o += f * acc_i.
+void merge_add(float f, float l_i, vec4 acc_i, inout float l, inout vec4 o) {
+    l += f * l_i;
+    o += f * acc_i;
 }
 
 // Quad c of the V dictionary's mean of (dictionary) KV head g, or zeros without one: the

@@ -118,7 +118,6 @@ layout(push_constant) uniform AttendFlashPush {
     uint state_word;
     uint split_round;
     uint q_word;
-    uint out_word;     // attend_flash's (its MERGE_LAST builds); unused here
     float score_scale;
 } pc;
 

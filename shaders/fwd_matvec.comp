@@ -27,17 +27,13 @@ layout(push_constant) uniform MatvecPush {
 } pc;
 
 void main() {
-    uint lid = row_lid(), lane = lid % ROW_THREADS, stride = gl_NumWorkGroups.x * ROWS;
-    uint r = gl_WorkGroupID.x * ROWS + lid / ROW_THREADS;
-    ChunkWords w[IN_FLIGHT];
-    chunks_load(pc.w_word, r, r < pc.n_rows, pc.n_cols, lane, w);  // in flight while x' is made
+    uint lid = row_lid();
     float scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
-    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < pc.n_rows; r0 += stride, r += stride) {
+    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < pc.n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
+        uint r = r0 + lid / ROW_THREADS;
         bool valid = r < pc.n_rows;
-        ChunkWords now[IN_FLIGHT] = w;
-        chunks_load(pc.w_word, r + stride, r + stride < pc.n_rows, pc.n_cols, lane, w);  // the next rows'
-        float total = row_dot(pc.w_word, r, valid, pc.x_word, pc.n_cols, scale, pc.norm_word, now);
-        if (valid && lane == 0u)
+        float total = row_dot(pc.w_word, r, valid, pc.x_word, pc.n_cols, scale, pc.norm_word);
+        if (valid && lid % ROW_THREADS == 0u)
             y_vals[pc.y_word + r] = (pc.accumulate != 0u ? y_vals[pc.y_word + r] : 0.0) + total;
     }
 }

@@ -44,18 +44,12 @@ shared float row_vals[ROWS];
 void main() {
     uint lid = row_lid(), slot = lid / ROW_THREADS;
     uint n_rows = pc.q_rows + 2u * pc.k_rows;
-    uint lane = lid % ROW_THREADS, stride = gl_NumWorkGroups.x * ROWS;
-    ChunkWords w[IN_FLIGHT];
-    chunks_load(pc.w_word, gl_WorkGroupID.x * ROWS + slot, gl_WorkGroupID.x * ROWS + slot < n_rows, pc.n_cols,
-                lane, w);  // in flight while x' is made
     float scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
     uint p = min(value_words[pc.pos_word], pc.n_pos - 1u);
-    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += stride) {
+    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
         uint r = r0 + slot;
         bool valid = r < n_rows;
-        ChunkWords now[IN_FLIGHT] = w;
-        chunks_load(pc.w_word, r + stride, r + stride < n_rows, pc.n_cols, lane, w);  // the next rows'
-        float total = row_dot(pc.w_word, r, valid, pc.x_word, pc.n_cols, scale, pc.norm_word, now);
+        float total = row_dot(pc.w_word, r, valid, pc.x_word, pc.n_cols, scale, pc.norm_word);
         if (lid % ROW_THREADS == 0u)
             row_vals[slot] = total;
         barrier();

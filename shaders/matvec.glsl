@@ -117,65 +117,28 @@ float x_prepare(uint x_word, uint n_cols, float eps, uint norm_word) {
     return 1.0 / sqrt(workgroup_sum(sq) / float(n_cols) + eps);  // its barriers make x_sh whole too
 }
 
-// The chunks an invocation loads before it uses any: a row's lane takes chunks lane,
-// lane + ROW_THREADS, … — IN_FLIGHT of them a batch, every load of a batch issued first.
-const uint IN_FLIGHT = 8u;
-
-// Chunks c0, c0 + ROW_THREADS, … (IN_FLIGHT of them, those below n_cols / 8) of row r, loaded.
-void chunks_load(uint w_word, uint r, bool valid, uint n_cols, uint c0, out ChunkWords w[IN_FLIGHT]) {
-    uint row = w_word + r * (n_cols / 32u) * BLOCK_WORDS;
-    [[unroll]] for (uint k = 0u; k < IN_FLIGHT; ++k) {
-        uint c = c0 + k * ROW_THREADS;
-        if (valid && c < n_cols / 8u)
-            w[k] = chunk_load(row + (c / 4u) * BLOCK_WORDS, c & 3u);
-    }
-}
-
-// Columns 8c .. 8c + 7 of x' (X_RMS_NORM: without the norm's factor).
-void x_chunk(uint x_word, uint c, uint n_cols, uint norm_word, out vec4 xl, out vec4 xh) {
-    if (STAGED(n_cols)) {
-        xl = x_sh[2u * c];
-        xh = x_sh[2u * c + 1u];
-    } else {
-        uint e = 8u * c;
-        xl = vec4(x_at(x_word, e, n_cols, norm_word), x_at(x_word, e + 1u, n_cols, norm_word),
-                  x_at(x_word, e + 2u, n_cols, norm_word), x_at(x_word, e + 3u, n_cols, norm_word));
-        xh = vec4(x_at(x_word, e + 4u, n_cols, norm_word), x_at(x_word, e + 5u, n_cols, norm_word),
-                  x_at(x_word, e + 6u, n_cols, norm_word), x_at(x_word, e + 7u, n_cols, norm_word));
-    }
-}
-
-// The dot of the loaded chunks (chunks_load's c0 .. ) with x'.
-float chunks_dot(ChunkWords w[IN_FLIGHT], uint c0, uint x_word, uint n_cols, uint norm_word) {
-    float acc = 0.0;
-    [[unroll]] for (uint k = 0u; k < IN_FLIGHT; ++k) {
-        uint c = c0 + k * ROW_THREADS;
-        if (c < n_cols / 8u) {
-            vec4 lo, hi, xl, xh;
-            chunk_decode(w[k], c & 3u, lo, hi);
-            x_chunk(x_word, c, n_cols, norm_word, xl, xh);
-            acc += dot(lo, xl) + dot(hi, xh);
-        }
-    }
-    return acc;
-}
-
 // Row r's dot product with x' times x_prepare's factor (every invocation of the row calls it;
-// the total comes back to all of them), its first batch of chunks already loaded (w:
-// chunks_load at c0 = the lane, which a caller issues early — before x_prepare — so the loads
-// and the norm overlap). valid: whether r is a row at all (the others add zeros, and still
-// reach the barriers and shuffles).
-float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float scale, uint norm_word,
-              ChunkWords w[IN_FLIGHT]) {
+// the total comes back to all of them). valid: whether r is a row at all (the others add
+// zeros, and still reach the barriers and shuffles).
+float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float scale, uint norm_word) {
     uint lid = row_lid(), lane = lid % ROW_THREADS;
     float acc = 0.0;
     if (valid) {
-        acc = chunks_dot(w, lane, x_word, n_cols, norm_word);
-        // rows wider than a batch an invocation: the rest a batch at a time
-        for (uint c0 = lane + IN_FLIGHT * ROW_THREADS; c0 < n_cols / 8u; c0 += IN_FLIGHT * ROW_THREADS) {
-            ChunkWords more[IN_FLIGHT];
-            chunks_load(w_word, r, true, n_cols, c0, more);
-            acc += chunks_dot(more, c0, x_word, n_cols, norm_word);
+        uint row_words = (n_cols / 32u) * BLOCK_WORDS;
+        for (uint c = lane; c < n_cols / 8u; c += ROW_THREADS) {
+            vec4 lo, hi, xl, xh;
+            block_chunk(w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
+            if (STAGED(n_cols)) {
+                xl = x_sh[2u * c];
+                xh = x_sh[2u * c + 1u];
+            } else {
+                uint e = 8u * c;
+                xl = vec4(x_at(x_word, e, n_cols, norm_word), x_at(x_word, e + 1u, n_cols, norm_word),
+                          x_at(x_word, e + 2u, n_cols, norm_word), x_at(x_word, e + 3u, n_cols, norm_word));
+                xh = vec4(x_at(x_word, e + 4u, n_cols, norm_word), x_at(x_word, e + 5u, n_cols, norm_word),
+                          x_at(x_word, e + 6u, n_cols, norm_word), x_at(x_word, e + 7u, n_cols, norm_word));
+            }
+            acc += dot(lo, xl) + dot(hi, xh);
         }
     }
     if (ROW_THREADS == 1u)

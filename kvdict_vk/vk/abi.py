@@ -175,11 +175,10 @@ _KIVI_WORDS = ("stats_word", "k_window_word", "v_window_word", "window", "state_
 # split_len 0: each sequence's splits derived from its n_used in rounds of split_round tokens
 # (attend_common.glsl's SPLIT_LEN); q_word: where the query block starts in Query (a multiple
 # of 4) — both a recorded decode step's (kvdict_vk/vk/arena/decode.py)
-# out_word: where attend_flash's MERGE_LAST builds write the output (a multiple of 4)
 ATTEND_FLASH_PUSH = uint_block("AttendFlashPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
-                               "n_kv", "n_seqs", "seq_rows", *_KIVI_WORDS, "split_round", "q_word", "out_word",
+                               "n_kv", "n_seqs", "seq_rows", *_KIVI_WORDS, "split_round", "q_word",
                                floats=("score_scale",),
-                               defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0, out_word=0,
+                               defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0,
                                              **{n: 0 for n in _KIVI_WORDS}))
 ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
                                      "n_splits", "n_kv", "v_atoms_word", "head_atoms", "k_scale_word",
@@ -314,13 +313,11 @@ def _declare() -> tuple:
     # ATOMS_F16: the arena keeps the atoms in binary16 (shaders/atoms.glsl)
     coded = ATTEND_SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
     direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF", "ATOMS_F16")
-    flash = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS", "MERGE_LAST")
+    flash = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
     flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET", "ATOMS_F16")
     atoms_spec = ATTEND_SPEC + ("ATOMS_F16",)
     merge = (ro("LayerQuads", 4), ro("Stats"), ro("Accs", 4), rw("Out", 4))
-    mma_bindings = (ro("CacheWords"), ro("CacheQuads", 4), ro("Query"), rw("Accs"), rw("Stats"))
-    # MERGE_LAST: the splits' arrivals per virtual head, the output
-    flash_bindings = mma_bindings + (rw("Arrivals"), rw("Out", 4))
+    flash_bindings = (ro("CacheWords"), ro("CacheQuads", 4), ro("Query"), rw("Accs"), rw("Stats"))
     out += [
         _attend("attend_split_coded", (ro("LayerWords"), ro("LayerQuads", 4), ro("Query", 4), rw("Accs", 4),
                                        rw("Stats"), ro("Table"), rw("Bins"), rw("Scores")),
@@ -340,7 +337,7 @@ def _declare() -> tuple:
         _attend("attend_merge", merge, ATTEND_MERGE_PUSH),
         _attend("attend_merge_head", merge, ATTEND_MERGE_HEAD_PUSH),
     ]
-    flash_optional = (("ROW_HALF", 0), ("ROW_Q8", 0), ("END_ELEMS", 1), ("MERGE_LAST", 0))
+    flash_optional = (("ROW_HALF", 0), ("ROW_Q8", 0), ("END_ELEMS", 1))
     out.append(_attend("attend_flash", flash_bindings, ATTEND_FLASH_PUSH, flash, optional=flash_optional))
     out.append(_attend("attend_flash_coded", (ro("CacheWords"), ro("CacheQuads", 4), ro("Table"), ro("Query"),
                                               rw("Accs"), rw("Stats")),
@@ -366,7 +363,7 @@ def _declare() -> tuple:
     mma_spec = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8")
     for name, defines, spec in (("attend_mma", (), mma_spec),
                                 ("attend_mma_kivi", (("KIVI", 1),), mma_spec + ("K_BITS", "V_BITS"))):
-        out.append(Variant(name, "attend_mma.comp", defines, mma_bindings, ATTEND_FLASH_PUSH, spec,
+        out.append(Variant(name, "attend_mma.comp", defines, flash_bindings, ATTEND_FLASH_PUSH, spec,
                            (("ROW_HALF", 0), ("ROW_Q8", 0)), "LOCAL", _MMA_SG, MMA_FEATURES))
     # GPU OMP encoder (kvdict_vk/vk/encode/): stepwise kernels, then the one-dispatch ones
     vecs = (("vec4", 4), ("scalar", 1))

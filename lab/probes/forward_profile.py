@@ -8,7 +8,7 @@ then, at the best, one token recorded with a timestamp after every op, summed by
 DeviceForward.op_labels (embedding, qkv, rope, append + attention, o, mlp, norms, lm head, argmax).
 With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the same for that build.
 
-    [PROBE_WARM_TOKENS=N] [PROBE_MERGE_IN_FLASH=0] python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
+    [PROBE_WARM_TOKENS=N] python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
         [--subgroups 1,0] [--tokens 10] [--label NAME] [--out lab/results/<device>/forward_profile.json]
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 WARM_TOKENS = int(os.environ.get("PROBE_WARM_TOKENS", 300))  # tokens before timing (fewer: a quick run)
-MERGE_IN_FLASH = os.environ.get("PROBE_MERGE_IN_FLASH", "1") != "0"  # 0: attend_merge_head after every flash pass
 
 
 def main(argv=None) -> None:
@@ -41,8 +40,6 @@ def main(argv=None) -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    from kvdict_vk.vk.attend import ops as attend_ops
-    attend_ops.MERGE_IN_FLASH = MERGE_IN_FLASH
     names = _name_ops()
     dev = get_device(None)
     cfg = smollm2_shapes()
@@ -55,7 +52,7 @@ def main(argv=None) -> None:
     else:
         arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=a.cache)
     fill_random(arena, np.random.default_rng(1), a.depth)
-    out = {"device": dev.name, "label": a.label, "merge_in_flash": MERGE_IN_FLASH, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
+    out = {"device": dev.name, "label": a.label, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python lab/probes/forward_profile.py " + " ".join(argv or [])}
     best = None

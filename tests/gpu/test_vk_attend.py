@@ -263,18 +263,13 @@ def test_flash_end_elems_that_do_not_divide_a_unit_are_refused(make_arena, monke
 MERGE_HEAD_SOURCE = Path(__file__).resolve().parents[2] / "shaders" / "attend_merge_head.comp"
 
 
-@pytest.mark.parametrize("merge_in_flash", [True, False])
 @pytest.mark.parametrize("workgroups", [1, 5, 1024])
-def test_flash_merge_over_one_few_and_many_splits(workgroups, merge_in_flash, make_arena, monkeypatch):
-    """merge_head.glsl merges a query head's records online, each split lane folding several
-    records a round — in the flash pass's last split to finish (MERGE_LAST) or in
-    attend_merge_head after it: one split, a few, and more splits than one round holds (split
-    lanes × MERGE_UNROLL; more than one record a lane in the last round, so lanes of empty
-    splits and partly filled rounds both occur) — against the float64 reference, three
-    attentions in a row (the arrivals counter back at 0 after each). head_dim 128: 8 split
-    lanes of 32 quads, so MAX_SPLITS (128) is four rounds."""
-    from kvdict_vk.vk.attend import ops as attend_ops
-    monkeypatch.setattr(attend_ops, "MERGE_IN_FLASH", merge_in_flash)
+def test_flash_merge_over_one_few_and_many_splits(workgroups, make_arena):
+    """attend_merge_head merges a query head's records online, each split lane folding
+    several records a round: one split, a few, and more splits than one round holds (split
+    lanes × UNROLL; more than one record a lane in the last round, so lanes of empty splits
+    and partly filled rounds both occur) — against the float64 reference. head_dim 128: 8
+    split lanes of 32 quads, so MAX_SPLITS (128) is four rounds."""
     rng = np.random.default_rng(workgroups)
     hd, g, n_kv, n_ctx = 128, 4, 2, 20000
     # planned as for a GPU (splits up to MAX_SPLITS per KV head) on any device
@@ -291,12 +286,8 @@ def test_flash_merge_over_one_few_and_many_splits(workgroups, merge_in_flash, ma
         assert plan.path == "flash"
         splits.append(plan.n_splits)
         _check(arena, stored, 0, q, n_used)
-    unroll = int(re.search(r"const uint MERGE_UNROLL = (\d+)u;",
-                           (MERGE_HEAD_SOURCE.parent / "merge_head.glsl").read_text()).group(1))
-    local = plan.local if merge_in_flash else merge_head_local(hd, att.max_local())
-    merge_pass = any(key[0] == "merge_head" for key in att.passes.pipeline_keys())
-    assert merge_pass != merge_in_flash  # the flash pass merged, or attend_merge_head did
-    one_round = local // (hd // 4) * unroll  # split lanes × MERGE_UNROLL
+    unroll = int(re.search(r"const uint UNROLL = (\d+)u;", MERGE_HEAD_SOURCE.read_text()).group(1))
+    one_round = merge_head_local(hd, att.max_local()) // (hd // 4) * unroll  # split lanes × UNROLL
     assert splits[0] == 1 and (max(splits) > one_round if workgroups == 1024 else True)
     assert (max(splits) > 1) == (workgroups // n_kv > 1)  # splits per KV head rounded down
 

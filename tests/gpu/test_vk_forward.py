@@ -109,8 +109,8 @@ def test_a_wide_residual_is_normed_from_memory(row_threads, subgroups, make_aren
 
 @pytest.mark.parametrize("fmt,row_threads,subgroups", [("q4_1", 1, None), ("q8_0", 8, True), ("f32", 16, False)])
 def test_matvecs_past_their_workgroups_stride_the_grid(fmt, row_threads, subgroups, make_arena, monkeypatch):
-    """Two workgroups a matvec: every row past them is reached by the grid stride, its weights
-    loaded during the rows before (fwd_matvec's and fwd_qkv's next-rows loads)."""
+    """Two workgroups a matvec: every row past them is reached by fwd_matvec's and fwd_qkv's
+    grid stride (at SmolLM2's shapes only the LM head strides)."""
     import kvdict_vk.vk.forward.model as fwd_model
     monkeypatch.setattr(fwd_model, "MATVEC_WORKGROUPS", 2)
     rng = np.random.default_rng(63)

@@ -36,10 +36,6 @@ class AttendBuffers:
             self.stats = new(sz.stats, "device", "attention split stats")
             self.accs = new(sz.accs, "device", "attention split accumulators")
             self.dummy = new(4, "storage", "unused binding")
-            # attend_flash's MERGE_LAST counts a virtual head's finished splits here; zero
-            # between dispatches (the last split sets it back)
-            self.arrivals = new(sz.seqs * sz.n_kv, "device", "attention split arrivals")
-            device.submit(kp.OpTensorSyncDevice([self.arrivals.tensor]), what="zeroing the split arrivals")
             self.table = new(sz.table, "device", "q·atom table") if k_coded else None
             self.scores = new(sz.scores, "storage", "attention scores") if k_coded or v_coded else None
             self.bins = new(sz.bins, "device", "split atom weights") if v_coded else None

@@ -22,9 +22,6 @@ from ..device import kp
 from ..kernels import Kernel, barrier, pipeline
 
 OP_CACHE_LIMIT = 1024  # cached operations per engine; cleared when exceeded (never in steady decode)
-# attend_flash's last split merges the records (MERGE_LAST) where the build can; False: attend_merge_head
-# after every flash pass (tests and probes compare both)
-MERGE_IN_FLASH = True
 WINDOW_LOCAL = 64  # attend_window's workgroup on every device: a window row an invocation, (row group, quad) pairs for p·v
 
 
@@ -216,24 +213,18 @@ class PassBuilder:
                     scale: float, kivi: tuple | None = None, at: Placement = AT_START) -> list:
         """attend_flash over rows in ``buf`` (K at source's k_word, V at its v_word, n_ctx
         rows per KV head; plan.seqs sequences seq_rows apart) — its KIVI build where ``kivi``
-        gives (K bits, V bits) —, its last split merging the records (MERGE_LAST) where the
-        build can, else attend_merge_head after it."""
+        gives (K bits, V bits) —, then attend_merge_head."""
         b, grid, lay = self.buffers, self.grid, self.layout
         variant = self.shapes.flash_variant(local, flash_shader(bool(kivi), plan.kernel))
-        mma = plan.kernel == MMA_KERNEL
-        # attend_mma has no split end through shared memory to size, nor a merge of its own
-        end = {} if mma else dict(END_ELEMS=self.shapes.flash_end_elems(local, plan.kernel))
-        merge_last = int(MERGE_IN_FLASH and not mma and plan.records == plan.n_splits and local % (lay.head_dim // 4) == 0)
+        # attend_mma has no split end through shared memory to size
+        end = {} if plan.kernel == MMA_KERNEL else dict(END_ELEMS=self.shapes.flash_end_elems(local, plan.kernel))
         bits = dict(K_BITS=kivi[0], V_BITS=kivi[1]) if kivi else {}
-        extra = {} if mma else dict(MERGE_LAST=merge_last)
-        binds = [buf, buf, b.q, b.accs, b.stats] + ([] if mma else [b.arrivals, b.out])
-        kernel = self._kernel(("flash", variant) + key + (local, end.get("END_ELEMS", 0), merge_last), variant, binds,
+        kernel = self._kernel(("flash", variant) + key + (local, end.get("END_ELEMS", 0)), variant,
+                              [buf, buf, b.q, b.accs, b.stats],
                               b.sizes.seqs * lay.n_kv_heads * grid.max_splits * local, LOCAL=local, HB=1,
-                              ROW_HALF=half, ROW_Q8=q8, **end, **extra, **bits)
+                              ROW_HALF=half, ROW_Q8=q8, **end, **bits)
         op = kernel.op(**source, n_used=n_used, n_splits=plan.n_splits, n_kv=lay.n_kv_heads, n_seqs=plan.seqs,
-                       score_scale=scale, q_word=at.q_word, out_word=at.out_word, **_split_push(plan, at))
-        if merge_last:
-            return [op]
+                       score_scale=scale, q_word=at.q_word, **_split_push(plan, at))
         return [op] + self._merge(key, buf, v, plan.records, per_head=True, n_seqs=plan.seqs, out_word=at.out_word)
 
     def variant(self, layer: int, plan) -> str:

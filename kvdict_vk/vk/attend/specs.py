@@ -38,12 +38,10 @@ def flash_shared_bytes(group: int, local: int, units: int, end_elems: int, wide:
     end's sums — and one per query head (the split's reference). attend_flash_wide (wide):
     end_elems floats per (query head, invocation) plus a padding of units % 32 each — partial
     scores, the end's unit elements —, three floats per (query head, token lane) and one per
-    query head (the end's references, sums, factors). Both: merge_head.glsl's scratch (a
-    flash build may merge its splits: MERGE_LAST)."""
-    merge = 4 * (2 * max(local // (2 * units), 1) + 4 * local) + 4  # merge_head.glsl's, MERGE_LAST's flag
+    query head (the end's references, sums, factors)."""
     if not wide:
-        return 4 * (end_elems * group * local + group) + merge
-    return 4 * (end_elems * (group * local + units % 32) + 3 * group * (local // units) + group) + merge
+        return 4 * (end_elems * group * local + group)
+    return 4 * (end_elems * (group * local + units % 32) + 3 * group * (local // units) + group)
 
 
 def flash_units(head_dim: int) -> int:
@@ -374,18 +372,7 @@ def _flash_extents(p, s):
     records = p["n_seqs"] * n_kv * p["n_splits"] * g
     quads = [] if s["ROW_Q8"] else rows  # q8_0 rows are read as words only (17 a row at head_dim 64)
     queries = _query_span(p, query_words(p["n_seqs"], n_kv * g, hd), "attend_flash")
-    return [rows, quads, [queries], [_span(0, records * hd)], [_span(0, 2 * records)],
-            *_merge_last_extents(p, s, p["n_seqs"] * n_kv)]
-
-
-def _merge_last_extents(p, s, v_heads: int) -> list:
-    """attend_flash's MERGE_LAST spans: the arrivals counter of each virtual head, the output
-    of its query heads from out_word on (none without MERGE_LAST)."""
-    if not s.get("MERGE_LAST"):
-        return [[], []]
-    hd = s["HEAD_DIM"]
-    _check(s["LOCAL"] % (hd // 4) == 0 and p["out_word"] % 4 == 0, "attend_flash (MERGE_LAST)", dict(p, **s))
-    return [[_span(0, v_heads)], [_span(p["out_word"], v_heads * s["GROUP"] * hd)]]
+    return [rows, quads, [queries], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _flash_kivi_extents(p, s):
@@ -413,8 +400,7 @@ def _flash_kivi_extents(p, s):
              _span(p["v_word"], ((n_kv - 1) * n_ctx + used) * v_row), _span(p["state_word"], 1)]
     records = n_kv * p["n_splits"] * g
     queries = _query_span(p, query_words(1, n_kv * g, hd), "attend_flash_kivi")
-    return [words, [stats] + windows, [queries], [_span(0, records * hd)], [_span(0, 2 * records)],
-            *_merge_last_extents(p, s, n_kv)]
+    return [words, [stats] + windows, [queries], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _mma_check(s, bits: tuple = ()):
@@ -432,16 +418,16 @@ def _mma_extents(p, s):
     """attend_mma.comp over rows: what attend_flash reads and writes (the same rows, clamped to
     the split's last token; as words only)."""
     _mma_check(s)
-    words, _quads, *rest = _flash_extents(p, dict(s, END_ELEMS=1, MERGE_LAST=0))
-    return [words, [], *rest[:3]]
+    words, _quads, *rest = _flash_extents(p, dict(s, END_ELEMS=1))
+    return [words, [], *rest]
 
 
 def _mma_kivi_extents(p, s):
     """attend_mma.comp's KIVI build: attend_flash_kivi's spans, the statistics and windows read
     as words (not quads)."""
     _mma_check(s, (s["K_BITS"], s["V_BITS"]))
-    words, quads, *rest = _flash_kivi_extents(p, dict(s, END_ELEMS=1, MERGE_LAST=0))
-    return [words + quads, [], *rest[:3]]
+    words, quads, *rest = _flash_kivi_extents(p, dict(s, END_ELEMS=1))
+    return [words + quads, [], *rest]
 
 
 def _flash_coded_extents(p, s):
