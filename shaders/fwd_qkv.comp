@@ -7,9 +7,14 @@
 // kvdict_vk.forge.llama.rope_cos_sin makes it (row p: rope_dim / 2 cosines, then the sines).
 // The queries go to y_word of Y (a decode step's query block), the keys and values to k_word and
 // v_word of Rows (its source rows). ROW_THREADS ≤ WG_SIZE / 2: a pair's rows in one workgroup.
+// append_format 1 or 2 (an f16 or f32 rows layer): the keys and values also go straight into the
+// layer's rows at the token's row (the position: row (g, p) at k_layer_word + (g · n_ctx + p) ·
+// row words, docs/ARENA.md), binary16 pairs made as append_step makes them (rows_encode.glsl's
+// f16_bits: NumPy's bits), so the decode step records no append_step for the layer.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
+#include "rows_encode.glsl"
 
 layout(local_size_x = WG_SIZE) in;
 
@@ -19,6 +24,7 @@ layout(std430, binding = 2) writeonly buffer Y { float y_vals[]; };
 layout(std430, binding = 3) writeonly buffer Rows { float kv_vals[]; };
 layout(std430, binding = 4) readonly buffer Table { float table_vals[]; };
 layout(std430, binding = 5) readonly buffer Values { uint value_words[]; };
+layout(std430, binding = 6) writeonly buffer Layer { uint layer_words[]; };
 
 #include "matvec.glsl"
 
@@ -36,10 +42,15 @@ layout(push_constant) uniform QkvPush {
     uint pos_word;
     uint n_pos;      // the table's positions: a position past it reads the last
     uint norm_word;
+    uint append_format;  // 0: none; 1: f16 rows; 2: f32 rows (kvdict_vk.vk.forward.model.APPEND_FORMATS)
+    uint k_layer_word;   // the layer's K and V regions in Layer
+    uint v_layer_word;
+    uint n_ctx;          // rows a KV head
     float eps;
 } pc;
 
 shared float row_vals[ROWS];
+shared float out_vals[ROWS];  // the rows as written (after RoPE): a binary16 pair's two halves
 
 void main() {
     uint lid = row_lid(), slot = lid / ROW_THREADS;
@@ -71,7 +82,23 @@ void main() {
                 kv_vals[pc.k_word + within] = v;
             else
                 kv_vals[pc.v_word + within - pc.k_rows] = v;
+            out_vals[slot] = v;
         }
-        barrier();  // row_vals read before the next rows overwrite it
+        if (pc.append_format != 0u) {
+            barrier();  // out_vals holds both rows of a pair
+            if (valid && lid % ROW_THREADS == 0u && r >= pc.q_rows) {
+                uint within = r - pc.q_rows;
+                bool key = within < pc.k_rows;
+                uint e = key ? within : within - pc.k_rows;  // (KV head g, element d) of the stream
+                uint g = e / pc.head_dim, d = e % pc.head_dim;
+                uint base = (key ? pc.k_layer_word : pc.v_layer_word);
+                if (pc.append_format == 1u && (d & 1u) == 0u)
+                    layer_words[base + ((g * pc.n_ctx + p) * pc.head_dim + d) / 2u] =
+                        f16_bits(out_vals[slot]) | (f16_bits(out_vals[slot + 1u]) << 16u);
+                else if (pc.append_format == 2u)
+                    layer_words[base + (g * pc.n_ctx + p) * pc.head_dim + d] = floatBitsToUint(out_vals[slot]);
+            }
+        }
+        barrier();  // row_vals and out_vals read before the next rows overwrite them
     }
 }

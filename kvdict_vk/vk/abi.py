@@ -144,8 +144,12 @@ FLUSH_PUSH = uint_block("FlushPush", "n_words")
 # A model's forward on the device (shaders/fwd_*.comp, kvdict_vk/vk/forward/).
 MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "n_cols", "accumulate", "norm_word",
                          floats=("eps",), defaults=dict(accumulate=0, norm_word=0, eps=0.0))
+# append_format (0 none, 1 f16, 2 f32 rows), k/v_layer_word, n_ctx: fwd_qkv writing the token's rows into
+# the layer itself (kvdict_vk.vk.forward.model)
 QKV_PUSH = uint_block("QkvPush", "w_word", "x_word", "n_cols", "q_rows", "k_rows", "y_word", "k_word", "v_word",
-                      "head_dim", "rope_dim", "pos_word", "n_pos", "norm_word", floats=("eps",))
+                      "head_dim", "rope_dim", "pos_word", "n_pos", "norm_word", "append_format", "k_layer_word",
+                      "v_layer_word", "n_ctx", floats=("eps",),
+                      defaults=dict(append_format=0, k_layer_word=0, v_layer_word=0, n_ctx=1))
 EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows", "n_cols")
 ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word", "parts", "stage")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
@@ -297,13 +301,15 @@ def _declare() -> tuple:
     matvec_spec = (("FORMAT", "ROW_THREADS", "X_MODE"), (("FORMAT", 0), ("X_MODE", 0)))
     out += [
         Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH, *matvec_spec),
-        Variant("fwd_qkv", "fwd_qkv.comp", (), (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values")),
+        Variant("fwd_qkv", "fwd_qkv.comp", (),
+                (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values"), rw("Layer")),
                 QKV_PUSH, *matvec_spec),
         # the same, a row's lanes added by subgroup shuffles (GPUs that have them)
         Variant("fwd_matvec_sg", "fwd_matvec.comp", (("SUBGROUP", 1),), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH,
                 *matvec_spec, subgroup_ops=_SG),
         Variant("fwd_qkv_sg", "fwd_qkv.comp", (("SUBGROUP", 1),),
-                (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values")), QKV_PUSH, *matvec_spec,
+                (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values"), rw("Layer")), QKV_PUSH,
+                *matvec_spec,
                 subgroup_ops=_SG),
         Variant("fwd_embed", "fwd_embed.comp", (), (ro("Weights"), ro("Values"), rw("State")), EMBED_PUSH,
                 ("FORMAT",), (("FORMAT", 0),)),

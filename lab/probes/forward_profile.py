@@ -8,7 +8,7 @@ then, at the best, one token recorded with a timestamp after every op, summed by
 DeviceForward.op_labels (embedding, qkv, rope, append + attention, o, mlp, norms, lm head, argmax).
 With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the same for that build.
 
-    [PROBE_WARM_TOKENS=N] python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
+    [PROBE_WARM_TOKENS=N] [PROBE_QKV_APPENDS=0] python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
         [--subgroups 1,0] [--tokens 10] [--label NAME] [--out lab/results/<device>/forward_profile.json]
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 WARM_TOKENS = int(os.environ.get("PROBE_WARM_TOKENS", 300))  # tokens before timing (fewer: a quick run)
+QKV_APPENDS = os.environ.get("PROBE_QKV_APPENDS", "1") != "0"  # 0: the step's append_step on every layer
 
 
 def main(argv=None) -> None:
@@ -52,14 +53,14 @@ def main(argv=None) -> None:
     else:
         arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=a.cache)
     fill_random(arena, np.random.default_rng(1), a.depth)
-    out = {"device": dev.name, "label": a.label, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
+    out = {"device": dev.name, "label": a.label, "qkv_appends": QKV_APPENDS, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python lab/probes/forward_profile.py " + " ".join(argv or [])}
     best = None
     for rt in (int(x) for x in a.row_threads.split(",")):
         for sg in (bool(int(x)) for x in a.subgroups.split(",")):
             try:
-                f = DeviceForward(weights, arena, timestamps=True, row_threads=rt, subgroups=sg,
+                f = DeviceForward(weights, arena, qkv_appends=QKV_APPENDS, timestamps=True, row_threads=rt, subgroups=sg,
                                   n_plan=arena.memory.seq_ctx)
             except Exception as e:  # noqa: BLE001 (a probe: a build without the _sg variants, a row too wide)
                 print(f"row_threads {rt:2d} subgroups {int(sg)}: {e}")
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
             print(f"row_threads {key:5s}: GPU {us:8.1f} µs a token")
             if best is None or us < best[0]:
                 best = (us, rt, sg, key)
-    f = DeviceForward(weights, arena, row_threads=best[1], subgroups=best[2])
+    f = DeviceForward(weights, arena, qkv_appends=QKV_APPENDS, row_threads=best[1], subgroups=best[2])
     ops = f._ops()  # noqa: SLF001 (a probe: the same ops, recorded with a timestamp after each)
     rec = Recording(dev, ops, timestamps="ops")
     f.step.stage_lengths()

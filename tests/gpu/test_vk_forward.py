@@ -117,6 +117,44 @@ def test_matvecs_past_their_workgroups_stride_the_grid(fmt, row_threads, subgrou
     _check_forward(_small_model(rng, fmt, False), "f32", row_threads, subgroups, make_arena, rng)
 
 
+@pytest.mark.parametrize("cache", ["f16", "f32"])
+def test_qkv_appends_the_rows_the_step_would(cache, make_arena):
+    """Over f16 or f32 rows fwd_qkv writes the token's K and V into the layer and the token
+    records no append_step (two ops a layer fewer): the arena's rows and every token's logits
+    equal, bit for bit, those of the forward whose decode step appends them."""
+    rng = np.random.default_rng(65)
+    w = _small_model(rng, "q4_1", True)
+    cfg = w.config
+    tokens = rng.integers(0, cfg.vocab, 10)
+    got = {}
+    for appends in (True, False):
+        arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 24, cache=cache)
+        forward = DeviceForward(w, arena, logits=True, row_threads=8, qkv_appends=appends)
+        logits = []
+        for tok in tokens:
+            forward.run(int(tok))
+            logits.append(forward.logits())
+        got[appends] = (len(forward._core), np.array(logits), [arena.read(i) for i in range(cfg.n_layers)])  # noqa: SLF001
+        assert all(forward.step.row_append(j) is not None for j in range(cfg.n_layers))
+        forward.free()
+    assert got[True][0] == got[False][0] - 2 * cfg.n_layers
+    assert np.array_equal(got[True][1], got[False][1])
+    for fused, stepped in zip(got[True][2], got[False][2]):
+        for a, b in zip(fused, stepped):
+            assert np.array_equal(a, b)
+
+
+def test_qkv_leaves_q8_0_kivi_and_coded_appends_to_the_step(make_arena):
+    """A q8_0 layer's rows are blocks (and KIVI's, coded slots' more): the step appends them."""
+    rng = np.random.default_rng(66)
+    w = _small_model(rng, "q4_1", True)
+    cfg = w.config
+    arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 24, cache="q8_0")
+    forward = DeviceForward(w, arena, row_threads=8)
+    assert all(forward.step.row_append(j) is None for j in range(cfg.n_layers))
+    forward.free()
+
+
 def _check_forward(w, cache, row_threads, subgroups, make_arena, rng):
     cfg = w.config
     tokens = rng.integers(0, cfg.vocab, 12)

@@ -154,6 +154,7 @@ class DecodeStep:
         the K/V rows and query blocks up before them all and the outputs' copy back after."""
         lay, mem, n_kv = self.layout, self.memory, self.layout.n_kv_heads
         out = []
+        self.append_ops, self.attend_ops = [], []  # each layer's ops, split where a kernel before them may append
         passes = PassBuilder(mem, attention.buffers.with_io(self._q, self._out), attention.shapes, attention.grid)
         for j, (i, plan) in enumerate(zip(self.layers, plans)):
             k, v = self._streams[j]
@@ -181,14 +182,28 @@ class DecodeStep:
                                lengths_word=q_word + self._lengths_at,
                                k_format=R.APPEND_FORMATS[R.append_format(k)],
                                v_format=R.APPEND_FORMATS[R.append_format(v)], head_dim=lay.head_dim)
-            ops = [*encode, op, barrier(layer_buf)]
+            append = [*encode, op, barrier(layer_buf)]
             if k.windowed:  # the token's binary16 rows into the windows, and the state word
-                ops += [self._window_op(i, j), barrier(layer_buf)]
-            ops += passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
-                                    Placement(q_word=q_word, out_word=self.out_word(j), dynamic=True))
-            ops.append(attention.barrier_op())
-            out.append(ops)
+                append += [self._window_op(i, j), barrier(layer_buf)]
+            attend = passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
+                                      Placement(q_word=q_word, out_word=self.out_word(j), dynamic=True))
+            attend.append(attention.barrier_op())
+            self.append_ops.append(append)
+            self.attend_ops.append(attend)
+            out.append(append + attend)
         return out
+
+    def row_append(self, j: int) -> dict | None:
+        """Where layer j (of ``layers``) keeps a token's K and V rows, for a kernel that writes them
+        itself in place of :attr:`append_ops` (fwd_qkv's push: ``append_format`` 1 for binary16
+        rows, 2 for float32 rows, the regions, rows a KV head), or None: a layer whose append is
+        more than a conversion of each element (q8_0 blocks, KIVI windows, coded slots, an exact
+        window) or a batch of sequences."""
+        k, v = self._streams[j]
+        if self.batch != 1 or any(st.coded or st.kivi or st.windowed or st.q8 for st in (k, v)) or k.half != v.half:
+            return None
+        return dict(append_format=1 if k.half else 2, k_layer_word=k.region_word, v_layer_word=v.region_word,
+                    n_ctx=self.layout.n_ctx)
 
     def _window_op(self, i: int, j: int):
         """append_window of layer i (j-th of the step): the token's rows from their float rows."""

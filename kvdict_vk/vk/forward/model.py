@@ -5,7 +5,9 @@ A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF'
 and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the token's
 embedding row into the residual; per layer, Q, K and V in one dispatch over the normed
 residual, RoPE'd as they are written straight into the decode step's query block and source
-rows (fwd_qkv) → the step's append and attention (kvdict_vk.vk.arena.decode, record=False) →
+rows — and, over f16 or f32 rows, into the layer's rows at the token's position, so the step
+records no append for it (fwd_qkv; DecodeStep.row_append) → the step's append and attention
+(kvdict_vk.vk.arena.decode, record=False) →
 the O projection added to the residual → gate and up over the normed residual → the down
 projection of their SwiGLU added to the residual (fwd_matvec; matvec.glsl reads the norm and
 the SwiGLU into the matvec, so neither has a dispatch of its own); then the LM head over the
@@ -51,11 +53,14 @@ class DeviceForward:
     (default: the arena's capacity); ``row_threads``: fwd_matvec's invocations a row (a power of
     two ≤ 64; default: 1 on a CPU driver, MATVEC_ROW_THREADS on a GPU); ``subgroups``: whether
     a row's invocations add by subgroup shuffles (the _sg builds; None: where the device has
-    them and a row fits in a subgroup; True where it cannot is a DispatchError). Freed by
-    :meth:`free`."""
+    them and a row fits in a subgroup; True where it cannot is a DispatchError);
+    ``qkv_appends``: over a layer of f16 or f32 rows, fwd_qkv writes the token's K and V rows into
+    the layer itself and the step's append_step is not recorded (DecodeStep.row_append; False:
+    the step's own append, as every other cache has). Freed by :meth:`free`."""
 
     def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
-                 n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None):
+                 n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None,
+                 qkv_appends: bool = True):
         cfg, lay = weights.config, arena.layout
         if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
             raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
@@ -77,6 +82,7 @@ class DeviceForward:
                                   f"with shuffles)")
         self.subgroups = fits if subgroups is None else bool(subgroups)
         self._want_logits = bool(logits)
+        self._qkv_appends = bool(qkv_appends)
         self._buffers: list[Buffer] = []
         self._rec = None
         self.step = arena.record_step(cfg.n_heads, n_plan=n_plan, record=False)  # checks n_plan
@@ -199,9 +205,12 @@ class DeviceForward:
             else:
                 gate_up = [self._matvec(wb, base + at[name], lw[name], st, X_WORD, act, y, x_mode="rms_norm",
                                         norm_word=base + at["ffn_norm"]) for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
+            appends = step.row_append(j) if self._qkv_appends else None
+            layer_buf = self.arena.memory.layer_buffer(step.layers[j])
+            qkv_writes = (queries, rows, layer_buf) if appends else (queries, rows)
             sections += [
-                ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j), barrier(queries, rows)]),
-                ("append + attention", [*step.layer_ops[j], barrier(attn_out)]),
+                ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j, layer_buf, appends), barrier(*qkv_writes)]),
+                ("append + attention", [*(step.attend_ops[j] if appends else step.layer_ops[j]), barrier(attn_out)]),
                 ("o", [self._matvec(wb, base + at["wo"], lw["wo"], attn_out, step.out_word(j), st, X_WORD, True),
                        barrier(st)]),
                 ("gate + up", [*gate_up, barrier(act)]),
@@ -217,19 +226,22 @@ class DeviceForward:
         back = [self._state.tensor] + ([self._act.tensor] if self._want_logits else [])
         return [*core, kp.OpTensorSyncLocal(back)]
 
-    def _qkv(self, wbuf: Buffer, base: int, at: dict, m: Matrix, j: int):
+    def _qkv(self, wbuf: Buffer, base: int, at: dict, m: Matrix, j: int, layer_buf: Buffer, appends: dict | None):
         """Layer j's Q, K and V (one matrix, their rows in that order) from the normed residual,
-        RoPE'd, into the step's query block and source rows."""
+        RoPE'd, into the step's query block and source rows — and, ``appends`` (the step's
+        row_append), the token's K and V rows into the layer buffer."""
         cfg, step = self.config, self.step
         rows, queries, _ = step.buffers
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": min(self._row_threads, WG_SIZE // 2),
                 "X_MODE": X_MODES["rms_norm"]}
-        k = pipeline(self.device, self._shader("fwd_qkv"), [wbuf, self._state, queries, rows, self._table, self._values], spec,
+        k = pipeline(self.device, self._shader("fwd_qkv"),
+                     [wbuf, self._state, queries, rows, self._table, self._values, layer_buf], spec,
                      max_items=self._matvec_items(m.n_rows))
         return k.op(w_word=base + at["wqkv"], x_word=X_WORD, n_cols=m.n_cols, q_rows=cfg.n_heads * cfg.head_dim,
                     k_rows=cfg.n_kv_heads * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),
                     v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
-                    n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps)
+                    n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps,
+                    **(appends or dict(n_ctx=self.arena.layout.n_ctx)))
 
     # --- a token ---------------------------------------------------------------------------
     def run(self, token: int) -> int:

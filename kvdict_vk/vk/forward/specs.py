@@ -49,9 +49,19 @@ def _qkv(p, s):
         raise E.DispatchError(f"fwd_qkv: push constants {p} are inconsistent")
     w = _row_words({**p, "n_rows": q + 2 * k}, s, "fwd_qkv")
     x, norm = _x_span(p, s, "fwd_qkv")
+    fmt = p["append_format"]
+    if fmt not in APPEND_ROW_WORDS or p["n_ctx"] < p["n_pos"]:
+        raise E.DispatchError(f"fwd_qkv: append_format {fmt} (have {sorted(APPEND_ROW_WORDS)}), n_ctx {p['n_ctx']} "
+                              f"below the positions ({p['n_pos']})")
+    # the token's row of each KV head, wherever the position puts it: the regions
+    region = k // hd * p["n_ctx"] * hd * APPEND_ROW_WORDS[fmt] // 2
+    layer = [(p[w_], p[w_] + region) for w_ in ("k_layer_word", "v_layer_word")] if fmt else []
     return ([(p["w_word"], p["w_word"] + (q + 2 * k) * w), *norm], x, [(p["y_word"], p["y_word"] + q)],
             [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)], [(0, p["n_pos"] * rd)],
-            [(p["pos_word"], p["pos_word"] + 1)])
+            [(p["pos_word"], p["pos_word"] + 1)], layer)
+
+
+APPEND_ROW_WORDS = {0: 0, 1: 1, 2: 2}  # fwd_qkv's append_format → words per two elements (f16: 1, f32: 2)
 
 
 def _embed(p, s):
