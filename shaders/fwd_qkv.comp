@@ -42,7 +42,7 @@ layout(push_constant) uniform QkvPush {
     uint pos_word;
     uint n_pos;      // the table's positions: a position past it reads the last
     uint norm_word;
-    uint append_format;  // 0: none; 1: f16 rows; 2: f32 rows (kvdict_vk.vk.forward.model.APPEND_FORMATS)
+    uint append_format;  // 0: none; 1: f16 rows; 2: f32 rows (kvdict_vk.vk.forward.specs.QKV_APPEND_FORMATS)
     uint k_layer_word;   // the layer's K and V regions in Layer
     uint v_layer_word;
     uint n_ctx;          // rows a KV head

@@ -195,14 +195,14 @@ class DecodeStep:
 
     def row_append(self, j: int) -> dict | None:
         """Where layer j (of ``layers``) keeps a token's K and V rows, for a kernel that writes them
-        itself in place of :attr:`append_ops` (fwd_qkv's push: ``append_format`` 1 for binary16
-        rows, 2 for float32 rows, the regions, rows a KV head), or None: a layer whose append is
-        more than a conversion of each element (q8_0 blocks, KIVI windows, coded slots, an exact
-        window) or a batch of sequences."""
+        itself in place of :attr:`append_ops`: ``rows`` ("f16" or "f32"), the K and V regions'
+        words, rows a KV head (``n_ctx``; row (g, t) at region + (g · n_ctx + t) · row words);
+        or None: a layer whose append is more than a conversion of each element (q8_0 blocks,
+        KIVI windows, coded slots, an exact window) or a batch of sequences."""
         k, v = self._streams[j]
         if self.batch != 1 or any(st.coded or st.kivi or st.windowed or st.q8 for st in (k, v)) or k.half != v.half:
             return None
-        return dict(append_format=1 if k.half else 2, k_layer_word=k.region_word, v_layer_word=v.region_word,
+        return dict(rows="f16" if k.half else "f32", k_layer_word=k.region_word, v_layer_word=v.region_word,
                     n_ctx=self.layout.n_ctx)
 
     def _window_op(self, i: int, j: int):

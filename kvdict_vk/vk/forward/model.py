@@ -32,7 +32,7 @@ from ..device import kp
 from ..kernels import Buffer, barrier, pipeline, run
 from ..abi import WG_SIZE
 from ..submit import Recording
-from .specs import X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
+from .specs import QKV_APPEND_FORMATS, X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
 from .weights import FORMATS, Matrix, ModelWeights, dequantised, f32_matrix
 
 TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
@@ -241,7 +241,9 @@ class DeviceForward:
                     k_rows=cfg.n_kv_heads * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),
                     v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
                     n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps,
-                    **(appends or dict(n_ctx=self.arena.layout.n_ctx)))
+                    append_format=QKV_APPEND_FORMATS[appends["rows"] if appends else "none"],
+                    k_layer_word=appends["k_layer_word"] if appends else 0,
+                    v_layer_word=appends["v_layer_word"] if appends else 0, n_ctx=self.arena.layout.n_ctx)
 
     # --- a token ---------------------------------------------------------------------------
     def run(self, token: int) -> int:

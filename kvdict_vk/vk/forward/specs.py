@@ -61,7 +61,8 @@ def _qkv(p, s):
             [(p["pos_word"], p["pos_word"] + 1)], layer)
 
 
-APPEND_ROW_WORDS = {0: 0, 1: 1, 2: 2}  # fwd_qkv's append_format → words per two elements (f16: 1, f32: 2)
+QKV_APPEND_FORMATS = {"none": 0, "f16": 1, "f32": 2}  # fwd_qkv's append_format: the rows it writes into a layer
+APPEND_ROW_WORDS = {0: 0, 1: 1, 2: 2}  # fwd_qkv's append_format → words per two elements
 
 
 def _embed(p, s):
