@@ -86,7 +86,8 @@ def run_cases(n: int, runs: int) -> list:
     from kvdict_vk.vk.forward.model import MATVEC_WORKGROUPS
     from kvdict_vk.vk.forward.specs import X_MODES
     from kvdict_vk.vk.forward.weights import BLOCK_WORDS, FORMATS
-    from kvdict_vk.vk.kernels import Buffer, barrier, pipeline
+    from kvdict_vk.vk.device import kp
+    from kvdict_vk.vk.kernels import Buffer, barrier, pipeline, run
     from kvdict_vk.vk.submit import Recording
     dev = get_device(None)
     rng = np.random.default_rng(0)
@@ -102,9 +103,7 @@ def run_cases(n: int, runs: int) -> list:
                    np.concatenate([words.reshape(-1), np.ones(n_cols, np.float32).view(np.uint32)]))
         x = Buffer(dev, 2 * n_cols, "device", "probe x", rng.standard_normal(2 * n_cols, dtype=np.float32))
         y = Buffer(dev, n_rows, "device", "probe y")
-        from kvdict_vk.vk.kernels import run as run_ops
-        from kvdict_vk.vk.device import kp
-        run_ops(dev, kp.OpTensorSyncDevice([w.tensor, x.tensor]))
+        run(dev, kp.OpTensorSyncDevice([w.tensor, x.tensor]))
         groups = -(-n_rows // (WG_SIZE // rt))
         items = (groups if one_pass else min(groups, MATVEC_WORKGROUPS)) * WG_SIZE
         k = pipeline(dev, "fwd_matvec_sg", [w, x, y], {"FORMAT": FORMATS[fmt], "ROW_THREADS": rt, "X_MODE": X_MODES[mode]},
