@@ -144,8 +144,9 @@ def test_qkv_appends_the_rows_the_step_would(cache, make_arena):
             assert np.array_equal(a, b)
 
 
-def test_qkv_leaves_q8_0_kivi_and_coded_appends_to_the_step(make_arena):
-    """A q8_0 layer's rows are blocks (and KIVI's, coded slots' more): the step appends them."""
+def test_qkv_leaves_q8_0_blocks_to_the_step(make_arena):
+    """A q8_0 layer's rows are blocks of 32 elements, more rows than a workgroup of fwd_qkv
+    holds at its row threads: the step appends them."""
     rng = np.random.default_rng(66)
     w = _small_model(rng, "q4_1", True)
     cfg = w.config
