@@ -10,11 +10,6 @@
 #include "common.glsl"
 #include "rows_encode.glsl"
 
-// a stream's source format (kvdict_vk.rows.APPEND_FORMATS)
-#define FORMAT_WORDS 0u
-#define FORMAT_F16 1u
-#define FORMAT_Q8_0 2u
-
 layout(local_size_x = WG_SIZE) in;
 
 layout(std430, binding = 0) readonly buffer Step { uint step_words[]; };

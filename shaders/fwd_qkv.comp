@@ -7,10 +7,11 @@
 // kvdict_vk.forge.llama.rope_cos_sin makes it (row p: rope_dim / 2 cosines, then the sines).
 // The queries go to y_word of Y (a decode step's query block), the keys and values to k_word and
 // v_word of Rows (its source rows). ROW_THREADS ≤ WG_SIZE / 2: a pair's rows in one workgroup.
-// append_format 1 or 2 (an f16 or f32 rows layer): the keys and values also go straight into the
-// layer's rows at the token's row (the position: row (g, p) at k_layer_word + (g · n_ctx + p) ·
-// row words, docs/ARENA.md), binary16 pairs made as append_step makes them (rows_encode.glsl's
-// f16_bits: NumPy's bits), so the decode step records no append_step for the layer.
+// row_words > 0 (an f16 or f32 rows layer: DecodeStep.row_append): the keys and values go
+// straight into the layer's rows instead, at the token's row (the position: row (g, p) at
+// k_layer_word + (g · n_ctx + p) · row_words, docs/ARENA.md) — binary16 pairs made as
+// append_step makes them (rows_encode.glsl's f16_bits: NumPy's bits) or float32 words — so the
+// decode step records no append_step for the layer and its source rows stay unwritten.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -42,7 +43,8 @@ layout(push_constant) uniform QkvPush {
     uint pos_word;
     uint n_pos;      // the table's positions: a position past it reads the last
     uint norm_word;
-    uint append_format;  // 0: none; 1: f16 rows; 2: f32 rows (kvdict_vk.vk.forward.specs.QKV_APPEND_FORMATS)
+    uint row_words;      // words a stored row holds; 0: the rows go to Rows only
+    uint row_format;     // FORMAT_F16 or FORMAT_WORDS (f32 rows)
     uint k_layer_word;   // the layer's K and V regions in Layer
     uint v_layer_word;
     uint n_ctx;          // rows a KV head
@@ -78,25 +80,25 @@ void main() {
             }
             if (query)
                 y_vals[pc.y_word + r] = v;
+            else if (pc.row_words != 0u)
+                out_vals[slot] = v;
             else if (within < pc.k_rows)
                 kv_vals[pc.k_word + within] = v;
             else
                 kv_vals[pc.v_word + within - pc.k_rows] = v;
-            out_vals[slot] = v;
         }
-        if (pc.append_format != 0u) {
+        if (pc.row_words != 0u) {
             barrier();  // out_vals holds both rows of a pair
             if (valid && lid % ROW_THREADS == 0u && r >= pc.q_rows) {
                 uint within = r - pc.q_rows;
                 bool key = within < pc.k_rows;
                 uint e = key ? within : within - pc.k_rows;  // (KV head g, element d) of the stream
                 uint g = e / pc.head_dim, d = e % pc.head_dim;
-                uint base = (key ? pc.k_layer_word : pc.v_layer_word);
-                if (pc.append_format == 1u && (d & 1u) == 0u)
-                    layer_words[base + ((g * pc.n_ctx + p) * pc.head_dim + d) / 2u] =
-                        f16_bits(out_vals[slot]) | (f16_bits(out_vals[slot + 1u]) << 16u);
-                else if (pc.append_format == 2u)
-                    layer_words[base + (g * pc.n_ctx + p) * pc.head_dim + d] = floatBitsToUint(out_vals[slot]);
+                uint row = (key ? pc.k_layer_word : pc.v_layer_word) + (g * pc.n_ctx + p) * pc.row_words;
+                if (pc.row_format == FORMAT_F16 && (d & 1u) == 0u)
+                    layer_words[row + d / 2u] = f16_bits(out_vals[slot]) | (f16_bits(out_vals[slot + 1u]) << 16u);
+                else if (pc.row_format == FORMAT_WORDS)
+                    layer_words[row + d] = floatBitsToUint(out_vals[slot]);
             }
         }
         barrier();  // row_vals and out_vals read before the next rows overwrite them

@@ -5,6 +5,12 @@
 // division at 2.5 ULP; OpFMul and OpFAdd are correctly rounded (`precise`: never contracted
 // into an fma, which rounds once where NumPy rounds twice).
 
+// What a stream's recorded append converts (kvdict_vk.rows.APPEND_FORMATS): its rows' words as
+// given (f32 rows, a coded stream's slots), binary16 pairs, q8_0 blocks.
+#define FORMAT_WORDS 0u
+#define FORMAT_F16 1u
+#define FORMAT_Q8_0 2u
+
 // NumPy's float32 → binary16 (round to nearest, ties to even; overflow → ±inf; a NaN keeps
 // its sign and the top ten bits of its payload, made nonzero).
 uint f16_bits(float f) {

@@ -117,12 +117,12 @@ def _glsl_defines(source: str, prefix: str) -> dict:
 
 
 def test_glsl_constants_are_their_python_twins():
-    """The constants a shader and its Python side both name — append_step's source formats,
+    """The constants a shader and its Python side both name — rows_encode.glsl's append formats,
     weights.glsl's weight formats and block sizes, matvec.glsl's x modes — agree."""
     from kvdict_vk import rows as R
     from kvdict_vk.vk.forward import specs as fwd_specs
     from kvdict_vk.vk.forward import weights as W
-    assert _glsl_defines("append_step.comp", "FORMAT_") == R.APPEND_FORMATS
+    assert _glsl_defines("rows_encode.glsl", "FORMAT_") == R.APPEND_FORMATS
     assert _glsl_defines("weights.glsl", "W_") == W.FORMATS
     assert _glsl_defines("matvec.glsl", "X_") == fwd_specs.X_MODES
     text = (ROOT / "shaders" / "weights.glsl").read_text()

@@ -194,16 +194,19 @@ class DecodeStep:
         return out
 
     def row_append(self, j: int) -> dict | None:
-        """Where layer j (of ``layers``) keeps a token's K and V rows, for a kernel that writes them
-        itself in place of :attr:`append_ops`: ``rows`` ("f16" or "f32"), the K and V regions'
-        words, rows a KV head (``n_ctx``; row (g, t) at region + (g · n_ctx + t) · row words);
-        or None: a layer whose append is more than a conversion of each element (q8_0 blocks,
-        KIVI windows, coded slots, an exact window) or a batch of sequences."""
+        """What a kernel that writes layer j's (of ``layers``) K and V rows itself, in place of
+        :attr:`append_ops`, needs (fwd_qkv's push): the rows' words and their format
+        (rows.APPEND_FORMATS: binary16 pairs, or f32 rows' words as they are), the K and V regions
+        (row (g, t) at region + (g · n_ctx + t) · row_words); or None, where the append is more than
+        a conversion of each element (q8_0 blocks, KIVI windows, coded slots, an exact window) or
+        the step holds a batch of sequences."""
         k, v = self._streams[j]
-        if self.batch != 1 or any(st.coded or st.kivi or st.windowed or st.q8 for st in (k, v)) or k.half != v.half:
+        fmt = R.append_format(k)
+        if self.batch != 1 or any(st.coded or st.kivi or st.windowed for st in (k, v)) \
+                or fmt not in ("f16", "words") or R.append_format(v) != fmt:
             return None
-        return dict(rows="f16" if k.half else "f32", k_layer_word=k.region_word, v_layer_word=v.region_word,
-                    n_ctx=self.layout.n_ctx)
+        return dict(row_words=k.row_words, row_format=R.APPEND_FORMATS[fmt], k_layer_word=k.region_word,
+                    v_layer_word=v.region_word)
 
     def _window_op(self, i: int, j: int):
         """append_window of layer i (j-th of the step): the token's rows from their float rows."""

@@ -5,9 +5,9 @@ A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF'
 and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the token's
 embedding row into the residual; per layer, Q, K and V in one dispatch over the normed
 residual, RoPE'd as they are written straight into the decode step's query block and source
-rows — and, over f16 or f32 rows, into the layer's rows at the token's position, so the step
-records no append for it (fwd_qkv; DecodeStep.row_append) → the step's append and attention
-(kvdict_vk.vk.arena.decode, record=False) →
+rows — over f16 or f32 rows, the keys and values into the layer's rows at the token's position
+instead, so the step records no append for it (fwd_qkv; DecodeStep.row_append) → the step's
+append and attention (kvdict_vk.vk.arena.decode, record=False) →
 the O projection added to the residual → gate and up over the normed residual → the down
 projection of their SwiGLU added to the residual (fwd_matvec; matvec.glsl reads the norm and
 the SwiGLU into the matvec, so neither has a dispatch of its own); then the LM head over the
@@ -32,7 +32,7 @@ from ..device import kp
 from ..kernels import Buffer, barrier, pipeline, run
 from ..abi import WG_SIZE
 from ..submit import Recording
-from .specs import QKV_APPEND_FORMATS, X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
+from .specs import X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
 from .weights import FORMATS, Matrix, ModelWeights, dequantised, f32_matrix
 
 TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
@@ -207,7 +207,7 @@ class DeviceForward:
                                         norm_word=base + at["ffn_norm"]) for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
             appends = step.row_append(j) if self._qkv_appends else None
             layer_buf = self.arena.memory.layer_buffer(step.layers[j])
-            qkv_writes = (queries, rows, layer_buf) if appends else (queries, rows)
+            qkv_writes = (queries, layer_buf) if appends else (queries, rows)
             sections += [
                 ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j, layer_buf, appends), barrier(*qkv_writes)]),
                 ("append + attention", [*(step.attend_ops[j] if appends else step.layer_ops[j]), barrier(attn_out)]),
@@ -228,8 +228,8 @@ class DeviceForward:
 
     def _qkv(self, wbuf: Buffer, base: int, at: dict, m: Matrix, j: int, layer_buf: Buffer, appends: dict | None):
         """Layer j's Q, K and V (one matrix, their rows in that order) from the normed residual,
-        RoPE'd, into the step's query block and source rows — and, ``appends`` (the step's
-        row_append), the token's K and V rows into the layer buffer."""
+        RoPE'd, into the step's query block and source rows — or, ``appends`` (the step's
+        row_append), the keys and values into the layer buffer's rows instead."""
         cfg, step = self.config, self.step
         rows, queries, _ = step.buffers
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": min(self._row_threads, WG_SIZE // 2),
@@ -241,9 +241,7 @@ class DeviceForward:
                     k_rows=cfg.n_kv_heads * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),
                     v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
                     n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps,
-                    append_format=QKV_APPEND_FORMATS[appends["rows"] if appends else "none"],
-                    k_layer_word=appends["k_layer_word"] if appends else 0,
-                    v_layer_word=appends["v_layer_word"] if appends else 0, n_ctx=self.arena.layout.n_ctx)
+                    n_ctx=self.arena.layout.n_ctx, **(appends or {}))
 
     # --- a token ---------------------------------------------------------------------------
     def run(self, token: int) -> int:

@@ -3,6 +3,8 @@ push constants (registered with kvdict_vk.vk.shaders when this module is importe
 from __future__ import annotations
 
 from ... import errors as E
+from ... import layout as L
+from ... import rows as R
 from .. import shaders
 from .weights import BLOCK, BLOCK_WORDS, FORMATS
 
@@ -49,20 +51,17 @@ def _qkv(p, s):
         raise E.DispatchError(f"fwd_qkv: push constants {p} are inconsistent")
     w = _row_words({**p, "n_rows": q + 2 * k}, s, "fwd_qkv")
     x, norm = _x_span(p, s, "fwd_qkv")
-    fmt = p["append_format"]
-    if fmt not in APPEND_ROW_WORDS or p["n_ctx"] < p["n_pos"]:
-        raise E.DispatchError(f"fwd_qkv: append_format {fmt} (have {sorted(APPEND_ROW_WORDS)}), n_ctx {p['n_ctx']} "
-                              f"below the positions ({p['n_pos']})")
-    # the token's row of each KV head, wherever the position puts it: the regions
-    region = k // hd * p["n_ctx"] * hd * APPEND_ROW_WORDS[fmt] // 2
-    layer = [(p[w_], p[w_] + region) for w_ in ("k_layer_word", "v_layer_word")] if fmt else []
-    return ([(p["w_word"], p["w_word"] + (q + 2 * k) * w), *norm], x, [(p["y_word"], p["y_word"] + q)],
-            [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)], [(0, p["n_pos"] * rd)],
-            [(p["pos_word"], p["pos_word"] + 1)], layer)
-
-
-QKV_APPEND_FORMATS = {"none": 0, "f16": 1, "f32": 2}  # fwd_qkv's append_format: the rows it writes into a layer
-APPEND_ROW_WORDS = {0: 0, 1: 1, 2: 2}  # fwd_qkv's append_format → words per two elements
+    n_kv, rw = k // hd, p["row_words"]
+    rows_of = {R.APPEND_FORMATS["f16"]: "f16", R.APPEND_FORMATS["words"]: "f32"}  # the formats fwd_qkv writes
+    if rw and (p["row_format"] not in rows_of or rw != L.row_words(hd, 0, 0, rows_of[p["row_format"]])
+               or p["n_ctx"] < p["n_pos"]):
+        raise E.DispatchError(f"fwd_qkv: rows of {rw} words in format {p['row_format']} over {p['n_ctx']} rows a "
+                              f"KV head (f32 or f16 rows of head_dim {hd}, n_ctx ≥ {p['n_pos']})")
+    # appending: the token's row of each KV head, wherever the position puts it (the regions); else the source rows
+    layer = [(p[w_], p[w_] + n_kv * p["n_ctx"] * rw) for w_ in ("k_layer_word", "v_layer_word")] if rw else []
+    rows = [] if rw else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
+    return ([(p["w_word"], p["w_word"] + (q + 2 * k) * w), *norm], x, [(p["y_word"], p["y_word"] + q)], rows,
+            [(0, p["n_pos"] * rd)], [(p["pos_word"], p["pos_word"] + 1)], layer)
 
 
 def _embed(p, s):
