@@ -6,6 +6,7 @@ Byte-level description: docs/FORMAT.md. In short::
     header  (CBOR map)  kind, passed, gate{...}, payload{length, sha256}, model{...}, producer{...}
     payload (CBOR map)  KvDictArtifact: format_version, n_layers, head_dim, n_atoms, sparsity,
                         layers[{k: dict|null, v: dict|null}], window?{sink, recent},
+                        key_rope?{theta, dims},
                         dict = {atoms, mean?, metric?, sparsity?, residual_bits?, residual_scale?}
 
 Arrays are RFC 8746 typed arrays: tag 40 [shape, tag 85 (float32 little-endian bytes)].
@@ -30,14 +31,15 @@ import numpy as np
 
 from . import errors as E
 from .dictionary import KvDictArtifact, StreamDict, MAX_N_ATOMS
+from .rope import KeyRope
 from .window import NO_WINDOW, ExactWindow
 
 MAGIC = b"\x89Q42\r\n\x1a\n"  # PNG-style: high bit, CRLF, ^Z, LF catch text-mode mangling
 FRAME = struct.Struct("<8sHHII")  # magic, frame_version, flags, header_len, header_crc32
 FRAME_VERSION = 1
-PAYLOAD_FORMAT_VERSION = 2
+PAYLOAD_FORMAT_VERSION = 3
 # what each payload format version added: named when an older payload is refused
-_VERSION_CHANGES = {2: "the dictionary cache's exact window"}
+_VERSION_CHANGES = {2: "the dictionary cache's exact window", 3: "keys coded before RoPE"}
 KIND = "KvDictionary"
 TAG_NDARRAY = 40  # RFC 8746 multi-dimensional array, row-major: [shape, typed array]
 TAG_F32LE = 85  # RFC 8746 typed array: IEEE-754 binary32, little-endian
@@ -161,12 +163,15 @@ def payload_to_cbor(art: KvDictArtifact) -> bytes:
     }
     if art.window:  # absent = no window: one encoding per artifact
         m["window"] = {"sink": art.window.sink, "recent": art.window.recent}
+    if art.key_rope is not None:  # absent = keys coded after RoPE
+        m["key_rope"] = art.key_rope.to_dict()
     return cbor2.dumps(m)
 
 
 _PAYLOAD_KEYS = {"format_version", "n_layers", "head_dim", "n_atoms", "sparsity", "layers"}
-_PAYLOAD_OPTIONAL = {"window"}
+_PAYLOAD_OPTIONAL = {"window", "key_rope"}
 _WINDOW_KEYS = {"sink", "recent"}
+_ROPE_KEYS = {"theta", "dims"}
 _DICT_KEYS = {"atoms", "mean", "metric", "sparsity", "residual_bits", "residual_scale"}
 _DICT_ARRAYS = ("atoms", "mean", "metric", "residual_scale")
 # Array ranks per key: atoms (n_heads, n_atoms, head_dim) or shared (n_atoms, head_dim);
@@ -229,7 +234,8 @@ def payload_from_cbor(data: bytes, limits: Limits = DEFAULT_LIMITS) -> KvDictArt
             raise S(f"layers[{i}] must be a map with exactly the keys 'k' and 'v'")
         layers.append((dec(ent["k"], f"layers[{i}].k"), dec(ent["v"], f"layers[{i}].v")))
     return KvDictArtifact(head_dim=head_dim, n_atoms=n_atoms, sparsity=sparsity, layers=tuple(layers),
-                          window=_window_from_cbor(m["window"]) if "window" in m else NO_WINDOW)
+                          window=_window_from_cbor(m["window"]) if "window" in m else NO_WINDOW,
+                          key_rope=_rope_from_cbor(m["key_rope"]) if "key_rope" in m else None)
 
 
 def _check_format_version(ver: int) -> None:
@@ -255,6 +261,14 @@ def _window_from_cbor(w) -> ExactWindow:
     if not window:
         raise E.SchemaError("payload.window is empty: an artifact without a window leaves the key out")
     return window
+
+
+def _rope_from_cbor(r) -> KeyRope:
+    if not isinstance(r, dict) or set(r) != _ROPE_KEYS:
+        raise E.SchemaError("payload.key_rope must be a map with exactly the keys 'dims' and 'theta'")
+    if type(r["dims"]) is not int or type(r["theta"]) not in (int, float):
+        raise E.SchemaError("payload.key_rope: dims must be an unsigned integer and theta a number")
+    return KeyRope(r["theta"], r["dims"])  # DimsError outside its ranges
 
 
 # --- header ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import errors as E
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, slot_words
+from .rope import KeyRope
 from .window import NO_WINDOW, ExactWindow
 
 MAX_N_ATOMS = 1 << 16  # a code word's atom index is 16 bits
@@ -180,16 +181,22 @@ class KvDictArtifact:
     layer's KV heads, else one per KV head), so every layer's atom tail in the arena has
     the same shape; each stream has its own sparsity (≤ the artifact's `sparsity`, the
     maximum) and residual bits. ``window``: the tokens the cache keeps in binary16 beside
-    their slots (kvdict_vk.window), part of what was certified."""
+    their slots (kvdict_vk.window), part of what was certified. ``key_rope``: the key streams
+    code keys before RoPE turns them (kvdict_vk.rope), None: after."""
     head_dim: int
     n_atoms: int
     sparsity: int
     layers: tuple
     window: ExactWindow = NO_WINDOW
+    key_rope: KeyRope | None = None
 
     def __post_init__(self):
         if not isinstance(self.window, ExactWindow):
             raise E.SchemaError(f"window is a {type(self.window).__name__}, not an ExactWindow")
+        if self.key_rope is not None:
+            if not isinstance(self.key_rope, KeyRope):
+                raise E.SchemaError(f"key_rope is a {type(self.key_rope).__name__}, not a KeyRope")
+            self.key_rope.check_head_dim(self.head_dim)
         layers = tuple(tuple(pair) for pair in self.layers)
         object.__setattr__(self, "layers", layers)
         if not layers:
@@ -230,6 +237,11 @@ class KvDictArtifact:
     def stream(self, layer: int, k_not_v: bool) -> StreamDict | None:
         return self.layers[layer][0 if k_not_v else 1]
 
+    def stream_rope(self, layer: int, k_not_v: bool) -> KeyRope | None:
+        """The RoPE a coded stream's vectors were coded before (key streams of a key_rope
+        artifact), else None: what an encode turns back and a decode turns on."""
+        return self.key_rope if k_not_v and self.layers[layer][0] is not None else None
+
     @functools.cached_property  # the artifact is immutable: computed once, on first use
     def atoms_f16_exact(self) -> bool:
         """Whether every coded stream's atoms are binary16 values (finite, each equal to its
@@ -243,7 +255,7 @@ class KvDictArtifact:
         (``ForgeConfig.f16_atoms``), for validating and testing the arena's binary16 atoms."""
         return KvDictArtifact(self.head_dim, self.n_atoms, self.sparsity, tuple(
             tuple(None if d is None else dataclasses.replace(d, atoms=round_to_f16(d.atoms)) for d in pair)
-            for pair in self.layers), self.window)
+            for pair in self.layers), self.window, self.key_rope)
 
     def atoms_flat(self) -> np.ndarray:
         """[layer][K atoms n_heads×n_atoms×head_dim][V atoms …] float32, zeros for

@@ -26,6 +26,9 @@ dump tool read the same numbers. One storage buffer per layer:
 * an artifact with an exact window (kvdict_vk.window): after the regions, each coded
   stream's window block — n_kv × window.rows binary16 rows, token t at window.row_of(t) —
   and the layer's state word (the tokens appended), before the tail
+* an artifact whose keys are coded before RoPE (kvdict_vk.rope): a layer with a coded K
+  stream ends its tail with the K stream's rotation table (rope.table_rows(n_ctx) rows of
+  head_dim float32, on a 4-word boundary), which reads of its keys turn them with
 * no active dictionary → every stream passthrough and no tail: the uncoded cache, f16 by
   default (``cache="f32"`` keeps f32 rows). Passthrough streams of a dict-coded layout
   (streams the artifact leaves uncoded) keep f32 rows.
@@ -48,6 +51,7 @@ from . import errors as E
 from . import kivi as K
 from .dictionary import MAX_N_ATOMS, KvDictArtifact
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words, slot_words
+from .rope import KeyRope, table_block, table_rows
 from .window import NO_WINDOW, ExactWindow
 
 WORD_BYTES = 4
@@ -107,6 +111,7 @@ class DictSpec:
     n_heads: int = 1  # dictionary heads of every stream (KvDictArtifact.n_heads)
     atoms_f16: bool = False  # every atom a binary16 value (KvDictArtifact.atoms_f16_exact)
     window: ExactWindow = NO_WINDOW  # the coded streams' exact window (KvDictArtifact.window)
+    key_rope: KeyRope | None = None  # keys coded before RoPE (KvDictArtifact.key_rope)
 
     @classmethod
     def from_artifact(cls, art: KvDictArtifact) -> "DictSpec":
@@ -116,7 +121,7 @@ class DictSpec:
             return StreamSpec(True, d.sparsity, d.mean is not None, d.residual_bits, d.n_heads, d.slot_words)
         return cls(art.head_dim, art.n_atoms, art.sparsity,
                    tuple((spec(k), spec(v)) for k, v in art.layers), art.n_heads, art.atoms_f16_exact,
-                   art.window)
+                   art.window, art.key_rope)
 
 
 # --- the layout objects ------------------------------------------------------------------
@@ -159,6 +164,20 @@ class StreamLayout:
     # rows: atoms that are all binary16 values, head_dim % 8 == 0.
     atoms_f16: bool = False
     exact_window: ExactWindow = NO_WINDOW  # a coded stream's exact window
+    # A K stream coded before RoPE (kvdict_vk.rope): its rotation table in the tail.
+    key_rope: KeyRope | None = None
+    rope_word: int | None = None
+    rope_words: int = 0
+
+    @property
+    def rope_block(self) -> int:
+        """B of the rotation table (rope.table_block): position t = hi·B + lo."""
+        return table_block(self.n_ctx)
+
+    @property
+    def rope_hi_rows(self) -> int:
+        """The table's hi rows (⌈n_ctx / B⌉); its lo rows follow them."""
+        return -(-self.n_ctx // self.rope_block)
 
     @property
     def windowed(self) -> bool:
@@ -235,6 +254,8 @@ class StreamLayout:
                     "group_stats": None if self.stats_word is None else _span(self.stats_word, self.stats_words),
                     "window": _span(self.window_word, self.window_words),
                     "state": _span(self.state_word, 1)} if self.kivi else {}),
+                **({"key_rope": self.key_rope.to_dict(), "rope_block": self.rope_block,
+                    "rope_table": _span(self.rope_word, self.rope_words)} if self.key_rope else {}),
                 **({"exact_window": {"sink": self.exact_window.sink, "recent": self.exact_window.recent},
                     "window": _span(self.window_word, self.window_words),
                     "state": _span(self.state_word, 1)} if self.windowed else {})}
@@ -475,6 +496,14 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
         atoms = [place(atom_words, ALIGN_WORDS), place(atom_words, block_align)]
         means = [place(g * hd, block_align), place(g * hd, block_align)]
         scales = [place(g * hd, block_align), place(g * hd, block_align)]
+        if spec.key_rope is not None and pair[0].coded:
+            try:
+                spec.key_rope.check_head_dim(hd)
+            except E.DimsError as e:
+                raise E.DictMismatchError(str(e)) from None
+            rope_words = table_rows(n_ctx) * hd
+            kivi_fields[0] = dict(kivi_fields[0], key_rope=spec.key_rope, rope_words=rope_words,
+                                  rope_word=place(rope_words, VEC4_WORDS))
         tail_word, tail_words = atoms[0], cursor - atoms[0]
     total = _round_up(cursor + guard, ALIGN_WORDS)
     spans = []

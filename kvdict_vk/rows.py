@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import errors as E
+from . import rope
 from .dictionary import is_f16_exact
 from .layout import ATOMS_F16_ELEMS, CACHES, Q8_BLOCK, ArenaLayout, StreamLayout, q8_scale_words
 
@@ -127,4 +128,7 @@ def layer_tail_image(layout: ArenaLayout, layer: int, atoms_flat: np.ndarray | N
         for word, vec in ((st.mean_word, means[j]), (st.scale_word, scales[j])):
             v = np.zeros((g, hd), np.float32) if vec is None else np.broadcast_to(np.asarray(vec, np.float32), (g, hd))
             img[word - ll.tail_word:word - ll.tail_word + g * hd] = np.ascontiguousarray(v).reshape(-1).view(np.uint32)
+        if st.key_rope is not None:
+            r0 = st.rope_word - ll.tail_word
+            img[r0:r0 + st.rope_words] = rope.table(st.key_rope, st.n_ctx, hd).reshape(-1).view(np.uint32)
     return img

@@ -15,6 +15,9 @@
 // sparsity x HEAD_DIM atom words per token and stream. Below a few hundred tokens that is
 // far less; kvdict_vk.vk.attend_plan picks the path by the words each would load.
 //
+// Keys coded before RoPE (K_ROPE, kvdict_vk.rope): a decoded key plus its mean (which no longer
+// cancels) is turned to its token's position by the layer's rotation table (rope.glsl).
+//
 // A windowed dictionary layer (kvdict_vk.window): the cached tokens the exact window holds are
 // skipped here and attended by attend_window.comp (one more record, merged with these).
 //
@@ -39,6 +42,7 @@
 #include "common.glsl"
 #include "attend_common.glsl"
 #include "window.glsl"
+#include "rope.glsl"
 
 layout(constant_id = 4) const uint K_SPARSITY = 0u;  // code words per K slot (0: f32 rows)
 layout(constant_id = 5) const uint K_BITS = 0u;      // residual bits of K (0: none)
@@ -48,6 +52,7 @@ layout(constant_id = 7) const uint V_BITS = 0u;
 // low half, unpackHalf2x16 — no 16-bit storage feature needed) or f32. Needs HEAD_DIM % 8 == 0.
 layout(constant_id = 8) const uint ROW_HALF = 0u;
 layout(constant_id = 9) const bool ATOMS_F16 = false;  // the atoms in binary16 (atoms.glsl)
+layout(constant_id = 10) const bool K_ROPE = false;    // keys coded before RoPE (K dict-coded)
 #include "atoms.glsl"
 const uint PASS_ROW = ROW_HALF > 0u ? HEAD_DIM / 2u : HEAD_DIM;
 const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
@@ -88,6 +93,10 @@ layout(push_constant) uniform AttendDirectPush {
     uint write_out;     // 1: one split covers every token: write the output, not a record
     uint use_mean;      // (write_out) add the V dictionary's mean
     uint mean_word;
+    uint k_mean_word;   // (K_ROPE) the K dictionary's mean, and the rotation table (rope.glsl)
+    uint rope_word;
+    uint rope_hi;
+    uint rope_shift;
     uint win_sink;      // a windowed layer (window.glsl): only tokens [win_sink, coded_end) from here
     uint win_recent;
     uint state_word;    // (windowed) the layer's token count
@@ -98,6 +107,7 @@ layout(push_constant) uniform AttendDirectPush {
 vec4 q[BQ], acc[BQ];
 float m[HB], l[HB];
 vec4 k_scale[Q4], v_scale[Q4];
+vec4 k_mean[Q4];  // K_ROPE only
 
 // Branches, not selects: each load sits under its own (constant, once inlined) condition, so
 // no driver ever evaluates an index against the other buffer.
@@ -113,7 +123,8 @@ vec4 row_quad(bool fresh, uint x) {
 }
 
 // The head vector stored at `slot` (first word) minus its mean: f32 rows as stored, a slot as
-// sum_j c_j atom idx_j (atoms.glsl, the head's atoms at atoms_word) + the residual times `scale`.
+// sum_j c_j atom idx_j (atoms.glsl, the head's atoms at atoms_word) + the residual times `scale`
+// (a K_ROPE key's mean and turn are attend_token's).
 void decode_row(bool fresh, uint slot, uint sparsity, uint bits, uint level_words, uint atoms_word,
                 vec4 scale[Q4], out vec4 row[Q4]) {
     if (sparsity == 0u && ROW_HALF > 0u) {
@@ -156,10 +167,17 @@ void decode_row(bool fresh, uint slot, uint sparsity, uint bits, uint level_word
     }
 }
 
-// One token: its key's scores for the HB query heads, the online softmax, its value.
-void attend_token(bool fresh, uint k_slot, uint v_slot, uint g) {
+// One token, at position t: its key's scores for the HB query heads, the online softmax, its value.
+void attend_token(bool fresh, uint k_slot, uint v_slot, uint g, uint t) {
     vec4 row[Q4];
     decode_row(fresh, k_slot, K_SPARSITY, K_BITS, K_LEVEL_WORDS, pc.k_atoms_word + g * pc.head_atoms, k_scale, row);
+    if (K_ROPE) {
+        [[unroll]] for (uint c = 0u; c < Q4; ++c) {
+            uvec2 at = (pc.rope_word >> 2u) + rope_quads(t, c, pc.rope_hi, pc.rope_shift, Q4);
+            row[c] = rope_turn(row[c] + k_mean[c], uintBitsToFloat(cache_quads[at.x]),
+                               uintBitsToFloat(cache_quads[at.y]), 1.0);
+        }
+    }
     float p[HB], corr[HB];
     [[unroll]] for (uint hj = 0u; hj < HB; ++hj) {
         float s = 0.0;
@@ -204,6 +222,9 @@ void main() {
                 k_scale[c] = uintBitsToFloat(cache_quads[((pc.k_scale_word + g * pc.head_vec) >> 2u) + c]);
             if (V_BITS > 0u)
                 v_scale[c] = uintBitsToFloat(cache_quads[((pc.v_scale_word + g * pc.head_vec) >> 2u) + c]);
+            k_mean[c] = vec4(0.0);
+            if (K_ROPE)
+                k_mean[c] = uintBitsToFloat(cache_quads[((pc.k_mean_word + g * pc.head_vec) >> 2u) + c]);
         }
 
         uint k_base = pc.k_word + g * pc.n_ctx * K_ROW;
@@ -214,11 +235,11 @@ void main() {
             hi = min(hi, window_coded_end(cache_words[pc.state_word], pc.win_sink, pc.win_recent));
         }
         for (uint t = max(t0, lo); t < min(t1, hi); ++t)
-            attend_token(false, k_base + t * K_ROW, v_base + t * V_ROW, g);
+            attend_token(false, k_base + t * K_ROW, v_base + t * V_ROW, g, t);
         k_base = pc.fresh_k_word + g * n_fresh * K_ROW;
         v_base = pc.fresh_v_word + g * n_fresh * V_ROW;
         for (uint t = max(t0, pc.n_cached); t < t1; ++t)
-            attend_token(true, k_base + (t - pc.n_cached) * K_ROW, v_base + (t - pc.n_cached) * V_ROW, g);
+            attend_token(true, k_base + (t - pc.n_cached) * K_ROW, v_base + (t - pc.n_cached) * V_ROW, g, t);
 
         if (pc.write_out != 0u) {
             uint h0 = g * GROUP + hj0;

@@ -6,7 +6,8 @@
 // rows, written as one more split record (index split0, after the coded passes' splits) that
 // the merge combines with theirs. Like the coded passes it leaves the means out — q . mean_k
 // is the same for every token (it cancels), mean_v is added by the merge — so the records
-// agree.
+// agree; beside keys coded before RoPE (score_k_mean), whose pass scores q . mean_k (turned,
+// it no longer cancels), it keeps q . mean_k in the window's scores too.
 // The window is short and its pass runs beside the coded pass's table, so its time is a few
 // memory latencies in a row: every invocation works on every phase and issues its loads
 // together — a row's score an invocation (its key's words unrolled), the chunk's maximum and
@@ -42,6 +43,7 @@ layout(push_constant) uniform AttendWindowPush {
     uint split0;         // the record index this pass writes
     uint n_seqs;         // 1 (attend_common.glsl's SEQ_USED)
     uint q_word;
+    uint score_k_mean;   // 1: the coded pass scores q . mean_k (keys coded before RoPE): keep it
     float score_scale;
 } pc;
 
@@ -85,7 +87,7 @@ void main() {
         }
         red_sh[tid] = qm;
         tree(false);
-        const float q_mean = red_sh[0];
+        const float q_mean = pc.score_k_mean != 0u ? 0.0 : red_sh[0];
         float m = NEG_INF, l = 0.0;  // uniform
         vec4 acc = vec4(0.0);        // (row group 0) quad `quad` of sum p * v
         for (uint r0 = 0u; r0 < pc.rows; r0 += LOCAL) {

@@ -126,6 +126,9 @@ READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", 
 # a dict-coded stream's exact window over a read's rows (shaders/read_window.comp)
 READ_WINDOW_PUSH = uint_block("ReadWindowPush", "window_word", "rows", "sink", "recent", "state_word", "n_kv",
                               "t0", "n_tok", "out_word")
+# keys coded before RoPE (kvdict_vk.rope) turned in place over a read's K rows (shaders/rope_rows.comp)
+ROPE_ROWS_PUSH = uint_block("RopeRowsPush", "table_word", "hi_rows", "shift", "t0", "n_tok", "n_rows", "out_word",
+                            "inverse", defaults=dict(inverse=0))
 SCATTER_PUSH = uint_block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                           "group_stride", "n_words")
 APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_word", "v_word", "k_row_words", "v_row_words",
@@ -167,11 +170,16 @@ ATTEND_REDUCE_PUSH = uint_block("AttendReducePush", "n_kv", "n_splits", "f_word"
 # the window's tokens, attend_window attends over them; win_sink + win_recent 0: no window
 _WINDOW_WORDS = ("win_sink", "win_recent", "state_word")
 _NO_WINDOW = dict(win_sink=0, win_recent=0, state_word=0)
+# keys coded before RoPE (kvdict_vk.rope, shaders/rope.glsl; attend_direct's K_ROPE build): the K
+# mean (which no longer cancels in the softmax once a key turns) and the rotation table
+_ROPE_WORDS = ("k_mean_word", "rope_word", "rope_hi", "rope_shift")
+_NO_ROPE = dict.fromkeys(_ROPE_WORDS, 0)
 ATTEND_DIRECT_PUSH = uint_block("AttendDirectPush", "k_word", "v_word", "n_ctx", "fresh_k_word", "fresh_v_word",
                                 "t_first", "n_used", "n_cached", "split_len", "n_splits", "split0", "n_kv",
                                 "n_atoms", "k_atoms_word", "v_atoms_word", "head_atoms", "k_scale_word",
                                 "v_scale_word", "head_vec", "write_out", "use_mean", "mean_word",
-                                *_WINDOW_WORDS, floats=("score_scale",), defaults=_NO_WINDOW)
+                                *_ROPE_WORDS, *_WINDOW_WORDS, floats=("score_scale",),
+                                defaults={**_NO_ROPE, **_NO_WINDOW})
 # the flash paths batch sequences (n_seqs, seq_rows, seq_heads: shaders/attend_common.glsl);
 # attend_flash's KIVI builds (one sequence) read a KIVI layer's keys' group statistics, its two
 # exact windows (rings of `window` binary16 rows) and its state word (the quantised end)
@@ -191,7 +199,8 @@ ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word",
                                      defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0, **_NO_WINDOW))
 ATTEND_WINDOW_PUSH = uint_block("AttendWindowPush", "k_window_word", "v_window_word", "rows", "sink", "recent",
                                 "state_word", "k_mean_word", "v_mean_word", "head_vec", "n_kv", "n_used", "split0",
-                                "n_seqs", "q_word", floats=("score_scale",), defaults=dict(n_seqs=1, q_word=0))
+                                "n_seqs", "q_word", "score_k_mean", floats=("score_scale",),
+                                defaults=dict(n_seqs=1, q_word=0, score_k_mean=0))
 ATTEND_MERGE_PUSH = uint_block("AttendMergePush", "n_kv", "n_splits", "use_mean", "mean_word", "head_vec")
 ATTEND_MERGE_HEAD_PUSH = uint_block("AttendMergeHeadPush", "n_kv", "n_splits", "use_mean", "mean_word",
                                     "head_vec", "seq_heads", "out_word", defaults=dict(out_word=0))
@@ -295,6 +304,8 @@ def _declare() -> tuple:
                 ("HEAD_DIM", "BITS", "KEYS", "GROUP"), (("KEYS", 1),)),
         Variant("read_window", "read_window.comp", (), (ro("LayerWords"), rw("OutPairs", 2)), READ_WINDOW_PUSH,
                 ("HEAD_DIM",)),
+        Variant("rope_rows", "rope_rows.comp", (), (ro("LayerQuads", 4), rw("Rows", 4)), ROPE_ROWS_PUSH,
+                ("HEAD_DIM",)),
     ]
     # a model's forward (kvdict_vk/vk/forward/): FORMAT is weights.glsl's weight format
     # FORMAT: weights.glsl's weight format; X_MODE: how matvec.glsl reads x
@@ -318,7 +329,7 @@ def _declare() -> tuple:
     # decode attention (kvdict_vk/vk/attend/): f32 cache / dict-coded cache
     # ATOMS_F16: the arena keeps the atoms in binary16 (shaders/atoms.glsl)
     coded = ATTEND_SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
-    direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF", "ATOMS_F16")
+    direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF", "ATOMS_F16", "K_ROPE")
     flash = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
     flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET", "ATOMS_F16")
     atoms_spec = ATTEND_SPEC + ("ATOMS_F16",)
@@ -424,7 +435,7 @@ TARGET_ENV = "vulkan1.1"  # glslangValidator / spirv-val --target-env (shader_bu
 _SCALAR_TYPES = {"uint": "uint32", "float": "float32"}
 # specialization constants the GLSL declares ``bool`` (reconstruct.comp): 4 bytes too, VkBool32,
 # 0 or 1 — every other one is a ``uint`` (the test holds both against the SPIR-V)
-BOOL_SPEC = frozenset({"PIPELINED", "ATOMS_F16"})
+BOOL_SPEC = frozenset({"PIPELINED", "ATOMS_F16", "K_ROPE"})
 
 
 def _variant_manifest(v: Variant) -> dict:

@@ -1,5 +1,6 @@
 """The words each dispatch of the arena's own shaders touches — reconstruct, copy_rows, copy,
-scatter, append_step, append_window, l2_flush, read_rows_*, read_window — for given push constants and specialization constants.
+scatter, append_step, append_window, l2_flush, read_rows_*, read_window, rope_rows — for given push
+constants and specialization constants.
 
 Each extents function maps (push dict, spec dict) to, per binding, a list of spans (first
 word, one past the last); kernels.Kernel.op refuses a dispatch whose spans leave a buffer
@@ -184,6 +185,22 @@ def _read_window_extents(p, s):
     return reads, [(p["out_word"], p["out_word"] + p["n_kv"] * p["n_tok"] * hd)]
 
 
+def _rope_rows_extents(p, s):
+    hd = s["HEAD_DIM"]
+    if hd % 4 or p["table_word"] % 4 or p["out_word"] % 4 or p["shift"] > 16 or p["inverse"] > 1:
+        raise E.DispatchError(f"rope_rows: HEAD_DIM {hd}, table_word {p['table_word']}, out_word {p['out_word']}, "
+                              f"shift {p['shift']}, inverse {p['inverse']}")
+    if not p["n_rows"]:
+        return [], []
+    if p["n_rows"] % p["n_tok"]:
+        raise E.DispatchError(f"rope_rows: n_rows {p['n_rows']} is not whole KV heads of {p['n_tok']} tokens")
+    table_rows = p["hi_rows"] + (1 << p["shift"])
+    if (p["t0"] + p["n_tok"] - 1) >> p["shift"] >= p["hi_rows"]:
+        raise E.DispatchError(f"rope_rows: tokens to {p['t0'] + p['n_tok']} past the table's {p['hi_rows']} hi rows")
+    return ([(p["table_word"], p["table_word"] + table_rows * hd)],
+            [(p["out_word"], p["out_word"] + p["n_rows"] * hd)])
+
+
 def _copy_extents(p, s):
     n = p["n_words"]
     return ([(p["src_word"], p["src_word"] + n)], [(p["dst_word"], p["dst_word"] + n)]) if n else ([], [])
@@ -208,7 +225,7 @@ EXTENTS = {
     "scatter": _scatter_extents, "append_step": _append_step_extents, "append_kivi": _append_kivi_extents,
     "append_window": _append_window_extents, "l2_flush": _flush_extents,
     "read_rows_f16": _read_f16_extents, "read_rows_q8": _read_q8_extents, "read_rows_kivi": _read_kivi_extents,
-    "read_window": _read_window_extents,
+    "read_window": _read_window_extents, "rope_rows": _rope_rows_extents,
 }
 # variant → invocations that share one row, from the spec (grid stride % groups == 0); others 1
 GROUPS = {f"{k}_{v}": (lambda s, n=n: _row_groups(s, n))

@@ -14,6 +14,7 @@ from kvdict_vk import artifact as A
 from kvdict_vk import errors as E
 from kvdict_vk import runtime
 from kvdict_vk.dictionary import KvDictArtifact, StreamDict
+from kvdict_vk.rope import KeyRope
 from kvdict_vk.window import NO_WINDOW, ExactWindow
 
 from helpers import file_with_payload, frame, header_for, toy_artifact, toy_cert
@@ -241,10 +242,11 @@ def _tagged(a):
     (lambda p: p.update(sparsity=17), E.DimsError),
     (lambda p: p["layers"][0]["k"].update(sparsity=9), E.DimsError),
     (lambda p: p.update(n_layers=4), E.DimsError),
-    (lambda p: p.update(format_version=3), E.FormatVersionError),
+    (lambda p: p.update(format_version=4), E.FormatVersionError),
+    (lambda p: p.update(format_version=2), E.FormatVersionError),
     (lambda p: p.update(format_version=0), E.SchemaError),
     (lambda p: p.update(format_version=-1), E.SchemaError),
-    (lambda p: p.update(format_version="2"), E.SchemaError),
+    (lambda p: p.update(format_version="3"), E.SchemaError),
     (lambda p: p.update(extra=1), E.SchemaError),
     (lambda p: p["layers"].__setitem__(0, {"k": None}), E.SchemaError),
     (lambda p: p["layers"][0]["k"].update(atoms=[[1.0] * 16] * 64), E.TypedArrayError),
@@ -348,7 +350,7 @@ def test_window_round_trip(tmp_path, good, window):
     _, back = A.read_artifact(p)
     assert back.window == window and np.array_equal(back.atoms_flat(), art.atoms_flat())
     raw = cbor2.loads(A.payload_to_cbor(art))
-    assert raw["format_version"] == A.PAYLOAD_FORMAT_VERSION == 2
+    assert raw["format_version"] == A.PAYLOAD_FORMAT_VERSION == 3
     # written only for a window: the same dictionaries without one encode as they did
     assert raw.get("window") == ({"sink": window.sink, "recent": window.recent} if window else None)
     assert ("window" in raw) == bool(window)
@@ -362,13 +364,20 @@ def test_window_survives_f16_atoms_and_is_validated(good):
         dataclasses.replace(good[0], window=(1, 32))
 
 
-@pytest.mark.parametrize("old", [1])
+@pytest.mark.parametrize("old", [1, 2])
 def test_older_format_version_refused_naming_both(tmp_path, installed, good, old):
     assert issubclass(E.FormatVersionError, E.SchemaError)
     p = _raw_payload(good)
     p["format_version"] = old
     _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), E.FormatVersionError,
              match=rf"format_version {old} is older than this reader's {A.PAYLOAD_FORMAT_VERSION}.*kvdict-forge")
+
+
+def test_older_format_names_what_changed_since(tmp_path, installed, good):
+    p = _raw_payload(good)
+    p["format_version"] = 2
+    _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), E.FormatVersionError,
+             match="keys coded before RoPE")
 
 
 def test_newer_format_version_refused(tmp_path, installed, good):
@@ -406,4 +415,49 @@ def test_version_checked_before_the_keys(tmp_path, installed, good):
 def test_malformed_window_refused(tmp_path, installed, good, window, exc):
     p = _raw_payload(good)
     p["window"] = window
+    _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), exc)
+
+
+# --- payload format version 3: keys coded before RoPE -------------------------------------------
+
+@pytest.mark.parametrize("rope", [None, KeyRope(10000.0, 8), KeyRope(500000, 4)])
+def test_key_rope_round_trip(tmp_path, good, rope):
+    art = dataclasses.replace(good[0], key_rope=rope, window=ExactWindow(1, 4))
+    p = tmp_path / "r.q42art"
+    A.write_artifact(p, art, good[1])
+    _, back = A.read_artifact(p)
+    assert back.key_rope == rope and back.window == ExactWindow(1, 4)
+    assert back.with_f16_atoms().key_rope == rope
+    raw = cbor2.loads(A.payload_to_cbor(art))
+    assert raw.get("key_rope") == (None if rope is None else {"theta": rope.theta, "dims": rope.dims})
+    assert ("key_rope" in raw) == (rope is not None)
+    assert back.stream_rope(1, True) == rope and back.stream_rope(1, False) is None
+
+
+def test_key_rope_checked_against_head_dim(good):
+    hd = good[0].head_dim
+    with pytest.raises(E.DimsError, match="dims"):
+        dataclasses.replace(good[0], key_rope=KeyRope(10000.0, hd + 2))
+    with pytest.raises(E.SchemaError, match="KeyRope"):
+        dataclasses.replace(good[0], key_rope=(10000.0, 4))
+
+
+@pytest.mark.parametrize("rope,exc", [
+    ({"theta": 10000.0, "dims": 4, "pairs": "adjacent"}, E.SchemaError),
+    ({"theta": 10000.0}, E.SchemaError),
+    ({"theta": 10000.0, "dims": 3}, E.DimsError),
+    ({"theta": 10000.0, "dims": 0}, E.DimsError),
+    ({"theta": 1.0, "dims": 4}, E.DimsError),
+    ({"theta": float("nan"), "dims": 4}, E.DimsError),
+    ({"theta": float("inf"), "dims": 4}, E.DimsError),
+    ({"theta": "1e4", "dims": 4}, E.SchemaError),
+    ({"theta": 10000.0, "dims": 4.0}, E.SchemaError),
+    ({"theta": 10000.0, "dims": True}, E.SchemaError),
+    ({"theta": 10000.0, "dims": 1 << 40}, E.DimsError),
+    ([10000.0, 4], E.SchemaError),
+    (None, E.SchemaError),
+])
+def test_malformed_key_rope_refused(tmp_path, installed, good, rope, exc):
+    p = _raw_payload(good)
+    p["key_rope"] = rope
     _refused(tmp_path, file_with_payload(cbor2.dumps(p), good[1]), exc)

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvdict_vk import artifact as A
 from kvdict_vk import errors as E
 from kvdict_vk import runtime
+from kvdict_vk.rope import KeyRope
 from kvdict_vk.window import ExactWindow
 
 from helpers import file_with_payload, frame, header_for, toy_artifact, toy_cert
@@ -38,7 +39,8 @@ def _good():
     global _GOOD
     if _GOOD is None:
         art = toy_artifact(np.random.default_rng(2), n_layers=2, n_atoms=8, head_dim=4, s=2, passthrough=())
-        art = dataclasses.replace(art, window=ExactWindow(1, 4))  # so the window's slots exist
+        # so the window's and the key rotation's slots exist
+        art = dataclasses.replace(art, window=ExactWindow(1, 4), key_rope=KeyRope(10000.0, 4))
         _GOOD = (art, toy_cert(art), cbor2.loads(A.payload_to_cbor(art)))
     return _GOOD
 
@@ -67,7 +69,8 @@ _PAYLOAD_SLOTS = [("format_version",), ("n_layers",), ("head_dim",), ("n_atoms",
                   ("layers",), ("layers", 0), ("layers", 0, "k"), ("layers", 1, "v"),
                   ("layers", 0, "k", "atoms"), ("layers", 0, "k", "mean"),
                   ("layers", 0, "k", "sparsity"), ("layers", 1, "v", "metric"), ("window",),
-                  ("window", "sink"), ("window", "recent"), ("window", "extra"), ("extra",)]
+                  ("window", "sink"), ("window", "recent"), ("window", "extra"),
+                  ("key_rope",), ("key_rope", "theta"), ("key_rope", "dims"), ("extra",)]
 
 
 @FUZZ

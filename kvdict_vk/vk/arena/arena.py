@@ -64,6 +64,9 @@ class KvArena:
         if art is not None and art.window and seqs > 1:
             raise E.ArenaError(f"a dictionary cache with an exact window ({art.window.describe()}) holds one "
                                f"sequence; asked for {seqs}")
+        if art is not None and art.key_rope is not None and seqs > 1:
+            raise E.ArenaError(f"a dictionary cache whose keys are coded before RoPE holds one sequence; "
+                               f"asked for {seqs}")
         if kivi is not None and cache != L.KIVI_CACHE:
             raise E.ArenaError(f"kivi settings given for a {cache!r} cache")
         layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx * int(seqs), art,
@@ -259,7 +262,7 @@ class KvArena:
         if w.gpu_encodes(i, rows):
             w.append_gpu(i, rows)  # the slots are made on the device: two submissions
             return att.attend(i, q, n_used, scale)
-        words = w.encode(i, rows)  # after every check: OMP is the expensive part
+        words = w.encode(i, rows, t0)  # after every check: OMP is the expensive part
         staged = None if t_new == 0 or t_new > att.max_fresh_tokens(i) else w.stage_step(i, *words)
         if staged is None:
             w.append_words(i, *words)  # a prefill: two submissions

@@ -82,6 +82,9 @@ class DecodeStep:
             if k.coded != v.coded:
                 raise E.ArenaError(f"layer {i}: a recorded step attends by the flash kernels, which need both "
                                    f"streams dict-coded or neither")
+            if k.key_rope is not None:
+                raise E.ArenaError(f"layer {i}: keys coded before RoPE are attended by attend_direct only "
+                                   f"(KvArena.step, attend); a recorded step attends by the flash kernels")
         # plans first (they may time launch shapes on the device): nothing is allocated on a refusal
         plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
         self.plans = tuple(plans)  # each layer's flash launch shape (profiles print them)
@@ -349,7 +352,10 @@ class DecodeStep:
         for j, i in enumerate(self.layers):
             for rows, st, dst in zip((k_rows[j], v_rows[j]), self._streams[j], out):
                 if st.coded:  # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary
-                    slots = codec.encode_heads(rows.transpose(1, 0, 2), self._writes.stream_dict(i, st.stream))
+                    x = rows.transpose(1, 0, 2)
+                    if st.key_rope is not None:  # one sequence (KvArena refuses more)
+                        x = st.key_rope.unturn(x, self.memory.n_tokens(i))
+                    slots = codec.encode_heads(x, self._writes.stream_dict(i, st.stream))
                     dst.append(slots.transpose(1, 0, 2))
                 else:
                     dst.append(rows.view(np.uint32))

@@ -175,7 +175,8 @@ class ArenaWrites:
             return self.append_kivi(layer, rows)
         if self.gpu_encodes(layer, rows):
             return self.append_gpu(layer, rows, seq)
-        return self.append_words(layer, *self.encode(layer, rows), seq=seq, rows=rows)
+        return self.append_words(layer, *self.encode(layer, rows, self.memory.n_tokens(layer, seq)),
+                                 seq=seq, rows=rows)
 
     def append_batch(self, layer: int, rows) -> None:
         """Checked rows [(K, V)] of sequences 0 .. B − 1, the same count each, appended."""
@@ -190,7 +191,8 @@ class ArenaWrites:
         # every sequence's rows encoded in one call (a token per sequence is one OMP batch
         # of B vectors per KV head, not B calls), written in one scatter
         n_new, streams = rows[0][0].shape[1], self.layout.layers[layer].streams
-        words = self.encode(layer, [np.concatenate([r[s] for r in rows], axis=1) for s in (0, 1)])
+        words = self.encode(layer, [np.concatenate([r[s] for r in rows], axis=1) for s in (0, 1)],
+                            self.memory.n_tokens(layer, 0))  # keys turned at one position: one sequence
         self.write_blocks(layer, [wr for b in range(len(rows)) for wr in self._seq_writes(
             layer, [(w[:, b * n_new:(b + 1) * n_new], st) for w, st in zip(words, streams)], b)])
         for b in range(len(rows)):
@@ -294,7 +296,8 @@ class ArenaWrites:
         visible tokens as they were."""
         t0, t_new = self.memory.row0(layer, seq), rows[0].shape[1]
         n_ctx, buf = self.layout.n_ctx, self.memory.layer_buffer(layer)
-        coded = [(self.gpu_encoder(layer, st), r, st) for r, st in zip(rows, self.layout.layers[layer].streams)
+        coded = [(self.gpu_encoder(layer, st), r, st) for r, st in
+                 zip(self.coding_rows(layer, rows, self.memory.n_tokens(layer, seq)), self.layout.layers[layer].streams)
                  if st.coded and t_new]
         if all(enc.one_batch(*r.shape[:2]) for enc, r, _ in coded):
             ops = []
@@ -313,11 +316,18 @@ class ArenaWrites:
             self._scatter_words(layer, passthrough, seq)
         return self._advance(layer, seq, t_new, rows)
 
-    def encode(self, layer: int, rows) -> list:
-        """(K, V) rows → the words to store: slots of a coded stream (codec.encode_heads:
-        each KV head through its dictionary), the rows' bits for a passthrough one."""
+    def coding_rows(self, layer: int, rows, t0: int) -> list:
+        """(K, V) rows of tokens t0 … as their streams code them: keys coded before RoPE turned
+        back to position 0 (kvdict_vk.rope), float32; every other stream's rows as given."""
+        return [r if st.key_rope is None else st.key_rope.unturn(r, t0)
+                for r, st in zip(rows, self.layout.layers[layer].streams)]
+
+    def encode(self, layer: int, rows, t0: int) -> list:
+        """(K, V) rows of tokens t0 … → the words to store: slots of a coded stream
+        (codec.encode_heads of its coding_rows: each KV head through its dictionary), the rows'
+        bits for a passthrough one."""
         words = []
-        for r, st in zip(rows, self.layout.layers[layer].streams):
+        for r, st in zip(self.coding_rows(layer, rows, t0), self.layout.layers[layer].streams):
             if st.coded:
                 words.append(codec.encode_heads(r, self.stream_dict(layer, st.stream)))
             else:

@@ -99,9 +99,12 @@ class FlashShapes:
 
     def flash_fits(self, layer: int) -> bool:
         """Whether a flash kernel can attend over ``layer``: attend_flash_coded (both streams
-        dict-coded; flash_coded_config) or attend_flash (both uncoded: flash_local)."""
+        dict-coded, keys coded after RoPE — its q·atom table cannot turn them; flash_coded_config)
+        or attend_flash (both uncoded: flash_local)."""
         def derive() -> bool:
             k, v = self.layout.layers[layer].streams
+            if k.key_rope is not None:
+                return False
             if k.coded and v.coded:
                 return self.flash_coded_heads(layer) > 0
             if k.coded or v.coded or k.rows != v.rows:

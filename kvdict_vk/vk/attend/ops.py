@@ -55,6 +55,7 @@ class F32Rows:
     rows: str = "f32"
     atoms_f16: bool = False
     windowed: bool = False
+    key_rope: None = None  # read-out keys are turned already
 
 
 class PassBuilder:
@@ -125,7 +126,7 @@ class PassBuilder:
             raise E.ArenaError("attend_direct reads K and V rows in one format, f16 or f32 (q8_0: attend_flash)")
         spec = dict(K_SPARSITY=k.sparsity if k.coded else 0, K_BITS=k.residual_bits,
                     V_SPARSITY=v.sparsity if v.coded else 0, V_BITS=v.residual_bits, ROW_HALF=int(k.half),
-                    ATOMS_F16=int(k.atoms_f16 or v.atoms_f16))
+                    ATOMS_F16=int(k.atoms_f16 or v.atoms_f16), K_ROPE=int(k.key_rope is not None))
         kernel = self._kernel(("direct",) + key, "attend_direct",
                               [cache, cache, upload, upload, b.q, b.accs, b.stats, b.out],
                               grid.units * grid.max_splits, **spec)
@@ -138,7 +139,7 @@ class PassBuilder:
                          head_atoms=k.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                          v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                          write_out=write_out, use_mean=use_mean, mean_word=v.mean_word if use_mean else 0,
-                         **_window_push(k), score_scale=scale)
+                         **_window_push(k), **_rope_push(k), score_scale=scale)
 
     def _merge(self, key, buf, v, records: int, per_head: bool = False, n_seqs: int = 1, out_word: int = 0) -> list:
         """attend_merge (one invocation per output quad: the direct path's, shaped for CPU
@@ -282,7 +283,7 @@ class PassBuilder:
             k_window_word=k.window_word, v_window_word=v.window_word, rows=win.rows, sink=win.sink,
             recent=win.recent, state_word=k.state_word, k_mean_word=k.mean_word, v_mean_word=v.mean_word,
             head_vec=k.head_vec_stride, n_kv=lay.n_kv_heads, n_used=n_used, split0=split0, q_word=at.q_word,
-            score_scale=scale)]
+            score_k_mean=int(k.key_rope is not None), score_scale=scale)]
 
     def rows_ops(self, rows, plan, n_used: int, scale: float) -> list:
         """``plan`` ("flash" or "direct") over f32 rows in ``rows``: K at word 0, V after it,
@@ -372,6 +373,14 @@ def _window_push(st) -> dict:
         return {}
     win = st.exact_window
     return dict(win_sink=win.sink, win_recent=win.recent, state_word=st.state_word)
+
+
+def _rope_push(st) -> dict:
+    """attend_direct's fields for a K stream coded before RoPE (kvdict_vk.rope; none otherwise)."""
+    if st.key_rope is None:
+        return {}
+    return dict(k_mean_word=st.mean_word, rope_word=st.rope_word, rope_hi=st.rope_hi_rows,
+                rope_shift=st.rope_block.bit_length() - 1)
 
 
 def _split_push(plan, at: Placement) -> dict:

@@ -348,6 +348,11 @@ def _direct_extents(p, s):
             quads.append(_vec_span(scale_word, n_kv, p["head_vec"], hd))
     if p["use_mean"]:
         quads.append(_vec_span(p["mean_word"], n_kv, p["head_vec"], hd))
+    if s.get("K_ROPE"):  # the K mean and the rotation table (kvdict_vk.rope)
+        _check(s["K_SPARSITY"] > 0 and hd % 4 == 0 and p["rope_word"] % 4 == 0 and p["rope_shift"] <= 16
+               and (used - 1) >> p["rope_shift"] < p["rope_hi"], "attend_direct (K_ROPE)", p)
+        quads += [_vec_span(p["k_mean_word"], n_kv, p["head_vec"], hd),
+                  _span(p["rope_word"], (p["rope_hi"] + (1 << p["rope_shift"])) * hd)]
     words += _window_state(p)
     lo, hi = p["split0"] * n_kv * g, (p["split0"] + p["n_splits"]) * n_kv * g  # records
     records = [] if p["write_out"] else [[_span(lo * hd, (hi - lo) * hd)], [_span(2 * lo, 2 * (hi - lo))]]

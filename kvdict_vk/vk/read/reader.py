@@ -100,6 +100,14 @@ class ReadPlan:
             else:
                 kern = self._kernel("copy_rows", [layer_buf, out])
                 self.ops.append(kern.op(**common))
+        k = lay.layers[layer].k
+        if k.key_rope is not None and n_tok:  # the slots decode keys at position 0: turn them to theirs
+            self.ops.append(barrier(out))
+            kern = pipeline(arena.device, "rope_rows", [layer_buf, out], {"HEAD_DIM": hd},
+                            max_items=n_kv * n_tok * hd // 4)
+            self.ops.append(kern.op(table_word=k.rope_word, hi_rows=k.rope_hi_rows,
+                                    shift=k.rope_block.bit_length() - 1, t0=t0, n_tok=n_tok,
+                                    n_rows=n_kv * n_tok, out_word=0))
         windowed = [(j, st) for j, st in enumerate(lay.layers[layer].streams) if st.windowed]
         if windowed and n_tok:  # the window's rows over the slots' reconstruction
             self.ops.append(barrier(out))

@@ -1,0 +1,168 @@
+"""Keys coded before RoPE on the device (kvdict_vk.rope; shaders/rope_rows.comp, attend_direct's
+K_ROPE build): reads of such a layer equal the slots' decode turned to each token's position in
+float64 (the forge's reconstruction) to NMSE ≤ 1e-9, appends code the keys turned back to
+position 0, attention (attend, step, a recorded step, beside an exact window) matches the float64
+reference, guard words stay intact, and what cannot serve such keys is refused."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import random_artifact
+from kvdict_vk import attention_ref, codec
+from kvdict_vk import errors as E
+from kvdict_vk.metrics import nmse
+from kvdict_vk.rope import KeyRope
+from kvdict_vk.window import NO_WINDOW, ExactWindow, cache_rows
+
+CASES = [  # (head_dim, n_kv, n_ctx, rope, streams, dictionary heads, append sizes)
+    (64, 3, 300, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1, (1, 1, 40, 1, 100, 3)),
+    (32, 2, 1100, KeyRope(500000.0, 16), ((3, 0), None), 2, (2, 1, 600, 1, 300)),  # partial rotation, per head
+    (16, 1, 70, KeyRope(100.0, 16), (2, (2, 3)), 1, (70,)),
+]
+
+
+def _art(rng, hd, rope, streams, heads, window=NO_WINDOW):
+    art = random_artifact(rng, hd, 64, [streams, (None, None)], n_heads=heads)
+    return dataclasses.replace(art, key_rope=rope, window=window)
+
+
+def _coded_keys(art, k, sizes):
+    """What the cache's keys are after appends of ``sizes`` tokens, float64: each append's keys
+    turned back to position 0, coded as one batch by the CPU codec, decoded, turned back."""
+    d, rope, parts, t = art.layers[0][0], art.key_rope, [], 0
+    for n in sizes:
+        slots = codec.encode_heads(rope.unturn(k[:, t:t + n], t), d)
+        parts.append(rope.rotate(codec.decode_heads(slots, d), t))
+        t += n
+    return np.concatenate(parts, axis=1)
+
+
+def _values(art, v, sizes):
+    d = art.layers[0][1]
+    if d is None:
+        return v[:, :sum(sizes)].astype(np.float64)
+    out, t = [], 0
+    for n in sizes:
+        out.append(codec.decode_heads(codec.encode_heads(v[:, t:t + n], d), d))
+        t += n
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"hd{c[0]}-kv{c[1]}-dims{c[3].dims}")
+def test_reads_and_attention_equal_the_turned_reference(case, make_arena, activate):
+    hd, n_kv, n_ctx, rope, streams, heads, sizes = case
+    rng = np.random.default_rng(hd + n_ctx)
+    art = _art(rng, hd, rope, streams, heads)
+    activate(art)
+    arena = make_arena(2, n_kv, hd, n_ctx)
+    k_st = arena.layout.layers[0].k
+    assert k_st.key_rope == rope and arena.layout.layers[1].k.key_rope is None
+    k = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    q = rng.standard_normal((2 * n_kv, hd)).astype(np.float32)
+    n = 0
+    for i, size in enumerate(sizes):
+        arena.append(0, k[:, n:n + size], v[:, n:n + size])
+        n += size
+        want_k, want_v = _coded_keys(art, k, sizes[:i + 1]), _values(art, v, sizes[:i + 1])
+        got_k, got_v = arena.read(0, 0, n)
+        assert nmse(want_k, got_k) <= 1e-9 and nmse(want_v, got_v) <= 1e-9
+        t0 = n // 3  # a middle range turns from its own first position
+        assert nmse(want_k[:, t0:], arena.read(0, t0, n)[0]) <= 1e-9
+        ref = attention_ref.attend(q, want_k, want_v, n)
+        for used in sorted({1, n}):
+            got = arena.attend(0, q, used)
+            assert nmse(attention_ref.attend(q, want_k, want_v, used), got) <= 1e-9
+        assert nmse(ref, arena.attention(q.shape[0]).attend_reconstructed(0, q, n, 1 / np.sqrt(hd))) <= 1e-9
+
+
+def test_decoding_the_forge_slots_turns_them(make_arena, activate):
+    """Slots as the forge codes the keys before RoPE, appended as they are: every read and
+    attention turns their decode to the token's position (the forge's reconstruction)."""
+    hd, n_kv, n = 64, 2, 257
+    rng = np.random.default_rng(5)
+    art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1)
+    activate(art)
+    arena = make_arena(2, n_kv, hd, n)
+    pre = rng.standard_normal((n_kv, n, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n, hd)).astype(np.float32)
+    dk, dv = art.layers[0]
+    k_slots, v_slots = codec.encode_heads(pre, dk), codec.encode_heads(v, dv)
+    arena.append_codes(0, k_slots[:, :100], v_slots[:, :100])
+    arena.append_codes(0, k_slots[:, 100:], v_slots[:, 100:])
+    want_k = art.key_rope.rotate(codec.decode_heads(k_slots, dk), 0)
+    want_v = codec.decode_heads(v_slots, dv)
+    got_k, got_v = arena.read(0)
+    assert nmse(want_k, got_k) <= 1e-9 and nmse(want_v, got_v) <= 1e-9
+    q = rng.standard_normal((3 * n_kv, hd)).astype(np.float32)
+    assert nmse(attention_ref.attend(q, want_k, want_v, n), arena.attend(0, q, n)) <= 1e-9
+
+
+def test_steps_attend_over_their_fresh_turned_keys(make_arena, activate):
+    """KvArena.step codes the new token's key at its position and attends over it (the fresh
+    slots turned as the cached ones are); a recorded step (flash kernels only) refuses the layer."""
+    hd, n_kv, n_ctx, pre, steps = 64, 2, 200, 37, 5
+    rng = np.random.default_rng(11)
+    art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1)
+    activate(art)
+    k = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    qs = rng.standard_normal((steps, 2 * n_kv, hd)).astype(np.float32)
+    sizes = (pre,) + (1,) * steps
+    want_k, want_v = _coded_keys(art, k, sizes), _values(art, v, sizes)
+    a = make_arena(2, n_kv, hd, n_ctx)
+    a.append(0, k[:, :pre], v[:, :pre])
+    for s in range(steps):
+        t = pre + s
+        ref = attention_ref.attend(qs[s], want_k, want_v, t + 1)
+        assert nmse(ref, a.step(0, k[:, t:t + 1], v[:, t:t + 1], qs[s])) <= 1e-9
+    assert nmse(want_k, a.read(0)[0]) <= 1e-9
+    with pytest.raises(E.ArenaError, match="before RoPE"):
+        a.record_step(2 * n_kv, layers=[0])
+    assert a.n_tokens(0) == pre + steps
+
+
+def test_turned_keys_beside_an_exact_window(make_arena, activate):
+    hd, n_kv, n_ctx, window = 64, 2, 300, ExactWindow(1, 16)
+    rng = np.random.default_rng(3)
+    art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1, window)
+    activate(art)
+    arena = make_arena(2, n_kv, hd, n_ctx)
+    k = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_ctx, hd)).astype(np.float32)
+    q = rng.standard_normal((2 * n_kv, hd)).astype(np.float32)
+    sizes = (1, 50, 1, 120)
+    n = 0
+    for i, size in enumerate(sizes):
+        arena.append(0, k[:, n:n + size], v[:, n:n + size])
+        n += size
+        want_k = cache_rows(_coded_keys(art, k, sizes[:i + 1]), k, window)
+        want_v = cache_rows(_values(art, v, sizes[:i + 1]), v, window)
+        got_k, got_v = arena.read(0)
+        assert nmse(want_k, got_k) <= 1e-9 and nmse(want_v, got_v) <= 1e-9
+        assert nmse(attention_ref.attend(q, want_k, want_v, n), arena.attend(0, q, n)) <= 1e-9
+
+
+def test_what_cannot_turn_keys_is_refused(make_arena, activate, vk_device):
+    from kvdict_vk.vk import KvArena
+    hd, n_kv = 64, 2
+    rng = np.random.default_rng(1)
+    art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1)
+    activate(art)
+    with pytest.raises(E.ArenaError, match="one sequence"):
+        KvArena(2, n_kv, hd, 64, device=vk_device, seqs=2)
+    arena = make_arena(2, n_kv, hd, 64)
+    k = rng.standard_normal((n_kv, 10, hd)).astype(np.float32)
+    arena.append(0, k, k)
+    q = rng.standard_normal((n_kv, hd)).astype(np.float32)
+    before = arena.read(0)
+    for path in ("table", "flash"):
+        arena.attention(n_kv).path = path
+        with pytest.raises(E.ArenaError, match="before RoPE"):
+            arena.attend(0, q, 10)
+    arena.attention(n_kv).path = None
+    for a, b in zip(before, arena.read(0)):
+        np.testing.assert_array_equal(a, b)
