@@ -281,6 +281,15 @@ def decode_heads(slots: np.ndarray, d: StreamDict, dtype=np.float64) -> np.ndarr
     return np.stack([decode(slots[h], d, h, dtype) for h in range(slots.shape[0])])
 
 
+def held_heads(x: np.ndarray, d: StreamDict, key_rope=None, t0: int = 0, dtype=np.float64) -> np.ndarray:
+    """What a coded stream holds for x (n_kv, T, head_dim) appended at positions t0 …: x
+    through d — for keys coded before RoPE (``key_rope``, a kvdict_vk.rope.KeyRope) turned back
+    to position 0 first, and the decode turned to the positions (in float64) after."""
+    if key_rope is None:
+        return decode_heads(encode_heads(x, d), d, dtype)
+    return key_rope.rotate(decode_heads(encode_heads(key_rope.unturn(x, t0), d), d), t0).astype(dtype)
+
+
 def roundtrip(x: np.ndarray, d: StreamDict, head: int = 0) -> np.ndarray:
     """What a dict-coded cache gives back for x (N, head_dim) of KV head `head` (float32)."""
     return decode(encode(x, d, head), d, head, np.float32)

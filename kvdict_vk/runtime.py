@@ -225,7 +225,8 @@ def atoms_flat() -> tuple[np.ndarray, int, int] | None:
 
 # --- write path -----------------------------------------------------------------------------
 
-def reconstruct_kv(layer: int, k_not_v: bool, proj: np.ndarray, n_kv: int, *, n_tokens: int = 1) -> bool:
+def reconstruct_kv(layer: int, k_not_v: bool, proj: np.ndarray, n_kv: int, *, n_tokens: int = 1,
+                   t0: int | None = None) -> bool:
     """Replace the first n_tokens·n_kv head vectors of ``proj`` (float32, laid out
     [token][kv head][head_dim], ≥ n_tokens·n_kv·head_dim values) with what the dict-coded
     cache returns for them, in place: encode, code words (+ residual stage), decode —
@@ -233,7 +234,9 @@ def reconstruct_kv(layer: int, k_not_v: bool, proj: np.ndarray, n_kv: int, *, n_
 
     No-op (one check) when disabled; no-op when the layer has no dictionary or does not
     fit: the caller's head_dim differs (``proj`` 2-D+ with another last dimension, or too
-    short) or the dictionary is per-head for another number of KV heads."""
+    short) or the dictionary is per-head for another number of KV heads. Keys of an artifact
+    that codes them before RoPE (kvdict_vk.rope) need ``t0``, the position of the first token:
+    they are turned back from their positions, coded, and turned again (ShapeError without it)."""
     st = _STATE
     if not st.active:
         return False
@@ -258,7 +261,11 @@ def reconstruct_kv(layer: int, k_not_v: bool, proj: np.ndarray, n_kv: int, *, n_
     if not np.shares_memory(flat, proj):
         raise E.ShapeError("reconstruct_kv: proj must be contiguous")
     heads = flat[: n_tokens * n_kv * hd].reshape(n_tokens, n_kv, hd)
-    heads[...] = codec.roundtrip_heads(heads.transpose(1, 0, 2), d).transpose(1, 0, 2)
+    rope = art.stream_rope(layer, k_not_v)
+    if rope is not None and (isinstance(t0, bool) or not isinstance(t0, (int, np.integer)) or t0 < 0):
+        raise E.ShapeError(f"reconstruct_kv: layer {layer}'s keys are coded before RoPE: give t0, the "
+                           f"position of the first token (got {t0!r})")
+    heads[...] = codec.held_heads(heads.transpose(1, 0, 2), d, rope, t0 or 0, np.float32).transpose(1, 0, 2)
     return True
 
 

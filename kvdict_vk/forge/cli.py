@@ -5,6 +5,7 @@
     kvdict-forge --smoke               # CI: 2 layers, small windows
     kvdict-forge --eval-window 4096 --eval-windows 3 --texts sedfaq,pydoc,cmake   # the long-context gate
     kvdict-forge --sink 1 --recent 32  # an artifact with an exact window, certified with it
+    kvdict-forge --pre-rope-keys 1     # keys coded before RoPE (the engine turns each decoded key)
     kvdict-forge curve                 # the ΔPPL-vs-bytes sweep (long; see --help)
 
 Writes <out>/<name>.q42art (passed = true or false), <name>.json, <name>.md and <name>.png; with
@@ -68,8 +69,7 @@ def build(cfg: P.ForgeConfig, out: str, name: str, with_baselines: bool = True,
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     cache = os.path.join(out, "cache")
-    kv = P.calibration_kv(cfg.calib_tokens, cfg.window, log=_log, cache_dir=cache, files=cfg.calib_files)
-    art = P.learn_artifact(kv, cfg, progress=_progress(len(P.dictionary_runs(len(kv), cfg)), "learning streams"))
+    kv, art = P.learn_configured(cfg, _log, cache, progress=lambda total: _progress(total, "learning streams"))
     t_learn = time.perf_counter() - t0
     sets = P.eval_sets(cfg, cache)
     _log("gate: " + ", ".join(f"{es.text.name} {len(es.windows)} × {cfg.gate_window()}" for es in sets) + " tokens")

@@ -51,8 +51,8 @@ class NumpyCache:
         for j, (store, rows) in enumerate(((self.k, k_rows), (self.v, v_rows))):
             d = None if self.art is None else self.art.layers[layer][j]
             self.raw[j][layer, :, t0:t0 + t] = rows
-            if d is not None:
-                rows = codec.decode_heads(codec.encode_heads(rows, d), d)
+            if d is not None:  # keys coded before RoPE turned at their positions (kvdict_vk.rope)
+                rows = codec.held_heads(rows, d, self.art.stream_rope(layer, j == 0), t0)
             elif self.rows != "f32":
                 rows = held_rows(rows, self.rows)
             store[layer, :, t0:t0 + t] = rows

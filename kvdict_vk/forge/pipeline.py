@@ -26,6 +26,7 @@ from .. import artifact as A
 from .. import errors as E
 from .. import codec, runtime
 from ..dictionary import FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact, StreamDict
+from ..rope import KeyRope
 from ..window import NO_WINDOW, ExactWindow
 from . import certify, llama, parallel, table, texts as T, tokenizer
 from .gguf_model import load_model
@@ -76,6 +77,10 @@ class ForgeConfig:
     # None: a layer's own. The artifact still holds each layer's copy (the engine keeps a
     # layer's atoms in its tail): a measurement of what sharing would cost in fidelity
     layer_share: int | None = None
+    # keys coded before RoPE (kvdict_vk.rope): the key dictionaries learned on the keys before
+    # RoPE turns them; the artifact records the model's RoPE and the engine turns each decoded
+    # key (attend_direct; docs/FIDELITY.md, "Keys coded before RoPE")
+    pre_rope_keys: bool = False
 
     def gate_window(self) -> int:
         """Tokens an evaluation window holds."""
@@ -172,6 +177,20 @@ def calibration_kv(n_tokens: int, window: int, log=print, cache_dir: str | None 
     return per_layer
 
 
+def learn_configured(cfg: ForgeConfig, log=print, cache_dir: str | None = None, progress=None) -> tuple:
+    """(calibration (K, V) per layer, the artifact ``cfg`` learns from them): with
+    ``pre_rope_keys`` the key dictionaries learned on the keys before RoPE and the artifact
+    recording the model's RoPE (kvdict_vk.rope). ``progress(total)``: a callback per stream."""
+    kv = calibration_kv(cfg.calib_tokens, cfg.window, log=log, cache_dir=cache_dir, files=cfg.calib_files,
+                        pre_rope_keys=cfg.pre_rope_keys)
+    step = progress(len(dictionary_runs(len(kv), cfg))) if progress else None
+    if not cfg.pre_rope_keys:
+        return kv, learn_artifact(kv, cfg, progress=step)
+    art = learn_artifact([(kp, v) for _, v, kp in kv], cfg, progress=step)
+    c = load_model().config
+    return [(k, v) for k, v, _ in kv], dataclasses.replace(art, key_rope=KeyRope(c.rope_theta, c.rope_dim))
+
+
 def capture_windows(wins: list, log=print, pre_rope_keys: bool = False, what: str = "window") -> list:
     """Per layer (K, V[, K before RoPE]), each (n_kv, sum of the windows' T, head_dim) float32:
     the model run over each token window, its K/V concatenated along the tokens. Captured in
@@ -265,7 +284,7 @@ class RuntimeHook(llama.KVHook):
         out = []
         for k_not_v, x in ((True, k), (False, v)):
             rows = np.ascontiguousarray(x.transpose(1, 0, 2))  # [token][kv head][dim]
-            runtime.reconstruct_kv(layer, k_not_v, rows, x.shape[0], n_tokens=x.shape[1])
+            runtime.reconstruct_kv(layer, k_not_v, rows, x.shape[0], n_tokens=x.shape[1], t0=0)  # windows from 0
             out.append(rows.transpose(1, 0, 2))
         return out[0], out[1]
 
@@ -365,8 +384,9 @@ def dict_row_name(cfg: ForgeConfig) -> str:
     w = cfg.exact_window()
     layers = f" + {cfg.layer_share} layers a dictionary" if (cfg.layer_share or 1) > 1 else ""
     window = (f" + sink {w.sink}" if w.sink else "") + (f" + {w.recent} recent" if w.recent else "")
+    pre = ", keys before RoPE" if cfg.pre_rope_keys else ""
     return (f"dict {cfg.n_atoms} {shared}atoms, K {cfg.k_sparsity}+{cfg.k_bits} b, "
-            f"V {cfg.v_sparsity}+{cfg.v_bits} b{layers}{window}")
+            f"V {cfg.v_sparsity}+{cfg.v_bits} b{pre}{layers}{window}")
 
 
 def _jsonable(d: dict) -> dict:

@@ -66,3 +66,45 @@ def test_smoke_forge_ranks_the_certified_caches(tmp_path):
     else:
         cache, spec = ranking.engine_cache(ranked["winner"], (30, 3, 64))
         assert default["cache"] == cache and default.get("kivi") == (dataclasses.asdict(spec) if spec else None)
+
+
+@pytest.mark.slow
+def test_smoke_forge_codes_keys_before_rope(tmp_path, make_arena, activate):
+    """kvdict-forge --smoke --pre-rope-keys 1: the artifact records the model's RoPE, its gate
+    (the engine's path: post-RoPE keys turned back, coded, turned again) measures what the
+    pre-RoPE lever's hook (keys coded where the forward makes them) measures, and the arena
+    decodes the forge's slots of a captured window to its reconstruction within 1e-9."""
+    import json
+
+    import numpy as np
+
+    from kvdict_vk import artifact as A, codec
+    from kvdict_vk.forge import gguf_model, llama, pre_rope, table
+    from kvdict_vk.metrics import nmse
+    from kvdict_vk.rope import KeyRope
+    assert cli.main(["--smoke", "--out", str(tmp_path), "--name", "p", "--threshold", "0.5",
+                     "--pre-rope-keys", "1"]) == 0
+    cert, art = A.read_artifact(tmp_path / "p.q42art")
+    c = gguf_model.load_model().config
+    assert art.key_rope == KeyRope(c.rope_theta, c.rope_dim)
+    assert cert.producer["config"]["pre_rope_keys"] is True
+    summary = json.loads((tmp_path / "p.json").read_text())
+    cfg = P.ForgeConfig(**{k: tuple(v) if isinstance(v, list) and k in ("texts", "calib_files") else v
+                           for k, v in summary["config"].items()})
+    assert P.dict_row_name(cfg).endswith("keys before RoPE")
+    sets = P.eval_sets(cfg, str(tmp_path / "cache"))
+    row = table.Row("lever", "dictionary", 60.0, lambda: pre_rope.PreRopeKeysHook(art), "x")
+    lever = table.measure([row], sets, None, log=lambda m: None)[0]["texts"]
+    for t in cert.extra["texts"]:  # the same codes but for float32 ties: the same loss within noise
+        assert abs(lever[t["name"]]["delta_rel"] - t["value"]) <= 2e-3, t["name"]
+    window = sets[0].windows[0][:200]
+    layer = 0
+    kv = llama.capture_kv(window)[layer]  # (K after RoPE, V, K before RoPE)
+    dk, dv = art.layers[layer]
+    activate(art)
+    arena = make_arena(art.n_layers, c.n_kv_heads, art.head_dim, len(window))
+    k_slots, v_slots = codec.encode_heads(kv[2], dk), codec.encode_heads(kv[1], dv)
+    arena.append_codes(layer, k_slots, v_slots)
+    forge_k = llama.apply_rope(codec.roundtrip_heads(kv[2], dk), np.arange(len(window)), c.rope_theta, c.rope_dim)
+    got_k, got_v = arena.read(layer)
+    assert nmse(forge_k, got_k) <= 1e-9 and nmse(codec.roundtrip_heads(kv[1], dv), got_v) <= 1e-9

@@ -166,3 +166,26 @@ def test_what_cannot_turn_keys_is_refused(make_arena, activate, vk_device):
     arena.attention(n_kv).path = None
     for a, b in zip(before, arena.read(0)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gpu_encoder_codes_the_turned_back_keys(make_arena, activate):
+    """KvArena(encoder="gpu") over keys coded before RoPE: the device codes the keys turned back
+    to position 0 (append and step), so what it holds reconstructs like the CPU codec's."""
+    hd, n_kv, g, n_ctx = 64, 2, 2, 300
+    rng = np.random.default_rng(52)
+    art = _art(rng, hd, KeyRope(10000.0, 64), ((8, 4), (8, 3)), n_kv)
+    activate(art)
+    gpu = make_arena(2, n_kv, hd, n_ctx, encoder="gpu")
+    cpu = make_arena(2, n_kv, hd, n_ctx, encoder="cpu")
+    x = [tuple(rng.standard_normal((n_kv, n, hd)).astype(np.float32) for _ in "kv") for n in (200, 1, 1, 30)]
+    q = rng.standard_normal((n_kv * g, hd)).astype(np.float32)
+    for i, (k, v) in enumerate(x):
+        for a in (gpu, cpu):
+            if i % 2:
+                a.step(0, k, v, q)
+            else:
+                a.append(0, k, v)
+    k_all = np.concatenate([k for k, _ in x], 1)
+    err_gpu, err_cpu = nmse(k_all, gpu.read(0)[0]), nmse(k_all, cpu.read(0)[0])
+    assert abs(err_gpu - err_cpu) <= 1e-4 * err_cpu, (err_gpu, err_cpu)
+    assert nmse(cpu.attend(0, q, 232), gpu.attend(0, q, 232)) <= 1e-6
