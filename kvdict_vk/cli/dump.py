@@ -46,6 +46,8 @@ def _spans_with_padding(ll: L.LayerLayout) -> list[dict]:
             blocks.append((f"{s.stream} group_stats", s.stats_word, s.stats_words))
         if s.kivi or s.windowed:  # an exact window: KIVI's, or a dictionary's (kvdict_vk.window)
             blocks.append((f"{s.stream} window", s.window_word, s.window_words))
+        if s.key_rope is not None:  # keys coded before RoPE: the rotation table (kvdict_vk.rope)
+            blocks.append((f"{s.stream} rope_table", s.rope_word, s.rope_words))
     if ll.k.kivi or ll.windowed:  # the layer's state word (K and V): KIVI's quantised end, a window's token count
         blocks.append(("k state", ll.k.state_word or ll.v.state_word, 1))
     blocks.sort(key=lambda b: b[1])

@@ -31,6 +31,7 @@ from .. import rows as R
 from .. import errors as E
 from ..dictionary import KvDictArtifact, StreamDict
 from ..metrics import compare
+from ..rope import KeyRope
 from ..window import ExactWindow, cache_rows as window_rows
 
 NMSE_READ = 1e-12  # reconstruct / append: float32 GPU vs float64 reference
@@ -121,6 +122,26 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             out = arena_w.attend(0, q, n_ctx)
             rows.append(_row(f"attend dict, exact window {win.describe()}", shape,
                              attention_ref.attend(q, *held, n_ctx), out, NMSE_ATTEND, None, arena_w))
+    if hd % 4 == 0 and ks:  # keys coded before RoPE (kvdict_vk.rope), appended in two parts at their positions
+        rope = KeyRope(10000.0, hd)
+        artr = dataclasses.replace(art, key_rope=rope)
+        with runtime.enabled_with(artr, allow_uncertified=True):
+            arena_r = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, encoder="cpu")
+        with arena_r:
+            half = n_ctx // 2
+            held = []
+            for j, (x, d) in enumerate(zip((k, v), artr.layers[0])):
+                held.append(x.astype(np.float64) if d is None else np.concatenate(
+                    [codec.held_heads(x[:, a:b], d, artr.stream_rope(0, j == 0), a) for a, b in ((0, half), (half, n_ctx))],
+                    axis=1))
+            arena_r.append(0, k[:, :half], v[:, :half])
+            arena_r.append(0, k[:, half:], v[:, half:])
+            for name, ref, got in zip("KV", held, arena_r.read(0, 0, n_ctx)):
+                rows.append(_row(f"append+reconstruct {name}, keys before RoPE", shape, ref, got, NMSE_READ, None,
+                                 arena_r))
+            out = arena_r.attend(0, q, n_ctx)
+            rows.append(_row("attend dict, keys before RoPE", shape, attention_ref.attend(q, *held, n_ctx), out,
+                             NMSE_ATTEND, None, arena_r))
     # GPU attention over f16 needs hd % 8; over q8_0 (attend_flash), head_dim / 4 dividing 128
     caches = ["f32"] + (["f16"] if hd % 8 == 0 else []) + (["q8_0"] if hd % 32 == 0 and 128 % (hd // 4) == 0 else [])
     for cache in caches:

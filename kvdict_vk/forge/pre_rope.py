@@ -4,9 +4,9 @@ measured on the forge's evaluation texts beside key dictionaries learned on the 
 (the engine's choice), both from the same calibration capture, the same configuration and the
 same value dictionaries, both through the forge's codec (``codec.roundtrip_heads``).
 
-The engine does not implement it: attention over pre-RoPE codes needs each key rotated to
-its position after decoding (the direct path could; the q·atom table of attend_flash_coded
-cannot, since a rotated atom differs per position). This measures what it would buy first.
+The engine runs it since stop 65 (``kvdict-forge --pre-rope-keys 1``: the artifact's key_rope,
+kvdict_vk.rope; attend_direct turns each decoded key — the q·atom table of attend_flash_coded
+cannot, since a turned atom differs per position). This measures it beside the rotated keys.
 
     python -m kvdict_vk.forge.pre_rope --k-bits 4 --v-bits 3 --out docs/results/fidelity_levers/pre_rope_keys_k4v3.json
 """
@@ -90,7 +90,7 @@ def rows(cfg: P.ForgeConfig, log, cache_dir=None, pre_only: bool = False, fp8: b
         label += ", keys coded before RoPE" + (" + fp8 coefficients" if f8 else "")
         out.append(table.Row(label, "dictionary", coded_bytes(a, 3 if f8 else 4),
                              lambda a=a, f8=f8: PreRopeKeysHook(a, f8), ident(a),
-                             "lever: pre-RoPE keys" + (", E4M3 coefficients" if f8 else "") + " (not in the engine)"))
+                             "lever: pre-RoPE keys" + (", E4M3 coefficients (not in the engine)" if f8 else "")))
     return out
 
 

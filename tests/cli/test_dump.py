@@ -23,7 +23,7 @@ def _dump(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", NO_KP, *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="module", params=["f32-atoms", "f16-atoms", "window"])
+@pytest.fixture(scope="module", params=["f32-atoms", "f16-atoms", "window", "key-rope"])
 def art_path(tmp_path_factory, request):
     """f16-atoms: the atoms rounded to binary16 values, as the forge makes them (the layout
     then keeps them in binary16: half the atoms' words); window: an exact window (its blocks
@@ -38,6 +38,9 @@ def art_path(tmp_path_factory, request):
         assert art.atoms_f16_exact
     if request.param == "window":
         art = dataclasses.replace(art, window=ExactWindow(1, 8))
+    if request.param == "key-rope":  # keys coded before RoPE: a rotation table in each K-coded layer's tail
+        from kvdict_vk.rope import KeyRope
+        art = dataclasses.replace(art, key_rope=KeyRope(10000.0, 16))
     cert = toy_cert(art)
     cert = A.CertInfo(**{**cert.__dict__, "producer": {"name": "evil\x1b[31m\nname", "version": "1"}})
     p = tmp_path_factory.mktemp("dump") / "t.q42art"
@@ -62,6 +65,9 @@ def test_json_totals_add_up_without_kp(art_path):
     assert d["layers"][1]["v"]["coded"] is False and d["layers"][0]["k"]["sparsity"] == 3
     names = {b["name"] for b in d["layers"][0]["blocks"]}
     assert ({"k window", "v window", "k state"} <= names) == bool(art.window)
+    assert ("k rope_table" in names) == (art.key_rope is not None) and "v rope_table" not in names
+    if art.key_rope is not None:  # (⌈100 / 16⌉ + 16) rows of head_dim floats
+        assert d["layers"][0]["k"]["rope_table"]["words"] == (7 + 16) * 16
 
 
 def test_human_table_and_layer_filter(art_path):
