@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from . import kivi as K
 from . import layout as L
 from .dictionary import FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact
+from .rope import KeyRope
 
 MODEL_N_CTX = 8192  # SmolLM2-135M's context length (its GGUF's llama.context_length)
 LONG_LENGTHS = (32768, 131072)  # the long contexts every report adds
@@ -69,14 +70,18 @@ class ArenaFootprint:
 
 def dictionary_spec(n_layers: int, n_kv_heads: int, head_dim: int, n_atoms: int = FORGE_N_ATOMS,
                     k=(FORGE_SPARSITY, FORGE_RESIDUAL_BITS[0]), v=(FORGE_SPARSITY, FORGE_RESIDUAL_BITS[1]), *,
-                    per_head: bool = FORGE_PER_HEAD, has_mean: bool = True, atoms_f16: bool = True) -> L.DictSpec:
+                    per_head: bool = FORGE_PER_HEAD, has_mean: bool = True, atoms_f16: bool = True,
+                    keys_before_rope: bool = False) -> L.DictSpec:
     """A dictionary cache's shapes without an artifact: every layer's K coded at ``k`` =
     (sparsity, residual bits) and V at ``v``; defaults: the forge's (one dictionary of 1024
     atoms with a mean a stream, shared by the layer's KV heads — ``per_head``: one per KV
-    head —, K 4 atoms + 6 bits, V 4 atoms + 4 bits, binary16 atoms)."""
+    head —, K 4 atoms + 6 bits, V 4 atoms + 4 bits, binary16 atoms). ``keys_before_rope``:
+    each layer's rotation table too (kvdict_vk.rope; its size depends on head_dim and n_ctx
+    only, so the turn's theta here is any)."""
     g = n_kv_heads if per_head else 1
     ks, vs = (L.StreamSpec(True, s, has_mean, b, g) for s, b in (k, v))
-    return L.DictSpec(head_dim, n_atoms, max(k[0], v[0]), tuple((ks, vs) for _ in range(n_layers)), g, atoms_f16)
+    return L.DictSpec(head_dim, n_atoms, max(k[0], v[0]), tuple((ks, vs) for _ in range(n_layers)), g, atoms_f16,
+                      key_rope=KeyRope(10000.0, head_dim) if keys_before_rope else None)
 
 
 def cache_name(cache) -> str:

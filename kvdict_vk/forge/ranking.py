@@ -34,11 +34,12 @@ def cache_of(name: str, bytes_per_vector: float, shapes) -> tuple:
     if m:
         kb, vb = (int(m[1]), int(m[1])) if m[1] else (int(m[2]), int(m[3]))
         return K.KiviSpec(kb, vb, int(m[4] or 0)), "engine"
-    m = re.fullmatch(r"dict (\d+) (shared )?atoms, K (\d+)\+(\d+) b, V (\d+)\+(\d+) b( \+ .*)?", name)
+    m = re.fullmatch(r"dict (\d+) (shared )?atoms, K (\d+)\+(\d+) b, V (\d+)\+(\d+) b(, keys before RoPE)?( \+ .*)?",
+                     name)
     if m:
         spec = M.dictionary_spec(n_layers, n_kv, hd, int(m[1]), (int(m[3]), int(m[4])), (int(m[5]), int(m[6])),
-                                 per_head=not m[2])
-        lever = (m[7] or "")[3:]
+                                 per_head=not m[2], keys_before_rope=bool(m[7]))
+        lever = (m[8] or "")[3:]
         share = re.match(r"(\d+) layers a dictionary(?: \+ |$)", lever)  # forge's layer_share
         lever = lever[share.end():] if share else lever
         w = re.fullmatch(r"(?:sink (\d*) ?\+ )?(\d+) recent|sink (\d+)", lever)  # the engine's exact window

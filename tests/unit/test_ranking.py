@@ -29,6 +29,11 @@ def test_names_read_as_the_engine_caches():
                            (" + 16 recent", ExactWindow(0, 16)), (" + sink 4", ExactWindow(4, 0))):
         spec, how = ranking.cache_of(DICT + suffix, 60, SHAPES)
         assert how == "engine" and spec.window == window, suffix
+    spec, how = ranking.cache_of(DICT + ", keys before RoPE + sink + 32 recent", 60, SHAPES)
+    assert how == "engine" and spec.window == ExactWindow(1, 32) and spec.key_rope.dims == 64
+    plain = M.arena_memory(*SHAPES, ranking.cache_of(DICT + " + sink + 32 recent", 60, SHAPES)[0], (8192,))[0]
+    turned = M.arena_memory(*SHAPES, spec, (8192,))[0]  # each layer's rotation table: (64 + 128) rows of 64 floats
+    assert turned.arena_bytes - plain.arena_bytes == 30 * (64 + 128) * 64 * 4
     _, how = ranking.cache_of(DICT.replace("shared ", "") + " + group scales", 64, SHAPES)
     assert how.startswith("modelled")
     with pytest.raises(ValueError, match="no cache configuration"):
