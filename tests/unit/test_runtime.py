@@ -170,6 +170,33 @@ def test_reconstruct_kv_in_place(art_file):
     assert not np.array_equal(proj[:48], orig[:48])
 
 
+def test_reconstruct_kv_turns_keys_coded_before_rope(art_file):
+    """With an artifact whose keys are coded before RoPE, reconstruct_kv takes the first token's
+    position: keys come back as the arena holds them (turned back, coded, turned again); without
+    one it refuses, the buffer untouched; values need none."""
+    import dataclasses
+
+    from kvdict_vk.rope import KeyRope
+    _, art = art_file
+    art = dataclasses.replace(art, key_rope=KeyRope(10000.0, 16))
+    rng = np.random.default_rng(6)
+    n_kv, n_tok, t0 = 2, 5, 300
+    k = rng.standard_normal((n_tok, n_kv, 16)).astype(np.float32)  # [token][kv head][dim]
+    runtime.enable(art, allow_uncertified=True)
+    proj = k.copy()
+    with pytest.raises(E.ShapeError, match="t0"):
+        runtime.reconstruct_kv(0, True, proj, n_kv, n_tokens=n_tok)
+    assert np.array_equal(proj, k)
+    assert runtime.reconstruct_kv(0, True, proj, n_kv, n_tokens=n_tok, t0=t0)
+    d, x = art.layers[0][0], k.transpose(1, 0, 2)
+    want = art.key_rope.rotate(codec.decode_heads(codec.encode_heads(art.key_rope.unturn(x, t0), d), d), t0)
+    assert nmse(want, proj.transpose(1, 0, 2)) <= 1e-12
+    assert nmse(x, proj.transpose(1, 0, 2)) > 1e-4  # it was coded
+    v = k.copy()
+    assert runtime.reconstruct_kv(0, False, v, n_kv, n_tokens=n_tok)  # values: no position needed
+    assert nmse(codec.roundtrip_heads(x, art.layers[0][1]), v.transpose(1, 0, 2)) <= 1e-12
+
+
 @pytest.mark.parametrize("case", ["passthrough", "head_dim", "short", "layer"])
 def test_reconstruct_kv_no_op_cases(art_file, case):
     p, _ = art_file
