@@ -175,6 +175,11 @@ class StreamLayout:
         return table_block(self.n_ctx)
 
     @property
+    def rope_shift(self) -> int:
+        """log2 B: the shaders split a position as (t >> shift, t & (B − 1))."""
+        return self.rope_block.bit_length() - 1
+
+    @property
     def rope_hi_rows(self) -> int:
         """The table's hi rows (⌈n_ctx / B⌉); its lo rows follow them."""
         return -(-self.n_ctx // self.rope_block)

@@ -1,6 +1,6 @@
 #version 450
 // Keys coded before RoPE (kvdict_vk.rope) over rows in place: row r = h·n_tok + i holds the
-// key of token t0 + i, turned to that position (inverse: turned back from it). Run after
+// key of token t0 + i, turned to that position. Run after
 // reconstruct over a read's K rows (before read_window, whose exact rows are turned already).
 // One invocation per (row, chunk), grid-stride.
 #extension GL_GOOGLE_include_directive : require
@@ -23,18 +23,16 @@ layout(push_constant) uniform RopeRowsPush {
     uint n_tok;
     uint n_rows;      // n_kv * n_tok
     uint out_word;    // the rows, row r at out_word + r * HEAD_DIM (multiple of 4)
-    uint inverse;     // 1: turn back to position 0
 } pc;
 
 void main() {
     uint items = pc.n_rows * Q4;
-    float sign_ = pc.inverse != 0u ? -1.0 : 1.0;
     uint table = pc.table_word / 4u;
     for (uint i = gl_GlobalInvocationID.x; i < items; i += grid_stride()) {
         uint r = i / Q4;
         uint c = i - r * Q4;
         uvec2 q = rope_quads(pc.t0 + r % pc.n_tok, c, pc.hi_rows, pc.shift, Q4);
         uint at = pc.out_word / 4u + i;
-        rows[at] = rope_turn(rows[at], layer_quads[table + q.x], layer_quads[table + q.y], sign_);
+        rows[at] = rope_turn(rows[at], layer_quads[table + q.x], layer_quads[table + q.y], 1.0);
     }
 }

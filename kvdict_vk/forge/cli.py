@@ -168,6 +168,8 @@ def main(argv=None) -> int:
         if a.command == "curve":
             if cfg.exact_window():  # its rows are measured without one: a window would only rename them
                 raise E.KvDictError("--sink/--recent apply to build; curve measures caches without an exact window")
+            if cfg.pre_rope_keys:
+                raise E.KvDictError("--pre-rope-keys applies to build; curve learns on the keys after RoPE")
             from . import curve
             return curve.run_curve(cfg, a.out, log=_log, atoms=a.curve_atoms or curve.ATOMS,
                                    sparsities=a.curve_sparsities or curve.SPARSITIES,

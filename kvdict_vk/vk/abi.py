@@ -127,8 +127,7 @@ READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", 
 READ_WINDOW_PUSH = uint_block("ReadWindowPush", "window_word", "rows", "sink", "recent", "state_word", "n_kv",
                               "t0", "n_tok", "out_word")
 # keys coded before RoPE (kvdict_vk.rope) turned in place over a read's K rows (shaders/rope_rows.comp)
-ROPE_ROWS_PUSH = uint_block("RopeRowsPush", "table_word", "hi_rows", "shift", "t0", "n_tok", "n_rows", "out_word",
-                            "inverse", defaults=dict(inverse=0))
+ROPE_ROWS_PUSH = uint_block("RopeRowsPush", "table_word", "hi_rows", "shift", "t0", "n_tok", "n_rows", "out_word")
 SCATTER_PUSH = uint_block("ScatterPush", "src_word", "dst_word", "row_words", "group_rows",
                           "group_stride", "n_words")
 APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_word", "v_word", "k_row_words", "v_row_words",

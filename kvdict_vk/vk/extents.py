@@ -187,9 +187,9 @@ def _read_window_extents(p, s):
 
 def _rope_rows_extents(p, s):
     hd = s["HEAD_DIM"]
-    if hd % 4 or p["table_word"] % 4 or p["out_word"] % 4 or p["shift"] > 16 or p["inverse"] > 1:
+    if hd % 4 or p["table_word"] % 4 or p["out_word"] % 4 or p["shift"] > 16:
         raise E.DispatchError(f"rope_rows: HEAD_DIM {hd}, table_word {p['table_word']}, out_word {p['out_word']}, "
-                              f"shift {p['shift']}, inverse {p['inverse']}")
+                              f"shift {p['shift']}")
     if not p["n_rows"]:
         return [], []
     if p["n_rows"] % p["n_tok"]:

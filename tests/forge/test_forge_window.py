@@ -108,3 +108,12 @@ def test_smoke_forge_codes_keys_before_rope(tmp_path, make_arena, activate):
     forge_k = llama.apply_rope(codec.roundtrip_heads(kv[2], dk), np.arange(len(window)), c.rope_theta, c.rope_dim)
     got_k, got_v = arena.read(layer)
     assert nmse(forge_k, got_k) <= 1e-9 and nmse(codec.roundtrip_heads(kv[1], dv), got_v) <= 1e-9
+
+
+@pytest.mark.parametrize("flags", [["--sink", "1"], ["--pre-rope-keys", "1"]])
+def test_curve_refuses_what_it_does_not_measure(tmp_path, capsys, flags):
+    """kvdict-forge curve measures caches without a window, on the keys after RoPE: it refuses
+    those flags (exit 2) before learning anything."""
+    assert cli.main(["curve", "--out", str(tmp_path / "c"), *flags]) == 2
+    assert flags[0].lstrip("-").split("-")[0] in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()

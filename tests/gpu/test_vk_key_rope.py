@@ -1,8 +1,10 @@
 """Keys coded before RoPE on the device (kvdict_vk.rope; shaders/rope_rows.comp, attend_direct's
 K_ROPE build): reads of such a layer equal the slots' decode turned to each token's position in
 float64 (the forge's reconstruction) to NMSE ≤ 1e-9, appends code the keys turned back to
-position 0, attention (attend, step, a recorded step, beside an exact window) matches the float64
-reference, guard words stay intact, and what cannot serve such keys is refused."""
+position 0 (on the host before the CPU codec or the GPU encoder), attention (attend, step, the
+read-out path, beside an exact window) matches the float64 reference, guard words stay intact
+(make_arena checks them), and what cannot turn such keys — the table and flash passes, a
+recorded step, several sequences — is refused."""
 from __future__ import annotations
 
 import dataclasses

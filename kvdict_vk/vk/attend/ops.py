@@ -380,7 +380,7 @@ def _rope_push(st) -> dict:
     if st.key_rope is None:
         return {}
     return dict(k_mean_word=st.mean_word, rope_word=st.rope_word, rope_hi=st.rope_hi_rows,
-                rope_shift=st.rope_block.bit_length() - 1)
+                rope_shift=st.rope_shift)
 
 
 def _split_push(plan, at: Placement) -> dict:
