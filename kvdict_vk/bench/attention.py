@@ -63,6 +63,8 @@ def parse_args(argv=None):
     ap.add_argument("--per-head", action="store_true", help="one dictionary per KV head (default: shared)")
     ap.add_argument("--window", default="", help="SINK/RECENT: each dict format also with that exact window "
                                                  "(kvdict_vk.window), e.g. 1/32")
+    ap.add_argument("--key-rope", action="store_true", help="each dict format also with its keys coded before "
+                                                             "RoPE (kvdict_vk.rope: attend_direct turns them)")
     ap.add_argument("--no-reconstruct", action="store_true", help="skip reconstruct-then-attend")
     ap.add_argument("--case-budget-s", type=float, default=30.0,
                     help="seconds the repeats of one context length may take (fewer repeats, at least 3, past it)")
@@ -149,7 +151,16 @@ def _arenas(n_kv, hd, args, dev, rng) -> dict:
         if args.exact_window:
             arenas[window_format(bits, args)] = dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng,
                                                            window=args.exact_window)[0]
+        if args.key_rope:
+            from kvdict_vk.rope import KeyRope
+            arenas[rope_format(bits)] = dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng,
+                                                   key_rope=KeyRope(10000.0, hd))[0]
     return arenas
+
+
+def rope_format(bits) -> str:
+    """A dict format with --key-rope: its rows' ``format``."""
+    return f"{format_name(bits)}+keys_before_rope"
 
 
 def window_format(bits, args) -> str:
@@ -182,6 +193,8 @@ def _modes(arenas, args, n_heads: int) -> dict:
         if args.exact_window:
             modes[f"dict_{f}_window"] = (arenas[window_format(bits, args)], "dict", window_format(bits, args), None,
                                          False)
+        if args.key_rope:
+            modes[f"dict_{f}_key_rope"] = (arenas[rope_format(bits)], "dict", rope_format(bits), None, False)
     return modes
 
 
@@ -326,7 +339,7 @@ def _run(args, progress) -> dict:
             cases.append({"n_kv": n_kv, "gqa": gqa, "head_dim": hd, "by_n_used": by_n, "by_batch": by_batch})
     result = {**common.run_header(TOOL, args, dev, t0),
               "config": {**{k: getattr(args, k) for k in ("sparsity", "n_atoms", "per_head", "repeats", "formats",
-                                                          "window", "case_budget_s")},
+                                                          "window", "key_rope", "case_budget_s")},
                          "codes": str(args.codes) if args.codes else "uniform",
                          "tune_flush_mib": args.tune_flush_mib, "our_flush": args.our_flush},
               "timing": "Attention.recording (query upload, passes, read-back; with our_flush 'submission' the "

@@ -14,7 +14,8 @@ def format_name(bits) -> str:
     return f"k{bits[0]}v{bits[1]}"
 
 
-def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1, fill: bool = True, window=None):
+def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1, fill: bool = True, window=None,
+               key_rope=None):
     """A one-layer dict arena filled with n_ctx tokens of random valid slots (the cost depends
     little on what the codes say — how often nearby code words share an atom is the exception,
     so ``args.code_words`` can put captured ones in; OMP-encoding that many rows would dominate
@@ -24,13 +25,15 @@ def dict_arena(bits, n_kv, hd, n_ctx, args, dev, rng, seqs: int = 1, fill: bool 
     the forge's are (ForgeConfig.f16_atoms), so reconstruct-then-attend takes the path a forged
     artifact takes (the arena's atoms in binary16). ``fill`` False: the arena
     left empty (for appends). ``window``: a kvdict_vk.window.ExactWindow the artifact keeps
-    (its rows random, one sequence)."""
+    (its rows random, one sequence); ``key_rope``: a kvdict_vk.rope.KeyRope its keys are coded
+    before (one sequence)."""
     from kvdict_vk import runtime, synthetic
     from kvdict_vk.dictionary import KvDictArtifact
     from kvdict_vk.vk import KvArena
     na = args.n_atoms
     dicts = synthetic.random_dicts(rng, hd, na, args.sparsity, bits, n_kv if args.per_head else 1)
-    art = KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),), *([window] if window else []))
+    art = KvDictArtifact(hd, na, args.sparsity, ((dicts[0], dicts[1]),), *([window] if window else []),
+                         key_rope=key_rope)
     with runtime.enabled_with(art, allow_uncertified=True):
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, cache="dict", seqs=seqs)
     slots = [synthetic.random_slots(rng, d, (n_kv, n_ctx)) for d in dicts]
