@@ -98,7 +98,8 @@ def cache_name(cache) -> str:
         kv = [next((p[j] for p in cache.layers if p[j].coded), None) for j in (0, 1)]
         parts = [f"{n} {s.sparsity}+{s.residual_bits} b" for n, s in zip("KV", kv) if s is not None]
         heads = "per-head" if cache.n_heads > 1 else "shared"
-        return f"dict {cache.n_atoms} atoms {heads}, " + ", ".join(parts) if coded else "dict (all passthrough)"
+        turned = ", keys before RoPE" if cache.key_rope is not None else ""
+        return f"dict {cache.n_atoms} atoms {heads}, " + ", ".join(parts) + turned if coded else "dict (all passthrough)"
     if isinstance(cache, Modelled):
         return f"{'—' if cache.base is None else cache_name(cache.base)} (modelled: {cache.note})"
     raise TypeError(f"not a cache description: {type(cache).__name__}")
