@@ -10,6 +10,7 @@ import importlib
 
 _EXPORTS = {
     "KvArena": "arena.arena", "ReadPlan": "read.reader", "Attention": "attend.engine",
+    "SplitArena": "split", "open_devices": "split",
     "list_devices": "device", "get_device": "device", "Device": "device", "DeviceInfo": "vulkan_info",
 }
 __all__ = sorted(_EXPORTS)

@@ -39,7 +39,8 @@ class KvArena:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
                  device: "int | str | Device | None" = None, shader_mapping: str | None = None,
                  guard_words: int = 0, guard_value: int = L.DEFAULT_GUARD_VALUE, encoder: str | None = None,
-                 cache: str | None = None, kivi: KiviSpec | None = None, seqs: int = 1):
+                 cache: str | None = None, kivi: KiviSpec | None = None, seqs: int = 1,
+                 dictionary_part=None):
         """``shader_mapping``: "row" (one invocation per row: CPU drivers), "chunk" (one per
         4-float output chunk: GPUs) or None (by device type). ``guard_words``/``guard_value``:
         test-only sentinel words around every region (see kvdict_vk.layout). ``encoder``:
@@ -55,12 +56,19 @@ class KvArena:
         recent tokens exact), whatever the switch says.
         ``seqs``: sequences the arena holds, each of up to n_ctx tokens, sharing the layers'
         dictionaries (batched decode: append/read with ``seq=``, attend_batch; a KV head's
-        slice holds sequence s at rows s·n_ctx .. (s+1)·n_ctx − 1, docs/ARENA.md)."""
+        slice holds sequence s at rows s·n_ctx .. (s+1)·n_ctx − 1, docs/ARENA.md).
+        ``dictionary_part``: a dict cache's part of the installed artifact this arena holds in
+        its place (kvdict_vk.vk.split: a device's layers or KV heads of it; split.artifact_part)."""
         C.check_seqs(seqs, n_ctx, cache)
         self.encoder = C.resolve_encoder(encoder)
         snap = runtime.snapshot()  # once: the layout never changes under a live arena
         cache = C.resolve_cache(cache, snap.active)
         art = snap.artifact if cache == "dict" else None
+        if dictionary_part is not None:  # fail-closed still: only a part cut from what is installed
+            if cache != "dict" or getattr(dictionary_part, "part_of", None) is not snap.artifact:
+                raise E.ArenaError("dictionary_part must be cut from the installed artifact "
+                                   "(kvdict_vk.vk.split.artifact_part) for a dict cache")
+            art = dictionary_part
         if art is not None and art.window and seqs > 1:
             raise E.ArenaError(f"a dictionary cache with an exact window ({art.window.describe()}) holds one "
                                f"sequence; asked for {seqs}")

@@ -1,0 +1,242 @@
+"""A KV arena split over several Vulkan devices in one process (issue 53): by layers — each
+device holds a contiguous range of layers — or by KV heads — each device holds a range of every
+layer's KV heads and the dictionaries of those heads (per-head ones cut to the range, a shared
+one on every device). ``SplitArena`` takes KvArena's calls (append, append_codes, read, attend,
+step) and hands back what one device's arena would; each device holds only its part, in an
+arena of its own (kvdict_vk.vk.arena), installed from the runtime's one artifact.
+
+A head split's parts work at once, a thread each: every device has its own queue and lock
+(kvdict_vk.vk.device), and Kompute waits on a fence with the GIL released. A layer split's
+layers run where they live, one device a layer, as llama.cpp's ``--split-mode layer`` does.
+
+    devices = open_devices("llvmpipe", 2)     # two logical devices on one physical one
+    arena = SplitArena(30, 3, 64, 8192, devices, split="head")
+"""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .. import errors as E
+from .. import runtime
+from ..dictionary import KvDictArtifact, StreamDict
+from .arena.arena import KvArena
+from .arena import config as C
+from .device import Device, get_device, select_device
+
+SPLITS = ("layer", "head")
+
+
+def open_devices(spec=None, n: int = 2) -> list[Device]:
+    """``n`` logical devices on the physical device ``spec`` names (kvdict_vk.vk.device's
+    forms): the process's shared one, then ``n − 1`` more, each with its own Kompute manager
+    (its own VkDevice and queue) — several devices where one card, or lavapipe, is there."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise E.ArenaError(f"open_devices: n must be a positive integer, got {n!r}")
+    first = get_device(spec)
+    return [first] + [Device(select_device(first.info.index)) for _ in range(n - 1)]
+
+
+def ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering 0 … n − 1, their sizes differing by at most one."""
+    if not 1 <= parts <= n:
+        raise E.ArenaError(f"cannot split {n} into {parts} non-empty parts")
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def artifact_part(art: KvDictArtifact, layers: tuple[int, int] | None = None,
+                  heads: tuple[int, int] | None = None) -> KvDictArtifact:
+    """The part of ``art`` one device holds: layers [a, b) of it, and/or KV heads [h0, h1) of
+    every layer (per-head dictionaries cut to those heads; a shared one kept whole). KvArena
+    takes it (``dictionary_part``) only from the artifact the runtime has installed."""
+    a, b = layers or (0, art.n_layers)
+    h0, h1 = heads or (0, None)
+
+    def cut(d: StreamDict | None):
+        if d is None or d.n_heads == 1 or heads is None:
+            return d
+        return dataclasses.replace(d, atoms=d.atoms[h0:h1], mean=None if d.mean is None else d.mean[h0:h1],
+                                   residual_scale=None if d.residual_scale is None else d.residual_scale[h0:h1])
+    part = KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity,
+                          tuple((cut(k), cut(v)) for k, v in art.layers[a:b]), art.window, art.key_rope)
+    object.__setattr__(part, "part_of", art)  # what KvArena checks: cut from the installed one
+    return part
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One device's part: its arena, the layers [a, b) and the KV heads [h0, h1) it holds."""
+    arena: KvArena
+    layers: tuple[int, int]
+    heads: tuple[int, int]
+
+
+class SplitArena:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, devices, *,
+                 split: str = "layer", **arena_kw):
+        """KvArena's dims and keywords (``cache``, ``encoder``, ``guard_words`` …; one
+        sequence), spread over ``devices`` (a list of Device or device specs; open_devices
+        makes several of one): ``split`` "layer" (each a contiguous range of layers) or "head"
+        (each a range of every layer's KV heads). The runtime snapshot is read once, as KvArena
+        reads it; a device without room (ArenaTooLargeError) frees every part made before."""
+        if split not in SPLITS:
+            raise E.ArenaError(f"split must be one of {SPLITS}, got {split!r}")
+        if arena_kw.get("seqs", 1) != 1:
+            raise E.ArenaError("a split arena holds one sequence")
+        devices = [d if isinstance(d, Device) else get_device(d) for d in devices]
+        if len({id(d) for d in devices}) != len(devices):
+            raise E.ArenaError("a split arena needs distinct devices (open_devices makes several of one)")
+        self.split, self.n_layers, self.n_kv_heads, self.head_dim = split, n_layers, n_kv_heads, head_dim
+        snap = runtime.snapshot()
+        art = snap.artifact if C.resolve_cache(arena_kw.get("cache"), snap.active) == "dict" else None
+        if art is not None and art.n_layers != n_layers:
+            raise E.DictMismatchError(f"dictionary has {art.n_layers} layers, model {n_layers}")
+        if art is not None and art.n_heads not in (1, n_kv_heads):
+            raise E.DictMismatchError(f"the dictionary has {art.n_heads} heads per stream; the model has "
+                                      f"{n_kv_heads} KV heads")
+        whole = (0, n_layers) if split == "head" else None
+        cuts = ranges(n_layers if split == "layer" else n_kv_heads, len(devices))
+        self.parts: list[Part] = []
+        try:
+            for dev, cut in zip(devices, cuts):
+                layers, heads = (cut, (0, n_kv_heads)) if split == "layer" else (whole, cut)
+                kw = dict(arena_kw)
+                if art is not None:
+                    kw.update(cache="dict", dictionary_part=artifact_part(art, layers, heads if split == "head"
+                                                                          else None))
+                arena = KvArena(layers[1] - layers[0], heads[1] - heads[0], head_dim, n_ctx, device=dev, **kw)
+                self.parts.append(Part(arena, layers, heads))
+        except BaseException:
+            self.free()
+            raise
+        self._pool = ThreadPoolExecutor(len(self.parts)) if split == "head" and len(self.parts) > 1 else None
+
+    # --- where things live ------------------------------------------------------------------------
+    def _layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.n_layers:
+            raise E.LayerIndexError(f"layer {layer!r} outside 0..{self.n_layers - 1}")
+        return int(layer)
+
+    def _owner(self, layer: int) -> tuple[Part, int]:
+        """(the part holding ``layer``, its index there): a layer split's."""
+        i = self._layer(layer)
+        part = next(p for p in self.parts if p.layers[0] <= i < p.layers[1])
+        return part, i - part.layers[0]
+
+    def _each(self, call) -> list:
+        """``call(part)`` for every part — at once, a thread each, for a head split."""
+        if self._pool is None:
+            return [call(p) for p in self.parts]
+        return list(self._pool.map(call, self.parts))
+
+    def _rows(self, what: str, a, width: int | None = None) -> np.ndarray:
+        """``a`` checked as (n_kv_heads, T, width) before any part sees it (a refusal changes nothing)."""
+        w = self.head_dim if width is None else width
+        if not isinstance(a, np.ndarray) or a.ndim != 3 or a.shape[0] != self.n_kv_heads or a.shape[2] != w:
+            raise E.ShapeError(f"{what}: expected ({self.n_kv_heads}, T, {w}), got "
+                               f"{getattr(a, 'shape', type(a).__name__)}")
+        return a
+
+    def _query(self, q) -> np.ndarray:
+        if not isinstance(q, np.ndarray) or q.ndim != 2 or q.shape[1] != self.head_dim \
+                or q.shape[0] < 1 or q.shape[0] % self.n_kv_heads:
+            raise E.ShapeError(f"q: expected (n_heads, {self.head_dim}) with n_heads a multiple of "
+                               f"{self.n_kv_heads}, got {getattr(q, 'shape', type(q).__name__)}")
+        return q
+
+    def _heads_of(self, part: Part, q: np.ndarray) -> np.ndarray:
+        """The query heads reading ``part``'s KV heads (query head h reads KV head h // group)."""
+        group = q.shape[0] // self.n_kv_heads
+        return np.ascontiguousarray(q[part.heads[0] * group:part.heads[1] * group])
+
+    def _check_room(self, layer: int, n_new: int) -> None:
+        n = self.n_tokens(layer)
+        ctx = self.parts[0].arena.seq_ctx
+        if n + n_new > ctx:
+            raise E.ArenaError(f"layer {layer}: {n} + {n_new} tokens exceed n_ctx {ctx}")
+
+    # --- KvArena's calls --------------------------------------------------------------------------
+    def n_tokens(self, layer: int) -> int:
+        if self.split == "layer":
+            part, i = self._owner(layer)
+            return part.arena.n_tokens(i)
+        return self.parts[0].arena.n_tokens(self._layer(layer))
+
+    def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
+        """KvArena.append over the split: (n_kv_heads, T_new, head_dim) float32 each."""
+        if self.split == "layer":
+            part, i = self._owner(layer)
+            return part.arena.append(i, k_rows, v_rows)
+        layer = self._layer(layer)
+        k, v = self._rows("k_rows", k_rows), self._rows("v_rows", v_rows)
+        self._check_room(layer, k.shape[1])
+        return self._each(lambda p: p.arena.append(layer, k[p.heads[0]:p.heads[1]], v[p.heads[0]:p.heads[1]]))[0]
+
+    def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray, rows=None) -> int:
+        """KvArena.append_codes over the split (a coded stream's slots, a passthrough one's rows)."""
+        if self.split == "layer":
+            part, i = self._owner(layer)
+            return part.arena.append_codes(i, k, v, rows=rows)
+        layer = self._layer(layer)
+        k, v = (self._rows(n, a, a.shape[2] if isinstance(a, np.ndarray) and a.ndim == 3 else None)
+                for n, a in (("k", k), ("v", v)))
+        self._check_room(layer, k.shape[1])
+
+        def codes(p: Part):
+            h = slice(*p.heads)
+            return p.arena.append_codes(layer, k[h], v[h], rows=None if rows is None else (rows[0][h], rows[1][h]))
+        return self._each(codes)[0]
+
+    def read(self, layer: int, t0: int = 0, t1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """KvArena.read over the split: (K, V) float32 (n_kv_heads, t1 − t0, head_dim)."""
+        if self.split == "layer":
+            part, i = self._owner(layer)
+            return part.arena.read(i, t0, t1)
+        layer = self._layer(layer)
+        got = self._each(lambda p: p.arena.read(layer, t0, t1))
+        return tuple(np.concatenate([g[j] for g in got], axis=0) for j in (0, 1))
+
+    def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None) -> np.ndarray:
+        """KvArena.attend over the split: (n_heads, head_dim) float32."""
+        if self.split == "layer":
+            part, i = self._owner(layer)
+            return part.arena.attend(i, q, n_used, scale)
+        layer, q = self._layer(layer), self._query(q)
+        return np.concatenate(self._each(lambda p: p.arena.attend(layer, self._heads_of(p, q), n_used, scale)))
+
+    def step(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray,
+             scale: float | None = None) -> np.ndarray:
+        """KvArena.step over the split: the new tokens appended, then attended over with q."""
+        if self.split == "layer":
+            part, i = self._owner(layer)
+            return part.arena.step(i, k_rows, v_rows, q, scale)
+        layer, q = self._layer(layer), self._query(q)
+        k, v = self._rows("k_rows", k_rows), self._rows("v_rows", v_rows)
+        self._check_room(layer, k.shape[1])
+        h = lambda p: slice(*p.heads)  # noqa: E731
+        return np.concatenate(self._each(
+            lambda p: p.arena.step(layer, k[h(p)], v[h(p)], self._heads_of(p, q), scale)))
+
+    # --- what each device holds -------------------------------------------------------------------
+    def memory(self) -> list[dict]:
+        """Per device: its name, the layers and KV heads it holds, its arena's bytes and the
+        part of them that is dictionaries (tails)."""
+        return [dict(device=p.arena.device.name, layers=list(p.layers), kv_heads=list(p.heads),
+                     arena_bytes=p.arena.layout.total_bytes, tail_bytes=p.arena.layout.tail_bytes)
+                for p in self.parts]
+
+    def free(self) -> None:
+        for p in getattr(self, "parts", []):
+            p.arena.free()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown()
+
+    def __enter__(self) -> "SplitArena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()

@@ -1,0 +1,139 @@
+"""An arena split over two logical Vulkan devices (kvdict_vk.vk.split; on lavapipe: two Kompute
+managers of one physical device), by layers and by KV heads: every read, attention and step
+equals one device's arena over the same cache (f16 rows, and dict slots appended as codes — the
+exact path) to NMSE ≤ 1e-9, each device holds only its part (its dictionaries cut to its KV
+heads), guard words stay intact, and what a split cannot take is refused with nothing changed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_artifact
+from kvdict_vk import codec
+from kvdict_vk import errors as E
+from kvdict_vk.metrics import nmse
+from kvdict_vk.vk import KvArena
+from kvdict_vk.vk.split import SplitArena, artifact_part, open_devices, ranges
+
+N_LAYERS, N_KV, HD, N_CTX, GROUP = 3, 3, 64, 160, 2
+
+
+_DEVICES: dict = {}
+
+
+@pytest.fixture
+def devices(vk_device):
+    """The session's device and one more logical device of it (made once: a Kompute manager)."""
+    if vk_device not in _DEVICES:
+        _DEVICES[vk_device] = open_devices(vk_device, 2)
+    return _DEVICES[vk_device]
+
+
+def _pair(devices, split, **kw):
+    """(one device's arena, the split one), guarded, over the same cache."""
+    one = KvArena(N_LAYERS, N_KV, HD, N_CTX, device=devices[0], guard_words=16, **kw)
+    two = SplitArena(N_LAYERS, N_KV, HD, N_CTX, devices, split=split, guard_words=16, **kw)
+    return one, two
+
+
+def _guards_intact(arena: KvArena) -> None:
+    assert arena.layout.guard_breaches(arena.layer_words) == []
+
+
+def _check(one, two, rng, sizes, coded_by=None):
+    """Append ``sizes`` tokens (rows, or with ``coded_by`` (K, V) StreamDicts their slots) to
+    every layer of both, then compare reads, attention and a step layer by layer."""
+    for layer in range(N_LAYERS):
+        for n in sizes:
+            k, v = (rng.standard_normal((N_KV, n, HD)).astype(np.float32) for _ in "kv")
+            if coded_by is None:
+                assert one.append(layer, k, v) == two.append(layer, k, v)
+            else:
+                ks, vs = (codec.encode_heads(x, d) for x, d in zip((k, v), coded_by[layer]))
+                assert one.append_codes(layer, ks, vs) == two.append_codes(layer, ks, vs)
+        n = sum(sizes)
+        assert two.n_tokens(layer) == n
+        for a, b in zip(one.read(layer), two.read(layer)):
+            np.testing.assert_array_equal(a, b)  # the same words, the same reconstruct
+        q = rng.standard_normal((N_KV * GROUP, HD)).astype(np.float32)
+        for used in (1, n // 2, n):
+            assert nmse(one.attend(layer, q, used), two.attend(layer, q, used)) <= 1e-9
+        if coded_by is None:  # a step: its rows appended on each device, attended over
+            k, v = (rng.standard_normal((N_KV, 1, HD)).astype(np.float32) for _ in "kv")
+            assert nmse(one.step(layer, k, v, q), two.step(layer, k, v, q)) <= 1e-9
+
+
+@pytest.mark.parametrize("split", ["layer", "head"])
+@pytest.mark.parametrize("cache", ["f16", "f32"])
+def test_uncoded_split_equals_one_device(devices, split, cache):
+    one, two = _pair(devices, split, cache=cache)
+    with one, two:
+        _check(one, two, np.random.default_rng(1), (1, 40, 1, 70))
+        for p in two.parts:
+            _guards_intact(p.arena)
+        assert [p.arena.device for p in two.parts] == devices
+        mem = two.memory()
+        if split == "layer":
+            assert [m["layers"] for m in mem] == [[0, 1], [1, 3]] and all(m["kv_heads"] == [0, 3] for m in mem)
+        else:
+            assert [m["kv_heads"] for m in mem] == [[0, 1], [1, 3]] and all(m["layers"] == [0, 3] for m in mem)
+        assert sum(m["arena_bytes"] for m in mem) <= one.layout.total_bytes + 2 * 64 * 4 * N_LAYERS * 2
+
+
+@pytest.mark.parametrize("split", ["layer", "head"])
+@pytest.mark.parametrize("heads", [1, N_KV], ids=["shared", "per-head"])
+def test_dict_split_equals_one_device(devices, activate, split, heads):
+    rng = np.random.default_rng(heads)
+    art = random_artifact(rng, HD, 64, [((4, 6), (4, 4))] * N_LAYERS, n_heads=heads, f16_atoms=True)
+    activate(art)
+    one, two = _pair(devices, split, encoder="cpu")
+    with one, two:
+        assert one.mode == "dict" and all(p.arena.mode == "dict" for p in two.parts)
+        for p in two.parts:  # each device holds its part: its layers, its heads' dictionaries
+            for i in range(*p.layers):
+                d = p.arena.stream_dict(i - p.layers[0], "k")
+                want = art.layers[i][0].atoms if heads == 1 else art.layers[i][0].atoms[p.heads[0]:p.heads[1]]
+                np.testing.assert_array_equal(d.atoms, want)
+        _check(one, two, rng, (1, 50, 3), coded_by=[pair for pair in art.layers])
+        for p in two.parts:
+            _guards_intact(p.arena)
+
+
+def test_refusals_change_nothing(devices, activate):
+    one, two = _pair(devices, "head", cache="f16")
+    rng = np.random.default_rng(3)
+    with one, two:
+        k = rng.standard_normal((N_KV, 5, HD)).astype(np.float32)
+        two.append(0, k, k)
+        before = two.read(0)
+        with pytest.raises(E.ShapeError):
+            two.append(0, k[:2], k[:2])  # not every KV head
+        with pytest.raises(E.ShapeError):
+            two.attend(0, np.zeros((N_KV + 1, HD), np.float32), 5)
+        with pytest.raises(E.ArenaError, match="exceed n_ctx"):
+            two.append(0, *(np.zeros((N_KV, N_CTX, HD), np.float32),) * 2)
+        with pytest.raises(E.LayerIndexError):
+            two.read(N_LAYERS)
+        assert two.n_tokens(0) == 5
+        for a, b in zip(before, two.read(0)):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(E.ArenaError, match="distinct"):
+        SplitArena(N_LAYERS, N_KV, HD, N_CTX, [devices[0], devices[0]])
+    with pytest.raises(E.ArenaError, match="split must be"):
+        SplitArena(N_LAYERS, N_KV, HD, N_CTX, devices, split="rows")
+    with pytest.raises(E.ArenaError, match="non-empty"):
+        SplitArena(1, N_KV, HD, N_CTX, devices, split="layer")
+    art = random_artifact(rng, HD, 32, [(2, 2)] * N_LAYERS)
+    activate(art)
+    with pytest.raises(E.ArenaError, match="cut from the installed"):  # fail-closed: not any artifact
+        KvArena(N_LAYERS, N_KV, HD, N_CTX, device=devices[0], dictionary_part=art)
+    other = random_artifact(rng, HD, 32, [(2, 2)] * N_LAYERS)
+    with pytest.raises(E.ArenaError, match="cut from the installed"):
+        KvArena(1, N_KV, HD, N_CTX, device=devices[0], dictionary_part=artifact_part(other, (0, 1)))
+
+
+def test_ranges_cover_and_balance():
+    assert ranges(30, 4) == [(0, 7), (7, 15), (15, 22), (22, 30)]
+    assert ranges(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(E.ArenaError):
+        ranges(2, 3)
