@@ -50,6 +50,12 @@
    use of it and is made visible to later dispatches; a copy out of one (or between two)
    is finished before a later dispatch writes it.
 
+6. **The GIL released while a sequence runs** (python/src/main.cpp: ``Sequence.eval()`` and
+   ``eval_await()``): 0.9.0's bindings hold it through the submit and the fence wait, so a
+   Python thread driving one device stops every other thread — two devices driven from two
+   threads (kvdict_vk.vk.split) ran one after the other. Nothing in an eval calls back into
+   Python; the callers serialise their own use of a device (kvdict_vk.vk.device's guard).
+
     python scripts/kp_patch.py <kp-0.9.0 source dir>
 """
 import sys
@@ -284,6 +290,27 @@ def _edit(path: Path, anchor: str, replacement: str) -> None:
     path.write_text(text.replace(anchor, replacement))
 
 
+# item 6: the GIL released around a sequence's submit and wait
+GIL_EDITS = [
+    ("python/src/main.cpp",
+     '        "eval",\n'
+     "        [](kp::Sequence& self) { return self.eval(); },\n",
+     '        "eval",\n'
+     "        [](kp::Sequence& self) {\n"
+     "            py::gil_scoped_release nogil;  // kvdict_vk patch: other threads run meanwhile\n"
+     "            return self.eval();\n"
+     "        },\n"),
+    ("python/src/main.cpp",
+     '        "eval_await",\n'
+     "        [](kp::Sequence& self) { return self.evalAwait(); },\n",
+     '        "eval_await",\n'
+     "        [](kp::Sequence& self) {\n"
+     "            py::gil_scoped_release nogil;  // kvdict_vk patch: other threads run meanwhile\n"
+     "            return self.evalAwait();\n"
+     "        },\n"),
+]
+
+
 def main(src: str) -> int:
     root = Path(src)
     bindings = root / "python" / "src" / "main.cpp"
@@ -292,7 +319,7 @@ def main(src: str) -> int:
     _edit(bindings, BARRIER_ANCHOR, BARRIER + BARRIER_ANCHOR)
     _edit(root / "src" / "Manager.cpp", DEVICE_ANCHOR,
           DEVICE_FEATURES + DEVICE_ANCHOR + "    deviceCreateInfo.setPNext(&kvFeatures2);  // kvdict_vk patch\n")
-    for rel, anchor, replacement in SEQUENCE_EDITS + DISPATCH_EDITS:
+    for rel, anchor, replacement in SEQUENCE_EDITS + DISPATCH_EDITS + GIL_EDITS:
         _edit(root / rel, anchor, replacement)
     return 0
 

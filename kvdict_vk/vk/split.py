@@ -5,11 +5,10 @@ one on every device). ``SplitArena`` takes KvArena's calls (append, append_codes
 step) and hands back what one device's arena would; each device holds only its part, in an
 arena of its own (kvdict_vk.vk.arena), installed from the runtime's one artifact.
 
-A head split's parts are called in turn, each submission waited for before the next: Kompute's
-``eval`` holds the GIL while it waits on its fence (its bindings release it nowhere), so threads
-would not overlap the devices' work — that needs a submission that returns before it is done
-(``eval_async``) through the arena's calls. A layer split's layers run where they live, one
-device a layer, as llama.cpp's ``--split-mode layer`` does.
+A head split's parts work at once, a thread each: every device has its own queue and lock
+(kvdict_vk.vk.device), and kp's ``Sequence.eval`` releases the GIL while it submits and waits
+(scripts/kp_patch.py item 6). A layer split's layers run where they live, one device a layer,
+as llama.cpp's ``--split-mode layer`` does.
 
     devices = open_devices("llvmpipe", 2)     # two logical devices on one physical one
     arena = SplitArena(30, 3, 64, 8192, devices, split="head")
@@ -17,6 +16,8 @@ device a layer, as llama.cpp's ``--split-mode layer`` does.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from .. import errors as E
@@ -112,6 +113,7 @@ class SplitArena:
         except BaseException:
             self.free()
             raise
+        self._pool = ThreadPoolExecutor(len(self.parts)) if split == "head" and len(self.parts) > 1 else None
 
     # --- where things live ------------------------------------------------------------------------
     def _layer(self, layer: int) -> int:
@@ -126,8 +128,10 @@ class SplitArena:
         return part, i - part.layers[0]
 
     def _each(self, call) -> list:
-        """``call(part)`` for every part, in turn (module docstring: why not at once)."""
-        return [call(p) for p in self.parts]
+        """``call(part)`` for every part — at once, a thread each, for a head split."""
+        if self._pool is None:
+            return [call(p) for p in self.parts]
+        return list(self._pool.map(call, self.parts))
 
     def _rows(self, what: str, a, width: int | None = None) -> np.ndarray:
         """``a`` checked as (n_kv_heads, T, width) before any part sees it (a refusal changes nothing)."""
@@ -226,6 +230,9 @@ class SplitArena:
                 for p in self.parts]
 
     def free(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown()
         for p in getattr(self, "parts", []):
             p.arena.free()
 

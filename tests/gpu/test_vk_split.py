@@ -137,3 +137,40 @@ def test_ranges_cover_and_balance():
     assert ranges(3, 3) == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(E.ArenaError):
         ranges(2, 3)
+
+
+def test_a_submission_lets_other_threads_run(vk_device):
+    """kp's Sequence.eval releases the GIL while it submits and waits (scripts/kp_patch.py item
+    6): a Python thread spinning beside a long submission gets most of its time. Held, it would
+    get at most one switch interval before the eval starts."""
+    import sys
+    import threading
+    import time
+    n = 1 << 17
+    with KvArena(1, 2, HD, n, device=vk_device, cache="f32") as arena:
+        k = np.ones((2, n, HD), np.float32)
+        arena.append(0, k, k)
+        q = np.ones((4, HD), np.float32)
+        rec = arena.attention(4).recording(0, q, n, 0.125)
+        rec.run()
+        count, stop = [0], [False]
+
+        def spin():
+            while not stop[0]:
+                count[0] += 1
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        try:
+            time.sleep(0.05)
+            c0, t0 = count[0], time.perf_counter()
+            time.sleep(0.05)  # the spinner's pace alone
+            rate = (count[0] - c0) / (time.perf_counter() - t0)
+            c0, t0 = count[0], time.perf_counter()
+            rec.run()
+            during, dt = count[0] - c0, time.perf_counter() - t0
+        finally:
+            stop[0] = True
+            spinner.join()
+        rec.free()
+    assert dt > 4 * sys.getswitchinterval(), f"the submission ({dt:.3f} s) is too short to tell"
+    assert during / rate > 0.3 * dt, (during, rate, dt)
