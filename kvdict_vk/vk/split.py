@@ -2,13 +2,14 @@
 device holds a contiguous range of layers — or by KV heads — each device holds a range of every
 layer's KV heads and the dictionaries of those heads (per-head ones cut to the range, a shared
 one on every device). ``SplitArena`` takes KvArena's calls (append, append_codes, read, attend,
-step) and hands back what one device's arena would; each device holds only its part, in an
+step, record_step) and hands back what one device's arena would; each device holds only its part, in an
 arena of its own (kvdict_vk.vk.arena), installed from the runtime's one artifact.
 
 A head split's parts work at once, a thread each: every device has its own queue and lock
 (kvdict_vk.vk.device), and kp's ``Sequence.eval`` releases the GIL while it submits and waits
 (scripts/kp_patch.py item 6). A layer split's layers run where they live, one device a layer,
-as llama.cpp's ``--split-mode layer`` does.
+as llama.cpp's ``--split-mode layer`` does; a recorded step over several layers (SplitStep)
+runs every device's layers at once, a thread each, since its inputs are given together.
 
     devices = open_devices("llvmpipe", 2)     # two logical devices on one physical one
     arena = SplitArena(30, 3, 64, 8192, devices, split="head")
@@ -114,6 +115,7 @@ class SplitArena:
             self.free()
             raise
         self._pool = ThreadPoolExecutor(len(self.parts)) if split == "head" and len(self.parts) > 1 else None
+        self._steps: list[SplitStep] = []  # record_step's, freed with the arena
 
     # --- where things live ------------------------------------------------------------------------
     def _layer(self, layer: int) -> int:
@@ -221,6 +223,24 @@ class SplitArena:
         return np.concatenate(self._each(
             lambda p: p.arena.step(layer, k[h(p)], v[h(p)], self._heads_of(p, q), scale)))
 
+    def record_step(self, n_heads: int, layers=None, scale: float | None = None,
+                    n_plan: int | None = None) -> "SplitStep":
+        """KvArena.record_step over the split (one sequence): each device records its own step
+        over what it holds of ``layers`` (default: every layer); ``run`` drives them at once."""
+        self._query(np.zeros((n_heads, self.head_dim), np.float32))  # n_heads a multiple of n_kv_heads
+        chosen = list(range(self.n_layers)) if layers is None else [self._layer(i) for i in layers]
+        group = n_heads // self.n_kv_heads
+        steps = []  # (part, positions in ``chosen`` it takes, its DecodeStep)
+        for p in self.parts:
+            mine = [j for j, i in enumerate(chosen) if p.layers[0] <= i < p.layers[1]]
+            if mine:
+                local = [chosen[j] - p.layers[0] for j in mine]
+                steps.append((p, mine, p.arena.record_step(group * (p.heads[1] - p.heads[0]), local,
+                                                           scale=scale, n_plan=n_plan)))
+        step = SplitStep(self, steps, chosen, n_heads)
+        self._steps.append(step)
+        return step
+
     # --- what each device holds -------------------------------------------------------------------
     def memory(self) -> list[dict]:
         """Per device: its name, the layers and KV heads it holds, its arena's bytes and the
@@ -230,6 +250,8 @@ class SplitArena:
                 for p in self.parts]
 
     def free(self) -> None:
+        for step in getattr(self, "_steps", []):
+            step.free()
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown()
@@ -241,3 +263,44 @@ class SplitArena:
 
     def __exit__(self, *exc) -> None:
         self.free()
+
+
+class SplitStep:
+    """A decode step of a SplitArena: each device's recorded step (KvArena.record_step) over its
+    layers and KV heads, driven at once, a thread each; ``run`` takes and returns what one
+    device's step does."""
+
+    def __init__(self, arena: SplitArena, steps: list, layers: list, n_heads: int):
+        self.arena, self._steps, self.layers, self.n_heads = arena, steps, layers, n_heads
+        self._pool = ThreadPoolExecutor(len(steps)) if len(steps) > 1 else None
+
+    def run(self, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """k_rows / v_rows (n_layers, 1, n_kv_heads, head_dim), q (n_layers, 1, n_heads,
+        head_dim) float32 → (n_layers, 1, n_heads, head_dim) float32, as DecodeStep.run; every
+        check before any device runs."""
+        a, hd, n_l = self.arena, self.arena.head_dim, len(self.layers)
+        for what, x, heads in (("k_rows", k_rows, a.n_kv_heads), ("v_rows", v_rows, a.n_kv_heads),
+                               ("q", q, self.n_heads)):
+            if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != (n_l, 1, heads, hd):
+                raise E.ShapeError(f"SplitStep.run: {what} must be float32 {(n_l, 1, heads, hd)}, got "
+                                   f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+        for i in self.layers:
+            a._check_room(i, 1)
+        group = self.n_heads // a.n_kv_heads
+
+        def one(entry):
+            p, mine, step = entry
+            h, qh = slice(*p.heads), slice(p.heads[0] * group, p.heads[1] * group)
+            return step.run(np.ascontiguousarray(k_rows[mine][:, :, h]), np.ascontiguousarray(v_rows[mine][:, :, h]),
+                            np.ascontiguousarray(q[mine][:, :, qh]))
+        outs = [one(e) for e in self._steps] if self._pool is None else list(self._pool.map(one, self._steps))
+        out = np.empty((n_l, 1, self.n_heads, hd), np.float32)
+        for (p, mine, _), o in zip(self._steps, outs):
+            out[mine, :, p.heads[0] * group:p.heads[1] * group] = o
+        return out
+
+    def free(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        for _, _, step in self._steps:
+            step.free()

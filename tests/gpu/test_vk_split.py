@@ -174,3 +174,40 @@ def test_a_submission_lets_other_threads_run(vk_device):
         rec.free()
     assert dt > 4 * sys.getswitchinterval(), f"the submission ({dt:.3f} s) is too short to tell"
     assert during / rate > 0.3 * dt, (during, rate, dt)
+
+
+@pytest.mark.parametrize("split", ["layer", "head"])
+@pytest.mark.parametrize("cache", ["f16", "dict"])
+def test_recorded_step_over_the_split(devices, activate, split, cache):
+    """SplitArena.record_step: each device's recorded step over its layers and KV heads, run at
+    once, equals one device's recorded step token by token (per-head dictionaries: each head's
+    token coded alone either way), and a full sequence is refused before any device runs."""
+    rng = np.random.default_rng(7)
+    kw = dict(cache="f16")
+    if cache == "dict":
+        activate(random_artifact(rng, HD, 64, [((4, 6), (4, 4))] * N_LAYERS, n_heads=N_KV, f16_atoms=True))
+        kw = dict(encoder="cpu")
+    one, two = _pair(devices, split, **kw)
+    with one, two:
+        layers = [0, 2]
+        for layer in layers:
+            k = rng.standard_normal((N_KV, 20, HD)).astype(np.float32)
+            one.append(layer, k, k)
+            two.append(layer, k, k)
+        s1, s2 = one.record_step(N_KV * GROUP, layers), two.record_step(N_KV * GROUP, layers)
+        for _ in range(3):
+            k, v = (rng.standard_normal((len(layers), 1, N_KV, HD)).astype(np.float32) for _ in "kv")
+            q = rng.standard_normal((len(layers), 1, N_KV * GROUP, HD)).astype(np.float32)
+            assert nmse(s1.run(k, v, q), s2.run(k, v, q)) <= 1e-9
+        assert [two.n_tokens(i) for i in range(N_LAYERS)] == [23, 0, 23]
+        for layer in layers:
+            for a, b in zip(one.read(layer), two.read(layer)):
+                np.testing.assert_array_equal(a, b)
+        with pytest.raises(E.ShapeError):
+            s2.run(k[:1], v[:1], q[:1])
+        fill = np.zeros((N_KV, N_CTX - 23, HD), np.float32)
+        two.append(0, fill, fill)  # layer 0 full: the step refuses before layer 2's device runs
+        with pytest.raises(E.ArenaError, match="exceed n_ctx"):
+            s2.run(k, v, q)
+        assert [two.n_tokens(i) for i in range(N_LAYERS)] == [N_CTX, 0, 23]
+        s2.free()
