@@ -287,7 +287,7 @@ def held_heads(x: np.ndarray, d: StreamDict, key_rope=None, t0: int = 0, dtype=n
     to position 0 first, and the decode turned to the positions (in float64) after."""
     if key_rope is None:
         return decode_heads(encode_heads(x, d), d, dtype)
-    return key_rope.rotate(decode_heads(encode_heads(key_rope.unturn(x, t0), d), d), t0).astype(dtype)
+    return key_rope.rotate(held_heads(key_rope.unturn(x, t0), d), t0).astype(dtype)
 
 
 def roundtrip(x: np.ndarray, d: StreamDict, head: int = 0) -> np.ndarray:
@@ -297,4 +297,4 @@ def roundtrip(x: np.ndarray, d: StreamDict, head: int = 0) -> np.ndarray:
 
 def roundtrip_heads(x: np.ndarray, d: StreamDict) -> np.ndarray:
     """(n_kv, T, head_dim) → what the cache returns, float32."""
-    return decode_heads(encode_heads(x, d), d, np.float32)
+    return held_heads(x, d, dtype=np.float32)

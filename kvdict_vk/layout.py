@@ -51,7 +51,7 @@ from . import errors as E
 from . import kivi as K
 from .dictionary import MAX_N_ATOMS, KvDictArtifact
 from .residual import MAX_BITS as MAX_RESIDUAL_BITS, residual_words, slot_words
-from .rope import KeyRope, table_block, table_rows
+from .rope import KeyRope, table_block, table_hi_rows, table_rows
 from .window import NO_WINDOW, ExactWindow
 
 WORD_BYTES = 4
@@ -181,8 +181,8 @@ class StreamLayout:
 
     @property
     def rope_hi_rows(self) -> int:
-        """The table's hi rows (⌈n_ctx / B⌉); its lo rows follow them."""
-        return -(-self.n_ctx // self.rope_block)
+        """The table's hi rows (rope.table_hi_rows); its lo rows follow them."""
+        return table_hi_rows(self.n_ctx)
 
     @property
     def windowed(self) -> bool:

@@ -86,16 +86,20 @@ def table_block(n_ctx: int) -> int:
     return b
 
 
+def table_hi_rows(n_ctx: int) -> int:
+    """The table's hi rows, ⌈n_ctx / B⌉; its B lo rows follow them."""
+    return -(-n_ctx // table_block(n_ctx))
+
+
 def table_rows(n_ctx: int) -> int:
-    """Rows of a layer's rotation table for positions < n_ctx: ⌈n_ctx / B⌉ hi rows, B lo rows."""
-    b = table_block(n_ctx)
-    return -(-n_ctx // b) + b
+    """Rows of a layer's rotation table for positions < n_ctx: the hi rows, then B lo rows."""
+    return table_hi_rows(n_ctx) + table_block(n_ctx)
 
 
 def table(rope: KeyRope, n_ctx: int, head_dim: int) -> np.ndarray:
     """The rotation table (table_rows(n_ctx), head_dim) float32 (module docstring)."""
     b = table_block(n_ctx)
-    pos = np.concatenate([np.arange(-(-n_ctx // b)) * b, np.arange(b)]).astype(np.float64)
+    pos = np.concatenate([np.arange(table_hi_rows(n_ctx)) * b, np.arange(b)]).astype(np.float64)
     angle = pos[:, None] * rope.inv_freq(head_dim)[None]
     out = np.empty((pos.size, head_dim), np.float32)
     out[:, 0::2] = np.cos(angle)
@@ -103,17 +107,17 @@ def table(rope: KeyRope, n_ctx: int, head_dim: int) -> np.ndarray:
     return out
 
 
-def rotate_tabled(x: np.ndarray, t0: int, tab: np.ndarray, n_ctx: int, inverse: bool = False) -> np.ndarray:
+def rotate_tabled(x: np.ndarray, t0: int, tab: np.ndarray, n_ctx: int) -> np.ndarray:
     """What shaders/rope.glsl computes: x (..., T, head_dim) float32 turned to positions t0 … by
-    the two tables' angle sum, every operation in float32 (validates the formula itself)."""
+    the two tables' angle sum, every operation in float32 (tests/unit/test_rope.py holds the
+    formula against float64)."""
     x = np.asarray(x, np.float32)
     b = table_block(n_ctx)
-    n_hi = -(-n_ctx // b)
     t = np.arange(t0, t0 + x.shape[-2])
-    hi, lo = tab[t // b], tab[n_hi + t % b]
+    hi, lo = tab[t // b], tab[table_hi_rows(n_ctx) + t % b]
     hc, hs, lc, ls = hi[:, 0::2], hi[:, 1::2], lo[:, 0::2], lo[:, 1::2]
     c = hc * lc - hs * ls
-    s = (hs * lc + hc * ls) * np.float32(-1.0 if inverse else 1.0)
+    s = hs * lc + hc * ls
     out = x.copy()
     even, odd = x[..., 0::2], x[..., 1::2]
     out[..., 0::2] = even * c - odd * s

@@ -175,7 +175,7 @@ void attend_token(bool fresh, uint k_slot, uint v_slot, uint g, uint t) {
         [[unroll]] for (uint c = 0u; c < Q4; ++c) {
             uvec2 at = (pc.rope_word >> 2u) + rope_quads(t, c, pc.rope_hi, pc.rope_shift, Q4);
             row[c] = rope_turn(row[c] + k_mean[c], uintBitsToFloat(cache_quads[at.x]),
-                               uintBitsToFloat(cache_quads[at.y]), 1.0);
+                               uintBitsToFloat(cache_quads[at.y]));
         }
     }
     float p[HB], corr[HB];

@@ -9,10 +9,10 @@ uvec2 rope_quads(uint t, uint c, uint hi_rows, uint shift, uint row_quads) {
     return uvec2((t >> shift) * row_quads + c, (hi_rows + (t & ((1u << shift) - 1u))) * row_quads + c);
 }
 
-// Chunk x turned by the angle sum of quads hi and lo (sign -1: turned back), in float32 as
+// Chunk x turned by the angle sum of quads hi and lo, in float32 as
 // kvdict_vk.rope.rotate_tabled spells it.
-vec4 rope_turn(vec4 x, vec4 hi, vec4 lo, float sign_) {
+vec4 rope_turn(vec4 x, vec4 hi, vec4 lo) {
     vec2 c = hi.xz * lo.xz - hi.yw * lo.yw;
-    vec2 s = (hi.yw * lo.xz + hi.xz * lo.yw) * sign_;
+    vec2 s = hi.yw * lo.xz + hi.xz * lo.yw;
     return vec4(x.x * c.x - x.y * s.x, x.x * s.x + x.y * c.x, x.z * c.y - x.w * s.y, x.z * s.y + x.w * c.y);
 }

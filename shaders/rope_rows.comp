@@ -33,6 +33,6 @@ void main() {
         uint c = i - r * Q4;
         uvec2 q = rope_quads(pc.t0 + r % pc.n_tok, c, pc.hi_rows, pc.shift, Q4);
         uint at = pc.out_word / 4u + i;
-        rows[at] = rope_turn(rows[at], layer_quads[table + q.x], layer_quads[table + q.y], 1.0);
+        rows[at] = rope_turn(rows[at], layer_quads[table + q.x], layer_quads[table + q.y]);
     }
 }

@@ -80,8 +80,8 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
         arena = KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, encoder="cpu")
     with arena:
         dk, dv = art.layers[0]
-        ref_k = k if dk is None else codec.decode_heads(codec.encode_heads(k, dk), dk)
-        ref_v = v if dv is None else codec.decode_heads(codec.encode_heads(v, dv), dv)
+        ref_k = k if dk is None else codec.held_heads(k, dk)
+        ref_v = v if dv is None else codec.held_heads(v, dv)
         t0 = time.perf_counter()
         arena.append(0, k, v)
         gk, gv = arena.read(0, 0, n_ctx)
@@ -100,7 +100,7 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             arena16.append(0, k, v)
             got = arena16.read(0, 0, n_ctx)
             for name, x, d, g in zip("KV", (k, v), art16.layers[0], got):
-                ref = x if d is None else codec.decode_heads(codec.encode_heads(x, d), d)
+                ref = x if d is None else codec.held_heads(x, d)
                 rows.append(_row(f"append+reconstruct {name}, binary16 atoms", shape, ref, g, NMSE_READ, None, arena16))
     if hd % 2 == 0 and ks and vs:  # the exact window (kvdict_vk.window), appended in two parts: its ring wraps
         win = ExactWindow(1, 32)
@@ -111,7 +111,7 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             half = n_ctx // 2
             held = []  # each part coded as the arena codes it, the window's tokens in binary16
             for x, d in zip((k, v), artw.layers[0]):
-                coded = np.concatenate([codec.decode_heads(codec.encode_heads(x[:, a:b], d), d)
+                coded = np.concatenate([codec.held_heads(x[:, a:b], d)
                                         for a, b in ((0, half), (half, n_ctx))], axis=1)
                 held.append(window_rows(coded, x, win))
             arena_w.append(0, k[:, :half], v[:, :half])
@@ -213,7 +213,7 @@ def _encoder_row(dev, d: StreamDict, x, shape) -> dict:
         gpu = codec.decode_heads(enc.encode(x), d)
     finally:
         enc.free()
-    cpu = codec.decode_heads(codec.encode_heads(x, d), d)
+    cpu = codec.held_heads(x, d)
     on_gpu, err_cpu = compare(x, gpu), compare(x, cpu).nmse
     err_gpu, same = on_gpu.nmse, on_gpu.nonfinite_match
     rel = abs(err_gpu - err_cpu) / max(err_cpu, 1e-30)

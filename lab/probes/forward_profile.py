@@ -14,6 +14,7 @@ With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the sa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -94,7 +95,8 @@ def main(argv=None) -> None:
     for k, v in out["profile_us"].items():
         print(f"  {k:20s} {v:9.1f} µs")
     out["plan_layer0"] = repr(f.step.plans[0])
-    first = [i for i, label in enumerate(f.op_labels) if label == "append + attention"][:len(f.step.layer_ops[0]) + 1]
+    i0 = f.op_labels.index("append + attention")  # layer 0's section: the run of its label from there
+    first = list(itertools.takewhile(lambda i: f.op_labels[i] == "append + attention", range(i0, len(f.op_labels))))
     out["layer0_attention_ops_us"] = [1e6 * ticks_to_seconds(dev, ts[i], ts[i + 1]) for i in first]
     out["layer0_attention_ops"] = [names.get(id(ops[i]), ("other",))[0] for i in first]
     by_kernel = defaultdict(float)  # every op of the token, by kernel (barriers apart)

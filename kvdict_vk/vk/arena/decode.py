@@ -127,7 +127,7 @@ class DecodeStep:
                 self._slots = Buffer(self.device, self._v_src[-1], "storage", "decode step slots")
             self._q = Buffer(self.device, n_l * self._q_stride, "device", "decode step queries")
             self._out = Buffer(self.device, n_l * self._out_words, "device", "decode step output")
-            self.layer_ops = self._layer_ops(attention, plans)
+            self.append_ops, self.attend_ops = self._layer_ops(attention, plans)
             if record:
                 core = [op for ops in self.layer_ops for op in ops]
                 self._rec = Recording(self.device, [kp.OpTensorSyncDevice([self._step.tensor, self._q.tensor]),
@@ -150,14 +150,19 @@ class DecodeStep:
         self._rows_in = ((_float_view(self._k_host, (n_l, self.batch, n_kv, hd)),
                           _float_view(self._v_host, (n_l, self.batch, n_kv, hd))) if self._rows_only else None)
 
-    def _layer_ops(self, attention, plans) -> list:
-        """Per layer, its ops: append_step, a barrier on the layer, its flash passes (the
+    @property
+    def layer_ops(self) -> list:
+        """Per layer, its append ops then its attention ops."""
+        return [a + b for a, b in zip(self.append_ops, self.attend_ops)]
+
+    def _layer_ops(self, attention, plans) -> tuple[list, list]:
+        """Per layer, its append ops — append_step, a barrier on the layer — and apart (a kernel
+        before them may append instead: row_append) its attention ops — its flash passes (the
         merge's output at the layer's place in the one output buffer), a barrier on the
         engine's scratch (the next layer's passes reuse it). The recording puts the copy of
         the K/V rows and query blocks up before them all and the outputs' copy back after."""
         lay, mem, n_kv = self.layout, self.memory, self.layout.n_kv_heads
-        out = []
-        self.append_ops, self.attend_ops = [], []  # each layer's ops, split where a kernel before them may append
+        appends, attends = [], []
         passes = PassBuilder(mem, attention.buffers.with_io(self._q, self._out), attention.shapes, attention.grid)
         for j, (i, plan) in enumerate(zip(self.layers, plans)):
             k, v = self._streams[j]
@@ -191,10 +196,9 @@ class DecodeStep:
             attend = passes.flash_ops(i, plan, mem.seq_ctx, self.scale,
                                       Placement(q_word=q_word, out_word=self.out_word(j), dynamic=True))
             attend.append(attention.barrier_op())
-            self.append_ops.append(append)
-            self.attend_ops.append(attend)
-            out.append(append + attend)
-        return out
+            appends.append(append)
+            attends.append(attend)
+        return appends, attends
 
     def row_append(self, j: int) -> dict | None:
         """What a kernel that writes layer j's (of ``layers``) K and V rows itself, in place of
