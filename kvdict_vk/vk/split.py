@@ -68,12 +68,21 @@ def artifact_part(art: KvDictArtifact, layers: tuple[int, int] | None = None,
     return part
 
 
+def part_cuts(split: str, n_layers: int, n_kv_heads: int, parts: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Each part's (layers [a, b), KV heads [h0, h1)) of a ``split`` over ``parts`` devices."""
+    if split == "layer":
+        return [(r, (0, n_kv_heads)) for r in ranges(n_layers, parts)]
+    return [((0, n_layers), r) for r in ranges(n_kv_heads, parts)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """One device's part: its arena, the layers [a, b) and the KV heads [h0, h1) it holds."""
+    """One device's part: its arena, the layers [a, b) and the KV heads [h0, h1) it holds, and
+    its index among the split's parts."""
     arena: KvArena
     layers: tuple[int, int]
     heads: tuple[int, int]
+    index: int = 0
 
 
 class SplitArena:
@@ -84,13 +93,18 @@ class SplitArena:
         makes several of one): ``split`` "layer" (each a contiguous range of layers) or "head"
         (each a range of every layer's KV heads). The runtime snapshot is read once, as KvArena
         reads it; a device without room (ArenaTooLargeError) frees every part made before."""
+        devices = [d if isinstance(d, Device) else get_device(d) for d in devices]
+        if len({id(d) for d in devices}) != len(devices):
+            raise E.ArenaError("a split arena needs distinct devices (open_devices makes several of one)")
+        self._build(n_layers, n_kv_heads, head_dim, n_ctx, split, dict(enumerate(devices)), len(devices), arena_kw)
+
+    def _build(self, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, split: str,
+               devices: dict, n_parts: int, arena_kw: dict) -> None:
+        """The parts ``devices`` (part index → Device) hold, of ``n_parts`` in all."""
         if split not in SPLITS:
             raise E.ArenaError(f"split must be one of {SPLITS}, got {split!r}")
         if arena_kw.get("seqs", 1) != 1:
             raise E.ArenaError("a split arena holds one sequence")
-        devices = [d if isinstance(d, Device) else get_device(d) for d in devices]
-        if len({id(d) for d in devices}) != len(devices):
-            raise E.ArenaError("a split arena needs distinct devices (open_devices makes several of one)")
         self.split, self.n_layers, self.n_kv_heads, self.head_dim = split, n_layers, n_kv_heads, head_dim
         snap = runtime.snapshot()
         art = snap.artifact if C.resolve_cache(arena_kw.get("cache"), snap.active) == "dict" else None
@@ -99,23 +113,23 @@ class SplitArena:
         if art is not None and art.n_heads not in (1, n_kv_heads):
             raise E.DictMismatchError(f"the dictionary has {art.n_heads} heads per stream; the model has "
                                       f"{n_kv_heads} KV heads")
-        whole = (0, n_layers) if split == "head" else None
-        cuts = ranges(n_layers if split == "layer" else n_kv_heads, len(devices))
-        self.parts: list[Part] = []
+        self.cuts = part_cuts(split, n_layers, n_kv_heads, n_parts)  # every part's (layers, heads)
+        self.parts: list[Part] = []  # the parts held here
+        self._pool, self._steps = None, []  # record_step's steps, freed with the arena
         try:
-            for dev, cut in zip(devices, cuts):
-                layers, heads = (cut, (0, n_kv_heads)) if split == "layer" else (whole, cut)
+            for index, dev in sorted(devices.items()):
+                layers, heads = self.cuts[index]
                 kw = dict(arena_kw)
                 if art is not None:
                     kw.update(cache="dict", dictionary_part=artifact_part(art, layers, heads if split == "head"
                                                                           else None))
                 arena = KvArena(layers[1] - layers[0], heads[1] - heads[0], head_dim, n_ctx, device=dev, **kw)
-                self.parts.append(Part(arena, layers, heads))
+                self.parts.append(Part(arena, layers, heads, index))
         except BaseException:
             self.free()
             raise
-        self._pool = ThreadPoolExecutor(len(self.parts)) if split == "head" and len(self.parts) > 1 else None
-        self._steps: list[SplitStep] = []  # record_step's, freed with the arena
+        if split == "head" and len(self.parts) > 1:
+            self._pool = ThreadPoolExecutor(len(self.parts))
 
     # --- where things live ------------------------------------------------------------------------
     def _layer(self, layer: int) -> int:
@@ -123,17 +137,29 @@ class SplitArena:
             raise E.LayerIndexError(f"layer {layer!r} outside 0..{self.n_layers - 1}")
         return int(layer)
 
-    def _owner(self, layer: int) -> tuple[Part, int]:
-        """(the part holding ``layer``, its index there): a layer split's."""
+    def _owner_index(self, layer: int) -> int:
+        """The index of the part holding ``layer`` (a layer split's)."""
         i = self._layer(layer)
-        part = next(p for p in self.parts if p.layers[0] <= i < p.layers[1])
-        return part, i - part.layers[0]
+        return next(j for j, (ls, _) in enumerate(self.cuts) if ls[0] <= i < ls[1])
+
+    def _at_owner(self, layer: int, call):
+        """``call(arena, index there)`` on the part holding ``layer`` (a layer split's)."""
+        part = self.parts[self._owner_index(layer)]
+        return call(part.arena, layer - part.layers[0])
 
     def _each(self, call) -> list:
-        """``call(part)`` for every part — at once, a thread each, for a head split."""
+        """``call(part)`` for every part, in the parts' order — at once, a thread each, for a head
+        split."""
         if self._pool is None:
             return [call(p) for p in self.parts]
         return list(self._pool.map(call, self.parts))
+
+    def _combine(self, out: np.ndarray) -> np.ndarray:
+        """A step's output with every part's heads written (here: all parts are local)."""
+        return out
+
+    def _advanced(self, layers) -> None:
+        """A recorded step appended a token to each of ``layers`` (the parts count their own)."""
 
     def _rows(self, what: str, a, width: int | None = None) -> np.ndarray:
         """``a`` checked as (n_kv_heads, T, width) before any part sees it (a refusal changes nothing)."""
@@ -164,15 +190,13 @@ class SplitArena:
     # --- KvArena's calls --------------------------------------------------------------------------
     def n_tokens(self, layer: int) -> int:
         if self.split == "layer":
-            part, i = self._owner(layer)
-            return part.arena.n_tokens(i)
+            return self._at_owner(layer, lambda a, i: a.n_tokens(i))
         return self.parts[0].arena.n_tokens(self._layer(layer))
 
     def append(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
         """KvArena.append over the split: (n_kv_heads, T_new, head_dim) float32 each."""
         if self.split == "layer":
-            part, i = self._owner(layer)
-            return part.arena.append(i, k_rows, v_rows)
+            return self._at_owner(layer, lambda a, i: a.append(i, k_rows, v_rows))
         layer = self._layer(layer)
         k, v = self._rows("k_rows", k_rows), self._rows("v_rows", v_rows)
         self._check_room(layer, k.shape[1])
@@ -181,8 +205,7 @@ class SplitArena:
     def append_codes(self, layer: int, k: np.ndarray, v: np.ndarray, rows=None) -> int:
         """KvArena.append_codes over the split (a coded stream's slots, a passthrough one's rows)."""
         if self.split == "layer":
-            part, i = self._owner(layer)
-            return part.arena.append_codes(i, k, v, rows=rows)
+            return self._at_owner(layer, lambda a, i: a.append_codes(i, k, v, rows=rows))
         layer = self._layer(layer)
         k, v = (self._rows(n, a, a.shape[2] if isinstance(a, np.ndarray) and a.ndim == 3 else None)
                 for n, a in (("k", k), ("v", v)))
@@ -196,8 +219,7 @@ class SplitArena:
     def read(self, layer: int, t0: int = 0, t1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """KvArena.read over the split: (K, V) float32 (n_kv_heads, t1 − t0, head_dim)."""
         if self.split == "layer":
-            part, i = self._owner(layer)
-            return part.arena.read(i, t0, t1)
+            return self._at_owner(layer, lambda a, i: a.read(i, t0, t1))
         layer = self._layer(layer)
         got = self._each(lambda p: p.arena.read(layer, t0, t1))
         return tuple(np.concatenate([g[j] for g in got], axis=0) for j in (0, 1))
@@ -205,8 +227,7 @@ class SplitArena:
     def attend(self, layer: int, q: np.ndarray, n_used: int, scale: float | None = None) -> np.ndarray:
         """KvArena.attend over the split: (n_heads, head_dim) float32."""
         if self.split == "layer":
-            part, i = self._owner(layer)
-            return part.arena.attend(i, q, n_used, scale)
+            return self._at_owner(layer, lambda a, i: a.attend(i, q, n_used, scale))
         layer, q = self._layer(layer), self._query(q)
         return np.concatenate(self._each(lambda p: p.arena.attend(layer, self._heads_of(p, q), n_used, scale)))
 
@@ -214,8 +235,7 @@ class SplitArena:
              scale: float | None = None) -> np.ndarray:
         """KvArena.step over the split: the new tokens appended, then attended over with q."""
         if self.split == "layer":
-            part, i = self._owner(layer)
-            return part.arena.step(i, k_rows, v_rows, q, scale)
+            return self._at_owner(layer, lambda a, i: a.step(i, k_rows, v_rows, q, scale))
         layer, q = self._layer(layer), self._query(q)
         k, v = self._rows("k_rows", k_rows), self._rows("v_rows", v_rows)
         self._check_room(layer, k.shape[1])
@@ -245,9 +265,9 @@ class SplitArena:
     def memory(self) -> list[dict]:
         """Per device: its name, the layers and KV heads it holds, its arena's bytes and the
         part of them that is dictionaries (tails)."""
-        return [dict(device=p.arena.device.name, layers=list(p.layers), kv_heads=list(p.heads),
-                     arena_bytes=p.arena.layout.total_bytes, tail_bytes=p.arena.layout.tail_bytes)
-                for p in self.parts]
+        return self._each(lambda p: dict(device=p.arena.device.name, layers=list(p.layers), kv_heads=list(p.heads),
+                                         arena_bytes=p.arena.layout.total_bytes,
+                                         tail_bytes=p.arena.layout.tail_bytes))
 
     def free(self) -> None:
         for step in getattr(self, "_steps", []):
@@ -294,10 +314,11 @@ class SplitStep:
             return step.run(np.ascontiguousarray(k_rows[mine][:, :, h]), np.ascontiguousarray(v_rows[mine][:, :, h]),
                             np.ascontiguousarray(q[mine][:, :, qh]))
         outs = [one(e) for e in self._steps] if self._pool is None else list(self._pool.map(one, self._steps))
-        out = np.empty((n_l, 1, self.n_heads, hd), np.float32)
+        out = np.zeros((n_l, 1, self.n_heads, hd), np.float32)
         for (p, mine, _), o in zip(self._steps, outs):
             out[mine, :, p.heads[0] * group:p.heads[1] * group] = o
-        return out
+        a._advanced(self.layers)
+        return a._combine(out)
 
     def free(self) -> None:
         if self._pool is not None:
