@@ -118,6 +118,23 @@ class RankArena(SplitArena):
         for i in layers:
             self._counts[i] += 1
 
+    def _hand_on(self, stages, width: int) -> int:
+        """This rank's stage, taking the rank before's output (received) and sending its own
+        to the rank after; the last rank's result broadcast to every rank."""
+        import torch
+        (stage,) = stages
+        x = None
+        if self.rank > 0:
+            t = torch.empty(width, dtype=torch.float32, device=self._tensors)
+            self._timed(self._dist.recv, t, src=self._global[self.rank - 1])
+            x = t.cpu().numpy()
+        out, last = stage(x), self.world - 1
+        if self.rank < last:
+            self._timed(self._dist.send, torch.from_numpy(out).to(self._tensors), dst=self._global[self.rank + 1])
+        box = torch.tensor([int(out) if self.rank == last else 0], dtype=torch.int64, device=self._tensors)
+        self._timed(self._dist.broadcast, box, src=self._global[last])
+        return int(box.item())
+
     def record_step(self, n_heads: int, layers=None, scale: float | None = None, n_plan: int | None = None):
         """SplitArena.record_step on every rank, each recording its own layers and heads; a
         rank's refusal is every rank's."""

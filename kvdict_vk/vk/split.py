@@ -161,6 +161,15 @@ class SplitArena:
     def _advanced(self, layers) -> None:
         """A recorded step appended a token to each of ``layers`` (the parts count their own)."""
 
+    def _hand_on(self, stages, width: int) -> int:
+        """A layer split's parts in layer order, each stage (a part's: x → its output) taking
+        the output of the one before (float32 (width,); the first takes None); the last
+        stage's result, an int."""
+        x = None
+        for stage in stages:
+            x = stage(x)
+        return int(x)
+
     def _rows(self, what: str, a, width: int | None = None) -> np.ndarray:
         """``a`` checked as (n_kv_heads, T, width) before any part sees it (a refusal changes nothing)."""
         w = self.head_dim if width is None else width

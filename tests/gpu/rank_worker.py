@@ -57,6 +57,28 @@ def script(arena, seed: int, coded_by=None) -> list:
     return out
 
 
+def model(seed: int):
+    """A random model of N_LAYERS layers over N_KV KV heads × HD (hidden 96, q8_0 weights)."""
+    from kvdict_vk.model_file import ModelConfig
+    from kvdict_vk.vk.forward import random_weights
+    cfg = ModelConfig("llama", N_LAYERS, 96, N_KV * GROUP, N_KV, HD, 160, 10000.0, HD, 1e-5, 300, 64, True)
+    return random_weights(cfg, np.random.default_rng(seed), "q8_0")
+
+
+def decode(forward, seed: int, n: int = 8) -> list:
+    """The greedy tokens ``forward`` hands back for ``n`` random tokens fed, and (where it has
+    them) each token's logits."""
+    tokens = np.random.default_rng(seed).integers(0, forward.config.vocab, n)
+    out = []
+    for tok in tokens:
+        out.append(forward.run(int(tok)))
+        try:
+            out.append(forward.logits())
+        except Exception:  # noqa: BLE001 — a rank without the last layers has none
+            out.append(None)
+    return out
+
+
 def main(argv) -> int:
     rank, world, init_file, cases_path, out_path = int(argv[1]), int(argv[2]), argv[3], argv[4], argv[5]
     import torch.distributed as dist
@@ -72,8 +94,14 @@ def main(argv) -> int:
             runtime.enable(case["artifact"], allow_uncertified=True)
             kw = dict(encoder="cpu", guard_words=16)
         with RankArena(N_LAYERS, N_KV, HD, N_CTX, case["device"], split=case["split"], **kw) as arena:
-            coded = None if case["artifact"] is None else case["artifact"].layers
-            calls = script(arena, case["seed"], coded)
+            if case.get("forward"):  # the model's decode over the layer split (SplitForward)
+                from kvdict_vk.vk.forward import SplitForward
+                with SplitForward(model(case["seed"]), arena, logits=True, row_threads=8) as fw:
+                    calls = decode(fw, case["seed"])
+                    calls.append(fw.weight_bytes)
+            else:
+                coded = None if case["artifact"] is None else case["artifact"].layers
+                calls = script(arena, case["seed"], coded)
             part = arena.part
             results[name] = dict(calls=calls, memory=arena.memory(), layers=part.layers, heads=part.heads,
                                  guard_breaches=part.arena.layout.guard_breaches(part.arena.layer_words),

@@ -29,6 +29,7 @@ else:
 
 WORLD = 2
 CASES = {f"{split}-{cache}": (split, cache) for split in ("layer", "head") for cache in ("f16", "dict")}
+FORWARDS = {f"forward-{cache}": ("layer", cache) for cache in ("f16", "dict")}
 
 
 def _artifact(seed: int):
@@ -41,9 +42,9 @@ def ranks(vk_probe, tmp_path_factory):
     """Both ranks' results for every case (one pair of processes runs them all), and each
     rank's validation log."""
     tmp = tmp_path_factory.mktemp("ranks")
-    cases = {name: dict(split=split, cache=cache, seed=i, device=vk_probe.device.name,
+    cases = {name: dict(split=split, cache=cache, seed=i, device=vk_probe.device.name, forward=name in FORWARDS,
                         artifact=_artifact(i) if cache == "dict" else None)
-             for i, (name, (split, cache)) in enumerate(CASES.items())}
+             for i, (name, (split, cache)) in enumerate({**CASES, **FORWARDS}.items())}
     (tmp / "cases.pkl").write_bytes(pickle.dumps(cases))
     procs, logs = [], []
     for rank in range(WORLD):
@@ -104,6 +105,28 @@ def test_each_rank_holds_its_part(ranks, name):
     mem = parts[0]["memory"]  # every rank's part, as each rank sees it
     assert mem == parts[1]["memory"] and [m["layers"] for m in mem] == [list(p["layers"]) for p in parts]
     assert all(p["exchange_s"] > 0 for p in parts)
+
+
+@pytest.mark.parametrize("name", list(FORWARDS))
+def test_forward_over_ranks_equals_one_device(ranks, vk_device, activate, name):
+    """SplitForward over the ranks' layer split: each rank runs its layers, the residual stream
+    sent from rank to rank; every rank hands back one device's greedy tokens, the last rank its
+    logits (NMSE ≤ 1e-9), and each rank holds only its layers' weights."""
+    from kvdict_vk.vk.forward import DeviceForward
+    case = ranks["cases"][name]
+    kw = dict(cache=case["cache"])
+    if case["artifact"] is not None:
+        activate(case["artifact"])
+        kw = {}
+    with KvArena(W.N_LAYERS, W.N_KV, W.HD, W.N_CTX, device=vk_device, **kw) as one:
+        with DeviceForward(W.model(case["seed"]), one, logits=True, row_threads=8) as fw:
+            want, whole = W.decode(fw, case["seed"]), fw.weight_bytes
+    first, last = (r[name]["calls"] for r in ranks["results"])
+    assert first[0:-1:2] == last[0:-1:2] == want[0::2]  # the tokens, on every rank
+    assert all(x is None for x in first[1:-1:2])  # the first rank has no LM head
+    for a, b in zip(last[1:-1:2], want[1::2]):
+        assert nmse(a, b) <= 1e-9
+    assert max(first[-1] + last[-1]) < whole <= first[-1][0] + last[-1][0]
 
 
 def test_a_refusal_on_one_rank_is_every_ranks(ranks):

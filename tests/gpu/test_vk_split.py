@@ -211,3 +211,60 @@ def test_recorded_step_over_the_split(devices, activate, split, cache):
             s2.run(k, v, q)
         assert [two.n_tokens(i) for i in range(N_LAYERS)] == [N_CTX, 0, 23]
         s2.free()
+
+
+def _model(rng, n_layers: int = 3, tied: bool = True):
+    """A random model of 3 layers over N_KV KV heads × HD (6 query heads, hidden 96)."""
+    from kvdict_vk.model_file import ModelConfig
+    from kvdict_vk.vk.forward import random_weights
+    cfg = ModelConfig("llama", n_layers, 96, N_KV * GROUP, N_KV, HD, 160, 10000.0, HD, 1e-5, 300, 64, tied)
+    return random_weights(cfg, rng, "q8_0")
+
+
+@pytest.mark.parametrize("cache", ["f16", "q8_0", "dict"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_device_forward_over_a_layer_split(devices, activate, cache, tied):
+    """SplitForward: each device runs its layers (DeviceForward(layers=)), the residual stream
+    handed on through the host; every token and every logit equals one device's forward over the
+    same model and cache (dict: per-head dictionaries, the GPU encoder), the arenas hold the same
+    values, and each device holds only its layers' weights (the embedding on the first, the
+    norm and LM head on the last)."""
+    from kvdict_vk.vk.forward import DeviceForward, SplitForward
+    rng = np.random.default_rng(11)
+    w = _model(rng, tied=tied)
+    kw = dict(cache=cache)
+    if cache == "dict":
+        activate(random_artifact(rng, HD, 64, [((4, 4), (4, 3))] * N_LAYERS, n_heads=N_KV, f16_atoms=True))
+        kw = {}
+    tokens = rng.integers(0, w.config.vocab, 9)
+    one, two = _pair(devices, "layer", **kw)
+    with one, two:
+        ref = DeviceForward(w, one, logits=True, row_threads=8)
+        split = SplitForward(w, two, logits=True, row_threads=8)
+        for tok in tokens:
+            assert ref.run(int(tok)) == split.run(int(tok))
+            assert nmse(ref.logits(), split.logits()) <= 1e-9
+        for layer in range(N_LAYERS):
+            assert two.n_tokens(layer) == len(tokens)
+            for a, b in zip(one.read(layer), two.read(layer)):
+                np.testing.assert_array_equal(a, b)
+        first, last = split.parts
+        assert (first.layers, last.layers) == ((0, 1), (1, 3)) and first.first and last.last
+        assert first.weight_bytes + last.weight_bytes >= ref.weight_bytes
+        assert max(split.weight_bytes) < ref.weight_bytes
+        with pytest.raises(E.ShapeError):
+            split.run(w.config.vocab)  # refused before any part runs
+        with pytest.raises(E.ArenaError, match="run_part"):
+            first.run(0)
+        with pytest.raises(E.ShapeError, match="residual"):
+            last.run_part(0)
+        assert all(two.n_tokens(i) == len(tokens) for i in range(N_LAYERS))
+        ref.free()
+        split.free()
+
+
+def test_device_forward_over_a_head_split_refused(devices):
+    from kvdict_vk.vk.forward import SplitForward
+    with SplitArena(N_LAYERS, N_KV, HD, N_CTX, devices, split="head", cache="f16") as two:
+        with pytest.raises(E.ArenaError, match="split the arena by layers"):
+            SplitForward(_model(np.random.default_rng(0)), two)

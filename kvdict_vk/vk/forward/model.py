@@ -56,15 +56,23 @@ class DeviceForward:
     them and a row fits in a subgroup; True where it cannot is a DispatchError);
     ``qkv_appends``: over a layer of f16 or f32 rows, fwd_qkv writes the token's K and V rows into
     the layer itself and the step's append_step is not recorded (DecodeStep.row_append; False:
-    the step's own append, as every other cache has). Freed by :meth:`free`."""
+    the step's own append, as every other cache has); ``layers``: the model's layers [a, b) this
+    forward runs, the arena holding just those (a device's part of a layer split: the first
+    part embeds the token, a later one takes the residual stream from :meth:`run_part`'s
+    caller, and only the last one has the LM head; default: every layer). Freed by :meth:`free`."""
 
     def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
                  n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None,
-                 qkv_appends: bool = True):
+                 qkv_appends: bool = True, layers: tuple[int, int] | None = None):
         cfg, lay = weights.config, arena.layout
-        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):
+        a, b = (0, cfg.n_layers) if layers is None else layers
+        if not 0 <= a < b <= cfg.n_layers:
+            raise E.ShapeError(f"layers [{a}, {b}) are not a range of the model's {cfg.n_layers}")
+        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (b - a, cfg.n_kv_heads, cfg.head_dim):
             raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
-                               f"the model has {cfg.n_layers} of {cfg.n_kv_heads} × {cfg.head_dim}")
+                               f"the forward runs {b - a} of {cfg.n_kv_heads} × {cfg.head_dim}")
+        self.layers, self.first, self.last = (a, b), a == 0, b == cfg.n_layers
+        self._n = b - a
         if cfg.hidden % 32 or cfg.ffn % 32 or (cfg.n_heads * cfg.head_dim) % 32:
             raise E.ShapeError("a device forward needs hidden, ffn and n_heads · head_dim multiples of 32")
         self.config, self.arena, self.device = cfg, arena, arena.device
@@ -81,6 +89,8 @@ class DeviceForward:
                                   f"subgroup shuffles (subgroup size {self.device.shuffle_subgroup_size() or 'none'} "
                                   f"with shuffles)")
         self.subgroups = fits if subgroups is None else bool(subgroups)
+        if logits and not self.last:
+            raise E.ArenaError("only the forward that runs the last layer has logits")
         self._want_logits = bool(logits)
         self._qkv_appends = bool(qkv_appends)
         self._buffers: list[Buffer] = []
@@ -89,7 +99,7 @@ class DeviceForward:
         try:
             self._load(weights)
             self._rec = Recording(self.device, self._ops(), timestamps=timestamps and "spans",
-                                  what=f"device forward of {cfg.n_layers} layers", core=(0, len(self._core)))
+                                  what=f"device forward of layers {a}..{b - 1}", core=(0, len(self._core)))
         except BaseException:
             self.free()
             raise
@@ -111,7 +121,7 @@ class DeviceForward:
                     WEIGHT_BUFFER_BYTES) // 4
         # per layer: its tensors' words, packed; where each starts
         packed, self._matrices = [], []
-        for layer in w.layers:
+        for layer in w.layers[self.layers[0]:self.layers[1]]:
             mats = _layer_matrices(layer)
             parts = {"attn_norm": layer.attn_norm.view(np.uint32), "ffn_norm": layer.ffn_norm.view(np.uint32)}
             parts.update({name: m.words.reshape(-1) for name, m in mats.items()})
@@ -140,19 +150,30 @@ class DeviceForward:
             buf = self._buffer(total, "device", f"weights of layers {g0}..{g1 - 1}", words)
             self._layer_buf += [buf] * (g1 - g0)
         self._tok, self._out_m = w.tok_embd, w.output
-        glob = [w.tok_embd.words.reshape(-1), w.output_norm.view(np.uint32)]
-        if w.output is not w.tok_embd:
-            glob.append(w.output.words.reshape(-1))
-        self._glob_at = np.cumsum([0] + [-(-g.size // 4) * 4 for g in glob]).tolist()
-        words = np.zeros(self._glob_at[-1], np.uint32)
-        for g, at in zip(glob, self._glob_at):
-            words[at:at + g.size] = g
+        # what this forward's ends read: the embedding (the first part), the output norm and the LM
+        # head (the last; a tied head is the embedding, kept once where one part has both)
+        glob = {}
+        if self.first:
+            glob["tok_embd"] = w.tok_embd.words.reshape(-1)
+        if self.last:
+            glob["output_norm"] = w.output_norm.view(np.uint32)
+            if not (self.first and w.output is w.tok_embd):
+                glob["output"] = w.output.words.reshape(-1)
+        self._glob_at, n = {}, 0
+        for name, g in glob.items():
+            self._glob_at[name], n = n, n + -(-g.size // 4) * 4
+        self._glob_at.setdefault("output", self._glob_at.get("tok_embd"))
+        words = np.zeros(max(n, 4), np.uint32)
+        for name, g in glob.items():
+            words[self._glob_at[name]:self._glob_at[name] + g.size] = g
         self._glob = self._buffer(words.size, "device", "embedding, output norm, LM head", words)
         self._n_pos = self.step.memory.seq_ctx
         cos, sin = rope_cos_sin(np.arange(self._n_pos), cfg.rope_theta, cfg.rope_dim)
         self._table = self._buffer(cos.size * 2, "device", "RoPE table", np.concatenate([cos, sin], 1))
         self._state = self._buffer(X_WORD + cfg.hidden, "device", "forward state")
-        self._values = self._buffer(USED_WORD + cfg.n_layers, "host", "forward step values")
+        self._x_in_word = USED_WORD + self._n  # a later part's residual stream, from the host
+        self._values = self._buffer(self._x_in_word + (0 if self.first else cfg.hidden), "host",
+                                    "forward step values")
         self._partial = self._buffer(2 * ARGMAX_PARTS, "device", "argmax partials")
         self._act = self._buffer(max(2 * cfg.ffn, cfg.vocab), "device", "forward activations")
         run(self.device, kp.OpTensorSyncDevice([b.tensor for b in self._buffers if b.kind == "device"]),
@@ -190,14 +211,21 @@ class DeviceForward:
         cfg, step = self.config, self.step
         rows, queries, attn_out = step.buffers
         st, act = self._state, self._act
-        embed = pipeline(self.device, "fwd_embed", [self._glob, self._values, st], {"FORMAT": FORMATS[self._tok.fmt]},
-                         max_items=cfg.hidden // 8)
-        used = pipeline(self.device, "scatter", [self._values, queries], max_items=cfg.n_layers)
+        used = pipeline(self.device, "scatter", [self._values, queries], max_items=self._n)
         sections = [("step values", [used.op(src_word=USED_WORD, dst_word=step.lengths_word(0), row_words=1,
-                                             group_rows=1, group_stride=step.query_stride, n_words=cfg.n_layers)]),
-                    ("embedding", [embed.op(w_word=self._glob_at[0], token_word=TOKEN_WORD, y_word=X_WORD,
-                                            n_rows=self._tok.n_rows, n_cols=self._tok.n_cols), barrier(st, queries)])]
-        for j in range(cfg.n_layers):
+                                             group_rows=1, group_stride=step.query_stride, n_words=self._n)])]
+        if self.first:
+            embed = pipeline(self.device, "fwd_embed", [self._glob, self._values, st],
+                             {"FORMAT": FORMATS[self._tok.fmt]}, max_items=cfg.hidden // 8)
+            sections.append(("embedding", [embed.op(w_word=self._glob_at["tok_embd"], token_word=TOKEN_WORD,
+                                                    y_word=X_WORD, n_rows=self._tok.n_rows, n_cols=self._tok.n_cols),
+                                           barrier(st, queries)]))
+        else:
+            x_in = pipeline(self.device, "scatter", [self._values, st], max_items=cfg.hidden)
+            sections.append(("residual in", [x_in.op(src_word=self._x_in_word, dst_word=X_WORD, row_words=cfg.hidden,
+                                                     group_rows=1, group_stride=cfg.hidden, n_words=cfg.hidden),
+                                             barrier(st, queries)]))
+        for j in range(self._n):
             wb, (base, at), lw = self._layer_buf[j], self._layer_base[j], self._matrices[j]
             if "w_gate_up" in lw:  # one matvec over the gate's rows and the up's after them
                 gate_up = [self._matvec(wb, base + at["w_gate_up"], lw["w_gate_up"], st, X_WORD, act, 0,
@@ -216,10 +244,11 @@ class DeviceForward:
                 ("gate + up", [*gate_up, barrier(act)]),
                 ("down", [self._matvec(wb, base + at["w_down"], lw["w_down"], act, 0, st, X_WORD, True,
                                        x_mode="swiglu"), barrier(st)])]
-        head_at = self._glob_at[2] if self._out_m is not self._tok else self._glob_at[0]
-        sections += [("lm head", [self._matvec(self._glob, head_at, self._out_m, st, X_WORD, act, 0,
-                                               x_mode="rms_norm", norm_word=self._glob_at[1]), barrier(act)]),
-                     ("argmax", self._argmax(cfg.vocab))]
+        if self.last:
+            sections += [("lm head", [self._matvec(self._glob, self._glob_at["output"], self._out_m, st, X_WORD, act, 0,
+                                                   x_mode="rms_norm", norm_word=self._glob_at["output_norm"]),
+                                      barrier(act)]),
+                         ("argmax", self._argmax(cfg.vocab))]
         core = [op for _, ops in sections for op in ops]
         self.op_labels = [label for label, ops in sections for _ in ops]  # per op of the core, what it is part of
         self._core = core
@@ -248,18 +277,36 @@ class DeviceForward:
         """Feed ``token`` at the sequence's next position through every layer (appending its
         K/V to the arena) and return the greedy next token. A token outside the vocabulary is
         a ShapeError, a full sequence an ArenaError — before anything is written."""
+        if not (self.first and self.last):
+            raise E.ArenaError(f"this forward runs layers [{self.layers[0]}, {self.layers[1]}) only: run_part")
+        return self.run_part(token)
+
+    def run_part(self, token: int, residual: np.ndarray | None = None):
+        """:meth:`run` for a part of the layers: a later part takes the residual stream the part
+        before handed back (float32 (hidden,)); a part before the last hands back its own, the
+        last one the greedy next token. Checked before anything is written."""
         if self._rec is None:
             raise E.ArenaError("the device forward was freed")
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) \
                 or not 0 <= int(token) < self.config.vocab:
             raise E.ShapeError(f"DeviceForward.run: token {token!r} outside 0..{self.config.vocab - 1}")
+        if self.first != (residual is None):
+            raise E.ShapeError("the first part takes no residual stream, a later part takes one")
+        if residual is not None and (not isinstance(residual, np.ndarray) or residual.dtype != np.float32
+                                     or residual.shape != (self.config.hidden,)):
+            raise E.ShapeError(f"residual: expected float32 ({self.config.hidden},), got "
+                               f"{getattr(residual, 'dtype', type(residual).__name__)} {getattr(residual, 'shape', '')}")
         used = self.step.stage_lengths()[:, 0]
         self._values_host[TOKEN_WORD] = int(token)
         self._values_host[POS_WORD] = int(used[0]) - 1
-        self._values_host[USED_WORD:] = used
+        self._values_host[USED_WORD:self._x_in_word] = used
+        if residual is not None:
+            self._values_host[self._x_in_word:] = residual.view(np.uint32)
         self._rec.run()
         self.step.advance()
-        return int(self._state_host[NEXT_WORD])
+        if self.last:
+            return int(self._state_host[NEXT_WORD])
+        return self._state_host[X_WORD:X_WORD + self.config.hidden].view(np.float32).copy()
 
     def logits(self) -> np.ndarray:
         """The last run's logits (vocab,) float32 (a device forward made with logits=True)."""
