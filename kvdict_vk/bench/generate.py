@@ -106,17 +106,22 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
         arena.free()
 
 
-def _dict_arena(dev, cfg, capacity: int, rng):
-    """A dict-coded arena of random dictionaries in the forge's default format (every layer the
+def dict_artifact(cfg, rng):
+    """Random dictionaries in the forge's default format for ``cfg``'s shapes (every layer the
     same ones)."""
-    from kvdict_vk import runtime, synthetic
+    from kvdict_vk import synthetic
     from kvdict_vk.dictionary import (FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY,
                                       KvDictArtifact)
-    from kvdict_vk.vk import KvArena
     dicts = synthetic.random_dicts(rng, cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, FORGE_RESIDUAL_BITS,
                                    cfg.n_kv_heads if FORGE_PER_HEAD else 1)
-    art = KvDictArtifact(cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, ((dicts[0], dicts[1]),) * cfg.n_layers)
-    with runtime.enabled_with(art, allow_uncertified=True):
+    return KvDictArtifact(cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, ((dicts[0], dicts[1]),) * cfg.n_layers)
+
+
+def _dict_arena(dev, cfg, capacity: int, rng):
+    """A dict-coded arena of dict_artifact's dictionaries."""
+    from kvdict_vk import runtime
+    from kvdict_vk.vk import KvArena
+    with runtime.enabled_with(dict_artifact(cfg, rng), allow_uncertified=True):
         return KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache="dict")
 
 

@@ -108,3 +108,21 @@ def test_kvdict_generate_over_a_certified_dictionary(tmp_path, capsys, restore_e
         assert ("dict KV arena" in out) if passed else ("kvdict-generate:" in err and "dict KV arena" not in out)
     after = runtime.snapshot()  # the artifact was the arena's: the switch is as it was
     assert (after.enabled, after.artifact, after.cert) == (before.enabled, before.artifact, before.cert)
+
+
+@pytest.mark.gpu
+def test_split_benchmark_rows(tmp_path, restore_env, vk_device):
+    """kvdict_vk.bench.split on two logical devices: a row for one device and one for the split
+    per cache, each device's arena, weights and GPU time, and the split fitting a longer context."""
+    from kvdict_vk.bench import split
+    out = tmp_path / "split.json"
+    assert split.main(["--model", "tiny", "--contexts", "40", "--caches", "f16,dict", "--tokens", "2", "--logical",
+                       "--device", str(vk_device.info.index), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["cache"], r["devices"]) for r in rows] == [("f16", 1), ("f16", 2), ("dict", 1), ("dict", 2)]
+    for one, two in zip(rows[::2], rows[1::2]):
+        assert len(two["arena_bytes"]) == len(two["weight_bytes"]) == len(two["gpu_us_per_token"]) == 2
+        assert max(two["weight_bytes"]) < one["weight_bytes"][0] <= sum(two["weight_bytes"])
+        assert max(two["arena_bytes"]) < one["arena_bytes"][0]
+        assert two["largest_ctx"] > one["largest_ctx"] > 0
+        assert all(r["tokens_per_s"] > 0 and r["host_us_per_token"] is not None for r in (one, two))
