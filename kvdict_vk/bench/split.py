@@ -19,10 +19,14 @@ heap of the one they share).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import os
 import shlex
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +57,9 @@ def parse_args(argv=None):
     ap.add_argument("--devices", type=int, default=2, help="devices the split spans")
     ap.add_argument("--logical", action="store_true", help="logical devices of the one device (open_devices)")
     ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
+    ap.add_argument("--ranks", type=int, default=0, help="the split over this many torch.distributed ranks "
+                    "(gloo; a process each, every one on the device --device names) instead of one process")
+    ap.add_argument("--rank-case", default=None, help=argparse.SUPPRESS)
     return common.parse(ap, argv)
 
 
@@ -68,22 +75,91 @@ def _devices(args, dev) -> list:
     return [dev] + [get_device(i) for i in same if i != dev.info.index][:args.devices - 1]
 
 
-def _timed(forward, tokens: int, progress, label: str) -> dict:
+def _timed(forward, tokens: int, progress, label: str, exchange=None, agree=bool) -> dict:
+    """Wall and GPU time per token (untimed tokens first, as bench.generate's); ``exchange``: a
+    clock of the seconds spent in collectives (RankArena.exchange_s), read around each token;
+    ``agree``: every rank's one answer to "another untimed token?" (rank 0's)."""
     token, t0, warm = 1, time.perf_counter(), 0
-    while warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S):
+    while agree(warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S)):
         token, warm = forward.run(token), warm + 1
-    wall, gpu = [], []
+    wall, gpu, swap = [], [], []
     for i in range(tokens):
-        t = time.perf_counter()
+        x0, t = exchange() if exchange else 0.0, time.perf_counter()
         token = forward.run(token)
         wall.append(time.perf_counter() - t)
+        swap.append((exchange() if exchange else 0.0) - x0)
         g = forward.gpu_seconds()
         gpu.append(g if isinstance(g, list) else [g])
         progress(f"{label}: token {i + 1}/{tokens}")
-    gpu = np.array(gpu, dtype=float)  # (tokens, devices)
-    return {"tokens_per_s": 1.0 / float(np.median(wall)), "wall_s": common.stats(wall),
-            "gpu_us_per_token": [1e6 * float(x) for x in np.median(gpu, axis=0)],
-            "host_us_per_token": 1e6 * float(np.median(np.subtract(wall, gpu.sum(axis=1))))}
+    gpu = np.array(gpu, dtype=float)  # (tokens, devices held here)
+    row = {"tokens_per_s": 1.0 / float(np.median(wall)), "wall_s": common.stats(wall),
+           "gpu_us_per_token": [1e6 * float(x) for x in np.median(gpu, axis=0)],
+           "host_us_per_token": 1e6 * float(np.median(np.subtract(wall, gpu.sum(axis=1))))}
+    if exchange:
+        row["exchange_us_per_token"] = 1e6 * float(np.median(swap))
+    return row
+
+
+def rank_case(spec: dict) -> None:
+    """One rank of ``--ranks``: its part of a RankArena split by layers over a gloo group, the
+    model's decode over it (SplitForward), timed; rank 0 writes every rank's figures to
+    spec["out"]."""
+    import json
+    import torch.distributed as dist
+    from kvdict_vk import runtime
+    from kvdict_vk.vk.device import get_device
+    from kvdict_vk.vk.forward import SplitForward, random_weights
+    from kvdict_vk.vk.ranks import RankArena
+    os.environ["VK_LOADER_LAYERS_DISABLE"] = "VK_LAYER_KHRONOS_validation"  # as common.open_device
+    dist.init_process_group("gloo", init_method="file://" + spec["init"], rank=spec["rank"],
+                            world_size=spec["world"])
+    cfg = model_shapes(spec["model"])
+    weights = random_weights(cfg, np.random.default_rng(0), "q4_1", embedding="q8_0")
+    rng = np.random.default_rng(1)
+    art = dict_artifact(cfg, rng) if spec["cache"] == "dict" else None
+    with runtime.enabled_with(art, allow_uncertified=True) if art else contextlib.nullcontext():
+        arena = RankArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, spec["capacity"], get_device(spec["device"]),
+                          split="layer", cache=spec["cache"])
+    with arena:
+        fill_random(arena.part.arena, rng, spec["depth"])
+        with SplitForward(weights, arena, timestamps=True) as fw:
+            def agree(more: bool) -> bool:
+                box = [more]
+                dist.broadcast_object_list(box, src=0)
+                return box[0]
+            row = _timed(fw, spec["tokens"], lambda _: None, "", exchange=lambda: arena.exchange_s, agree=agree)
+            row.update(arena_bytes=arena.part.arena.layout.total_bytes, tail_bytes=arena.part.arena.layout.tail_bytes,
+                       weight_bytes=fw.weight_bytes[0], layers=list(arena.part.layers))
+        rows = [None] * spec["world"]
+        dist.all_gather_object(rows, row)
+    if spec["rank"] == 0:
+        Path(spec["out"]).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _over_ranks(args, cfg, cache: str, depth: int, capacity: int, device_name: str, tmp: Path) -> dict:
+    """The split's row from ``args.ranks`` processes (rank_case each), all on ``device_name``."""
+    import json
+    import subprocess
+    import sys
+    procs = []
+    for r in range(args.ranks):
+        spec = dict(rank=r, world=args.ranks, init=str(tmp / f"init-{cache}-{depth}"), model=args.model, cache=cache,
+                    depth=depth, capacity=capacity, tokens=args.tokens, device=device_name,
+                    out=str(tmp / f"ranks-{cache}-{depth}.json"))
+        procs.append(subprocess.Popen([sys.executable, "-m", TOOL, "--rank-case", json.dumps(spec)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for r, p in enumerate(procs):
+        text = p.communicate(timeout=3600)[0]
+        if p.returncode:
+            raise SystemExit(f"rank {r} failed:\n{text[-3000:]}")
+    rows = json.loads((tmp / f"ranks-{cache}-{depth}.json").read_text())
+    return {"tokens_per_s": rows[0]["tokens_per_s"], "wall_s": rows[0]["wall_s"],
+            "gpu_us_per_token": [r["gpu_us_per_token"][0] for r in rows],
+            "host_us_per_token": [r["host_us_per_token"] for r in rows],
+            "exchange_us_per_token": [r["exchange_us_per_token"] for r in rows],
+            "arena_bytes": [r["arena_bytes"] for r in rows], "tail_bytes": [r["tail_bytes"] for r in rows],
+            "weight_bytes": [r["weight_bytes"] for r in rows], "layers": [r["layers"] for r in rows]}
 
 
 def fits(cfg, cache: str, art, n_layers: int, weight_bytes: int, heap: int) -> int:
@@ -112,51 +188,61 @@ def run(args, progress) -> dict:
     t0 = time.time()
     cfg = model_shapes(args.model)
     weights = random_weights(cfg, np.random.default_rng(0), "q4_1", embedding="q8_0")
-    devices = _devices(args, dev)
+    n_split = args.ranks or args.devices
+    devices = [dev] * n_split if args.ranks else _devices(args, dev)
     command = "python -m " + TOOL + " " + shlex.join(args.argv)
-    rows = []
+    rows, tmp = [], Path(tempfile.mkdtemp(prefix="kvdict-split-"))
     for cache in (c.strip() for c in args.caches.split(",") if c.strip()):
         for depth in (int(c) for c in args.contexts.split(",") if c.strip()):
-            rng = np.random.default_rng(1)
             capacity = depth + args.tokens + WARM_TOKENS
-            art = dict_artifact(cfg, rng) if cache == "dict" else None
-            for n_dev in (1, len(devices)):
-                with runtime.enabled_with(art, allow_uncertified=True) if art else contextlib.nullcontext():
-                    arena = (KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=devices[0],
-                                     cache=cache)
-                             if n_dev == 1 else SplitArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity,
-                                                           devices, split="layer", cache=cache))
-                try:
-                    parts = [arena] if n_dev == 1 else [p.arena for p in arena.parts]
-                    for a in parts:
-                        fill_random(a, rng, depth)
-                    forward = (DeviceForward(weights, arena, timestamps=True) if n_dev == 1
-                               else SplitForward(weights, arena, timestamps=True))
-                    with forward:
-                        row = _timed(forward, args.tokens, progress, f"{cache} {depth} on {n_dev}")
-                        wb = [forward.weight_bytes] if n_dev == 1 else forward.weight_bytes
-                    heaps = [d.info.device_local_bytes for d in devices[:n_dev]]
-                    layers = [cfg.n_layers] if n_dev == 1 else [p.layers[1] - p.layers[0] for p in arena.parts]
-                    rows.append({"cache": cache, "n_ctx": depth, "devices": n_dev, "split": "layer" if n_dev > 1
-                                 else None, **row,
-                                 "arena_bytes": [a.layout.total_bytes for a in parts],
-                                 "tail_bytes": [a.layout.tail_bytes for a in parts], "weight_bytes": wb,
-                                 "largest_ctx": min(fits(cfg, cache, art, n, w, h) for n, w, h in zip(layers, wb, heaps)),
-                                 "device_names": [d.name for d in devices[:n_dev]], "logical": args.logical,
-                                 "command": command})
-                finally:
-                    arena.free()
+            for n_dev in (1, n_split):
+                rng = np.random.default_rng(1)
+                art = dict_artifact(cfg, rng) if cache == "dict" else None
+                progress(f"{cache} {depth} on {n_dev}")
+                if n_dev > 1 and args.ranks:
+                    row = _over_ranks(args, cfg, cache, depth, capacity, dev.name, tmp)
+                    layers = [b - a for a, b in row.pop("layers")]
+                else:
+                    with runtime.enabled_with(art, allow_uncertified=True) if art else contextlib.nullcontext():
+                        arena = (KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=devices[0],
+                                         cache=cache) if n_dev == 1 else
+                                 SplitArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, devices,
+                                            split="layer", cache=cache))
+                    try:
+                        parts = [arena] if n_dev == 1 else [p.arena for p in arena.parts]
+                        for a in parts:
+                            fill_random(a, rng, depth)
+                        forward = (DeviceForward(weights, arena, timestamps=True) if n_dev == 1
+                                   else SplitForward(weights, arena, timestamps=True))
+                        with forward:
+                            row = _timed(forward, args.tokens, progress, f"{cache} {depth} on {n_dev}")
+                            row.update(weight_bytes=[forward.weight_bytes] if n_dev == 1 else forward.weight_bytes,
+                                       arena_bytes=[a.layout.total_bytes for a in parts],
+                                       tail_bytes=[a.layout.tail_bytes for a in parts])
+                        layers = [a.layout.n_layers for a in parts]
+                    finally:
+                        arena.free()
+                heaps = [d.info.device_local_bytes for d in devices[:n_dev]]
+                rows.append({"cache": cache, "n_ctx": depth, "devices": n_dev,
+                             "split": None if n_dev == 1 else "ranks" if args.ranks else "layer", **row,
+                             "largest_ctx": min(fits(cfg, cache, art, n, w, h)
+                                                for n, w, h in zip(layers, row["weight_bytes"], heaps)),
+                             "device_names": [d.name for d in devices[:n_dev]],
+                             "logical": bool(args.logical or args.ranks), "command": command})
     return {**common.run_header(TOOL, args, dev, t0), "model": {"shape": args.model, "config": vars(cfg)},
             "config": {"contexts": args.contexts, "caches": args.caches, "tokens": args.tokens,
-                       "devices": args.devices, "logical": args.logical}, "rows": rows}
+                       "devices": n_split, "logical": args.logical, "ranks": args.ranks}, "rows": rows}
 
 
 def report(result) -> list[str]:
     lines = [f"{result['device']['name']}: greedy decode over a layer split ({result['model']['shape']} shapes)"]
     for r in result["rows"]:
         gpu = " + ".join(f"{g:.0f}" for g in r["gpu_us_per_token"])
+        host = r["host_us_per_token"] if isinstance(r["host_us_per_token"], list) else [r["host_us_per_token"]]
+        swap = f"  exchange {' + '.join(f'{x:.0f}' for x in r['exchange_us_per_token'])} µs" \
+            if "exchange_us_per_token" in r else ""
         lines.append(f"  {r['cache']:5s} {r['n_ctx']:7d} on {r['devices']}: {r['tokens_per_s']:8.1f} tok/s  GPU {gpu} µs"
-                     f"  host {r['host_us_per_token']:7.1f} µs  arena "
+                     f"  host {' + '.join(f'{h:.0f}' for h in host)} µs{swap}  arena "
                      + " + ".join(f"{b / 2**20:.0f}" for b in r["arena_bytes"])
                      + f" MiB  fits {r['largest_ctx']} tokens")
     return lines
@@ -179,7 +265,12 @@ def plot(plt, result):
 
 
 def main(argv=None) -> int:
-    return common.standalone(NAME, parse_args(argv), run, plot, report)
+    args = parse_args(argv)
+    if args.rank_case:
+        import json
+        rank_case(json.loads(args.rank_case))
+        return 0
+    return common.standalone(NAME, args, run, plot, report)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,18 @@ def test_split_benchmark_rows(tmp_path, restore_env, vk_device):
         assert max(two["arena_bytes"]) < one["arena_bytes"][0]
         assert two["largest_ctx"] > one["largest_ctx"] > 0
         assert all(r["tokens_per_s"] > 0 and r["host_us_per_token"] is not None for r in (one, two))
+
+
+@pytest.mark.gpu
+def test_split_benchmark_over_ranks(tmp_path, restore_env, vk_device):
+    """--ranks 2: the split's row from two gloo ranks (a process each on the session's device),
+    with each rank's GPU time, exchange time and part."""
+    from kvdict_vk.bench import split
+    out = tmp_path / "split.json"
+    assert split.main(["--model", "tiny", "--contexts", "40", "--caches", "f16", "--tokens", "2", "--ranks", "2",
+                       "--device", str(vk_device.info.index), "--out", str(out)]) == 0
+    one, two = json.loads(out.read_text())["rows"]
+    assert (one["devices"], two["devices"], two["split"]) == (1, 2, "ranks")
+    assert len(two["exchange_us_per_token"]) == len(two["gpu_us_per_token"]) == 2
+    assert all(x > 0 for x in two["exchange_us_per_token"]) and two["tokens_per_s"] > 0
+    assert max(two["weight_bytes"]) < one["weight_bytes"][0] and two["largest_ctx"] > one["largest_ctx"]
