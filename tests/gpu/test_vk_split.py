@@ -142,22 +142,33 @@ def test_ranges_cover_and_balance():
 def test_a_submission_lets_other_threads_run(vk_device):
     """kp's Sequence.eval releases the GIL while it submits and waits (scripts/kp_patch.py item
     6): a Python thread spinning beside a long submission gets most of its time. Held, it would
-    get at most one switch interval before the eval starts."""
+    get at most one switch interval before the eval starts. The submission: reads of a scratch
+    buffer (l2_flush, a barrier after each), repeated until it takes ≥ 0.1 s on this device."""
     import sys
     import threading
     import time
-    n = 1 << 17
-    with KvArena(1, 2, HD, n, device=vk_device, cache="f32") as arena:
-        k = np.ones((2, n, HD), np.float32)
-        arena.append(0, k, k)
-        q = np.ones((4, HD), np.float32)
-        rec = arena.attention(4).recording(0, q, n, 0.125)
-        rec.run()
-        count, stop = [0], [False]
+    from kvdict_vk.vk.kernels import Buffer, barrier, pipeline
+    from kvdict_vk.vk.submit import Recording
+    words = 1 << 22
+    src, sink = Buffer(vk_device, words, "storage", "read source"), Buffer(vk_device, 4, "storage", "read sink")
+    flush = pipeline(vk_device, "l2_flush", [src, sink], max_items=words // 4)
+    reps, rec = 1, None
+    count, stop = [0], [False]
 
-        def spin():
-            while not stop[0]:
-                count[0] += 1
+    def spin():
+        while not stop[0]:
+            count[0] += 1
+    try:
+        while True:  # the submission made long enough to tell
+            rec = Recording(vk_device, [op for _ in range(reps) for op in (flush.op(n_words=words), barrier(sink))],
+                            what="repeated reads")
+            rec.run()
+            t0 = time.perf_counter()
+            rec.run()
+            if time.perf_counter() - t0 >= 0.1 or reps >= 1 << 14:
+                break
+            reps *= max(2, int(0.15 / max(time.perf_counter() - t0, 1e-4)))
+            rec.free()
         spinner = threading.Thread(target=spin)
         spinner.start()
         try:
@@ -171,7 +182,11 @@ def test_a_submission_lets_other_threads_run(vk_device):
         finally:
             stop[0] = True
             spinner.join()
-        rec.free()
+    finally:
+        if rec is not None:
+            rec.free()
+        sink.destroy()
+        src.destroy()
     assert dt > 4 * sys.getswitchinterval(), f"the submission ({dt:.3f} s) is too short to tell"
     assert during / rate > 0.3 * dt, (during, rate, dt)
 
