@@ -64,7 +64,7 @@ def _check(one, two, rng, sizes, coded_by=None):
 
 
 @pytest.mark.parametrize("split", ["layer", "head"])
-@pytest.mark.parametrize("cache", ["f16", "f32"])
+@pytest.mark.parametrize("cache", ["f16", "f32", "q8_0", "kivi"])
 def test_uncoded_split_equals_one_device(devices, split, cache):
     one, two = _pair(devices, split, cache=cache)
     with one, two:
@@ -77,7 +77,8 @@ def test_uncoded_split_equals_one_device(devices, split, cache):
             assert [m["layers"] for m in mem] == [[0, 1], [1, 3]] and all(m["kv_heads"] == [0, 3] for m in mem)
         else:
             assert [m["kv_heads"] for m in mem] == [[0, 1], [1, 3]] and all(m["layers"] == [0, 3] for m in mem)
-        assert sum(m["arena_bytes"] for m in mem) <= one.layout.total_bytes + 2 * 64 * 4 * N_LAYERS * 2
+        # each part pays its own alignment and state words, a few hundred words a layer, no more
+        assert sum(m["arena_bytes"] for m in mem) <= one.layout.total_bytes + 2 * 256 * 4 * N_LAYERS * 2
 
 
 @pytest.mark.parametrize("split", ["layer", "head"])
@@ -236,7 +237,7 @@ def _model(rng, n_layers: int = 3, tied: bool = True):
     return random_weights(cfg, rng, "q8_0")
 
 
-@pytest.mark.parametrize("cache", ["f16", "q8_0", "dict"])
+@pytest.mark.parametrize("cache", ["f16", "q8_0", "kivi", "dict"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_device_forward_over_a_layer_split(devices, activate, cache, tied):
     """SplitForward: each device runs its layers (DeviceForward(layers=)), the residual stream
