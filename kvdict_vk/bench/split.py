@@ -1,21 +1,23 @@
-"""A model's greedy decode over an arena split by layers across devices, against one device
-(issue 53): tokens/s, each device's GPU time, the host's share (wall − the devices' GPU time,
-the residual stream's hand-over included), each device's arena and weights, and the longest
+"""A model's greedy decode over an arena split across devices (issue 53), by layers or by KV
+heads, against one device: tokens/s, each device's GPU time, the host's share (wall − the
+devices' GPU time: the hand-overs included), each device's arena and weights, and the longest
 context whose arena and weights fit one device against the split.
 
 The model has random weights of a given shape (Q4_1 matrices, a Q8_0 embedding:
-weights.random_weights): ``smollm2`` (SmolLM2-135M's shapes) or ``wide`` (32 layers of 8 KV heads
-× 128: the shape issue 53 opens with, hidden 1024, a 32 000-token vocabulary; ``tiny``: 3 layers,
-for a smoke test). Each arena holds
-the context's random K/V rows (bench.decode_step.fill_random) and room for the timed tokens.
-The split runs on ``--devices`` devices: the first ones ``KVDICT_VK_DEVICE`` names, or logical
-devices of one (``--logical``: two Kompute managers of one GPU — the hand-over's cost, not more
-memory or bandwidth). "Fits" is arithmetic: the layouts' bytes (memory_report.build) plus the
-weights against each device's largest device-local heap (logical devices: as if each had the
-heap of the one they share).
+weights.random_weights): ``smollm2`` (SmolLM2-135M's shapes), ``wide`` (32 layers of 8 KV heads
+× 128: the shape issue 53 opens with, hidden 1024, a 32 000-token vocabulary) or ``tiny`` (3
+layers, for a smoke test). Each arena holds the context's random K/V rows
+(bench.decode_step.fill_random) and room for the timed tokens. The split runs on ``--devices``
+devices: the first ones ``KVDICT_VK_DEVICE`` names, or logical devices of one (``--logical``:
+two Kompute managers of one GPU — the hand-over's cost, not more memory or bandwidth); or, with
+``--ranks N``, on N torch.distributed ranks (gloo), a process each, all on the one device.
+"Fits" is arithmetic: the layouts' bytes (memory_report.build) plus the weights against each
+device's largest device-local heap (logical devices and ranks: as if each had the heap of the
+one they share).
 
-    python -m kvdict_vk.bench.split [--model smollm2|wide] [--contexts 8192,131072] [--devices 2]
-        [--logical] [--caches f16,q8_0,dict] [--tokens 16] [--out out/bench_split.json]
+    python -m kvdict_vk.bench.split [--model smollm2|wide|tiny] [--contexts 8192,131072]
+        [--split layer|head] [--devices 2 [--logical] | --ranks 2] [--caches f16,q8_0,dict]
+        [--tokens 16] [--out out/bench_split.json]
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def parse_args(argv=None):
     ap.add_argument("--devices", type=int, default=2, help="devices the split spans")
     ap.add_argument("--logical", action="store_true", help="logical devices of the one device (open_devices)")
     ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
+    ap.add_argument("--split", default="layer", choices=("layer", "head"), help="by layers or by KV heads")
     ap.add_argument("--ranks", type=int, default=0, help="the split over this many torch.distributed ranks "
                     "(gloo; a process each, every one on the device --device names) instead of one process")
     ap.add_argument("--rank-case", default=None, help=argparse.SUPPRESS)
@@ -75,10 +78,12 @@ def _devices(args, dev) -> list:
     return [dev] + [get_device(i) for i in same if i != dev.info.index][:args.devices - 1]
 
 
-def _timed(forward, tokens: int, progress, label: str, exchange=None, agree=bool) -> dict:
-    """Wall and GPU time per token (untimed tokens first, as bench.generate's); ``exchange``: a
-    clock of the seconds spent in collectives (RankArena.exchange_s), read around each token;
-    ``agree``: every rank's one answer to "another untimed token?" (rank 0's)."""
+def _timed(forward, tokens: int, progress, label: str, exchange=None, agree=bool, concurrent=False) -> dict:
+    """Wall and GPU time per token (untimed tokens first, as bench.generate's); host time is
+    wall less the GPU time of the devices held here — their sum, or where they run at once
+    (``concurrent``: a head split's) the longest; ``exchange``: a clock of the seconds spent
+    in collectives (RankArena.exchange_s), read around each token; ``agree``: every rank's one
+    answer to "another untimed token?" (rank 0's)."""
     token, t0, warm = 1, time.perf_counter(), 0
     while agree(warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S)):
         token, warm = forward.run(token), warm + 1
@@ -94,7 +99,8 @@ def _timed(forward, tokens: int, progress, label: str, exchange=None, agree=bool
     gpu = np.array(gpu, dtype=float)  # (tokens, devices held here)
     row = {"tokens_per_s": 1.0 / float(np.median(wall)), "wall_s": common.stats(wall),
            "gpu_us_per_token": [1e6 * float(x) for x in np.median(gpu, axis=0)],
-           "host_us_per_token": 1e6 * float(np.median(np.subtract(wall, gpu.sum(axis=1))))}
+           "host_us_per_token": 1e6 * float(np.median(np.subtract(wall, gpu.max(axis=1) if concurrent
+                                                                   else gpu.sum(axis=1))))}
     if exchange:
         row["exchange_us_per_token"] = 1e6 * float(np.median(swap))
     return row
@@ -119,7 +125,7 @@ def rank_case(spec: dict) -> None:
     art = dict_artifact(cfg, rng) if spec["cache"] == "dict" else None
     with runtime.enabled_with(art, allow_uncertified=True) if art else contextlib.nullcontext():
         arena = RankArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, spec["capacity"], get_device(spec["device"]),
-                          split="layer", cache=spec["cache"])
+                          split=spec["split"], cache=spec["cache"])
     with arena:
         fill_random(arena.part.arena, rng, spec["depth"])
         with SplitForward(weights, arena, timestamps=True) as fw:
@@ -129,7 +135,8 @@ def rank_case(spec: dict) -> None:
                 return box[0]
             row = _timed(fw, spec["tokens"], lambda _: None, "", exchange=lambda: arena.exchange_s, agree=agree)
             row.update(arena_bytes=arena.part.arena.layout.total_bytes, tail_bytes=arena.part.arena.layout.tail_bytes,
-                       weight_bytes=fw.weight_bytes[0], layers=list(arena.part.layers))
+                       weight_bytes=fw.weight_bytes[0],
+                       shape=[arena.part.arena.layout.n_layers, arena.part.arena.layout.n_kv_heads])
         rows = [None] * spec["world"]
         dist.all_gather_object(rows, row)
     if spec["rank"] == 0:
@@ -145,6 +152,7 @@ def _over_ranks(args, cfg, cache: str, depth: int, capacity: int, device_name: s
     procs = []
     for r in range(args.ranks):
         spec = dict(rank=r, world=args.ranks, init=str(tmp / f"init-{cache}-{depth}"), model=args.model, cache=cache,
+                    split=args.split,
                     depth=depth, capacity=capacity, tokens=args.tokens, device=device_name,
                     out=str(tmp / f"ranks-{cache}-{depth}.json"))
         procs.append(subprocess.Popen([sys.executable, "-m", TOOL, "--rank-case", json.dumps(spec)],
@@ -159,20 +167,22 @@ def _over_ranks(args, cfg, cache: str, depth: int, capacity: int, device_name: s
             "host_us_per_token": [r["host_us_per_token"] for r in rows],
             "exchange_us_per_token": [r["exchange_us_per_token"] for r in rows],
             "arena_bytes": [r["arena_bytes"] for r in rows], "tail_bytes": [r["tail_bytes"] for r in rows],
-            "weight_bytes": [r["weight_bytes"] for r in rows], "layers": [r["layers"] for r in rows]}
+            "weight_bytes": [r["weight_bytes"] for r in rows], "shape": [r["shape"] for r in rows]}
 
 
-def fits(cfg, cache: str, art, n_layers: int, weight_bytes: int, heap: int) -> int:
-    """The longest context (a multiple of 1 024) whose arena of ``n_layers`` layers of ``cache``
-    (dict: ``art``'s first ``n_layers``) and ``weight_bytes`` of weights fit ``heap`` bytes."""
+def fits(cfg, cache: str, art, shape, weight_bytes: int, heap: int) -> int:
+    """The longest context (a multiple of 1 024) whose arena of ``shape`` (layers, KV heads) of
+    ``cache`` (dict: ``art`` cut to them) and ``weight_bytes`` of weights fit ``heap`` bytes."""
     from kvdict_vk import kivi
     from kvdict_vk import memory_report as M
     from kvdict_vk.vk.split import artifact_part
-    desc = {"dict": lambda: artifact_part(art, (0, n_layers)), "kivi": kivi.KiviSpec}.get(cache, lambda: cache)()
+    n_layers, n_kv = shape
+    desc = {"dict": lambda: artifact_part(art, (0, n_layers), (0, n_kv) if art.n_heads > 1 else None),
+            "kivi": kivi.KiviSpec}.get(cache, lambda: cache)()
     lo, hi = 0, 1 << 26
     while hi - lo > 1024:
         mid = (lo + hi) // 2 // 1024 * 1024 or 1024
-        if M.build(n_layers, cfg.n_kv_heads, cfg.head_dim, mid, desc).total_bytes + weight_bytes <= heap:
+        if M.build(n_layers, n_kv, cfg.head_dim, mid, desc).total_bytes + weight_bytes <= heap:
             lo = mid
         else:
             hi = mid
@@ -201,13 +211,13 @@ def run(args, progress) -> dict:
                 progress(f"{cache} {depth} on {n_dev}")
                 if n_dev > 1 and args.ranks:
                     row = _over_ranks(args, cfg, cache, depth, capacity, dev.name, tmp)
-                    layers = [b - a for a, b in row.pop("layers")]
+                    shapes = row.pop("shape")
                 else:
                     with runtime.enabled_with(art, allow_uncertified=True) if art else contextlib.nullcontext():
                         arena = (KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=devices[0],
                                          cache=cache) if n_dev == 1 else
                                  SplitArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, devices,
-                                            split="layer", cache=cache))
+                                            split=args.split, cache=cache))
                     try:
                         parts = [arena] if n_dev == 1 else [p.arena for p in arena.parts]
                         for a in parts:
@@ -215,18 +225,19 @@ def run(args, progress) -> dict:
                         forward = (DeviceForward(weights, arena, timestamps=True) if n_dev == 1
                                    else SplitForward(weights, arena, timestamps=True))
                         with forward:
-                            row = _timed(forward, args.tokens, progress, f"{cache} {depth} on {n_dev}")
+                            row = _timed(forward, args.tokens, progress, f"{cache} {depth} on {n_dev}",
+                                         concurrent=n_dev > 1 and args.split == "head")
                             row.update(weight_bytes=[forward.weight_bytes] if n_dev == 1 else forward.weight_bytes,
                                        arena_bytes=[a.layout.total_bytes for a in parts],
                                        tail_bytes=[a.layout.tail_bytes for a in parts])
-                        layers = [a.layout.n_layers for a in parts]
+                        shapes = [(a.layout.n_layers, a.layout.n_kv_heads) for a in parts]
                     finally:
                         arena.free()
                 heaps = [d.info.device_local_bytes for d in devices[:n_dev]]
                 rows.append({"cache": cache, "n_ctx": depth, "devices": n_dev,
-                             "split": None if n_dev == 1 else "ranks" if args.ranks else "layer", **row,
-                             "largest_ctx": min(fits(cfg, cache, art, n, w, h)
-                                                for n, w, h in zip(layers, row["weight_bytes"], heaps)),
+                             "split": None if n_dev == 1 else args.split, "ranks": bool(args.ranks and n_dev > 1),
+                             **row, "largest_ctx": min(fits(cfg, cache, art, sh, w, h)
+                                                       for sh, w, h in zip(shapes, row["weight_bytes"], heaps)),
                              "device_names": [d.name for d in devices[:n_dev]],
                              "logical": bool(args.logical or args.ranks), "command": command})
     return {**common.run_header(TOOL, args, dev, t0), "model": {"shape": args.model, "config": vars(cfg)},

@@ -118,6 +118,19 @@ class RankArena(SplitArena):
         for i in layers:
             self._counts[i] += 1
 
+    def _gather_heads(self, outs: list) -> np.ndarray:
+        """This rank's heads' output gathered with every other rank's (padded to the largest
+        part for the collective, cut back after), in rank order."""
+        import torch
+        (mine,) = outs
+        sizes = [(h1 - h0) for _, (h0, h1) in self.cuts]
+        per_head = mine.size // sizes[self.rank]
+        pad = np.zeros(max(sizes) * per_head, np.float32)
+        pad[:mine.size] = mine
+        got = [torch.empty(pad.size, dtype=torch.float32, device=self._tensors) for _ in range(self.world)]
+        self._timed(self._dist.all_gather, got, torch.from_numpy(pad).to(self._tensors))
+        return np.concatenate([g.cpu().numpy()[:n * per_head] for g, n in zip(got, sizes)])
+
     def _hand_on(self, stages, width: int) -> int:
         """This rank's stage, taking the rank before's output (received) and sending its own
         to the rank after; the last rank's result broadcast to every rank."""

@@ -161,6 +161,11 @@ class SplitArena:
     def _advanced(self, layers) -> None:
         """A recorded step appended a token to each of ``layers`` (the parts count their own)."""
 
+    def _gather_heads(self, outs: list) -> np.ndarray:
+        """Every part's attention output of a layer, float32 (its query heads × head_dim) each
+        in the parts' order (a head split's), joined: every head's."""
+        return np.concatenate(outs)
+
     def _hand_on(self, stages, width: int) -> int:
         """A layer split's parts in layer order, each stage (a part's: x → its output) taking
         the output of the one before (float32 (width,); the first takes None); the last

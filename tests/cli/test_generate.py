@@ -111,15 +111,17 @@ def test_kvdict_generate_over_a_certified_dictionary(tmp_path, capsys, restore_e
 
 
 @pytest.mark.gpu
-def test_split_benchmark_rows(tmp_path, restore_env, vk_device):
+@pytest.mark.parametrize("how", ["layer", "head"])
+def test_split_benchmark_rows(tmp_path, restore_env, vk_device, how):
     """kvdict_vk.bench.split on two logical devices: a row for one device and one for the split
     per cache, each device's arena, weights and GPU time, and the split fitting a longer context."""
     from kvdict_vk.bench import split
     out = tmp_path / "split.json"
     assert split.main(["--model", "tiny", "--contexts", "40", "--caches", "f16,dict", "--tokens", "2", "--logical",
-                       "--device", str(vk_device.info.index), "--out", str(out)]) == 0
+                       "--split", how, "--device", str(vk_device.info.index), "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["cache"], r["devices"]) for r in rows] == [("f16", 1), ("f16", 2), ("dict", 1), ("dict", 2)]
+    assert [(r["cache"], r["devices"], r["split"]) for r in rows] == [
+        ("f16", 1, None), ("f16", 2, how), ("dict", 1, None), ("dict", 2, how)]
     for one, two in zip(rows[::2], rows[1::2]):
         assert len(two["arena_bytes"]) == len(two["weight_bytes"]) == len(two["gpu_us_per_token"]) == 2
         assert max(two["weight_bytes"]) < one["weight_bytes"][0] <= sum(two["weight_bytes"])
@@ -137,7 +139,7 @@ def test_split_benchmark_over_ranks(tmp_path, restore_env, vk_device):
     assert split.main(["--model", "tiny", "--contexts", "40", "--caches", "f16", "--tokens", "2", "--ranks", "2",
                        "--device", str(vk_device.info.index), "--out", str(out)]) == 0
     one, two = json.loads(out.read_text())["rows"]
-    assert (one["devices"], two["devices"], two["split"]) == (1, 2, "ranks")
+    assert (one["devices"], two["devices"], two["split"], two["ranks"]) == (1, 2, "layer", True)
     assert len(two["exchange_us_per_token"]) == len(two["gpu_us_per_token"]) == 2
     assert all(x > 0 for x in two["exchange_us_per_token"]) and two["tokens_per_s"] > 0
     assert max(two["weight_bytes"]) < one["weight_bytes"][0] and two["largest_ctx"] > one["largest_ctx"]

@@ -29,7 +29,7 @@ else:
 
 WORLD = 2
 CASES = {f"{split}-{cache}": (split, cache) for split in ("layer", "head") for cache in ("f16", "dict")}
-FORWARDS = {f"forward-{cache}": ("layer", cache) for cache in ("f16", "dict")}
+FORWARDS = {f"forward-{split}-{cache}": (split, cache) for split in ("layer", "head") for cache in ("f16", "dict")}
 
 
 def _artifact(seed: int):
@@ -109,9 +109,10 @@ def test_each_rank_holds_its_part(ranks, name):
 
 @pytest.mark.parametrize("name", list(FORWARDS))
 def test_forward_over_ranks_equals_one_device(ranks, vk_device, activate, name):
-    """SplitForward over the ranks' layer split: each rank runs its layers, the residual stream
-    sent from rank to rank; every rank hands back one device's greedy tokens, the last rank its
-    logits (NMSE ≤ 1e-9), and each rank holds only its layers' weights."""
+    """SplitForward over the ranks: by layers each rank runs its layers, the residual stream sent
+    from rank to rank; by KV heads each rank attends over its heads, every layer's outputs
+    all-gathered. Every rank hands back one device's greedy tokens, the ranks with the last
+    layers its logits (NMSE ≤ 1e-9); by layers each rank holds only its layers' weights."""
     from kvdict_vk.vk.forward import DeviceForward
     case = ranks["cases"][name]
     kw = dict(cache=case["cache"])
@@ -123,10 +124,15 @@ def test_forward_over_ranks_equals_one_device(ranks, vk_device, activate, name):
             want, whole = W.decode(fw, case["seed"]), fw.weight_bytes
     first, last = (r[name]["calls"] for r in ranks["results"])
     assert first[0:-1:2] == last[0:-1:2] == want[0::2]  # the tokens, on every rank
-    assert all(x is None for x in first[1:-1:2])  # the first rank has no LM head
     for a, b in zip(last[1:-1:2], want[1::2]):
         assert nmse(a, b) <= 1e-9
-    assert max(first[-1] + last[-1]) < whole <= first[-1][0] + last[-1][0]
+    if case["split"] == "layer":
+        assert all(x is None for x in first[1:-1:2])  # the first rank has no LM head
+        assert max(first[-1] + last[-1]) < whole <= first[-1][0] + last[-1][0]
+    else:  # every rank has the whole layer but its heads' Q, K and V
+        for a, b in zip(first[1:-1:2], want[1::2]):
+            assert nmse(a, b) <= 1e-9
+        assert max(first[-1] + last[-1]) < whole
 
 
 def test_a_refusal_on_one_rank_is_every_ranks(ranks):

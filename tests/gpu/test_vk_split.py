@@ -245,42 +245,78 @@ def test_device_forward_over_a_layer_split(devices, activate, cache, tied):
     same model and cache (dict: per-head dictionaries, the GPU encoder), the arenas hold the same
     values, and each device holds only its layers' weights (the embedding on the first, the
     norm and LM head on the last)."""
-    from kvdict_vk.vk.forward import DeviceForward, SplitForward
+    from kvdict_vk.vk.forward import DeviceForward
     rng = np.random.default_rng(11)
     w = _model(rng, tied=tied)
-    kw = dict(cache=cache)
-    if cache == "dict":
-        activate(random_artifact(rng, HD, 64, [((4, 4), (4, 3))] * N_LAYERS, n_heads=N_KV, f16_atoms=True))
-        kw = {}
-    tokens = rng.integers(0, w.config.vocab, 9)
-    one, two = _pair(devices, "layer", **kw)
-    with one, two:
-        ref = DeviceForward(w, one, logits=True, row_threads=8)
-        split = SplitForward(w, two, logits=True, row_threads=8)
-        for tok in tokens:
-            assert ref.run(int(tok)) == split.run(int(tok))
-            assert nmse(ref.logits(), split.logits()) <= 1e-9
-        for layer in range(N_LAYERS):
-            assert two.n_tokens(layer) == len(tokens)
-            for a, b in zip(one.read(layer), two.read(layer)):
-                np.testing.assert_array_equal(a, b)
+    with _forwards(devices, activate, "layer", cache, w, rng) as (one, two, ref, split):
         first, last = split.parts
         assert (first.layers, last.layers) == ((0, 1), (1, 3)) and first.first and last.last
         assert first.weight_bytes + last.weight_bytes >= ref.weight_bytes
         assert max(split.weight_bytes) < ref.weight_bytes
         with pytest.raises(E.ShapeError):
             split.run(w.config.vocab)  # refused before any part runs
-        with pytest.raises(E.ArenaError, match="run_part"):
+        with pytest.raises(E.ArenaError, match="SplitForward drives it"):
             first.run(0)
         with pytest.raises(E.ShapeError, match="residual"):
             last.run_part(0)
-        assert all(two.n_tokens(i) == len(tokens) for i in range(N_LAYERS))
-        ref.free()
-        split.free()
+        assert all(two.n_tokens(i) == split.tokens for i in range(N_LAYERS))
+        assert isinstance(ref, DeviceForward)
 
 
-def test_device_forward_over_a_head_split_refused(devices):
-    from kvdict_vk.vk.forward import SplitForward
-    with SplitArena(N_LAYERS, N_KV, HD, N_CTX, devices, split="head", cache="f16") as two:
-        with pytest.raises(E.ArenaError, match="split the arena by layers"):
-            SplitForward(_model(np.random.default_rng(0)), two)
+@pytest.mark.parametrize("cache", ["f16", "q8_0", "dict"])
+def test_device_forward_over_a_head_split(devices, activate, cache):
+    """SplitForward over KV heads: each device computes Q, K and V of its heads and attends over
+    them (DeviceForward(heads=)), every layer's outputs gathered on the host before each device's
+    O projection; tokens and logits equal one device's forward (NMSE ≤ 1e-9: each device plans
+    its attention for its own heads), the arenas hold the same values, and a token takes a
+    submission a layer and a device."""
+    rng = np.random.default_rng(12)
+    w = _model(rng, tied=False)
+    with _forwards(devices, activate, "head", cache, w, rng) as (one, two, ref, split):
+        assert [f.heads for f in split.parts] == [(0, 1), (1, 3)] and all(f.split_heads for f in split.parts)
+        assert [f.segments for f in split.parts] == [N_LAYERS + 1] * 2
+        with pytest.raises(E.ArenaError, match="SplitForward drives it"):
+            split.parts[0].run(0)
+        with pytest.raises(E.ArenaError, match="segment at a time"):
+            split.parts[0].run_part(0)
+        with pytest.raises(E.ShapeError, match="not both"):
+            from kvdict_vk.vk.forward import DeviceForward
+            DeviceForward(w, two.parts[0].arena, layers=(0, 1), heads=(0, 1))
+
+
+class _forwards:
+    """(one device's arena, the split one, a DeviceForward over the first, a SplitForward over the
+    second), both fed the same 9 tokens and checked token by token (greedy picks equal, logits
+    within NMSE 1e-9), their arenas compared after; all freed on exit."""
+
+    def __init__(self, devices, activate, split, cache, w, rng):
+        self.args = devices, activate, split, cache, w, rng
+
+    def __enter__(self):
+        from kvdict_vk.vk.forward import DeviceForward, SplitForward
+        devices, activate, split, cache, w, rng = self.args
+        kw = dict(cache=cache)
+        if cache == "dict":
+            activate(random_artifact(rng, HD, 64, [((4, 4), (4, 3))] * N_LAYERS, n_heads=N_KV, f16_atoms=True))
+            kw = {}
+        self.one, self.two = _pair(devices, split, **kw)
+        self.ref = DeviceForward(w, self.one, logits=True, row_threads=8)
+        self.split = SplitForward(w, self.two, logits=True, row_threads=8)
+        tokens = rng.integers(0, w.config.vocab, 9)
+        for tok in tokens:
+            assert self.ref.run(int(tok)) == self.split.run(int(tok))
+            assert nmse(self.ref.logits(), self.split.logits()) <= 1e-9
+        self.split.tokens = len(tokens)
+        for layer in range(N_LAYERS):
+            assert self.two.n_tokens(layer) == len(tokens)
+            for a, b in zip(self.one.read(layer), self.two.read(layer)):
+                if split == "layer":  # the same kernels over the same numbers
+                    np.testing.assert_array_equal(a, b)
+                assert nmse(a, b) <= 1e-9
+        return self.one, self.two, self.ref, self.split
+
+    def __exit__(self, *exc):
+        self.ref.free()
+        self.split.free()
+        self.one.free()
+        self.two.free()

@@ -59,20 +59,33 @@ class DeviceForward:
     the step's own append, as every other cache has); ``layers``: the model's layers [a, b) this
     forward runs, the arena holding just those (a device's part of a layer split: the first
     part embeds the token, a later one takes the residual stream from :meth:`run_part`'s
-    caller, and only the last one has the LM head; default: every layer). Freed by :meth:`free`."""
+    caller, and only the last one has the LM head; default: every layer); ``heads``: the KV heads
+    [h0, h1) this forward attends over, the arena holding just those (a device's part of a head
+    split: Q, K and V of its heads only, and every layer's O projection over the attention
+    output of every head, which the caller gathers between :meth:`run_segment` calls — see
+    SplitForward; the rest of the layer, the norms, MLP and LM head, whole on every part;
+    default: every KV head). Freed by :meth:`free`."""
 
     def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
                  n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None,
-                 qkv_appends: bool = True, layers: tuple[int, int] | None = None):
+                 qkv_appends: bool = True, layers: tuple[int, int] | None = None,
+                 heads: tuple[int, int] | None = None):
         cfg, lay = weights.config, arena.layout
         a, b = (0, cfg.n_layers) if layers is None else layers
+        h0, h1 = (0, cfg.n_kv_heads) if heads is None else heads
         if not 0 <= a < b <= cfg.n_layers:
             raise E.ShapeError(f"layers [{a}, {b}) are not a range of the model's {cfg.n_layers}")
-        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (b - a, cfg.n_kv_heads, cfg.head_dim):
+        if not 0 <= h0 < h1 <= cfg.n_kv_heads:
+            raise E.ShapeError(f"KV heads [{h0}, {h1}) are not a range of the model's {cfg.n_kv_heads}")
+        if (b - a) < cfg.n_layers and (h1 - h0) < cfg.n_kv_heads:
+            raise E.ShapeError("a forward runs a range of layers or a range of KV heads, not both")
+        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (b - a, h1 - h0, cfg.head_dim):
             raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
-                               f"the forward runs {b - a} of {cfg.n_kv_heads} × {cfg.head_dim}")
+                               f"the forward runs {b - a} of {h1 - h0} × {cfg.head_dim}")
         self.layers, self.first, self.last = (a, b), a == 0, b == cfg.n_layers
+        self.heads, self.split_heads = (h0, h1), (h1 - h0) < cfg.n_kv_heads
         self._n = b - a
+        self._n_q = (cfg.n_heads // cfg.n_kv_heads) * (h1 - h0)  # the query heads this part attends for
         if cfg.hidden % 32 or cfg.ffn % 32 or (cfg.n_heads * cfg.head_dim) % 32:
             raise E.ShapeError("a device forward needs hidden, ffn and n_heads · head_dim multiples of 32")
         self.config, self.arena, self.device = cfg, arena, arena.device
@@ -94,18 +107,23 @@ class DeviceForward:
         self._want_logits = bool(logits)
         self._qkv_appends = bool(qkv_appends)
         self._buffers: list[Buffer] = []
-        self._rec = None
-        self.step = arena.record_step(cfg.n_heads, n_plan=n_plan, record=False)  # checks n_plan
+        self._recs: list[Recording] = []
+        self.step = arena.record_step(self._n_q, n_plan=n_plan, record=False)  # checks n_plan
         try:
             self._load(weights)
-            self._rec = Recording(self.device, self._ops(), timestamps=timestamps and "spans",
-                                  what=f"device forward of layers {a}..{b - 1}", core=(0, len(self._core)))
+            for i, seg in enumerate(self._segments()):
+                self._recs.append(Recording(self.device, seg, timestamps=timestamps and "spans",
+                                            what=f"device forward of layers {a}..{b - 1}, heads {h0}..{h1 - 1}, "
+                                                 f"part {i}", core=(0, len(seg) - 1)))
         except BaseException:
             self.free()
             raise
         self._state_host = self._state.host_words()
         self._values_host = self._values.host_words()
         self._act_host = self._act.host_words()
+        self._out_host = self.step.buffers[2].host_words()
+        self._gathered_host = self._gathered.host_words() if self.split_heads else None
+        self._begun = False
 
     # --- buffers ---------------------------------------------------------------------------
     def _buffer(self, words, kind: str, name: str, init=None) -> Buffer:
@@ -121,8 +139,10 @@ class DeviceForward:
                     WEIGHT_BUFFER_BYTES) // 4
         # per layer: its tensors' words, packed; where each starts
         packed, self._matrices = [], []
+        hd, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+        h0, h1 = self.heads
         for layer in w.layers[self.layers[0]:self.layers[1]]:
-            mats = _layer_matrices(layer)
+            mats = _layer_matrices(layer, (h0 * group * hd, h1 * group * hd), (h0 * hd, h1 * hd))
             parts = {"attn_norm": layer.attn_norm.view(np.uint32), "ffn_norm": layer.ffn_norm.view(np.uint32)}
             parts.update({name: m.words.reshape(-1) for name, m in mats.items()})
             self._matrices.append(mats)
@@ -176,6 +196,8 @@ class DeviceForward:
                                     "forward step values")
         self._partial = self._buffer(2 * ARGMAX_PARTS, "device", "argmax partials")
         self._act = self._buffer(max(2 * cfg.ffn, cfg.vocab), "device", "forward activations")
+        if self.split_heads:  # every head's attention output, gathered by the caller, a layer at a time
+            self._gathered = self._buffer(cfg.n_heads * cfg.head_dim, "host", "gathered attention output")
         run(self.device, kp.OpTensorSyncDevice([b.tensor for b in self._buffers if b.kind == "device"]),
             what="uploading the weights")
 
@@ -207,7 +229,30 @@ class DeviceForward:
         return [stage0.op(**push, stage=0), barrier(self._partial), stage1.op(**push, stage=1)]
 
     def _ops(self) -> list:
-        """The token's ops, each section labelled (:attr:`op_labels`: a profile's key)."""
+        """The token's ops, recorded as one submission (a forward over every KV head)."""
+        (ops,) = self._segments()
+        return ops
+
+    def _segments(self) -> list:
+        """The token's ops, each section labelled (:attr:`op_labels`: a profile's key); over a
+        range of KV heads cut after each layer's attention, whose output goes back to the host
+        there (the next part starts with the O projection of every head's output)."""
+        sections = self._sections()
+        core = [op for _, ops in sections for op in ops]
+        self.op_labels = [label for label, ops in sections for _ in ops]  # per op of the core, what it is part of
+        self._core = core
+        attn_out = self.step.buffers[2]
+        segments, ops = [], []
+        for label, section in sections:
+            ops += section
+            if self.split_heads and label == "append + attention":
+                segments.append(ops + [kp.OpTensorSyncLocal([attn_out.tensor])])
+                ops = []
+        back = [self._state.tensor] + ([self._act.tensor] if self._want_logits else [])
+        return segments + [ops + [kp.OpTensorSyncLocal(back)]]
+
+    def _sections(self) -> list:
+        """The token's ops, a labelled section at a time."""
         cfg, step = self.config, self.step
         rows, queries, attn_out = step.buffers
         st, act = self._state, self._act
@@ -239,8 +284,9 @@ class DeviceForward:
             sections += [
                 ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j, layer_buf, appends), barrier(*qkv_writes)]),
                 ("append + attention", [*(step.attend_ops[j] if appends else step.layer_ops[j]), barrier(attn_out)]),
-                ("o", [self._matvec(wb, base + at["wo"], lw["wo"], attn_out, step.out_word(j), st, X_WORD, True),
-                       barrier(st)]),
+                ("o", [self._matvec(wb, base + at["wo"], lw["wo"], *((self._gathered, 0) if self.split_heads
+                                                                     else (attn_out, step.out_word(j))),
+                                    st, X_WORD, True), barrier(st)]),
                 ("gate + up", [*gate_up, barrier(act)]),
                 ("down", [self._matvec(wb, base + at["w_down"], lw["w_down"], act, 0, st, X_WORD, True,
                                        x_mode="swiglu"), barrier(st)])]
@@ -249,11 +295,7 @@ class DeviceForward:
                                                    x_mode="rms_norm", norm_word=self._glob_at["output_norm"]),
                                       barrier(act)]),
                          ("argmax", self._argmax(cfg.vocab))]
-        core = [op for _, ops in sections for op in ops]
-        self.op_labels = [label for label, ops in sections for _ in ops]  # per op of the core, what it is part of
-        self._core = core
-        back = [self._state.tensor] + ([self._act.tensor] if self._want_logits else [])
-        return [*core, kp.OpTensorSyncLocal(back)]
+        return sections
 
     def _qkv(self, wbuf: Buffer, base: int, at: dict, m: Matrix, j: int, layer_buf: Buffer, appends: dict | None):
         """Layer j's Q, K and V (one matrix, their rows in that order) from the normed residual,
@@ -266,8 +308,8 @@ class DeviceForward:
         k = pipeline(self.device, self._shader("fwd_qkv"),
                      [wbuf, self._state, queries, rows, self._table, self._values, layer_buf], spec,
                      max_items=self._matvec_items(m.n_rows))
-        return k.op(w_word=base + at["wqkv"], x_word=X_WORD, n_cols=m.n_cols, q_rows=cfg.n_heads * cfg.head_dim,
-                    k_rows=cfg.n_kv_heads * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),
+        return k.op(w_word=base + at["wqkv"], x_word=X_WORD, n_cols=m.n_cols, q_rows=self._n_q * cfg.head_dim,
+                    k_rows=(self.heads[1] - self.heads[0]) * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),
                     v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
                     n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps,
                     n_ctx=self.arena.layout.n_ctx, **(appends or {}))
@@ -277,15 +319,29 @@ class DeviceForward:
         """Feed ``token`` at the sequence's next position through every layer (appending its
         K/V to the arena) and return the greedy next token. A token outside the vocabulary is
         a ShapeError, a full sequence an ArenaError — before anything is written."""
-        if not (self.first and self.last):
-            raise E.ArenaError(f"this forward runs layers [{self.layers[0]}, {self.layers[1]}) only: run_part")
+        if not (self.first and self.last) or self.split_heads:
+            raise E.ArenaError(f"this forward runs layers [{self.layers[0]}, {self.layers[1]}) and KV heads "
+                               f"[{self.heads[0]}, {self.heads[1]}) only: SplitForward drives it")
         return self.run_part(token)
 
     def run_part(self, token: int, residual: np.ndarray | None = None):
         """:meth:`run` for a part of the layers: a later part takes the residual stream the part
         before handed back (float32 (hidden,)); a part before the last hands back its own, the
         last one the greedy next token. Checked before anything is written."""
-        if self._rec is None:
+        if self.split_heads:
+            raise E.ArenaError("a forward over a range of KV heads runs a segment at a time (SplitForward)")
+        self.begin(token, residual)
+        return self.run_segment(0)
+
+    @property
+    def segments(self) -> int:
+        """Submissions a token takes: one, or over a range of KV heads one more than layers."""
+        return len(self._recs)
+
+    def begin(self, token: int, residual: np.ndarray | None = None) -> None:
+        """Stage a token (:meth:`run_part`'s checks, then its values written) for
+        :meth:`run_segment` 0, 1, …; nothing is submitted."""
+        if not self._recs:
             raise E.ArenaError("the device forward was freed")
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) \
                 or not 0 <= int(token) < self.config.vocab:
@@ -302,11 +358,34 @@ class DeviceForward:
         self._values_host[USED_WORD:self._x_in_word] = used
         if residual is not None:
             self._values_host[self._x_in_word:] = residual.view(np.uint32)
-        self._rec.run()
+        self._begun = True
+
+    def run_segment(self, i: int):
+        """Submit segment ``i`` of the staged token. Before the last: layer i's attention output
+        over this part's query heads, float32 (their count × head_dim), for the caller to
+        gather (:meth:`set_gathered`) before segment i + 1. The last: the token is done (its
+        K/V appended) — the greedy next token, or (a part before the last layers) the
+        residual stream."""
+        if not self._begun:
+            raise E.ArenaError("run_segment without a staged token (begin)")
+        self._recs[i].run()
+        if i + 1 < len(self._recs):
+            at = self.step.out_word(i)
+            return self._out_host[at:at + self._n_q * self.config.head_dim].view(np.float32).copy()
+        self._begun = False
         self.step.advance()
         if self.last:
             return int(self._state_host[NEXT_WORD])
         return self._state_host[X_WORD:X_WORD + self.config.hidden].view(np.float32).copy()
+
+    def set_gathered(self, out: np.ndarray) -> None:
+        """Every query head's attention output of the layer just attended, float32
+        (n_heads × head_dim), for the next segment's O projection (a range of KV heads)."""
+        n = self.config.n_heads * self.config.head_dim
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (n,):
+            raise E.ShapeError(f"set_gathered: expected float32 ({n},), got "
+                               f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+        self._gathered_host[:] = out.view(np.uint32)
 
     def logits(self) -> np.ndarray:
         """The last run's logits (vocab,) float32 (a device forward made with logits=True)."""
@@ -315,8 +394,10 @@ class DeviceForward:
         return self._act_host[:self.config.vocab].view(np.float32).copy()
 
     def gpu_seconds(self) -> float | None:
-        """GPU time of the last run's forward (without the copies up and back), or None."""
-        return None if self._rec is None else self._rec.core_seconds()
+        """GPU time of the last run's forward (without the copies up and back; every segment's),
+        or None."""
+        times = [rec.core_seconds() for rec in self._recs]
+        return None if not times or None in times else float(sum(times))
 
     @property
     def weight_bytes(self) -> int:
@@ -325,9 +406,9 @@ class DeviceForward:
 
     def free(self) -> None:
         """Release the recording, the buffers and the decode step. Idempotent."""
-        if self._rec is not None:
-            self._rec.free()
-            self._rec = None
+        for rec in self._recs:
+            rec.free()
+        self._recs = []
         self.step.free()
         for b in self._buffers:
             b.destroy()
@@ -335,7 +416,7 @@ class DeviceForward:
 
     @property
     def closed(self) -> bool:
-        return self._rec is None
+        return not self._recs
 
     def __enter__(self) -> "DeviceForward":
         return self
@@ -344,11 +425,12 @@ class DeviceForward:
         self.free()
 
 
-def _layer_matrices(layer) -> dict:
+def _layer_matrices(layer, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> dict:
     """A layer's matrices as the forward stores them: Q, K and V as one matrix (their rows one
-    after another; float32 where their formats differ), the gate and up likewise where their
-    formats agree, the O and down projections as they are."""
-    qkv = [layer.wq, layer.wk, layer.wv]
+    after another, Q's rows [q0, q1) and K's and V's [k0, k1): a part's heads; float32 where
+    their formats differ), the gate and up likewise where their formats agree, the O and down
+    projections as they are."""
+    qkv = [_rows(layer.wq, *q_rows), _rows(layer.wk, *kv_rows), _rows(layer.wv, *kv_rows)]
     if len({m.fmt for m in qkv}) > 1:
         qkv = [f32_matrix(dequantised(m)) for m in qkv]
     out = {"wqkv": _stacked(qkv), "wo": layer.wo, "w_down": layer.w_down}
@@ -357,6 +439,10 @@ def _layer_matrices(layer) -> dict:
     else:
         out["w_gate"], out["w_up"] = layer.w_gate, layer.w_up
     return out
+
+
+def _rows(m: Matrix, r0: int, r1: int) -> Matrix:
+    return m if (r0, r1) == (0, m.n_rows) else Matrix(m.fmt, r1 - r0, m.n_cols, m.words[r0:r1])
 
 
 def _stacked(ms) -> Matrix:
