@@ -114,7 +114,7 @@ class DeviceForward:
             for i, seg in enumerate(self._segments()):
                 self._recs.append(Recording(self.device, seg, timestamps=timestamps and "spans",
                                             what=f"device forward of layers {a}..{b - 1}, heads {h0}..{h1 - 1}, "
-                                                 f"part {i}", core=(0, len(seg) - 1)))
+                                                 f"segment {i}", core=(0, len(seg) - 1)))
         except BaseException:
             self.free()
             raise
@@ -309,8 +309,8 @@ class DeviceForward:
                      [wbuf, self._state, queries, rows, self._table, self._values, layer_buf], spec,
                      max_items=self._matvec_items(m.n_rows))
         return k.op(w_word=base + at["wqkv"], x_word=X_WORD, n_cols=m.n_cols, q_rows=self._n_q * cfg.head_dim,
-                    k_rows=(self.heads[1] - self.heads[0]) * cfg.head_dim, y_word=step.q_word(j), k_word=step.k_rows_word(j),
-                    v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
+                    k_rows=(self.heads[1] - self.heads[0]) * cfg.head_dim, y_word=step.q_word(j),
+                    k_word=step.k_rows_word(j), v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
                     n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps,
                     n_ctx=self.arena.layout.n_ctx, **(appends or {}))
 
