@@ -47,7 +47,7 @@ def model_shapes(name: str):
                                    ffn=160, rope_dim=32, vocab=300)
     if name == "wide":
         return dataclasses.replace(smollm2_shapes(), n_layers=32, hidden=1024, n_heads=32, n_kv_heads=8,
-                                   head_dim=128, ffn=2816, rope_dim=128, vocab=32000, tied=False)
+                                   head_dim=128, ffn=2816, rope_dim=128, vocab=32000, tied_output=False)
     raise SystemExit(f"--model: smollm2, wide or tiny, not {name!r}")
 
 

@@ -143,3 +143,17 @@ def test_split_benchmark_over_ranks(tmp_path, restore_env, vk_device):
     assert len(two["exchange_us_per_token"]) == len(two["gpu_us_per_token"]) == 2
     assert all(x > 0 for x in two["exchange_us_per_token"]) and two["tokens_per_s"] > 0
     assert max(two["weight_bytes"]) < one["weight_bytes"][0] and two["largest_ctx"] > one["largest_ctx"]
+
+
+def test_split_benchmark_model_shapes():
+    """bench.split's models: SmolLM2's, the 32-layer 8 × 128 one issue 53 opens with, the smoke
+    test's; each makes its random weights."""
+    from kvdict_vk.bench.generate import smollm2_shapes
+    from kvdict_vk.bench.split import model_shapes
+    assert model_shapes("smollm2") == smollm2_shapes()
+    wide = model_shapes("wide")
+    assert (wide.n_layers, wide.n_kv_heads, wide.head_dim, wide.tied_output) == (32, 8, 128, False)
+    w = random_weights(model_shapes("tiny"), np.random.default_rng(0), "q4_1", "q8_0")
+    assert len(w.layers) == 3 and w.output is w.tok_embd
+    with pytest.raises(SystemExit):
+        model_shapes("huge")
