@@ -107,8 +107,8 @@ def _timed(forward, tokens: int, progress, label: str, exchange=None, agree=bool
 
 
 def rank_case(spec: dict) -> None:
-    """One rank of ``--ranks``: its part of a RankArena split by layers over a gloo group, the
-    model's decode over it (SplitForward), timed; rank 0 writes every rank's figures to
+    """One rank of ``--ranks``: its part of a RankArena over a gloo group (split as spec["split"]),
+    the model's decode over it (SplitForward), timed; rank 0 writes every rank's figures to
     spec["out"]."""
     import json
     import torch.distributed as dist
@@ -152,8 +152,7 @@ def _over_ranks(args, cfg, cache: str, depth: int, capacity: int, device_name: s
     procs = []
     for r in range(args.ranks):
         spec = dict(rank=r, world=args.ranks, init=str(tmp / f"init-{cache}-{depth}"), model=args.model, cache=cache,
-                    split=args.split,
-                    depth=depth, capacity=capacity, tokens=args.tokens, device=device_name,
+                    split=args.split, depth=depth, capacity=capacity, tokens=args.tokens, device=device_name,
                     out=str(tmp / f"ranks-{cache}-{depth}.json"))
         procs.append(subprocess.Popen([sys.executable, "-m", TOOL, "--rank-case", json.dumps(spec)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
