@@ -24,7 +24,7 @@ def script(arena, seed: int, coded_by=None) -> list:
     rng = np.random.default_rng(seed)
     out = []
     for layer in range(N_LAYERS):
-        for n in (1, 30, 2):
+        for n in (1, 50, 2):
             k, v = (rng.standard_normal((N_KV, n, HD)).astype(np.float32) for _ in "kv")
             if coded_by is None:
                 out.append(arena.append(layer, k, v))
@@ -89,7 +89,7 @@ def main(argv) -> int:
         cases = pickle.load(f)
     results = {}
     for name, case in cases.items():
-        kw = dict(cache=case["cache"], guard_words=16)
+        kw = dict(cache=case["cache"], guard_words=16, **case.get("arena_kw", {}))
         if case["artifact"] is not None:
             runtime.enable(case["artifact"], allow_uncertified=True)
             kw = dict(encoder="cpu", guard_words=16)
