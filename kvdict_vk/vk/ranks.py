@@ -55,7 +55,7 @@ class RankArena(SplitArena):
         self._tensors = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         self.exchange_s = 0.0  # time spent in the group's collectives, all calls
         dev = device if isinstance(device, Device) else get_device(device)
-        self._counts = [0] * n_layers  # tokens a layer holds, where another rank holds it
+        self._remote = np.zeros(n_layers, np.int64)  # tokens a layer holds, where another rank holds it
         try:
             self._build(n_layers, n_kv_heads, head_dim, n_ctx, split, {self.rank: dev}, self.world, arena_kw)
             outcome = None
@@ -103,7 +103,7 @@ class RankArena(SplitArena):
             except Exception as exc:  # noqa: BLE001 — handed to every rank
                 box = [_portable(exc, self.rank), part.arena.n_tokens(i)]
         self._timed(self._dist.broadcast_object_list, box, src=self._global[owner])
-        self._counts[layer] = box[1]
+        self._remote[layer] = box[1]
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
@@ -115,8 +115,7 @@ class RankArena(SplitArena):
         return t.cpu().numpy()
 
     def _advanced(self, layers) -> None:
-        for i in layers:
-            self._counts[i] += 1
+        self._remote[list(layers)] += 1
 
     def _gather_heads(self, outs: list) -> np.ndarray:
         """This rank's heads' output gathered with every other rank's (padded to the largest
@@ -172,7 +171,14 @@ class RankArena(SplitArena):
         part = self.parts[0]
         if part.layers[0] <= layer < part.layers[1]:
             return part.arena.n_tokens(layer - part.layers[0])
-        return self._counts[layer]
+        return int(self._remote[layer])
+
+    def _counts(self) -> np.ndarray:
+        """Every layer's tokens: this rank's part's own counts, the others' as their owners
+        handed them back."""
+        counts, (a, b) = self._remote.copy(), self.parts[0].layers
+        counts[a:b] = self.parts[0].arena.memory.counts(slice(None), 1)[:, 0]
+        return counts
 
     @property
     def part(self):

@@ -128,7 +128,7 @@ class SplitArena:
         except BaseException:
             self.free()
             raise
-        if split == "head" and len(self.parts) > 1:
+        if len(self.parts) > 1:  # the parts held here driven at once (a thread a device: kp releases the GIL)
             self._pool = ThreadPoolExecutor(len(self.parts))
 
     # --- where things live ------------------------------------------------------------------------
@@ -147,12 +147,21 @@ class SplitArena:
         part = self.parts[self._owner_index(layer)]
         return call(part.arena, layer - part.layers[0])
 
+    def _concurrently(self, call, items) -> list:
+        """``call(item)`` for each of ``items`` (at most one a device held here), at once, a
+        thread each; in order."""
+        if self._pool is None or len(items) < 2:
+            return [call(x) for x in items]
+        return list(self._pool.map(call, items))
+
     def _each(self, call) -> list:
-        """``call(part)`` for every part, in the parts' order — at once, a thread each, for a head
-        split."""
-        if self._pool is None:
-            return [call(p) for p in self.parts]
-        return list(self._pool.map(call, self.parts))
+        """``call(part)`` for every part, in the parts' order, at once."""
+        return self._concurrently(call, self.parts)
+
+    def _counts(self) -> np.ndarray:
+        """Tokens each layer holds, in layer order (int64 (n_layers,))."""
+        held = [p.arena.memory.counts(slice(None), 1)[:, 0] for p in self.parts]
+        return held[0] if self.split == "head" else np.concatenate(held)
 
     def _combine(self, out: np.ndarray) -> np.ndarray:
         """A step's output with every part's heads written (here: all parts are local)."""
@@ -194,6 +203,14 @@ class SplitArena:
         """The query heads reading ``part``'s KV heads (query head h reads KV head h // group)."""
         group = q.shape[0] // self.n_kv_heads
         return np.ascontiguousarray(q[part.heads[0] * group:part.heads[1] * group])
+
+    def _check_room_all(self, layers) -> None:
+        """ArenaError unless each of ``layers`` has room for one more token (every part's counts
+        at once: no call a layer)."""
+        counts, ctx = self._counts()[layers], self.parts[0].arena.seq_ctx
+        if counts.max() >= ctx:
+            j = int(counts.argmax())
+            raise E.ArenaError(f"layer {layers[j]}: {counts[j]} + 1 tokens exceed n_ctx {ctx}")
 
     def _check_room(self, layer: int, n_new: int) -> None:
         n = self.n_tokens(layer)
@@ -306,7 +323,6 @@ class SplitStep:
 
     def __init__(self, arena: SplitArena, steps: list, layers: list, n_heads: int):
         self.arena, self._steps, self.layers, self.n_heads = arena, steps, layers, n_heads
-        self._pool = ThreadPoolExecutor(len(steps)) if len(steps) > 1 else None
 
     def run(self, k_rows: np.ndarray, v_rows: np.ndarray, q: np.ndarray) -> np.ndarray:
         """k_rows / v_rows (n_layers, 1, n_kv_heads, head_dim), q (n_layers, 1, n_heads,
@@ -318,8 +334,7 @@ class SplitStep:
             if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != (n_l, 1, heads, hd):
                 raise E.ShapeError(f"SplitStep.run: {what} must be float32 {(n_l, 1, heads, hd)}, got "
                                    f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
-        for i in self.layers:
-            a._check_room(i, 1)
+        a._check_room_all(self.layers)
         group = self.n_heads // a.n_kv_heads
 
         def one(entry):
@@ -327,7 +342,7 @@ class SplitStep:
             h, qh = slice(*p.heads), slice(p.heads[0] * group, p.heads[1] * group)
             return step.run(np.ascontiguousarray(k_rows[mine][:, :, h]), np.ascontiguousarray(v_rows[mine][:, :, h]),
                             np.ascontiguousarray(q[mine][:, :, qh]))
-        outs = [one(e) for e in self._steps] if self._pool is None else list(self._pool.map(one, self._steps))
+        outs = a._concurrently(one, self._steps)
         out = np.zeros((n_l, 1, self.n_heads, hd), np.float32)
         for (p, mine, _), o in zip(self._steps, outs):
             out[mine, :, p.heads[0] * group:p.heads[1] * group] = o
@@ -335,7 +350,5 @@ class SplitStep:
         return a._combine(out)
 
     def free(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
         for _, _, step in self._steps:
             step.free()

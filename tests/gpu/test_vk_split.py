@@ -261,6 +261,11 @@ def test_device_forward_over_a_layer_split(devices, activate, cache, tied):
             last.run_part(0)
         assert all(two.n_tokens(i) == split.tokens for i in range(N_LAYERS))
         assert isinstance(ref, DeviceForward)
+        fill = np.zeros((N_KV, N_CTX - split.tokens, HD), np.float32)
+        two.append(2, fill, fill)  # the last layer full: refused before the first part runs
+        with pytest.raises(E.ArenaError, match="layer 2: .* exceed n_ctx"):
+            split.run(0)
+        assert [two.n_tokens(i) for i in range(N_LAYERS)] == [split.tokens, split.tokens, N_CTX]
 
 
 @pytest.mark.parametrize("cache", ["f16", "q8_0", "dict"])

@@ -356,10 +356,8 @@ class DecodeStep:
         for j, i in enumerate(self.layers):
             for rows, st, dst in zip((k_rows[j], v_rows[j]), self._streams[j], out):
                 if st.coded:  # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary
-                    x = rows.transpose(1, 0, 2)
-                    if st.key_rope is not None:  # one sequence (KvArena refuses more)
-                        x = st.key_rope.unturn(x, self.memory.n_tokens(i))
-                    slots = codec.encode_heads(x, self._writes.stream_dict(i, st.stream))
+                    # (keys coded before RoPE never get here: the constructor refuses their layers)
+                    slots = codec.encode_heads(rows.transpose(1, 0, 2), self._writes.stream_dict(i, st.stream))
                     dst.append(slots.transpose(1, 0, 2))
                 else:
                     dst.append(rows.view(np.uint32))

@@ -15,8 +15,6 @@ same next token (the same numbers through the same kernels: parts on devices of 
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from ... import errors as E
@@ -31,7 +29,6 @@ class SplitForward:
         with the last layers reads them back (:meth:`logits`, where that part is held here)."""
         self.arena, self.config = arena, weights.config
         self.parts: list[DeviceForward] = []
-        self._pool = None
         try:
             for p in arena.parts:
                 last = p.layers[1] == weights.config.n_layers
@@ -40,8 +37,6 @@ class SplitForward:
         except BaseException:
             self.free()
             raise
-        if arena.split == "head" and len(self.parts) > 1:
-            self._pool = ThreadPoolExecutor(len(self.parts))
 
     def run(self, token: int) -> int:
         """Feed ``token`` through every part, in layer order, and return the greedy next token
@@ -50,11 +45,7 @@ class SplitForward:
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) \
                 or not 0 <= int(token) < self.config.vocab:
             raise E.ShapeError(f"SplitForward.run: token {token!r} outside 0..{self.config.vocab - 1}")
-        n_ctx = self.arena.parts[0].arena.seq_ctx
-        if any(self.arena.n_tokens(i) >= n_ctx for i in range(self.arena.n_layers)):
-            raise E.ArenaError(f"the sequence is full ({n_ctx} tokens)")
-        for f in self.parts:
-            f.step.stage_lengths()  # the parts' own check, before any part runs
+        self.arena._check_room_all(range(self.arena.n_layers))  # noqa: SLF001 — alike on every rank
         if self.arena.split == "head":
             nxt = self._run_heads(int(token))
         else:
@@ -66,8 +57,7 @@ class SplitForward:
     def _run_heads(self, token: int) -> int:
         """A head split's token: every part's segment i at once, then their attention outputs
         gathered into every part, layer by layer; the first part's pick."""
-        each = (lambda call: [call(f) for f in self.parts]) if self._pool is None else \
-            (lambda call: list(self._pool.map(call, self.parts)))
+        each = lambda call: self.arena._concurrently(call, self.parts)  # noqa: E731, SLF001
         for f in self.parts:
             f.begin(token)
         for i in range(self.config.n_layers):
@@ -93,9 +83,6 @@ class SplitForward:
         return [f.weight_bytes for f in self.parts]
 
     def free(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
         for f in self.parts:
             f.free()
         self.parts = []
