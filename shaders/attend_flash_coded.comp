@@ -36,11 +36,17 @@
 // An out-of-range atom index contributes exactly zero. A windowed dictionary layer
 // (kvdict_vk.window): tokens its exact window holds score -inf here (attend_window.comp
 // attends over them, one more record for the merge).
+// Keys coded before RoPE (K_ROPE, kvdict_vk.rope): a turned key's q·atom products change with
+// its position, so no table serves them; each invocation decodes its token's key quad by quad
+// (its atoms' quads, the residual, the mean — which no longer cancels), turns the quad to the
+// token's position by the layer's rotation table (rope.glsl) and multiplies it into its heads'
+// scores. V is attended as above.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 #include "attend_common.glsl"
 #include "window.glsl"
+#include "rope.glsl"
 
 layout(constant_id = 4) const uint K_BITS = 0u;   // residual bits of K (0: atoms only)
 layout(constant_id = 5) const uint V_BITS = 0u;
@@ -48,7 +54,8 @@ layout(constant_id = 6) const uint N_ATOMS = 1024u;  // atoms per dictionary hea
 layout(constant_id = 7) const uint K_SPARSITY = 4u;  // code words per K slot
 layout(constant_id = 8) const uint V_SPARSITY = 4u;
 layout(constant_id = 9) const uint BUCKET = 16u;    // code words an owner takes per pass (host: fits shared memory)
-layout(constant_id = 10) const bool ATOMS_F16 = false;  // the V atoms in binary16 (atoms.glsl)
+layout(constant_id = 10) const bool ATOMS_F16 = false;  // the atoms in binary16 (atoms.glsl)
+layout(constant_id = 11) const bool K_ROPE = false;     // keys coded before RoPE (see above)
 #include "atoms.glsl"
 const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk (host: <= 256, a token's index is 8 bits)
 const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
@@ -95,6 +102,11 @@ layout(push_constant) uniform AttendFlashCodedPush {
     uint win_sink;      // a windowed layer (window.glsl): only tokens [win_sink, coded_end) score here
     uint win_recent;
     uint state_word;    // (windowed) the layer's token count
+    uint k_atoms_word;  // (K_ROPE) K's atoms, mean and rotation table (rope.glsl)
+    uint k_mean_word;
+    uint rope_word;
+    uint rope_hi;
+    uint rope_shift;
     float score_scale;
 } pc;
 
@@ -104,7 +116,10 @@ shared float tab_sh[HB * N_ATOMS];
 #define TAB(a, h) tab_sh[(a) * HB + (h)]
 shared uint bucket_sh[BUCKET * LOCAL];  // [k*LOCAL + owner]: coef bits | token << 16 | atom / LOCAL << 24
 shared uint count_sh[LOCAL];        // code words handed to each owner this pass (may pass BUCKET)
-shared vec4 qs_sh[HB * VQ];         // scale * q * K's residual scale
+shared vec4 qs_sh[HB * VQ];         // scale * q * K's residual scale (K_ROPE: scale * q)
+const uint KQ_SH = K_ROPE ? VQ : 1u;
+shared vec4 kmean_sh[KQ_SH];        // (K_ROPE) K's mean and residual scale
+shared vec4 kscale_sh[KQ_SH];
 shared vec4 p4_sh[LOCAL * HB4];     // [x*HB4 + h/4][h%4]: p of the chunk's tokens; reductions; the end's sums
 shared float step_sh[LOCAL];        // V's step of the chunk's tokens
 shared uint vlev_sh[LOCAL * V_STAGE];  // the chunk's V level words, token-major
@@ -179,6 +194,54 @@ void reduce(bool take_max) {  // P_OF(x, h) over x → P_OF(0, h), every head at
     } \
     count_sh[tid] = 0u; }
 
+// (K_ROPE) Quad c of a key — `part` its atoms' share, then its residual from the slot `kc`
+// (times `step_` and K's residual scale), its mean — turned to position t and multiplied into
+// the four partial sums `r` of each head (the scaled queries).
+#define TURNED_QUAD(c, part) { \
+    vec4 kq = part; \
+    if (K_BITS > 0u) { \
+        vec4 lv; \
+        [[unroll]] for (uint k_ = 0u; k_ < 4u; ++k_) \
+            lv[k_] = LEVEL(kc, K_SPARSITY, 4u * (c) + k_, K_BITS); \
+        kq += (step_ * lv) * kscale_sh[c]; \
+    } \
+    uvec2 at = (pc.rope_word >> 2u) + rope_quads(t, c, pc.rope_hi, pc.rope_shift, VQ); \
+    kq = rope_turn(kq + kmean_sh[c], uintBitsToFloat(cache_quads[at.x]), uintBitsToFloat(cache_quads[at.y])); \
+    [[unroll]] for (uint h = 0u; h < HB; ++h) \
+        r[h] += qs_sh[h * VQ + (c)] * kq; }
+
+// (K_ROPE) The scores s[] of the key at position t whose slot is `kc`, decoded quad by quad
+// (atoms of the dictionary head whose first uvec4 is `base`): an out-of-range code word adds
+// exactly zero (atom 0, coefficient 0: common.glsl).
+void turned_key_scores(uint kc[K_ARR], uint t, uint base, inout float s[HB]) {
+    uint atom[K_SPARSITY];
+    float coef[K_SPARSITY];
+    [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
+        atom[j] = safe_atom(code_atom(kc[j]), N_ATOMS);
+        coef[j] = safe_coef(code_atom(kc[j]), N_ATOMS, code_coef(kc[j]));
+    }
+    float step_ = K_BITS > 0u ? uintBitsToFloat(kc[K_SPARSITY + K_LEVEL_WORDS]) : 0.0;
+    vec4 r[HB];
+    [[unroll]] for (uint h = 0u; h < HB; ++h)
+        r[h] = vec4(0.0);
+    [[unroll]] for (uint u = 0u; u < ATOM_QUADS; ++u) {  // a uvec4 of each atom: one quad, or two (binary16)
+        vec4 lo = vec4(0.0), hi = vec4(0.0);
+        [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
+            uvec4 w = cache_quads[base + atom[j] * ATOM_QUADS + u];
+            if (ATOMS_F16) {
+                lo += coef[j] * atom_quad_lo(w);
+                hi += coef[j] * atom_quad_hi(w);
+            } else
+                lo += coef[j] * uintBitsToFloat(w);
+        }
+        TURNED_QUAD(u, lo)
+        if (ATOMS_F16)
+            TURNED_QUAD(u + ATOM_HALF_QUADS, hi)
+    }
+    [[unroll]] for (uint h = 0u; h < HB; ++h)
+        s[h] += (r[h].x + r[h].y) + (r[h].z + r[h].w);
+}
+
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint q4 = tid % VQ, vlane = tid / VQ;  // the element quad and token lane of the V passes
@@ -200,11 +263,12 @@ void main() {
             hi = min(hi, window_coded_end(cache_words[pc.state_word], pc.win_sink, pc.win_recent));
         }
 
-        [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
-            uint x = tid + r * LOCAL;
-            if (x < HB * N_ATOMS)
-                TAB(x % N_ATOMS, x / N_ATOMS) = table[h0 * N_ATOMS + x] * pc.score_scale;  // row h0 + x / N_ATOMS
-        }
+        if (!K_ROPE)
+            [[unroll]] for (uint r = 0u; r < TABLE_ROUNDS; ++r) {  // loads in flight together
+                uint x = tid + r * LOCAL;
+                if (x < HB * N_ATOMS)
+                    TAB(x % N_ATOMS, x / N_ATOMS) = table[h0 * N_ATOMS + x] * pc.score_scale;  // row h0 + x / N_ATOMS
+            }
         for (uint x = tid; x < HB * VQ; x += LOCAL) {
             vec4 qv, rs = vec4(0.0);
             [[unroll]] for (uint k = 0u; k < 4u; ++k) {
@@ -213,7 +277,13 @@ void main() {
                 if (K_BITS > 0u)
                     rs[k] = uintBitsToFloat(cache_words[pc.k_scale_word + g * pc.head_vec + f % HEAD_DIM]);
             }
-            qs_sh[x] = qv * rs * pc.score_scale;
+            qs_sh[x] = K_ROPE ? qv * pc.score_scale : qv * rs * pc.score_scale;
+            if (K_ROPE && x < VQ) {
+                kscale_sh[x] = rs;
+                uint mw = pc.k_mean_word + g * pc.head_vec + 4u * x;
+                kmean_sh[x] = uintBitsToFloat(uvec4(cache_words[mw], cache_words[mw + 1u], cache_words[mw + 2u],
+                                                    cache_words[mw + 3u]));
+            }
         }
         count_sh[tid] = 0u;
         if (tid == 0u) {
@@ -269,6 +339,9 @@ void main() {
             float s[HB];
             [[unroll]] for (uint h = 0u; h < HB; ++h)
                 s[h] = 0.0;
+            if (K_ROPE)
+                turned_key_scores(kc, min(c0 + tid, t1 - 1u), (pc.k_atoms_word + g * pc.head_atoms) / 4u, s);
+            else
             [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
                 uint a = code_atom(kc[j]);
                 if (a < N_ATOMS) {
@@ -277,7 +350,7 @@ void main() {
                         s[h] += c * TAB(a, h);
                 }
             }
-            if (K_BITS > 0u) {
+            if (K_BITS > 0u && !K_ROPE) {
                 // four partial sums a head (one per element of the quad), added at the end: a
                 // dot() per quad would chain all HEAD_DIM multiply-adds of a head into one
                 // dependent sum (docs/DESIGN.md: the measurement)

@@ -10,7 +10,8 @@ ratio to the copy roofline says how close it runs to the memory's limit.
     cache       the stored K/V words of the tokens touched (slots, f16, f32 or q8_0 rows,
                 a KIVI layer's levels, group statistics and exact window)
     dictionary  atoms (at most the block; fewer when few tokens gather few rows), means and
-                residual scales of the coded streams the passes read
+                residual scales of the coded streams the passes read; keys coded before RoPE
+                their rotation table
     scratch     what the passes write and a later pass (or the same one) reads back: the
                 q·atom table, scores, per-split atom weights, records, atom-weight products,
                 reconstructed rows
@@ -87,6 +88,11 @@ def _side_words(st) -> int:
     return (st.mean_words if st.has_mean else 0) + (st.scale_words if st.residual_bits else 0)
 
 
+def _rope_words(layout, st) -> int:
+    """The rotation table of a K stream coded before RoPE (kvdict_vk.rope; 0 otherwise)."""
+    return 0 if st.key_rope is None else (st.rope_hi_rows + (1 << st.rope_shift)) * layout.head_dim
+
+
 def _gathers(layout, st, n_tokens: int) -> int:
     """Code words per dictionary head over n_tokens tokens of every KV head."""
     heads_per_dict = layout.n_kv_heads // st.n_dict_heads
@@ -117,10 +123,13 @@ def _attend(layout, ll, plan, n_used: int, n_heads: int) -> dict:
     scratch = _records_words(plan, n_kv, n_heads, hd)
     if plan.path == "flash" and k.coded:  # attend_flash_coded: the table pass, the atom weights × atoms
         dictionary = sum(_atoms_touched(layout, st, None) + _side_words(st) for st in ll.streams)
-        scratch += 2 * n_heads * n_atoms  # the q·atom table: written, read into shared memory
+        if k.key_rope is None:
+            scratch += 2 * n_heads * n_atoms  # the q·atom table: written, read into shared memory
+        else:  # its K_ROPE build: no table, each key decoded and turned
+            dictionary += _rope_words(layout, k)
     elif plan.path in ROW_PATHS:
         dictionary = sum(_atoms_touched(layout, st, _gathers(layout, st, n_used)) + _side_words(st)
-                         for st in ll.streams)
+                         for st in ll.streams) + _rope_words(layout, k)
     else:  # table: the table pass and the atoms pass stream whole atom blocks
         dictionary = sum(_atoms_touched(layout, st, None) + _side_words(st) for st in ll.streams)
         scratch += 2 * n_heads * n_used  # scores: written, read by the split's second walk

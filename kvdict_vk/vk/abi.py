@@ -169,7 +169,7 @@ ATTEND_REDUCE_PUSH = uint_block("AttendReducePush", "n_kv", "n_splits", "f_word"
 # the window's tokens, attend_window attends over them; win_sink + win_recent 0: no window
 _WINDOW_WORDS = ("win_sink", "win_recent", "state_word")
 _NO_WINDOW = dict(win_sink=0, win_recent=0, state_word=0)
-# keys coded before RoPE (kvdict_vk.rope, shaders/rope.glsl; attend_direct's K_ROPE build): the K
+# keys coded before RoPE (kvdict_vk.rope, shaders/rope.glsl; attend_direct's and attend_flash_coded's K_ROPE builds): the K
 # mean (which no longer cancels in the softmax once a key turns) and the rotation table
 _ROPE_WORDS = ("k_mean_word", "rope_word", "rope_hi", "rope_shift")
 _NO_ROPE = dict.fromkeys(_ROPE_WORDS, 0)
@@ -194,8 +194,9 @@ ATTEND_FLASH_PUSH = uint_block("AttendFlashPush", "k_word", "v_word", "n_ctx", "
 ATTEND_FLASH_CODED_PUSH = uint_block("AttendFlashCodedPush", "k_word", "v_word", "n_ctx", "n_used", "split_len",
                                      "n_splits", "n_kv", "v_atoms_word", "head_atoms", "k_scale_word",
                                      "v_scale_word", "head_vec", "n_seqs", "seq_rows", "split_round", "q_word",
-                                     *_WINDOW_WORDS, floats=("score_scale",),
-                                     defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0, **_NO_WINDOW))
+                                     *_WINDOW_WORDS, "k_atoms_word", *_ROPE_WORDS, floats=("score_scale",),
+                                     defaults=dict(n_seqs=1, seq_rows=0, split_round=1, q_word=0, k_atoms_word=0,
+                                                   **_NO_ROPE, **_NO_WINDOW))
 ATTEND_WINDOW_PUSH = uint_block("AttendWindowPush", "k_window_word", "v_window_word", "rows", "sink", "recent",
                                 "state_word", "k_mean_word", "v_mean_word", "head_vec", "n_kv", "n_used", "split0",
                                 "n_seqs", "q_word", "score_k_mean", floats=("score_scale",),
@@ -330,7 +331,8 @@ def _declare() -> tuple:
     coded = ATTEND_SPEC + ("K_CODED", "K_BITS", "V_CODED", "V_BITS")
     direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF", "ATOMS_F16", "K_ROPE")
     flash = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
-    flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET", "ATOMS_F16")
+    flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET", "ATOMS_F16",
+                                 "K_ROPE")
     atoms_spec = ATTEND_SPEC + ("ATOMS_F16",)
     merge = (ro("LayerQuads", 4), ro("Stats"), ro("Accs", 4), rw("Out", 4))
     flash_bindings = (ro("CacheWords"), ro("CacheQuads", 4), ro("Query"), rw("Accs"), rw("Stats"))
@@ -358,7 +360,7 @@ def _declare() -> tuple:
     out.append(_attend("attend_flash_coded", (ro("CacheWords"), ro("CacheQuads", 4), ro("Table"), ro("Query"),
                                               rw("Accs"), rw("Stats")),
                        ATTEND_FLASH_CODED_PUSH, flash_coded,
-                       optional=(("K_BITS", 0), ("V_BITS", 0), ("ATOMS_F16", 0))))
+                       optional=(("K_BITS", 0), ("V_BITS", 0), ("ATOMS_F16", 0), ("K_ROPE", 0))))
     # attend_flash summing a token's partial scores by subgroup shuffles (GPUs that have them);
     # attend_flash_wide: the split's end in a few barriers (the tuner times it beside attend_flash)
     for name, defines, ops in (("attend_flash_sg", (("SUBGROUP", 1),), _SG),

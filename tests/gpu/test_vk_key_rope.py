@@ -1,10 +1,11 @@
-"""Keys coded before RoPE on the device (kvdict_vk.rope; shaders/rope_rows.comp, attend_direct's
-K_ROPE build): reads of such a layer equal the slots' decode turned to each token's position in
-float64 (the forge's reconstruction) to NMSE ≤ 1e-9, appends code the keys turned back to
-position 0 (on the host before the CPU codec or the GPU encoder), attention (attend, step, the
-read-out path, beside an exact window) matches the float64 reference, guard words stay intact
-(make_arena checks them), and what cannot turn such keys — the table and flash passes, a
-recorded step, several sequences — is refused."""
+"""Keys coded before RoPE on the device (kvdict_vk.rope; shaders/rope_rows.comp, the K_ROPE builds
+of attend_direct and attend_flash_coded): reads of such a layer equal the slots' decode turned to
+each token's position in float64 (the forge's reconstruction) to NMSE ≤ 1e-9, appends code the
+keys turned back to position 0 (on the host before the CPU codec or the GPU encoder), attention
+(attend by either pass, step, the read-out path, beside an exact window) matches the float64
+reference, guard words stay intact (make_arena checks them), and what cannot turn such keys —
+the table pass, the flash pass over a passthrough V, a recorded step, several sequences — is
+refused."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import random_artifact
+from conftest import random_artifact, stable_seed
 from kvdict_vk import attention_ref, codec
 from kvdict_vk import errors as E
 from kvdict_vk.metrics import nmse
 from kvdict_vk.rope import KeyRope
+from kvdict_vk.synthetic import random_slots
 from kvdict_vk.window import NO_WINDOW, ExactWindow, cache_rows
 
 CASES = [  # (head_dim, n_kv, n_ctx, rope, streams, dictionary heads, append sizes)
@@ -103,6 +105,54 @@ def test_decoding_the_forge_slots_turns_them(make_arena, activate):
     assert nmse(attention_ref.attend(q, want_k, want_v, n), arena.attend(0, q, n)) <= 1e-9
 
 
+# (head_dim, n_kv, GQA, n_atoms, per-head dictionaries, (K, V) streams, n_ctx, binary16 atoms, rope)
+FLASH_CASES = [
+    (64, 2, 4, 256, True, ((4, 6), (4, 4)), 3000, False, KeyRope(10000.0, 64)),  # many chunks, every head block
+    (64, 3, 3, 512, False, ((4, 4), (4, 3)), 700, True, KeyRope(10000.0, 64)),
+    (128, 1, 2, 128, False, (2, (2, 3)), 400, False, KeyRope(500000.0, 32)),  # partial rotation, K atoms only
+    (32, 2, 1, 64, True, ((3, 2), 3), 300, True, KeyRope(100.0, 32)),
+    (16, 1, 2, 64, False, ((2, 5), (2, 2)), 70, False, KeyRope(100.0, 16)),
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: "hd{}-kv{}-g{}-a{}-f16{}-dims{}".format(
+    *c[:4], int(c[7]), c[8].dims))
+def test_the_flash_pass_turns_each_key(case, make_arena, activate):
+    """attend_flash_coded's K_ROPE build: each key decoded (out-of-range code words add zero),
+    turned to its position and scored, at every number of query heads a workgroup, one split or
+    several, equals the float64 attention over the turned decode, and attend_direct's."""
+    hd, n_kv, g, n_atoms, per_head, pair, n_ctx, f16, rope = case
+    rng = np.random.default_rng(stable_seed(case))
+    art = random_artifact(rng, hd, n_atoms, [pair], n_heads=n_kv if per_head else 1, f16_atoms=f16)
+    art = dataclasses.replace(art, key_rope=rope)
+    activate(art)
+    arena = make_arena(1, n_kv, hd, n_ctx)
+    assert all(st.atoms_f16 == f16 for st in arena.layout.layers[0].streams)
+    kd, vd = art.layers[0]
+    k, v = (random_slots(rng, d, (n_kv, n_ctx), out_of_range=0.05) for d in (kd, vd))
+    arena.append_codes(0, k[:, :n_ctx // 3], v[:, :n_ctx // 3])
+    arena.append_codes(0, k[:, n_ctx // 3:], v[:, n_ctx // 3:])
+    want_k = rope.rotate(codec.decode_heads(k, kd, np.float64), 0)
+    want_v = codec.decode_heads(v, vd, np.float64)
+    att = arena.attention(n_kv * g)
+    q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+    options = [hb for hb, _ in att.shapes.flash_coded_options(0)]
+    assert options and g % options[-1] == 0
+    for hb in options:
+        att.path, att.coded_heads = "flash", hb
+        for n_used in sorted({1, min(129, n_ctx), n_ctx // 2 + 1, n_ctx}):
+            p = att.plan(0, n_used)
+            assert p.path == "flash" and p.heads == hb and att.variant(0, p) == "attend_flash_coded"
+            ref = attention_ref.attend(q, want_k, want_v, n_used)
+            assert nmse(ref, arena.attend(0, q, n_used)) <= 1e-9, (hb, n_used)
+    att.coded_workgroups = n_kv * (g // options[-1]) * 6  # up to six splits a head block, whole rounds each
+    assert att.plan(0, n_ctx).n_splits > 1 or n_ctx < 1000
+    flash = arena.attend(0, q * 40, n_ctx)  # large scores: the reference moves
+    assert nmse(attention_ref.attend(q * 40, want_k, want_v, n_ctx), flash) <= 1e-9
+    att.path = "direct"
+    assert nmse(arena.attend(0, q * 40, n_ctx), flash) <= 1e-9
+
+
 def test_steps_attend_over_their_fresh_turned_keys(make_arena, activate):
     """KvArena.step codes the new token's key at its position and attends over it (the fresh
     slots turned as the cached ones are); a recorded step (flash kernels only) refuses the layer."""
@@ -138,6 +188,7 @@ def test_turned_keys_beside_an_exact_window(make_arena, activate):
     q = rng.standard_normal((2 * n_kv, hd)).astype(np.float32)
     sizes = (1, 50, 1, 120)
     n = 0
+    att = arena.attention(2 * n_kv)
     for i, size in enumerate(sizes):
         arena.append(0, k[:, n:n + size], v[:, n:n + size])
         n += size
@@ -145,7 +196,8 @@ def test_turned_keys_beside_an_exact_window(make_arena, activate):
         want_v = cache_rows(_values(art, v, sizes[:i + 1]), v, window)
         got_k, got_v = arena.read(0)
         assert nmse(want_k, got_k) <= 1e-9 and nmse(want_v, got_v) <= 1e-9
-        assert nmse(attention_ref.attend(q, want_k, want_v, n), arena.attend(0, q, n)) <= 1e-9
+        for att.path in ("direct", "flash"):  # either pass beside attend_window
+            assert nmse(attention_ref.attend(q, want_k, want_v, n), arena.attend(0, q, n)) <= 1e-9
 
 
 def test_what_cannot_turn_keys_is_refused(make_arena, activate, vk_device):
@@ -161,13 +213,21 @@ def test_what_cannot_turn_keys_is_refused(make_arena, activate, vk_device):
     arena.append(0, k, k)
     q = rng.standard_normal((n_kv, hd)).astype(np.float32)
     before = arena.read(0)
-    for path in ("table", "flash"):
-        arena.attention(n_kv).path = path
-        with pytest.raises(E.ArenaError, match="before RoPE"):
-            arena.attend(0, q, 10)
+    arena.attention(n_kv).path = "table"
+    with pytest.raises(E.ArenaError, match="before RoPE"):
+        arena.attend(0, q, 10)
     arena.attention(n_kv).path = None
     for a, b in zip(before, arena.read(0)):
         np.testing.assert_array_equal(a, b)
+    # the flash pass turns coded keys beside coded values only
+    activate(_art(rng, hd, KeyRope(10000.0, 64), ((4, 6), None), 1))
+    plain_v = make_arena(2, n_kv, hd, 64)
+    plain_v.append(0, k, k)
+    att = plain_v.attention(n_kv)
+    assert not att.shapes.flash_fits(0) and att.plan(0, 10).path == "direct"
+    att.path = "flash"
+    with pytest.raises(E.ArenaError, match="before RoPE"):
+        plain_v.attend(0, q, 10)
 
 
 def test_gpu_encoder_codes_the_turned_back_keys(make_arena, activate):

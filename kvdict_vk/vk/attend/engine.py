@@ -193,13 +193,14 @@ class Attention:
         if k.q8 and not self.shapes.flash_fits(layer):
             raise E.ArenaError(f"layer {layer}: attention over q8_0 rows runs attend_flash only, which needs at most "
                                f"{FLASH_MAX_GROUP} query heads per KV head and head_dim a multiple of 32")
-        if k.key_rope is not None:  # turned per token: the q·atom table of the table and flash passes cannot
-            if path not in (None, "direct"):
-                raise E.ArenaError(f"layer {layer}: keys coded before RoPE are attended by attend_direct, which "
-                                   f"turns each decoded key to its position (or read out: "
-                                   f"Attention.attend_reconstructed); not by the {path} path")
-            path = "direct"
         fits = self.shapes.flash_fits
+        if k.key_rope is not None:  # turned per token: the table path's q·atom table cannot
+            if path not in (None, "direct", "flash") or (path == "flash" and not fits(layer)):
+                raise E.ArenaError(f"layer {layer}: keys coded before RoPE are attended by attend_direct or "
+                                   f"attend_flash_coded's K_ROPE build (both streams coded, their atoms in one "
+                                   f"format), which turn each decoded key to its position (or read out: "
+                                   f"Attention.attend_reconstructed); not by the {path} path here")
+            path = path or ("flash" if self.grid.local == GPU_LOCAL and fits(layer) else "direct")
         if path == "flash" or (path is None and (self.grid.local == GPU_LOCAL or k.q8) and fits(layer)):
             return self.flash_plan(layer, n_used)
         p = P.plan(k, v, self.layout.head_dim, self.grid.hb, self.layout.n_atoms, n_used, n_cached,

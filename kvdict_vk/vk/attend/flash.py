@@ -99,11 +99,11 @@ class FlashShapes:
 
     def flash_fits(self, layer: int) -> bool:
         """Whether a flash kernel can attend over ``layer``: attend_flash_coded (both streams
-        dict-coded, keys coded after RoPE — its q·atom table cannot turn them; flash_coded_config)
-        or attend_flash (both uncoded: flash_local)."""
+        dict-coded; keys coded before RoPE by its K_ROPE build, both streams' atoms then in one
+        format; flash_coded_config) or attend_flash (both uncoded: flash_local)."""
         def derive() -> bool:
             k, v = self.layout.layers[layer].streams
-            if k.key_rope is not None:
+            if k.key_rope is not None and not (v.coded and k.atoms_f16 == v.atoms_f16):
                 return False
             if k.coded and v.coded:
                 return self.flash_coded_heads(layer) > 0
@@ -241,9 +241,10 @@ class FlashShapes:
         invocations (attend_specs.flash_coded_bucket within the device's shared memory), derived
         once: every coded attention's passes ask."""
         def derive() -> int:
-            v = self.layout.layers[layer].v
+            k, v = self.layout.layers[layer].streams
             return flash_coded_bucket(self.layout.head_dim, hb, local, self.layout.n_atoms, v.sparsity,
-                                      v.residual_bits, self.device.limit("max_compute_shared_memory_size"))
+                                      v.residual_bits, self.device.limit("max_compute_shared_memory_size"),
+                                      k.key_rope is not None)
         return self._per_layer("flash_coded_bucket", (layer, hb, local), derive)
 
     def flash_coded_locals(self, layer: int) -> tuple[int, list[int]]:

@@ -241,16 +241,21 @@ class PassBuilder:
         b, grid, lay = self.buffers, self.grid, self.layout
         k, v = lay.layers[layer].streams
         n_kv, buf = lay.n_kv_heads, self.memory.layer_buffer(layer)
-        # the q·atom table of every (KV head, query head): one invocation per atom and head block
-        table = self._kernel(("table_all", layer), "attend_table", [buf, b.q, b.table],
-                             b.sizes.seqs * grid.units * lay.n_atoms, ATOMS_F16=int(k.atoms_f16))
-        ops = [self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word, head_atoms=k.head_atoms_stride,
-                               n_atoms=lay.n_atoms, n_kv=n_kv, n_seqs=plan.seqs, q_word=at.q_word)]
+        turned = k.key_rope is not None  # the K_ROPE build decodes and turns each key: no table
+        ops = []
+        if not turned:  # the q·atom table of every (KV head, query head): an invocation per atom and head block
+            table = self._kernel(("table_all", layer), "attend_table", [buf, b.q, b.table],
+                                 b.sizes.seqs * grid.units * lay.n_atoms, ATOMS_F16=int(k.atoms_f16))
+            ops.append(self._cached_op(("table_all", layer), table, atoms_word=k.atoms_word,
+                                       head_atoms=k.head_atoms_stride, n_atoms=lay.n_atoms, n_kv=n_kv,
+                                       n_seqs=plan.seqs, q_word=at.q_word))
         records = plan.records
         if k.windowed:  # beside the table, before the coded pass: its record after the splits'
             ops = self._window_ops(layer, records, n_used, scale, at) + ops
             records += 1
-        ops.append(self.sync(b.table, b.accs, b.stats) if k.windowed else self.sync(b.table))
+        written = ((b.accs, b.stats) if k.windowed else ()) + (() if turned else (b.table,))
+        if written:
+            ops.append(self.sync(*written))
         # the plan's kernel, heads and size (0: the kernel's first heads, their first size)
         options = self.shapes.flash_coded_options(layer, plan.kernel)
         hb = plan.heads or options[0][0]
@@ -261,13 +266,13 @@ class PassBuilder:
                               b.sizes.seqs * n_kv * (grid.group // hb) * grid.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
                               K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity, ATOMS_F16=int(v.atoms_f16),
-                              BUCKET=self.shapes.flash_coded_bucket(layer, hb, local))
+                              BUCKET=self.shapes.flash_coded_bucket(layer, hb, local), K_ROPE=int(turned))
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                              n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word, **_split_push(plan, at),
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,
                              v_scale_word=v.scale_word if v.residual_bits else 0, head_vec=k.head_vec_stride,
                              n_seqs=plan.seqs, seq_rows=self.memory.seq_ctx, score_scale=scale, q_word=at.q_word,
-                             **_window_push(k)))
+                             **_window_push(k), **_rope_push(k), **({"k_atoms_word": k.atoms_word} if turned else {})))
         return ops + self._merge(("layer", layer), buf, v, records, per_head=True, n_seqs=plan.seqs,
                                  out_word=at.out_word)
 
@@ -376,7 +381,8 @@ def _window_push(st) -> dict:
 
 
 def _rope_push(st) -> dict:
-    """attend_direct's fields for a K stream coded before RoPE (kvdict_vk.rope; none otherwise)."""
+    """attend_direct's and attend_flash_coded's fields for a K stream coded before RoPE
+    (kvdict_vk.rope; none otherwise)."""
     if st.key_rope is None:
         return {}
     return dict(k_mean_word=st.mean_word, rope_word=st.rope_word, rope_hi=st.rope_hi_rows,

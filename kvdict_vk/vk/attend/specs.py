@@ -100,14 +100,16 @@ FLASH_CODED_MAX_LOCAL = 256  # its bucket words carry a token's index in the chu
 FLASH_CODED_MAX_V_SPARSITY = 32  # a token's V code words still to hand over are bits of one word
 
 
-def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v_bits: int, bucket: int) -> int:
+def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v_bits: int, bucket: int,
+                             key_rope: bool = False) -> int:
     """attend_flash_coded.comp's shared memory: the q·atom table of its HB heads (the atom
     weights at the end), the owners' buckets and counts, the scaled queries, the chunk's
-    probabilities (vec4s of heads; reductions), steps and staged V level words, three flags."""
+    probabilities (vec4s of heads; reductions), steps and staged V level words, three flags;
+    K's mean and residual scale (``key_rope``: its K_ROPE build) or a quad of each."""
     v_stage = L.residual_words(head_dim, v_bits) - 1 if v_bits else 1
     hb4 = -(-hb // 4)
     return 4 * (hb * n_atoms + bucket * local + local + hb * head_dim + 4 * hb4 * local + local
-                + local * v_stage + 3)
+                + local * v_stage + 3 + 2 * (head_dim if key_rope else 4))
 
 
 def flash_coded_fits(head_dim: int, hb: int, local: int, n_atoms: int, v_sparsity: int) -> bool:
@@ -120,7 +122,7 @@ def flash_coded_fits(head_dim: int, hb: int, local: int, n_atoms: int, v_sparsit
 
 
 def flash_coded_bucket(head_dim: int, hb: int, local: int, n_atoms: int, v_sparsity: int, v_bits: int,
-                       shared_limit: int) -> int:
+                       shared_limit: int, key_rope: bool = False) -> int:
     """attend_flash_coded.comp's BUCKET at ``hb`` query heads and ``local`` invocations: the
     most code words an atom's owner takes per pass (at most FLASH_CODED_BUCKET[1]) that leave its
     shared memory within ``shared_limit`` — 0 where fewer than FLASH_CODED_BUCKET[0] fit or the
@@ -128,7 +130,7 @@ def flash_coded_bucket(head_dim: int, hb: int, local: int, n_atoms: int, v_spars
     if not flash_coded_fits(head_dim, hb, local, n_atoms, v_sparsity):
         return 0
     least, most = FLASH_CODED_BUCKET
-    rest = flash_coded_shared_bytes(head_dim, hb, local, n_atoms, v_bits, 0)
+    rest = flash_coded_shared_bytes(head_dim, hb, local, n_atoms, v_bits, 0, key_rope)
     fit = min(most, (shared_limit - rest) // (4 * local)) if shared_limit > rest else 0
     return fit if fit >= least else 0
 
@@ -437,7 +439,8 @@ def _mma_kivi_extents(p, s):
 
 def _flash_coded_extents(p, s):
     """attend_flash_coded.comp: the K and V slots of tokens [0, n_used), both residual scales,
-    V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits."""
+    V's atoms (as quads), the q·atom table, the queries, records 0 .. n_splits; its K_ROPE
+    build K's atoms (as quads), mean and rotation table in place of the table."""
     hd, g, hb, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], s["HB"], p["n_kv"], p["n_used"], s["LOCAL"]
     _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and _splits_cover(p) and p["v_atoms_word"] % 4 == 0
            and p["head_atoms"] % 4 == 0, "attend_flash_coded", p)
@@ -452,11 +455,19 @@ def _flash_coded_extents(p, s):
         if bits:
             words.append(_vec_span(word, n_kv, p["head_vec"], hd))
     words += _window_state(p)
-    atoms = _atoms_span(p, s, s["N_ATOMS"], "v_atoms_word")
+    quads = [_atoms_span(p, s, s["N_ATOMS"], "v_atoms_word")]
+    table = [_span(0, heads * g * s["N_ATOMS"])]
+    if s.get("K_ROPE"):  # no table: K's atoms, mean (read as words) and rotation table
+        _check(s["K_SPARSITY"] > 0 and p["k_atoms_word"] % 4 == 0 and p["rope_word"] % 4 == 0
+               and p["rope_shift"] <= 16 and (used - 1) >> p["rope_shift"] < p["rope_hi"],
+               "attend_flash_coded (K_ROPE)", p)
+        table = []
+        quads += [_atoms_span(p, s, s["N_ATOMS"], "k_atoms_word"),
+                  _span(p["rope_word"], (p["rope_hi"] + (1 << p["rope_shift"])) * hd)]
+        words.append(_vec_span(p["k_mean_word"], n_kv, p["head_vec"], hd))
     records = heads * p["n_splits"] * g
     queries = _query_span(p, query_words(p["n_seqs"], n_kv * g, hd), "attend_flash_coded")
-    return [words, [atoms], [_span(0, heads * g * s["N_ATOMS"])], [queries],
-            [_span(0, records * hd)], [_span(0, 2 * records)]]
+    return [words, quads, table, [queries], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
 def _window_state(p) -> list:

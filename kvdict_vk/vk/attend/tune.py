@@ -91,7 +91,8 @@ def layer_signature(device, lay, group: int, layer: int) -> tuple:
     query heads per KV head (``group``), head_dim, n_atoms — fixed for an engine's life
     (kvdict_vk.vk.attend.flash.FlashShapes caches it per layer)."""
     k, v = lay.layers[layer].streams
-    fmt = tuple((st.coded, st.sparsity, st.residual_bits, st.rows, st.n_dict_heads) for st in (k, v))
+    fmt = tuple((st.coded, st.sparsity, st.residual_bits, st.rows, st.n_dict_heads, st.key_rope is not None)
+                for st in (k, v))
     return choice_store.device_identity(device, TUNED_VARIANTS) + (fmt, lay.n_kv_heads, group,
                                                                     lay.head_dim, lay.n_atoms)
 
