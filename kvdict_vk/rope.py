@@ -12,10 +12,12 @@ with t = hi·B + lo (B a power of two near √n_ctx) the arena keeps two float32
 angles hi·B·ω and lo·ω, each cos/sin rounded from float64 — and a shader combines them by the
 angle-sum identities in float32: within 1.5e-7 of float64 (the full table's rounding: 3e-8).
 
-Table layout, ``table_rows(n_ctx)`` rows of ``head_dim`` float32 each: rows 0 … n_hi − 1 are
-hi·B, rows n_hi … n_hi + B − 1 are lo; a row is (cos ω_i, sin ω_i) for i < head_dim / 2 in
-order — so quad c of a row turns elements 4c … 4c + 3 of a key (pairs 2c and 2c + 1), one vec4
-load per chunk — with (1, 0) past dims / 2.
+Table layout, ``table_rows(n_ctx)`` × ``head_dim`` float32 words: n_hi rows of the angles hi·B,
+then the B lo angles. A row is (cos ω_i, sin ω_i) for i < head_dim / 2 in order — so quad c of
+a row turns elements 4c … 4c + 3 of a key (pairs 2c and 2c + 1), one vec4 load per chunk — with
+(1, 0) past dims / 2. The lo part is quad-major: quad c of every lo angle, lo = 0 … B − 1, then
+quad c + 1's — so the quads a workgroup's consecutive tokens turn chunk c with are adjacent
+(one memory transaction for many tokens, not one each: attend_flash_coded's K_ROPE build).
 """
 from __future__ import annotations
 
@@ -97,14 +99,23 @@ def table_rows(n_ctx: int) -> int:
 
 
 def table(rope: KeyRope, n_ctx: int, head_dim: int) -> np.ndarray:
-    """The rotation table (table_rows(n_ctx), head_dim) float32 (module docstring)."""
+    """The rotation table, table_rows(n_ctx) × head_dim float32 words (module docstring)."""
     b = table_block(n_ctx)
     pos = np.concatenate([np.arange(table_hi_rows(n_ctx)) * b, np.arange(b)]).astype(np.float64)
     angle = pos[:, None] * rope.inv_freq(head_dim)[None]
-    out = np.empty((pos.size, head_dim), np.float32)
-    out[:, 0::2] = np.cos(angle)
-    out[:, 1::2] = np.sin(angle)
-    return out
+    rows = np.empty((pos.size, head_dim), np.float32)
+    rows[:, 0::2] = np.cos(angle)
+    rows[:, 1::2] = np.sin(angle)
+    n_hi = table_hi_rows(n_ctx)
+    lo_quads = rows[n_hi:].reshape(b, head_dim // 4, 4).transpose(1, 0, 2)
+    return np.concatenate([rows[:n_hi].reshape(-1), lo_quads.reshape(-1)])
+
+
+def table_rows_of(tab: np.ndarray, n_ctx: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """A table's (hi rows (n_hi, head_dim), lo rows (B, head_dim)), each row in pair order."""
+    b, n_hi = table_block(n_ctx), table_hi_rows(n_ctx)
+    lo = tab[n_hi * head_dim:].reshape(head_dim // 4, b, 4).transpose(1, 0, 2).reshape(b, head_dim)
+    return tab[:n_hi * head_dim].reshape(n_hi, head_dim), lo
 
 
 def rotate_tabled(x: np.ndarray, t0: int, tab: np.ndarray, n_ctx: int) -> np.ndarray:
@@ -114,7 +125,8 @@ def rotate_tabled(x: np.ndarray, t0: int, tab: np.ndarray, n_ctx: int) -> np.nda
     x = np.asarray(x, np.float32)
     b = table_block(n_ctx)
     t = np.arange(t0, t0 + x.shape[-2])
-    hi, lo = tab[t // b], tab[table_hi_rows(n_ctx) + t % b]
+    hi_rows, lo_rows = table_rows_of(tab, n_ctx, x.shape[-1])
+    hi, lo = hi_rows[t // b], lo_rows[t % b]
     hc, hs, lc, ls = hi[:, 0::2], hi[:, 1::2], lo[:, 0::2], lo[:, 1::2]
     c = hc * lc - hs * ls
     s = hs * lc + hc * ls

@@ -1,12 +1,13 @@
 // Keys coded before RoPE (kvdict_vk.rope: the one definition; docs/ARENA.md): a layer's
-// rotation table holds, for position t = hi·B + lo (B = 1 << shift), row hi (angles hi·B·ω)
-// and row hi_rows + lo (angles lo·ω), HEAD_DIM/4 quads a row; quad c of a row is
-// (cos, sin, cos, sin) of pairs 2c and 2c + 1 — the pairs of a key's vec4 chunk c.
+// rotation table holds, for position t = hi·B + lo (B = 1 << shift), row hi (angles hi·B·ω),
+// HEAD_DIM/4 quads a row, and after the hi_rows rows the lo angles lo·ω quad-major (quad c of
+// every lo, then quad c + 1's); quad c is (cos, sin, cos, sin) of pairs 2c and 2c + 1 — the
+// pairs of a key's vec4 chunk c.
 
-// The table quads of chunk c at position t: (hi row's, lo row's) quad indices, counted from
+// The table quads of chunk c at position t: (hi row's, lo angle's) quad indices, counted from
 // the table's first quad.
 uvec2 rope_quads(uint t, uint c, uint hi_rows, uint shift, uint row_quads) {
-    return uvec2((t >> shift) * row_quads + c, (hi_rows + (t & ((1u << shift) - 1u))) * row_quads + c);
+    return uvec2((t >> shift) * row_quads + c, hi_rows * row_quads + (c << shift) + (t & ((1u << shift) - 1u)));
 }
 
 // Chunk x turned by the angle sum of quads hi and lo, in float32 as

@@ -32,9 +32,16 @@ def test_the_tables_turn_keys_within_the_exact_path(n_ctx, dims):
     b = R.table_block(n_ctx)
     assert b * b >= n_ctx and (b == 1 or (b // 2) ** 2 < n_ctx) and b & (b - 1) == 0
     tab = R.table(rope, n_ctx, hd)
-    assert tab.shape == (R.table_rows(n_ctx), hd) == (R.table_hi_rows(n_ctx) + b, hd)
-    np.testing.assert_array_equal(tab[:, dims + 0::2], 1.0)  # pairs past dims: (cos, sin) = (1, 0)
-    np.testing.assert_array_equal(tab[:, dims + 1::2], 0.0)
+    assert tab.shape == (R.table_rows(n_ctx) * hd,) == ((R.table_hi_rows(n_ctx) + b) * hd,)
+    hi, lo = R.table_rows_of(tab, n_ctx, hd)
+    for rows, pos in ((hi, np.arange(R.table_hi_rows(n_ctx)) * b), (lo, np.arange(b))):
+        np.testing.assert_array_equal(rows[:, dims + 0::2], 1.0)  # pairs past dims: (cos, sin) = (1, 0)
+        np.testing.assert_array_equal(rows[:, dims + 1::2], 0.0)
+        np.testing.assert_allclose(rows[:, 0:dims:2], np.cos(pos[:, None] * rope.inv_freq(hd)[None, :dims // 2]),
+                                   atol=1e-7)
+    # the lo angles quad-major: quad c of lo angles 0, 1, … adjacent
+    lo_part = tab[R.table_hi_rows(n_ctx) * hd:].reshape(hd // 4, b, 4)
+    np.testing.assert_array_equal(lo_part[1], lo[:, 4:8])
     n = min(n_ctx, 4000)
     x = np.random.default_rng(n_ctx).standard_normal((2, n, hd)).astype(np.float32)
     t0 = n_ctx - n  # the last positions: the largest angles
