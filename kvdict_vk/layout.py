@@ -27,8 +27,9 @@ dump tool read the same numbers. One storage buffer per layer:
   stream's window block — n_kv × window.rows binary16 rows, token t at window.row_of(t) —
   and the layer's state word (the tokens appended), before the tail
 * an artifact whose keys are coded before RoPE (kvdict_vk.rope): a layer with a coded K
-  stream ends its tail with the K stream's rotation table (rope.table_rows(n_ctx) rows of
-  head_dim float32, on a 4-word boundary), which reads of its keys turn them with
+  stream ends its tail with the K stream's rotation table (rope.table_rows(n_ctx) × head_dim
+  float32 words, its lo angles quad-major: kvdict_vk.rope; on a 4-word boundary), which reads
+  and attention turn its keys with
 * no active dictionary → every stream passthrough and no tail: the uncoded cache, f16 by
   default (``cache="f32"`` keeps f32 rows). Passthrough streams of a dict-coded layout
   (streams the artifact leaves uncoded) keep f32 rows.

@@ -154,8 +154,9 @@ def test_the_flash_pass_turns_each_key(case, make_arena, activate):
 
 
 def test_steps_attend_over_their_fresh_turned_keys(make_arena, activate):
-    """KvArena.step codes the new token's key at its position and attends over it (the fresh
-    slots turned as the cached ones are); a recorded step (flash kernels only) refuses the layer."""
+    """KvArena.step and a recorded step (the flash pass) code the new token's key turned back
+    from its position and attend over it (the fresh slots turned as the cached ones are); a
+    device forward's step, which codes keys on the device, refuses the layer."""
     hd, n_kv, n_ctx, pre, steps = 64, 2, 200, 37, 5
     rng = np.random.default_rng(11)
     art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1)
@@ -165,16 +166,21 @@ def test_steps_attend_over_their_fresh_turned_keys(make_arena, activate):
     qs = rng.standard_normal((steps, 2 * n_kv, hd)).astype(np.float32)
     sizes = (pre,) + (1,) * steps
     want_k, want_v = _coded_keys(art, k, sizes), _values(art, v, sizes)
-    a = make_arena(2, n_kv, hd, n_ctx)
-    a.append(0, k[:, :pre], v[:, :pre])
+    a, r = make_arena(2, n_kv, hd, n_ctx), make_arena(2, n_kv, hd, n_ctx)
+    for x in (a, r):
+        x.append(0, k[:, :pre], v[:, :pre])
+    step = r.record_step(2 * n_kv, layers=[0])
+    assert step.plans[0].path == "flash"
     for s in range(steps):
         t = pre + s
         ref = attention_ref.attend(qs[s], want_k, want_v, t + 1)
         assert nmse(ref, a.step(0, k[:, t:t + 1], v[:, t:t + 1], qs[s])) <= 1e-9
-    assert nmse(want_k, a.read(0)[0]) <= 1e-9
-    with pytest.raises(E.ArenaError, match="before RoPE"):
-        a.record_step(2 * n_kv, layers=[0])
-    assert a.n_tokens(0) == pre + steps
+        got = step.run(k[None, :, t:t + 1].transpose(0, 2, 1, 3).copy(), v[None, :, t:t + 1].transpose(0, 2, 1, 3).copy(),
+                       qs[s][None, None])
+        assert nmse(ref, got[0, 0]) <= 1e-9
+    for x in (a, r):
+        assert nmse(want_k, x.read(0)[0]) <= 1e-9 and x.n_tokens(0) == pre + steps
+    step.free()
 
 
 def test_turned_keys_beside_an_exact_window(make_arena, activate):

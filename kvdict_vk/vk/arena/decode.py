@@ -82,9 +82,10 @@ class DecodeStep:
             if k.coded != v.coded:
                 raise E.ArenaError(f"layer {i}: a recorded step attends by the flash kernels, which need both "
                                    f"streams dict-coded or neither")
-            if k.key_rope is not None:
-                raise E.ArenaError(f"layer {i}: keys coded before RoPE are attended by attend_direct only "
-                                   f"(KvArena.step, attend); a recorded step attends by the flash kernels")
+            if k.key_rope is not None and not record:
+                raise E.ArenaError(f"layer {i}: a device forward codes its keys on the device as they come; "
+                                   f"keys coded before RoPE are turned back on the host (KvArena.step, "
+                                   f"record_step)")
         # plans first (they may time launch shapes on the device): nothing is allocated on a refusal
         plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
         self.plans = tuple(plans)  # each layer's flash launch shape (profiles print them)
@@ -302,12 +303,12 @@ class DecodeStep:
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (n_l, b, heads, hd):
                 raise E.ShapeError(f"DecodeStep.run: {what} must be float32 {(n_l, b, heads, hd)}, got "
                                    f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-        self.stage_lengths()
+        used = self.stage_lengths()
         if self._rows_only:
             self._rows_in[0][:] = k_rows
             self._rows_in[1][:] = v_rows
         else:
-            k_words, v_words = self._sources(k_rows, v_rows)  # a dict-coded layer's OMP: before any write
+            k_words, v_words = self._sources(k_rows, v_rows, used)  # a dict-coded layer's OMP: before any write
             self._k_host[:] = k_words
             self._v_host[:] = v_words
             for (j, stream), at in self._rows_at.items():  # a windowed layer's float rows (batch 1)
@@ -347,17 +348,20 @@ class DecodeStep:
             raise E.ArenaError("the decode step was freed" if self._q is None else
                                "a decode step recorded inside a device forward has no run of its own")
 
-    def _sources(self, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple:
+    def _sources(self, k_rows: np.ndarray, v_rows: np.ndarray, used: np.ndarray) -> tuple:
         """The step buffer's words where a layer is dict-coded: every layer's K sources then
         every layer's V sources, each flat (layer, batch, n_kv, …): an uncoded stream's
         float32 rows (append_step converts them), a coded stream's slots (codec.encode_heads,
-        every sequence's token in one batch)."""
+        every sequence's token in one batch; keys coded before RoPE turned back from their
+        position, used − 1: such an arena holds one sequence)."""
         out = ([], [])
         for j, i in enumerate(self.layers):
-            for rows, st, dst in zip((k_rows[j], v_rows[j]), self._streams[j], out):
-                if st.coded:  # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary
-                    # (keys coded before RoPE never get here: the constructor refuses their layers)
-                    slots = codec.encode_heads(rows.transpose(1, 0, 2), self._writes.stream_dict(i, st.stream))
+            # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary
+            heads = self._writes.coding_rows(i, (k_rows[j].transpose(1, 0, 2), v_rows[j].transpose(1, 0, 2)),
+                                             int(used[j, 0]) - 1)
+            for rows, coding, st, dst in zip((k_rows[j], v_rows[j]), heads, self._streams[j], out):
+                if st.coded:
+                    slots = codec.encode_heads(coding, self._writes.stream_dict(i, st.stream))
                     dst.append(slots.transpose(1, 0, 2))
                 else:
                     dst.append(rows.view(np.uint32))
