@@ -37,10 +37,10 @@
 // (kvdict_vk.window): tokens its exact window holds score -inf here (attend_window.comp
 // attends over them, one more record for the merge).
 // Keys coded before RoPE (K_ROPE, kvdict_vk.rope): a turned key's q·atom products change with
-// its position, so no table serves them; each invocation decodes its token's key quad by quad
-// (its atoms' quads, the residual, the mean — which no longer cancels), turns the quad to the
-// token's position by the layer's rotation table (rope.glsl) and multiplies it into its heads'
-// scores. V is attended as above.
+// its position, so no table serves them: a chunk's keys are decoded quad by quad (their atoms'
+// quads, the residual, the mean — which no longer cancels), each quad turned to its token's
+// position by the layer's rotation table (rope.glsl) and multiplied into the heads' scores,
+// KEY_LANES invocations a key (turned_key_parts). V is attended as above.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -56,6 +56,9 @@ layout(constant_id = 8) const uint V_SPARSITY = 4u;
 layout(constant_id = 9) const uint BUCKET = 16u;    // code words an owner takes per pass (host: fits shared memory)
 layout(constant_id = 10) const bool ATOMS_F16 = false;  // the atoms in binary16 (atoms.glsl)
 layout(constant_id = 11) const bool K_ROPE = false;     // keys coded before RoPE (see above)
+// (K_ROPE) invocations a key is decoded by: a power of two dividing LOCAL and the uvec4s of an
+// atom, KEY_LANES * LOCAL <= TAB_ROWS (their partial scores fill the table's place; host: specs)
+layout(constant_id = 12) const uint KEY_LANES = 1u;
 #include "atoms.glsl"
 const uint LOCAL = gl_WorkGroupSize.x;  // tokens per chunk (host: <= 256, a token's index is 8 bits)
 const uint K_LEVEL_WORDS = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);
@@ -112,7 +115,8 @@ layout(push_constant) uniform AttendFlashCodedPush {
 
 // q·atom table × score scale, atom-major (TAB: a code word's heads are adjacent, one wide load);
 // after the split the atom weights, the same way
-shared float tab_sh[HB * N_ATOMS];
+const uint TAB_ROWS = K_ROPE && LOCAL > N_ATOMS ? LOCAL : N_ATOMS;  // (K_ROPE: the partial scores' rows)
+shared float tab_sh[HB * TAB_ROWS];
 #define TAB(a, h) tab_sh[(a) * HB + (h)]
 shared uint bucket_sh[BUCKET * LOCAL];  // [k*LOCAL + owner]: coef bits | token << 16 | atom / LOCAL << 24
 shared uint count_sh[LOCAL];        // code words handed to each owner this pass (may pass BUCKET)
@@ -194,52 +198,65 @@ void reduce(bool take_max) {  // P_OF(x, h) over x → P_OF(0, h), every head at
     } \
     count_sh[tid] = 0u; }
 
-// (K_ROPE) Quad c of a key — `part` its atoms' share, then its residual from the slot `kc`
-// (times `step_` and K's residual scale), its mean — turned to position t and multiplied into
-// the four partial sums `r` of each head (the scaled queries).
+// (K_ROPE) Quad c of a key — `part` its atoms' share, then its residual from the slot at word
+// `slot` (levels times `step_` and K's residual scale), its mean — turned to position t and
+// multiplied into the four partial sums `r4` of each head (the scaled queries).
 #define TURNED_QUAD(c, part) { \
     vec4 kq = part; \
     if (K_BITS > 0u) { \
+        uint bit0_ = 4u * (c) * K_BITS, w_ = slot + K_SPARSITY + (bit0_ >> 5u), off_ = bit0_ & 31u; \
+        uint bits_ = level_window(cache_words[w_], off_ + 4u * K_BITS > 32u ? cache_words[w_ + 1u] : 0u, off_); \
         vec4 lv; \
         [[unroll]] for (uint k_ = 0u; k_ < 4u; ++k_) \
-            lv[k_] = LEVEL(kc, K_SPARSITY, 4u * (c) + k_, K_BITS); \
+            lv[k_] = centred_level((bits_ >> (k_ * K_BITS)) & ((1u << K_BITS) - 1u), K_BITS); \
         kq += (step_ * lv) * kscale_sh[c]; \
     } \
     uvec2 at = (pc.rope_word >> 2u) + rope_quads(t, c, pc.rope_hi, pc.rope_shift, VQ); \
     kq = rope_turn(kq + kmean_sh[c], uintBitsToFloat(cache_quads[at.x]), uintBitsToFloat(cache_quads[at.y])); \
     [[unroll]] for (uint h = 0u; h < HB; ++h) \
-        r[h] += qs_sh[h * VQ + (c)] * kq; }
+        r4[h] += qs_sh[h * VQ + (c)] * kq; }
 
-// (K_ROPE) The scores s[] of the key at position t whose slot is `kc`, decoded quad by quad
-// (atoms of the dictionary head whose first uvec4 is `base`): an out-of-range code word adds
-// exactly zero (atom 0, coefficient 0: common.glsl).
-void turned_key_scores(uint kc[K_ARR], uint t, uint base, inout float s[HB]) {
-    uint atom[K_SPARSITY];
-    float coef[K_SPARSITY];
-    [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
-        atom[j] = safe_atom(code_atom(kc[j]), N_ATOMS);
-        coef[j] = safe_coef(code_atom(kc[j]), N_ATOMS, code_coef(kc[j]));
-    }
-    float step_ = K_BITS > 0u ? uintBitsToFloat(kc[K_SPARSITY + K_LEVEL_WORDS]) : 0.0;
-    vec4 r[HB];
-    [[unroll]] for (uint h = 0u; h < HB; ++h)
-        r[h] = vec4(0.0);
-    [[unroll]] for (uint u = 0u; u < ATOM_QUADS; ++u) {  // a uvec4 of each atom: one quad, or two (binary16)
-        vec4 lo = vec4(0.0), hi = vec4(0.0);
+// (K_ROPE) The scores of the chunk's keys (tokens c0 … of the split ending at t1, slots from word
+// k_base, atoms of the dictionary head whose first uvec4 is `base`), each key decoded by
+// KEY_LANES adjacent invocations: invocation x takes the atoms' uvec4s p·KEY_LANES + x %
+// KEY_LANES of token x / KEY_LANES + r·LOCAL/KEY_LANES in round r, so the invocations of a
+// token read adjacent words of each atom (a cache line for several tokens, not one each). The
+// partial scores go to the table's place (unused by K here): TAB(token·KEY_LANES + part, h).
+// An out-of-range code word adds exactly zero (atom 0, coefficient 0: common.glsl).
+void turned_key_parts(uint c0, uint t1, uint k_base, uint base) {
+    uint x = gl_LocalInvocationID.x, part = x % KEY_LANES;
+    [[unroll]] for (uint rd = 0u; rd < KEY_LANES; ++rd) {  // every round's loads in flight together
+        uint tau = rd * (LOCAL / KEY_LANES) + x / KEY_LANES;
+        uint t = min(c0 + tau, t1 - 1u), slot = k_base + t * K_ROW;
+        uint atom[K_SPARSITY];
+        float coef[K_SPARSITY];
         [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
-            uvec4 w = cache_quads[base + atom[j] * ATOM_QUADS + u];
-            if (ATOMS_F16) {
-                lo += coef[j] * atom_quad_lo(w);
-                hi += coef[j] * atom_quad_hi(w);
-            } else
-                lo += coef[j] * uintBitsToFloat(w);
+            uint w = cache_words[slot + j];
+            atom[j] = safe_atom(code_atom(w), N_ATOMS);
+            coef[j] = safe_coef(code_atom(w), N_ATOMS, code_coef(w));
         }
-        TURNED_QUAD(u, lo)
-        if (ATOMS_F16)
-            TURNED_QUAD(u + ATOM_HALF_QUADS, hi)
+        float step_ = K_BITS > 0u ? uintBitsToFloat(cache_words[slot + K_SPARSITY + K_LEVEL_WORDS]) : 0.0;
+        vec4 r4[HB];
+        [[unroll]] for (uint h = 0u; h < HB; ++h)
+            r4[h] = vec4(0.0);
+        [[unroll]] for (uint i = 0u; i < ATOM_QUADS / KEY_LANES; ++i) {  // a uvec4 of each atom: one quad, or two (binary16)
+            uint u = i * KEY_LANES + part;
+            vec4 lo = vec4(0.0), hi = vec4(0.0);
+            [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
+                uvec4 w = cache_quads[base + atom[j] * ATOM_QUADS + u];
+                if (ATOMS_F16) {
+                    lo += coef[j] * atom_quad_lo(w);
+                    hi += coef[j] * atom_quad_hi(w);
+                } else
+                    lo += coef[j] * uintBitsToFloat(w);
+            }
+            TURNED_QUAD(u, lo)
+            if (ATOMS_F16)
+                TURNED_QUAD(u + ATOM_HALF_QUADS, hi)
+        }
+        [[unroll]] for (uint h = 0u; h < HB; ++h)
+            TAB(tau * KEY_LANES + part, h) = (r4[h].x + r4[h].y) + (r4[h].z + r4[h].w);
     }
-    [[unroll]] for (uint h = 0u; h < HB; ++h)
-        s[h] += (r[h].x + r[h].y) + (r[h].z + r[h].w);
 }
 
 void main() {
@@ -339,9 +356,13 @@ void main() {
             float s[HB];
             [[unroll]] for (uint h = 0u; h < HB; ++h)
                 s[h] = 0.0;
-            if (K_ROPE)
-                turned_key_scores(kc, min(c0 + tid, t1 - 1u), (pc.k_atoms_word + g * pc.head_atoms) / 4u, s);
-            else
+            if (K_ROPE) {
+                turned_key_parts(c0, t1, k_base, (pc.k_atoms_word + g * pc.head_atoms) / 4u);
+                barrier();
+                [[unroll]] for (uint part = 0u; part < KEY_LANES; ++part)
+                    [[unroll]] for (uint h = 0u; h < HB; ++h)
+                        s[h] += TAB(tid * KEY_LANES + part, h);
+            } else
             [[unroll]] for (uint j = 0u; j < K_SPARSITY; ++j) {
                 uint a = code_atom(kc[j]);
                 if (a < N_ATOMS) {

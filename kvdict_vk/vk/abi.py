@@ -332,7 +332,7 @@ def _declare() -> tuple:
     direct = ATTEND_SPEC + ("K_SPARSITY", "K_BITS", "V_SPARSITY", "V_BITS", "ROW_HALF", "ATOMS_F16", "K_ROPE")
     flash = ATTEND_SPEC + ("ROW_HALF", "ROW_Q8", "END_ELEMS")
     flash_coded = ATTEND_SPEC + ("K_BITS", "V_BITS", "N_ATOMS", "K_SPARSITY", "V_SPARSITY", "BUCKET", "ATOMS_F16",
-                                 "K_ROPE")
+                                 "K_ROPE", "KEY_LANES")
     atoms_spec = ATTEND_SPEC + ("ATOMS_F16",)
     merge = (ro("LayerQuads", 4), ro("Stats"), ro("Accs", 4), rw("Out", 4))
     flash_bindings = (ro("CacheWords"), ro("CacheQuads", 4), ro("Query"), rw("Accs"), rw("Stats"))
@@ -360,7 +360,7 @@ def _declare() -> tuple:
     out.append(_attend("attend_flash_coded", (ro("CacheWords"), ro("CacheQuads", 4), ro("Table"), ro("Query"),
                                               rw("Accs"), rw("Stats")),
                        ATTEND_FLASH_CODED_PUSH, flash_coded,
-                       optional=(("K_BITS", 0), ("V_BITS", 0), ("ATOMS_F16", 0), ("K_ROPE", 0))))
+                       optional=(("K_BITS", 0), ("V_BITS", 0), ("ATOMS_F16", 0), ("K_ROPE", 0), ("KEY_LANES", 1))))
     # attend_flash summing a token's partial scores by subgroup shuffles (GPUs that have them);
     # attend_flash_wide: the split's end in a few barriers (the tuner times it beside attend_flash)
     for name, defines, ops in (("attend_flash_sg", (("SUBGROUP", 1),), _SG),

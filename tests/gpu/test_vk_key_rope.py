@@ -19,6 +19,7 @@ from kvdict_vk import errors as E
 from kvdict_vk.metrics import nmse
 from kvdict_vk.rope import KeyRope
 from kvdict_vk.synthetic import random_slots
+from kvdict_vk.vk.attend.specs import flash_coded_key_lanes
 from kvdict_vk.window import NO_WINDOW, ExactWindow, cache_rows
 
 CASES = [  # (head_dim, n_kv, n_ctx, rope, streams, dictionary heads, append sizes)
@@ -112,6 +113,8 @@ FLASH_CASES = [
     (128, 1, 2, 128, False, (2, (2, 3)), 400, False, KeyRope(500000.0, 32)),  # partial rotation, K atoms only
     (32, 2, 1, 64, True, ((3, 2), 3), 300, True, KeyRope(100.0, 32)),
     (16, 1, 2, 64, False, ((2, 5), (2, 2)), 70, False, KeyRope(100.0, 16)),
+    (64, 2, 2, 1024, True, ((4, 6), (4, 4)), 1500, True, KeyRope(10000.0, 64)),  # a key over several invocations
+    (64, 1, 3, 2048, False, ((4, 5), (4, 3)), 900, False, KeyRope(10000.0, 64)),
 ]
 
 
@@ -120,7 +123,8 @@ FLASH_CASES = [
 def test_the_flash_pass_turns_each_key(case, make_arena, activate):
     """attend_flash_coded's K_ROPE build: each key decoded (out-of-range code words add zero),
     turned to its position and scored, at every number of query heads a workgroup, one split or
-    several, equals the float64 attention over the turned decode, and attend_direct's."""
+    several, each key decoded by one invocation or several (KEY_LANES), equals the float64
+    attention over the turned decode, and attend_direct's."""
     hd, n_kv, g, n_atoms, per_head, pair, n_ctx, f16, rope = case
     rng = np.random.default_rng(stable_seed(case))
     art = random_artifact(rng, hd, n_atoms, [pair], n_heads=n_kv if per_head else 1, f16_atoms=f16)
@@ -143,6 +147,8 @@ def test_the_flash_pass_turns_each_key(case, make_arena, activate):
         for n_used in sorted({1, min(129, n_ctx), n_ctx // 2 + 1, n_ctx}):
             p = att.plan(0, n_used)
             assert p.path == "flash" and p.heads == hb and att.variant(0, p) == "attend_flash_coded"
+            lanes = flash_coded_key_lanes(hd, f16, n_atoms, p.local)
+            assert lanes >= 2 if n_atoms >= 1024 else lanes >= 1
             ref = attention_ref.attend(q, want_k, want_v, n_used)
             assert nmse(ref, arena.attend(0, q, n_used)) <= 1e-9, (hb, n_used)
     att.coded_workgroups = n_kv * (g // options[-1]) * 6  # up to six splits a head block, whole rounds each

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ... import errors as E
 from .flash import MMA_KERNEL
 from .plan import LOOP_BUDGET
-from .specs import merge_head_local, n_blocks
+from .specs import flash_coded_key_lanes, merge_head_local, n_blocks
 from ..device import kp
 from ..kernels import Kernel, barrier, pipeline
 
@@ -266,7 +266,9 @@ class PassBuilder:
                               b.sizes.seqs * n_kv * (grid.group // hb) * grid.max_splits * local, LOCAL=local, HB=hb,
                               K_BITS=k.residual_bits, V_BITS=v.residual_bits, N_ATOMS=lay.n_atoms,
                               K_SPARSITY=k.sparsity, V_SPARSITY=v.sparsity, ATOMS_F16=int(v.atoms_f16),
-                              BUCKET=self.shapes.flash_coded_bucket(layer, hb, local), K_ROPE=int(turned))
+                              BUCKET=self.shapes.flash_coded_bucket(layer, hb, local), K_ROPE=int(turned),
+                              KEY_LANES=flash_coded_key_lanes(lay.head_dim, k.atoms_f16, lay.n_atoms, local)
+                              if turned else 1)
         ops.append(kernel.op(k_word=k.region_word, v_word=v.region_word, n_ctx=lay.n_ctx, n_used=n_used,
                              n_splits=plan.n_splits, n_kv=n_kv, v_atoms_word=v.atoms_word, **_split_push(plan, at),
                              head_atoms=v.head_atoms_stride, k_scale_word=k.scale_word if k.residual_bits else 0,

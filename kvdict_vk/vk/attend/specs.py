@@ -108,7 +108,8 @@ def flash_coded_shared_bytes(head_dim: int, hb: int, local: int, n_atoms: int, v
     K's mean and residual scale (``key_rope``: its K_ROPE build) or a quad of each."""
     v_stage = L.residual_words(head_dim, v_bits) - 1 if v_bits else 1
     hb4 = -(-hb // 4)
-    return 4 * (hb * n_atoms + bucket * local + local + hb * head_dim + 4 * hb4 * local + local
+    rows = max(n_atoms, local) if key_rope else n_atoms  # K_ROPE: the table's place holds partial scores
+    return 4 * (hb * rows + bucket * local + local + hb * head_dim + 4 * hb4 * local + local
                 + local * v_stage + 3 + 2 * (head_dim if key_rope else 4))
 
 
@@ -119,6 +120,16 @@ def flash_coded_fits(head_dim: int, hb: int, local: int, n_atoms: int, v_sparsit
     at most FLASH_CODED_MAX_OWNED, V's code words per slot at most FLASH_CODED_MAX_V_SPARSITY."""
     return (head_dim % 4 == 0 and local % (head_dim // 4) == 0 and local <= FLASH_CODED_MAX_LOCAL
             and -(-n_atoms // local) * hb <= FLASH_CODED_MAX_OWNED and v_sparsity <= FLASH_CODED_MAX_V_SPARSITY)
+
+
+def flash_coded_key_lanes(head_dim: int, atoms_f16: bool, n_atoms: int, local: int) -> int:
+    """attend_flash_coded's KEY_LANES (its K_ROPE build): the invocations a key is decoded by — the
+    most, a power of two, dividing ``local`` and an atom's uvec4s (shaders/atoms.glsl) whose
+    partial scores (local × lanes rows) fit the table's place (max(n_atoms, local) rows)."""
+    quads, rows, lanes = head_dim // (8 if atoms_f16 else 4), max(n_atoms, local), 1
+    while quads % (2 * lanes) == 0 and local % (2 * lanes) == 0 and 2 * lanes * local <= rows:
+        lanes *= 2
+    return lanes
 
 
 def flash_coded_bucket(head_dim: int, hb: int, local: int, n_atoms: int, v_sparsity: int, v_bits: int,
@@ -458,9 +469,12 @@ def _flash_coded_extents(p, s):
     quads = [_atoms_span(p, s, s["N_ATOMS"], "v_atoms_word")]
     table = [_span(0, heads * g * s["N_ATOMS"])]
     if s.get("K_ROPE"):  # no table: K's atoms, mean (read as words) and rotation table
+        lanes = s.get("KEY_LANES", 1)  # the most flash_coded_key_lanes allows, or fewer
         _check(s["K_SPARSITY"] > 0 and p["k_atoms_word"] % 4 == 0 and p["rope_word"] % 4 == 0
-               and p["rope_shift"] <= 16 and (used - 1) >> p["rope_shift"] < p["rope_hi"],
-               "attend_flash_coded (K_ROPE)", p)
+               and p["rope_shift"] <= 16 and (used - 1) >> p["rope_shift"] < p["rope_hi"] and lanes >= 1
+               and lanes & (lanes - 1) == 0
+               and flash_coded_key_lanes(hd, s.get("ATOMS_F16", 0), s["N_ATOMS"], local) % lanes == 0,
+               "attend_flash_coded (K_ROPE)", dict(p, **s))
         table = []
         quads += [_atoms_span(p, s, s["N_ATOMS"], "k_atoms_word"),
                   _span(p["rope_word"], (p["rope_hi"] + (1 << p["rope_shift"])) * hd)]
