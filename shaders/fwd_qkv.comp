@@ -12,6 +12,9 @@
 // k_layer_word + (g · n_ctx + p) · row_words, docs/ARENA.md) — binary16 pairs made as
 // append_step makes them (rows_encode.glsl's f16_bits: NumPy's bits) or float32 words — so the
 // decode step records no append_step for the layer and its source rows stay unwritten.
+// k_pre_word > 0 (a layer whose keys are coded before RoPE, kvdict_vk.rope): the keys are also
+// written unturned there — what the step's GPU encoder codes; the turned ones at k_word are the
+// exact window's.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -48,6 +51,7 @@ layout(push_constant) uniform QkvPush {
     uint k_layer_word;   // the layer's K and V regions in Layer
     uint v_layer_word;
     uint n_ctx;          // rows a KV head
+    uint k_pre_word;     // > 0: the keys before RoPE too, in Rows
     float eps;
 } pc;
 
@@ -82,8 +86,11 @@ void main() {
                 y_vals[pc.y_word + r] = v;
             else if (pc.row_words != 0u)
                 out_vals[slot] = v;
-            else if (within < pc.k_rows)
+            else if (within < pc.k_rows) {
                 kv_vals[pc.k_word + within] = v;
+                if (pc.k_pre_word != 0u)
+                    kv_vals[pc.k_pre_word + within] = total;
+            }
             else
                 kv_vals[pc.v_word + within - pc.k_rows] = v;
         }

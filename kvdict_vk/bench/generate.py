@@ -38,6 +38,7 @@ from .decode_step import fill_random
 NAME, TOOL = "generate", "kvdict_vk.bench.generate"
 REQUIRES = {"gguf": "gguf"}
 LLAMA_CACHES = {"f16": "f16", "q8_0": "q8_0"}  # our cache → llama.cpp's -ctk/-ctv type
+DICT_CACHES = ("dict", "dict_pre_rope")  # random dictionaries in the forge's default format
 # untimed tokens first: at least two (pipelines, first submissions), then until WARM_S has passed —
 # a GPU left idle through the prefill's host work runs its first milliseconds of tokens at low clocks
 WARM_TOKENS, WARM_S = 512, 0.5
@@ -56,7 +57,8 @@ def parse_args(argv=None):
                     help="write a GGUF of SmolLM2-135M's shapes with random weights here and use it")
     ap.add_argument("--contexts", default="4096,32768", help="tokens in the cache before the timed tokens")
     ap.add_argument("--caches", default="f16,q8_0,kivi,dict", help="our caches (kivi: KiviSpec()'s; dict: the "
-                    "forge's default format, random dictionaries; llama.cpp has f16 and q8_0)")
+                    "forge's default format, random dictionaries; dict_pre_rope: the same with its keys coded "
+                    "before the model's RoPE; llama.cpp has f16 and q8_0)")
     ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
     ap.add_argument("--llama-bench", type=Path, default=None, help="llama.cpp's llama-bench, for its rows")
     return common.parse(ap, argv)
@@ -79,7 +81,7 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
     from kvdict_vk.vk.forward import DeviceForward
     cfg, rng = weights.config, np.random.default_rng(1)
     capacity = depth + args.tokens + WARM_TOKENS
-    arena = _dict_arena(dev, cfg, capacity, rng) if cache == "dict" else \
+    arena = _dict_arena(dev, cfg, capacity, rng, cache == "dict_pre_rope") if cache in DICT_CACHES else \
         KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=cache)
     try:
         fill_random(arena, rng, depth)
@@ -106,22 +108,24 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
         arena.free()
 
 
-def dict_artifact(cfg, rng):
+def dict_artifact(cfg, rng, pre_rope: bool = False):
     """Random dictionaries in the forge's default format for ``cfg``'s shapes (every layer the
-    same ones)."""
+    same ones); ``pre_rope``: its keys coded before the model's RoPE (kvdict_vk.rope)."""
     from kvdict_vk import synthetic
     from kvdict_vk.dictionary import (FORGE_N_ATOMS, FORGE_PER_HEAD, FORGE_RESIDUAL_BITS, FORGE_SPARSITY,
                                       KvDictArtifact)
     dicts = synthetic.random_dicts(rng, cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, FORGE_RESIDUAL_BITS,
                                    cfg.n_kv_heads if FORGE_PER_HEAD else 1)
-    return KvDictArtifact(cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, ((dicts[0], dicts[1]),) * cfg.n_layers)
+    from kvdict_vk.rope import KeyRope
+    return KvDictArtifact(cfg.head_dim, FORGE_N_ATOMS, FORGE_SPARSITY, ((dicts[0], dicts[1]),) * cfg.n_layers,
+                          key_rope=KeyRope(cfg.rope_theta, cfg.rope_dim) if pre_rope else None)
 
 
-def _dict_arena(dev, cfg, capacity: int, rng):
+def _dict_arena(dev, cfg, capacity: int, rng, pre_rope: bool = False):
     """A dict-coded arena of dict_artifact's dictionaries."""
     from kvdict_vk import runtime
     from kvdict_vk.vk import KvArena
-    with runtime.enabled_with(dict_artifact(cfg, rng), allow_uncertified=True):
+    with runtime.enabled_with(dict_artifact(cfg, rng, pre_rope), allow_uncertified=True):
         return KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache="dict")
 
 

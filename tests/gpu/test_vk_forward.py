@@ -19,6 +19,7 @@ from kvdict_vk import errors as E
 from kvdict_vk import rows as R
 from kvdict_vk.forge import llama
 from kvdict_vk.model_file import ModelConfig
+from kvdict_vk.rope import KeyRope
 from kvdict_vk.vk.forward import DeviceForward, random_weights
 from kvdict_vk.forge.gguf_model import dequantised_model
 from kvdict_vk.vk.forward.weights import BLOCK_WORDS, Matrix, dequantised, f32_matrix
@@ -203,16 +204,19 @@ def test_kivi_cache_equals_the_forge_kivi_forward(bits, recent, make_arena):
     forward.free()
 
 
-@pytest.mark.parametrize("n_heads,window", [(1, (0, 0)), (2, (0, 0)), (1, (1, 4))],
-                         ids=["shared", "per-head", "window"])
-def test_dict_cache_equals_the_forward_over_its_slots(n_heads, window, make_arena, activate):
+@pytest.mark.parametrize("n_heads,window,pre_rope", [(1, (0, 0), False), (2, (0, 0), False), (1, (1, 4), False),
+                                                    (1, (0, 0), True), (2, (1, 4), True)],
+                         ids=["shared", "per-head", "window", "keys-before-rope", "keys-before-rope-window"])
+def test_dict_cache_equals_the_forward_over_its_slots(n_heads, window, pre_rope, make_arena, activate):
     """Over a dict-coded cache (residual stages; a shared or a per-head dictionary; an exact
-    window) the device forward codes each token's K/V rows on the device — the GPU encoder's one
-    dispatch a stream, recorded in the token — and attends over the slots (and the window's
-    binary16 rows, append_window): within the NLL gate of the forge's forward over the arena's
-    own slots decoded (arena.read; the window per query, as the forge certifies it); and those
-    slots are the host codec's coding of the forge's K/V (OMP near-ties aside: at most one
-    vector in twenty)."""
+    window; keys coded before RoPE) the device forward codes each token's K/V rows on the device
+    — the GPU encoder's one dispatch a stream, recorded in the token; keys before RoPE from the
+    projection's unturned copy — and attends over the slots (and the window's binary16 rows,
+    append_window): within the NLL gate of the forge's forward over the arena's own slots
+    decoded (arena.read, keys turned; the window per query, as the forge certifies it); and
+    those slots are the host codec's coding of the forge's K/V (turned back first where coded
+    before RoPE; OMP near-ties aside: at most one vector in twenty). An artifact coded before
+    another RoPE than the model's is refused."""
     from conftest import random_artifact
     from kvdict_vk import codec, runtime
     from kvdict_vk.dictionary import KvDictArtifact
@@ -221,7 +225,14 @@ def test_dict_cache_equals_the_forward_over_its_slots(n_heads, window, make_aren
     w = _small_model(rng, "q8_0", True)
     cfg = w.config
     art = random_artifact(rng, cfg.head_dim, 64, [((4, 4), (4, 3))] * cfg.n_layers, n_heads=n_heads)
-    activate(KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity, art.layers, ExactWindow(*window)))
+    rope = KeyRope(cfg.rope_theta, cfg.rope_dim) if pre_rope else None
+    if pre_rope:  # another RoPE than the model's: refused before anything is allocated
+        activate(KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity, art.layers,
+                                key_rope=KeyRope(cfg.rope_theta * 2, cfg.rope_dim)))
+        other = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16)
+        with pytest.raises(E.DictMismatchError, match="RoPE"):
+            DeviceForward(w, other, logits=True, row_threads=8)
+    activate(KvDictArtifact(art.head_dim, art.n_atoms, art.sparsity, art.layers, ExactWindow(*window), key_rope=rope))
     tokens = rng.integers(0, cfg.vocab, 12)
     arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16)
     assert arena.mode == "dict" and arena.layout.layers[0].windowed == any(window)
@@ -235,7 +246,7 @@ def test_dict_cache_equals_the_forward_over_its_slots(n_heads, window, make_aren
     for layer, kv in enumerate(ref.kv):
         for rows, held, is_k in zip(kv, arena.read(layer), (True, False)):
             d = runtime.clone_layer_dict(layer, is_k)
-            host = codec.decode_heads(codec.encode_heads(rows, d), d, np.float32)
+            host = codec.held_heads(rows, d, rope if is_k else None, 0, np.float32)
             tol = np.full(host.shape[:2] + (1,), 1e-5)
             if any(window):  # the window's tokens are the forge's rows in binary16, to a binary16 step
                 exact = ExactWindow(*window).exact(len(tokens))

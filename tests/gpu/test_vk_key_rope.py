@@ -161,8 +161,8 @@ def test_the_flash_pass_turns_each_key(case, make_arena, activate):
 
 def test_steps_attend_over_their_fresh_turned_keys(make_arena, activate):
     """KvArena.step and a recorded step (the flash pass) code the new token's key turned back
-    from its position and attend over it (the fresh slots turned as the cached ones are); a
-    device forward's step, which codes keys on the device, refuses the layer."""
+    from its position and attend over it (the fresh slots turned as the cached ones are; the
+    device forward's step: tests/gpu/test_vk_forward.py)."""
     hd, n_kv, n_ctx, pre, steps = 64, 2, 200, 37, 5
     rng = np.random.default_rng(11)
     art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1)

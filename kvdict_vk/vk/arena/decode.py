@@ -82,10 +82,6 @@ class DecodeStep:
             if k.coded != v.coded:
                 raise E.ArenaError(f"layer {i}: a recorded step attends by the flash kernels, which need both "
                                    f"streams dict-coded or neither")
-            if k.key_rope is not None and not record:
-                raise E.ArenaError(f"layer {i}: a device forward codes its keys on the device as they come; "
-                                   f"keys coded before RoPE are turned back on the host (KvArena.step, "
-                                   f"record_step)")
         # plans first (they may time launch shapes on the device): nothing is allocated on a refusal
         plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
         self.plans = tuple(plans)  # each layer's flash launch shape (profiles print them)
@@ -107,11 +103,16 @@ class DecodeStep:
         # slots, at the sources' words, in a buffer of their own: a kernel's written buffer is
         # bound once)
         # a windowed layer's streams (kvdict_vk.window): their float rows too, for append_window
-        self._rows_at, end = {}, -(-self._v_src[-1] // 4) * 4
+        # a device-coded K stream coded before RoPE: its rows unturned too, which the encoder codes
+        # (the forward's projection writes both: k_pre_word)
+        self._rows_at, self._pre_at, end = {}, {}, -(-self._v_src[-1] // 4) * 4
         for j, streams in enumerate(self._streams):
             for st in streams:
                 if (self._device_coded and st.coded) or st.windowed:
                     self._rows_at[(j, st.stream)] = end
+                    end += -(-n_kv * hd // 4) * 4
+                if self._device_coded and st.key_rope is not None:
+                    self._pre_at[j] = end
                     end += -(-n_kv * hd // 4) * 4
         self._q_words = query_words(self.batch, self.n_heads, hd)
         self._q_stride = -(-self._q_words // 4) * 4  # each layer's block starts on a quad
@@ -237,7 +238,8 @@ class DecodeStep:
                          kernel="tiled")
         self._encoders.append(enc)
         src = self._k_src[j] if st.stream == "k" else self._v_src[j]
-        return enc.recorded_op(self._step, self._rows_at[(j, st.stream)], self._slots, src, self.layout.n_kv_heads)
+        rows = self._pre_at[j] if st.key_rope is not None else self._rows_at[(j, st.stream)]
+        return enc.recorded_op(self._step, rows, self._slots, src, self.layout.n_kv_heads)
 
     # --- where a device forward writes and reads (layer j of ``layers``) ---------------------------
     @property
@@ -252,6 +254,11 @@ class DecodeStep:
     def k_rows_word(self, j: int) -> int:
         """Where layer j's new K rows go as float32 (batch, n_kv, head_dim)."""
         return self._rows_at.get((j, "k"), self._k_src[j])
+
+    def k_pre_word(self, j: int) -> int:
+        """Where layer j's new K rows go unturned as well (a device-coded K stream coded before
+        RoPE, whose slots the step's encoder makes from them; 0: none)."""
+        return self._pre_at.get(j, 0)
 
     def v_rows_word(self, j: int) -> int:
         return self._rows_at.get((j, "v"), self._v_src[j])

@@ -28,6 +28,7 @@ import numpy as np
 
 from ... import errors as E
 from ...model_file import rope_cos_sin
+from ...rope import KeyRope
 from ..device import kp
 from ..kernels import Buffer, barrier, pipeline, run
 from ..abi import WG_SIZE
@@ -108,6 +109,13 @@ class DeviceForward:
         self._qkv_appends = bool(qkv_appends)
         self._buffers: list[Buffer] = []
         self._recs: list[Recording] = []
+        # keys coded before RoPE: the step's encoder codes the projection's keys before this
+        # model's RoPE, so the artifact's must be that one
+        model_rope = KeyRope(cfg.rope_theta, cfg.rope_dim)
+        for i, ll in enumerate(lay.layers):
+            if ll.k.key_rope is not None and ll.k.key_rope != model_rope:
+                raise E.DictMismatchError(f"layer {i}: the dictionary's keys were coded before RoPE {ll.k.key_rope}, "
+                                          f"the model turns them by {model_rope}")
         self.step = arena.record_step(self._n_q, n_plan=n_plan, record=False)  # checks n_plan
         try:
             self._load(weights)
@@ -312,7 +320,7 @@ class DeviceForward:
                     k_rows=(self.heads[1] - self.heads[0]) * cfg.head_dim, y_word=step.q_word(j),
                     k_word=step.k_rows_word(j), v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
                     n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps,
-                    n_ctx=self.arena.layout.n_ctx, **(appends or {}))
+                    n_ctx=self.arena.layout.n_ctx, k_pre_word=step.k_pre_word(j), **(appends or {}))
 
     # --- a token ---------------------------------------------------------------------------
     def run(self, token: int) -> int:

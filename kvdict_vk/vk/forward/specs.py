@@ -60,6 +60,10 @@ def _qkv(p, s):
     # appending: the token's row of each KV head, wherever the position puts it (the regions); else the source rows
     layer = [(p[w_], p[w_] + n_kv * p["n_ctx"] * rw) for w_ in ("k_layer_word", "v_layer_word")] if rw else []
     rows = [] if rw else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
+    if p["k_pre_word"]:  # the keys before RoPE too (a layer coding them so)
+        if rw:
+            raise E.DispatchError("fwd_qkv: keys before RoPE go to the source rows, not a rows layer")
+        rows.append((p["k_pre_word"], p["k_pre_word"] + k))
     return ([(p["w_word"], p["w_word"] + (q + 2 * k) * w), *norm], x, [(p["y_word"], p["y_word"] + q)], rows,
             [(0, p["n_pos"] * rd)], [(p["pos_word"], p["pos_word"] + 1)], layer)
 
