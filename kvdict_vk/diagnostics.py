@@ -253,12 +253,13 @@ def spirv_manifest() -> dict:
 
 # --- which kernel each cache attends by ------------------------------------------------------
 
-VARIANT_CACHES = ("f16", "f32", "q8_0", "kivi", "dict")
+VARIANT_CACHES = ("f16", "f32", "q8_0", "kivi", "dict", "dict_pre_rope")
 
 
 def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, n_used: int = 32768) -> list[dict]:
     """Per cache type (VARIANT_CACHES; "dict": the forge's default format over random per-head
-    dictionaries of 1 024 atoms), the SPIR-V variant ``device`` attends one layer of
+    dictionaries of 1 024 atoms; "dict_pre_rope": the same with its keys coded before RoPE,
+    kvdict_vk.rope — "build" names the K_ROPE build), the SPIR-V variant ``device`` attends one layer of
     ``n_kv`` × ``gqa`` heads at ``head_dim`` over ``n_used`` tokens by — the engine's plan,
     untuned (the tuner picks a launch shape and, for f16/f32/q8_0 rows, may pick
     attend_flash's wide end) — with the path, its workgroup size, the optional device
@@ -269,6 +270,7 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     from . import kivi as K
     from . import runtime, synthetic
     from .dictionary import FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact
+    from .rope import KeyRope
     from .vk import KvArena, abi
     from .vk.attend.flash import MMA_KERNEL
     from .vk.attend.ops import flash_shader
@@ -276,11 +278,12 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     for cache in VARIANT_CACHES:
         row = {"cache": cache}
         try:
-            if cache == "dict":
+            if cache.startswith("dict"):
                 dicts = synthetic.random_dicts(np.random.default_rng(0), head_dim, 1024, FORGE_SPARSITY,
                                                FORGE_RESIDUAL_BITS, n_kv)
-                with runtime.enabled_with(KvDictArtifact(head_dim, 1024, FORGE_SPARSITY, ((dicts[0], dicts[1]),)),
-                                          allow_uncertified=True):
+                rope = KeyRope(10000.0, head_dim) if cache == "dict_pre_rope" else None
+                with runtime.enabled_with(KvDictArtifact(head_dim, 1024, FORGE_SPARSITY, ((dicts[0], dicts[1]),),
+                                                         key_rope=rope), allow_uncertified=True):
                     arena = KvArena(1, n_kv, head_dim, n_used, device=device, cache="dict")
             else:
                 arena = KvArena(1, n_kv, head_dim, n_used, device=device, cache=cache,
@@ -292,6 +295,7 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
                 variant = att.variant(0, plan)
                 v = abi.DECLARATIONS[variant]
                 row.update(variant=variant, path=plan.path, local=plan.local or None,
+                           **({"build": "K_ROPE"} if cache == "dict_pre_rope" else {}),
                            needs=list(v.subgroup_ops and ("subgroups",)) + list(v.features),
                            # kernels this device runs the cache by when asked (Attention.flash_kernel)
                            on_request=([flash_shader(cache == "kivi", MMA_KERNEL)]
@@ -303,8 +307,10 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
 
 
 def variant_lines(rows: list[dict]) -> list[str]:
-    return [f"{r['cache']:>5}: " + (r["error"] if "error" in r else
-                                   f"{r['variant']} ({r['path']}{', ' + str(r['local']) + ' invocations' if r['local'] else ''}"
+    width = max((len(r["cache"]) for r in rows), default=0)
+    return [f"{r['cache']:>{width}}: " + (r["error"] if "error" in r else
+                                   f"{r['variant']}{' ' + r['build'] + ' build' if r.get('build') else ''} "
+                                   f"({r['path']}{', ' + str(r['local']) + ' invocations' if r['local'] else ''}"
                                    f"{', needs ' + ' + '.join(r['needs']) if r['needs'] else ''})"
                                    + (f"; on request: {', '.join(r['on_request'])}" if r.get("on_request") else ""))
             for r in rows]

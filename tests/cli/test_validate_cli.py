@@ -99,7 +99,10 @@ def test_variants_name_the_kernel_each_cache_attends_by(vk_device, capsys):
     mma = set(abi.MMA_FEATURES) <= set(vk_device.features()) and vk_device.limit("subgroup_size") == 32
     assert by["kivi"]["on_request"] == (["attend_mma_kivi"] if mma else [])
     assert by["f16"]["on_request"] == by["q8_0"]["on_request"] == (["attend_mma"] if mma else [])
-    assert by["dict"]["on_request"] == by["f32"]["on_request"] == []
+    assert by["dict"]["on_request"] == by["f32"]["on_request"] == by["dict_pre_rope"]["on_request"] == []
+    # keys coded before RoPE: the K_ROPE build of the flash pass over the codes, or attend_direct's
+    assert by["dict_pre_rope"]["build"] == "K_ROPE" and by["dict_pre_rope"]["variant"] == \
+        ("attend_flash_coded" if by["dict"]["path"] == "flash" else "attend_direct")
     assert validate.main(["--variants"]) == 0
     out = capsys.readouterr().out
-    assert all(f"{r['cache']:>5}: {r['variant']}" in out for r in rows)
+    assert all(f"{r['cache']:>5}: {r['variant']}" in out for r in rows) and "K_ROPE build" in out
