@@ -212,14 +212,11 @@ def test_turned_keys_beside_an_exact_window(make_arena, activate):
             assert nmse(attention_ref.attend(q, want_k, want_v, n), arena.attend(0, q, n)) <= 1e-9
 
 
-def test_what_cannot_turn_keys_is_refused(make_arena, activate, vk_device):
-    from kvdict_vk.vk import KvArena
+def test_what_cannot_turn_keys_is_refused(make_arena, activate):
     hd, n_kv = 64, 2
     rng = np.random.default_rng(1)
     art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), 1)
     activate(art)
-    with pytest.raises(E.ArenaError, match="one sequence"):
-        KvArena(2, n_kv, hd, 64, device=vk_device, seqs=2)
     arena = make_arena(2, n_kv, hd, 64)
     k = rng.standard_normal((n_kv, 10, hd)).astype(np.float32)
     arena.append(0, k, k)
@@ -240,6 +237,54 @@ def test_what_cannot_turn_keys_is_refused(make_arena, activate, vk_device):
     att.path = "flash"
     with pytest.raises(E.ArenaError, match="before RoPE"):
         plain_v.attend(0, q, 10)
+
+
+def test_a_batch_turns_each_sequence_from_its_own_positions(make_arena, activate):
+    """A batched arena (KvArena(seqs=3)): appends, reads, attend_batch, step_batch and a recorded
+    step of the batch code each sequence's keys turned back from its own positions and turn them
+    to those positions again — every sequence against the float64 reference of its own tokens."""
+    hd, n_kv, g, lengths = 64, 2, 2, (50, 20, 33)
+    rng = np.random.default_rng(9)
+    art = _art(rng, hd, KeyRope(10000.0, 64), ((4, 6), (4, 4)), n_kv)
+    activate(art)
+    arena = make_arena(2, n_kv, hd, 64, seqs=len(lengths))
+    k = [rng.standard_normal((n_kv, 64, hd)).astype(np.float32) for _ in lengths]
+    v = [rng.standard_normal((n_kv, 64, hd)).astype(np.float32) for _ in lengths]
+    for b, n in enumerate(lengths):
+        arena.append(0, k[b][:, :n], v[b][:, :n], seq=b)
+    sizes = [[n] for n in lengths]
+
+    def check(qs):
+        want = [(_coded_keys(art, k[b], sizes[b]), _values(art, v[b], sizes[b])) for b in range(len(lengths))]
+        for b, (wk, wv) in enumerate(want):
+            assert nmse(wk, arena.read(0, seq=b)[0]) <= 1e-9 and nmse(wv, arena.read(0, seq=b)[1]) <= 1e-9
+            assert nmse(wk[:, 7:], arena.read(0, 7, seq=b)[0]) <= 1e-9  # a range turns from its own first position
+        used = [sum(s) for s in sizes]
+        got = arena.attend_batch(0, qs, np.array(used))
+        for b, (wk, wv) in enumerate(want):
+            assert nmse(attention_ref.attend(qs[b], wk, wv, used[b]), got[b]) <= 1e-9
+        return want, used
+
+    q = rng.standard_normal((len(lengths), n_kv * g, hd)).astype(np.float32)
+    check(q)
+    t = [sum(s) for s in sizes]  # step_batch: a token a sequence, each at its own position
+    out = arena.step_batch(0, np.stack([k[b][:, t[b]:t[b] + 1] for b in range(3)]),
+                           np.stack([v[b][:, t[b]:t[b] + 1] for b in range(3)]), q)
+    for s in sizes:
+        s.append(1)
+    want, used = check(q)
+    for b, (wk, wv) in enumerate(want):
+        assert nmse(attention_ref.attend(q[b], wk, wv, used[b]), out[b]) <= 1e-9
+    step = arena.record_step(n_kv * g, layers=[0], batch=len(lengths))  # a recorded step of the batch
+    t = [sum(s) for s in sizes]
+    got = step.run(np.stack([k[b][:, t[b]] for b in range(3)])[None], np.stack([v[b][:, t[b]] for b in range(3)])[None],
+                   q[None])
+    for s in sizes:
+        s.append(1)
+    want, used = check(q)
+    for b, (wk, wv) in enumerate(want):
+        assert nmse(attention_ref.attend(q[b], wk, wv, used[b]), got[0, b]) <= 1e-9
+    step.free()
 
 
 def test_gpu_encoder_codes_the_turned_back_keys(make_arena, activate):

@@ -72,9 +72,6 @@ class KvArena:
         if art is not None and art.window and seqs > 1:
             raise E.ArenaError(f"a dictionary cache with an exact window ({art.window.describe()}) holds one "
                                f"sequence; asked for {seqs}")
-        if art is not None and art.key_rope is not None and seqs > 1:
-            raise E.ArenaError(f"a dictionary cache whose keys are coded before RoPE holds one sequence; "
-                               f"asked for {seqs}")
         if kivi is not None and cache != L.KIVI_CACHE:
             raise E.ArenaError(f"kivi settings given for a {cache!r} cache")
         layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx * int(seqs), art,

@@ -359,13 +359,16 @@ class DecodeStep:
         """The step buffer's words where a layer is dict-coded: every layer's K sources then
         every layer's V sources, each flat (layer, batch, n_kv, …): an uncoded stream's
         float32 rows (append_step converts them), a coded stream's slots (codec.encode_heads,
-        every sequence's token in one batch; keys coded before RoPE turned back from their
-        position, used − 1: such an arena holds one sequence)."""
+        every sequence's token in one batch; keys coded before RoPE turned back from each
+        sequence's position, its used − 1)."""
         out = ([], [])
         for j, i in enumerate(self.layers):
             # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary
-            heads = self._writes.coding_rows(i, (k_rows[j].transpose(1, 0, 2), v_rows[j].transpose(1, 0, 2)),
-                                             int(used[j, 0]) - 1)
+            heads = (k_rows[j].transpose(1, 0, 2), v_rows[j].transpose(1, 0, 2))
+            if self._streams[j][0].key_rope is not None:
+                turned = [self._writes.coding_rows(i, [h[:, b:b + 1] for h in heads], int(used[j, b]) - 1)
+                          for b in range(self.batch)]
+                heads = tuple(np.concatenate([t[s] for t in turned], axis=1) for s in (0, 1))
             for rows, coding, st, dst in zip((k_rows[j], v_rows[j]), heads, self._streams[j], out):
                 if st.coded:
                     slots = codec.encode_heads(coding, self._writes.stream_dict(i, st.stream))

@@ -190,9 +190,10 @@ class ArenaWrites:
             return
         # every sequence's rows encoded in one call (a token per sequence is one OMP batch
         # of B vectors per KV head, not B calls), written in one scatter
+        # (keys coded before RoPE turned back from each sequence's own positions first)
         n_new, streams = rows[0][0].shape[1], self.layout.layers[layer].streams
-        words = self.encode(layer, [np.concatenate([r[s] for r in rows], axis=1) for s in (0, 1)],
-                            self.memory.n_tokens(layer, 0))  # keys turned at one position: one sequence
+        coding = [self.coding_rows(layer, r, self.memory.n_tokens(layer, b)) for b, r in enumerate(rows)]
+        words = self.encode_coding(layer, [np.concatenate([c[s] for c in coding], axis=1) for s in (0, 1)])
         self.write_blocks(layer, [wr for b in range(len(rows)) for wr in self._seq_writes(
             layer, [(w[:, b * n_new:(b + 1) * n_new], st) for w, st in zip(words, streams)], b)])
         for b in range(len(rows)):
@@ -326,8 +327,12 @@ class ArenaWrites:
         """(K, V) rows of tokens t0 … → the words to store: slots of a coded stream
         (codec.encode_heads of its coding_rows: each KV head through its dictionary), the rows'
         bits for a passthrough one."""
+        return self.encode_coding(layer, self.coding_rows(layer, rows, t0))
+
+    def encode_coding(self, layer: int, rows) -> list:
+        """encode's words of rows already as their streams code them (coding_rows)."""
         words = []
-        for r, st in zip(self.coding_rows(layer, rows, t0), self.layout.layers[layer].streams):
+        for r, st in zip(rows, self.layout.layers[layer].streams):
             if st.coded:
                 words.append(codec.encode_heads(r, self.stream_dict(layer, st.stream)))
             else:

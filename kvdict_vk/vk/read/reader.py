@@ -105,8 +105,8 @@ class ReadPlan:
             self.ops.append(barrier(out))
             kern = pipeline(arena.device, "rope_rows", [layer_buf, out], {"HEAD_DIM": hd},
                             max_items=n_kv * n_tok * hd // 4)
-            self.ops.append(kern.op(table_word=k.rope_word, hi_rows=k.rope_hi_rows,
-                                    shift=k.rope_shift, t0=t0, n_tok=n_tok,
+            self.ops.append(kern.op(table_word=k.rope_word, hi_rows=k.rope_hi_rows,  # positions within the sequence
+                                    shift=k.rope_shift, t0=t0 % arena.seq_ctx, n_tok=n_tok,
                                     n_rows=n_kv * n_tok, out_word=0))
         windowed = [(j, st) for j, st in enumerate(lay.layers[layer].streams) if st.windowed]
         if windowed and n_tok:  # the window's rows over the slots' reconstruction
