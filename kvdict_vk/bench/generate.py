@@ -86,17 +86,9 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
     try:
         fill_random(arena, rng, depth)
         forward = DeviceForward(weights, arena, timestamps=True)
-        token, t0, warm = 1, time.perf_counter(), 0
-        while warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S):
-            token, warm = forward.run(token), warm + 1
-        wall, gpu = [], []
-        for i in range(args.tokens):
-            t = time.perf_counter()
-            token = forward.run(token)
-            wall.append(time.perf_counter() - t)
-            gpu.append(forward.gpu_seconds())
-            progress(f"{cache} {depth}: token {i + 1}/{args.tokens}")
-        row = {"engine": "kvdict", "cache": cache, "n_ctx": depth, "batch": 1, "warm_tokens": warm,
+        samples = decode_samples(forward, args.tokens, progress, f"{cache} {depth}")
+        wall, gpu = samples["wall"], samples["gpu"]
+        row = {"engine": "kvdict", "cache": cache, "n_ctx": depth, "batch": 1, "warm_tokens": samples["warm"],
                "tokens_per_s": 1.0 / float(np.median(wall)), "wall_s": common.stats(wall),
                "weight_bytes": forward.weight_bytes, "arena_bytes": arena.layout.total_bytes}
         if None not in gpu:
@@ -106,6 +98,26 @@ def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
         return row
     finally:
         arena.free()
+
+
+def decode_samples(forward, tokens: int, progress, label: str, exchange=None, agree=bool) -> dict:
+    """A greedy decode through ``forward`` (a DeviceForward or a SplitForward): untimed tokens
+    first (WARM_TOKENS, WARM_S; ``agree``: every rank's one answer to "another?", rank 0's), then
+    ``tokens`` timed — {"wall": their seconds, "gpu": forward.gpu_seconds() of each, "exchange":
+    the seconds ``exchange`` (a clock of time spent in collectives) moved around each, "warm":
+    the untimed tokens}."""
+    token, t0, warm = 1, time.perf_counter(), 0
+    while agree(warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S)):
+        token, warm = forward.run(token), warm + 1
+    wall, gpu, swap = [], [], []
+    for i in range(tokens):
+        x0, t = exchange() if exchange else 0.0, time.perf_counter()
+        token = forward.run(token)
+        wall.append(time.perf_counter() - t)
+        swap.append((exchange() if exchange else 0.0) - x0)
+        gpu.append(forward.gpu_seconds())
+        progress(f"{label}: token {i + 1}/{tokens}")
+    return {"wall": wall, "gpu": gpu, "exchange": swap, "warm": warm}
 
 
 def dict_artifact(cfg, rng, pre_rope: bool = False):
@@ -202,17 +214,23 @@ def report(result) -> list[str]:
 
 def plot(plt, result):
     rows = result["rows"]
+    series = [(f"{engine} {cache}", marker, [r for r in rows if r["engine"] == engine and r["cache"] == cache])
+              for engine, marker in (("kvdict", "o"), ("llama.cpp", "s")) for cache in sorted({r["cache"] for r in rows})]
+    return tokens_per_s_plot(plt, series, f"greedy decode, {result['device']['name']}")
+
+
+def tokens_per_s_plot(plt, series, title: str):
+    """Tokens/s over the context, a line for each of ``series`` [(label, marker, rows)] that has
+    rows with a rate."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    for engine, marker in (("kvdict", "o"), ("llama.cpp", "s")):
-        for cache in sorted({r["cache"] for r in rows}):
-            pts = sorted((r["n_ctx"], r["tokens_per_s"]) for r in rows
-                         if r["engine"] == engine and r["cache"] == cache and r.get("tokens_per_s"))
-            if pts:
-                ax.plot(*zip(*pts), marker=marker, label=f"{engine} {cache}")
+    for label, marker, rows in series:
+        pts = sorted((r["n_ctx"], r["tokens_per_s"]) for r in rows if r.get("tokens_per_s"))
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"greedy decode, {result['device']['name']}")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     return fig
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import common
 from .decode_step import fill_random
-from .generate import WARM_S, WARM_TOKENS, dict_artifact, smollm2_shapes
+from .generate import WARM_TOKENS, decode_samples, dict_artifact, smollm2_shapes, tokens_per_s_plot
 
 NAME, TOOL = "split", "kvdict_vk.bench.split"
 
@@ -79,24 +79,12 @@ def _devices(args, dev) -> list:
 
 
 def _timed(forward, tokens: int, progress, label: str, exchange=None, agree=bool, concurrent=False) -> dict:
-    """Wall and GPU time per token (untimed tokens first, as bench.generate's); host time is
-    wall less the GPU time of the devices held here — their sum, or where they run at once
-    (``concurrent``: a head split's) the longest; ``exchange``: a clock of the seconds spent
-    in collectives (RankArena.exchange_s), read around each token; ``agree``: every rank's one
-    answer to "another untimed token?" (rank 0's)."""
-    token, t0, warm = 1, time.perf_counter(), 0
-    while agree(warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S)):
-        token, warm = forward.run(token), warm + 1
-    wall, gpu, swap = [], [], []
-    for i in range(tokens):
-        x0, t = exchange() if exchange else 0.0, time.perf_counter()
-        token = forward.run(token)
-        wall.append(time.perf_counter() - t)
-        swap.append((exchange() if exchange else 0.0) - x0)
-        g = forward.gpu_seconds()
-        gpu.append(g if isinstance(g, list) else [g])
-        progress(f"{label}: token {i + 1}/{tokens}")
-    gpu = np.array(gpu, dtype=float)  # (tokens, devices held here)
+    """Wall and GPU time per token (bench.generate.decode_samples, its ``exchange`` and
+    ``agree``); host time is wall less the GPU time of the devices held here — their sum, or
+    where they run at once (``concurrent``: a head split's) the longest."""
+    samples = decode_samples(forward, tokens, progress, label, exchange, agree)
+    wall, swap = samples["wall"], samples["exchange"]
+    gpu = np.array([g if isinstance(g, list) else [g] for g in samples["gpu"]], dtype=float)  # (tokens, devices)
     row = {"tokens_per_s": 1.0 / float(np.median(wall)), "wall_s": common.stats(wall),
            "gpu_us_per_token": [1e6 * float(x) for x in np.median(gpu, axis=0)],
            "host_us_per_token": 1e6 * float(np.median(np.subtract(wall, gpu.max(axis=1) if concurrent
@@ -245,7 +233,8 @@ def run(args, progress) -> dict:
 
 
 def report(result) -> list[str]:
-    lines = [f"{result['device']['name']}: greedy decode over a layer split ({result['model']['shape']} shapes)"]
+    lines = [f"{result['device']['name']}: greedy decode over a {_split_of(result)} split "
+             f"({result['model']['shape']} shapes)"]
     for r in result["rows"]:
         gpu = " + ".join(f"{g:.0f}" for g in r["gpu_us_per_token"])
         host = r["host_us_per_token"] if isinstance(r["host_us_per_token"], list) else [r["host_us_per_token"]]
@@ -259,19 +248,15 @@ def report(result) -> list[str]:
 
 
 def plot(plt, result):
-    rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for cache in sorted({r["cache"] for r in rows}):
-        for n_dev, marker in ((1, "o"), (result["config"]["devices"], "s")):
-            pts = sorted((r["n_ctx"], r["tokens_per_s"]) for r in rows if r["cache"] == cache and r["devices"] == n_dev)
-            if pts:
-                ax.plot(*zip(*pts), marker=marker, label=f"{cache} on {n_dev}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"decode over a layer split, {result['device']['name']}")
-    ax.legend(fontsize=8)
-    return fig
+    rows, n_split = result["rows"], result["config"]["devices"]
+    series = [(f"{cache} on {n}", marker, [r for r in rows if r["cache"] == cache and r["devices"] == n])
+              for cache in sorted({r["cache"] for r in rows}) for n, marker in ((1, "o"), (n_split, "s"))]
+    return tokens_per_s_plot(plt, series, f"decode over a {_split_of(result)} split, {result['device']['name']}")
+
+
+def _split_of(result) -> str:
+    """The split a run's rows were over (by layers or by KV heads)."""
+    return next((r["split"] for r in result["rows"] if r.get("split")), "layer")
 
 
 def main(argv=None) -> int:

@@ -56,11 +56,8 @@ class RankArena(SplitArena):
         self.exchange_s = 0.0  # time spent in the group's collectives, all calls
         dev = device if isinstance(device, Device) else get_device(device)
         self._remote = np.zeros(n_layers, np.int64)  # tokens a layer holds, where another rank holds it
-        try:
-            self._build(n_layers, n_kv_heads, head_dim, n_ctx, split, {self.rank: dev}, self.world, arena_kw)
-            outcome = None
-        except Exception as exc:  # noqa: BLE001 — handed to every rank
-            outcome = _portable(exc, self.rank)
+        outcome = self._outcome(lambda: self._build(n_layers, n_kv_heads, head_dim, n_ctx, split, {self.rank: dev},
+                                                    self.world, arena_kw))
         try:
             self._agree(outcome)  # every rank refuses where any does
         except BaseException:
@@ -68,6 +65,16 @@ class RankArena(SplitArena):
             raise
 
     # --- the exchange -----------------------------------------------------------------------
+    def _outcome(self, call):
+        """``call()``'s result, or the error it raised as it can travel to the other ranks
+        (the project's typed errors as they are, anything else a DistributedError naming this
+        rank) — for _agree or a broadcast to raise on every rank."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 — handed to every rank
+            return exc if isinstance(exc, E.KvDictError) else \
+                E.DistributedError(f"rank {self.rank}: {type(exc).__name__}: {exc}")
+
     def _timed(self, collective, *args, **kw):
         t0 = time.perf_counter()
         try:
@@ -86,11 +93,7 @@ class RankArena(SplitArena):
         return gathered
 
     def _each(self, call) -> list:
-        try:
-            outcome = call(self.parts[0])
-        except Exception as exc:  # noqa: BLE001 — handed to every rank
-            outcome = _portable(exc, self.rank)
-        return self._agree(outcome)
+        return self._agree(self._outcome(lambda: call(self.parts[0])))
 
     def _at_owner(self, layer: int, call):
         owner = self._owner_index(layer)
@@ -98,10 +101,7 @@ class RankArena(SplitArena):
         if owner == self.rank:
             part = self.parts[0]
             i = layer - part.layers[0]
-            try:
-                box = [call(part.arena, i), part.arena.n_tokens(i)]
-            except Exception as exc:  # noqa: BLE001 — handed to every rank
-                box = [_portable(exc, self.rank), part.arena.n_tokens(i)]
+            box = [self._outcome(lambda: call(part.arena, i)), part.arena.n_tokens(i)]
         self._timed(self._dist.broadcast_object_list, box, src=self._global[owner])
         self._remote[layer] = box[1]
         if isinstance(box[0], BaseException):
@@ -150,12 +150,11 @@ class RankArena(SplitArena):
     def record_step(self, n_heads: int, layers=None, scale: float | None = None, n_plan: int | None = None):
         """SplitArena.record_step on every rank, each recording its own layers and heads; a
         rank's refusal is every rank's."""
+        outcome = self._outcome(lambda: super(RankArena, self).record_step(n_heads, layers, scale=scale,
+                                                                           n_plan=n_plan))
+        step = None if isinstance(outcome, BaseException) else outcome
         try:
-            step, outcome = super().record_step(n_heads, layers, scale=scale, n_plan=n_plan), None
-        except Exception as exc:  # noqa: BLE001 — handed to every rank
-            step, outcome = None, _portable(exc, self.rank)
-        try:
-            self._agree(outcome)
+            self._agree(None if step is not None else outcome)  # (a step stays on its rank)
         except BaseException:
             if step is not None:
                 self._steps.remove(step)
@@ -185,10 +184,3 @@ class RankArena(SplitArena):
         """This rank's part (split.Part)."""
         return self.parts[0]
 
-
-def _portable(exc: Exception, rank: int) -> Exception:
-    """``exc`` as it can travel to the other ranks: the project's typed errors as they are,
-    anything else as a DistributedError naming the rank and the error."""
-    if isinstance(exc, E.KvDictError):
-        return exc
-    return E.DistributedError(f"rank {rank}: {type(exc).__name__}: {exc}")

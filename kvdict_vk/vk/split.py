@@ -77,12 +77,10 @@ def part_cuts(split: str, n_layers: int, n_kv_heads: int, parts: int) -> list[tu
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """One device's part: its arena, the layers [a, b) and the KV heads [h0, h1) it holds, and
-    its index among the split's parts."""
+    """One device's part: its arena, the layers [a, b) and the KV heads [h0, h1) it holds."""
     arena: KvArena
     layers: tuple[int, int]
     heads: tuple[int, int]
-    index: int = 0
 
 
 class SplitArena:
@@ -124,7 +122,7 @@ class SplitArena:
                     kw.update(cache="dict", dictionary_part=artifact_part(art, layers, heads if split == "head"
                                                                           else None))
                 arena = KvArena(layers[1] - layers[0], heads[1] - heads[0], head_dim, n_ctx, device=dev, **kw)
-                self.parts.append(Part(arena, layers, heads, index))
+                self.parts.append(Part(arena, layers, heads))
         except BaseException:
             self.free()
             raise

@@ -80,7 +80,7 @@ def main(argv=None) -> None:
             if best is None or us < best[0]:
                 best = (us, rt, sg, key)
     f = DeviceForward(weights, arena, qkv_appends=QKV_APPENDS, row_threads=best[1], subgroups=best[2])
-    ops = f._ops()  # noqa: SLF001 (a probe: the same ops, recorded with a timestamp after each)
+    (ops,) = f._segments()  # noqa: SLF001 (a probe: the same ops, recorded with a timestamp after each)
     rec = Recording(dev, ops, timestamps="ops")
     f.step.stage_lengths()
     f._values_host[:] = 1  # noqa: SLF001

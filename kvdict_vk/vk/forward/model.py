@@ -111,9 +111,8 @@ class DeviceForward:
         self._recs: list[Recording] = []
         # keys coded before RoPE: the step's encoder codes the projection's keys before this
         # model's RoPE, so the artifact's must be that one
-        model_rope = KeyRope(cfg.rope_theta, cfg.rope_dim)
         for i, ll in enumerate(lay.layers):
-            if ll.k.key_rope is not None and ll.k.key_rope != model_rope:
+            if ll.k.key_rope is not None and ll.k.key_rope != (model_rope := KeyRope(cfg.rope_theta, cfg.rope_dim)):
                 raise E.DictMismatchError(f"layer {i}: the dictionary's keys were coded before RoPE {ll.k.key_rope}, "
                                           f"the model turns them by {model_rope}")
         self.step = arena.record_step(self._n_q, n_plan=n_plan, record=False)  # checks n_plan
@@ -236,19 +235,12 @@ class DeviceForward:
         push = dict(x_word=0, n=n, out_word=NEXT_WORD, parts=parts)
         return [stage0.op(**push, stage=0), barrier(self._partial), stage1.op(**push, stage=1)]
 
-    def _ops(self) -> list:
-        """The token's ops, recorded as one submission (a forward over every KV head)."""
-        (ops,) = self._segments()
-        return ops
-
     def _segments(self) -> list:
         """The token's ops, each section labelled (:attr:`op_labels`: a profile's key); over a
         range of KV heads cut after each layer's attention, whose output goes back to the host
         there (the next part starts with the O projection of every head's output)."""
         sections = self._sections()
-        core = [op for _, ops in sections for op in ops]
         self.op_labels = [label for label, ops in sections for _ in ops]  # per op of the core, what it is part of
-        self._core = core
         attn_out = self.step.buffers[2]
         segments, ops = [], []
         for label, section in sections:
