@@ -206,10 +206,7 @@ void reduce(bool take_max) {  // P_OF(x, h) over x → P_OF(0, h), every head at
     if (K_BITS > 0u) { \
         uint bit0_ = 4u * (c) * K_BITS, w_ = slot + K_SPARSITY + (bit0_ >> 5u), off_ = bit0_ & 31u; \
         uint bits_ = level_window(cache_words[w_], off_ + 4u * K_BITS > 32u ? cache_words[w_ + 1u] : 0u, off_); \
-        vec4 lv; \
-        [[unroll]] for (uint k_ = 0u; k_ < 4u; ++k_) \
-            lv[k_] = centred_level((bits_ >> (k_ * K_BITS)) & ((1u << K_BITS) - 1u), K_BITS); \
-        kq += (step_ * lv) * kscale_sh[c]; \
+        kq += (step_ * centred_quad(bits_, K_BITS)) * kscale_sh[c]; \
     } \
     uvec2 at = (pc.rope_word >> 2u) + rope_quads(t, c, pc.rope_hi, pc.rope_shift, VQ); \
     kq = rope_turn(kq + kmean_sh[c], uintBitsToFloat(cache_quads[at.x]), uintBitsToFloat(cache_quads[at.y])); \
@@ -446,11 +443,8 @@ void main() {
                 for (uint x = vlane; x < n; x += VLANES) {
                     uint lo = vlev_sh[x * V_STAGE + w0];
                     uint hi = straddles ? vlev_sh[x * V_STAGE + w0 + 1u] : 0u;
-                    uint bits = level_window(lo, hi, off);
-                    vec4 lv;
+                    vec4 lv = centred_quad(level_window(lo, hi, off), V_BITS);
                     float st = step_sh[x];
-                    [[unroll]] for (uint k = 0u; k < 4u; ++k)
-                        lv[k] = centred_level((bits >> (k * V_BITS)) & ((1u << V_BITS) - 1u), V_BITS);
                     [[unroll]] for (uint h = 0u; h < HB; ++h)
                         res[h] += (P_OF(x, h) * st) * lv;
                 }

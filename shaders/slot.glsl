@@ -54,6 +54,12 @@ uint level_window(uint w0, uint w1, uint off) { return (w0 >> off) | ((w1 << 1u)
 float centred_level(uint level, uint bits) {
     return uintBitsToFloat(0x4A800000u | (level << 1u)) - (4194304.0 + residual_half(bits));
 }
+// The first four levels of a window (level_window), centred: an element quad's.
+vec4 centred_quad(uint win, uint bits) {
+    uint m = (1u << bits) - 1u;
+    return vec4(centred_level(win & m, bits), centred_level((win >> bits) & m, bits),
+                centred_level((win >> (2u * bits)) & m, bits), centred_level((win >> (3u * bits)) & m, bits));
+}
 // Level e of a window (element e at bit e*bits) as 1 + level / 2^bits, also without a
 // conversion: its bits moved to the top of 1.0's mantissa (one shift, one and, one or).
 float window_unit_level(uint win, uint e, uint bits) {
