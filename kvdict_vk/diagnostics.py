@@ -261,10 +261,11 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     dictionaries of 1 024 atoms; "dict_pre_rope": the same with its keys coded before RoPE,
     kvdict_vk.rope — "build" names the K_ROPE build), the SPIR-V variant ``device`` attends one layer of
     ``n_kv`` × ``gqa`` heads at ``head_dim`` over ``n_used`` tokens by — the engine's plan,
-    untuned (the tuner picks a launch shape and, for f16/f32/q8_0 rows, may pick
-    attend_flash's wide end) — with the path, its workgroup size, the optional device
-    features the variant needs, and the kernels it runs by only when asked (``on_request``:
-    attend_mma, where the device has cooperative matrices)."""
+    untuned (where the engine tunes, a GPU, it picks a launch shape and, over rows, a build:
+    ``tuned_among`` — attend_flash's wide end, and over q8_0 rows its integer dot products where the
+    device has them) — with the
+    path, its workgroup size, the optional device features the variant needs, and the kernels it
+    runs by only when asked (``on_request``: attend_mma, where the device has cooperative matrices)."""
     import numpy as np
 
     from . import kivi as K
@@ -290,13 +291,18 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
                                 **({"kivi": K.KiviSpec()} if cache == "kivi" else {}))
             with arena:
                 att = arena.attention(n_kv * gqa)
+                tunes = att.tune  # the engine's own setting here (a CPU driver's plans are untuned)
                 att.tune = False
                 plan = att.plan(0, n_used)
                 variant = att.variant(0, plan)
                 v = abi.DECLARATIONS[variant]
+                rows_flash = tunes and plan.path == "flash" and not arena.layout.layers[0].k.coded
+                tuned = [att.shapes.flash_variant(plan.local, flash_shader(cache == "kivi", k))
+                         for k in att.shapes.flash_kernels(0)] if rows_flash else []
                 row.update(variant=variant, path=plan.path, local=plan.local or None,
                            **({"build": "K_ROPE"} if cache == "dict_pre_rope" else {}),
                            needs=list(v.subgroup_ops and ("subgroups",)) + list(v.features),
+                           tuned_among=tuned if len(tuned) > 1 else [],
                            # kernels this device runs the cache by when asked (Attention.flash_kernel)
                            on_request=([flash_shader(cache == "kivi", MMA_KERNEL)]
                                        if att.shapes.mma_locals(0) else []))
@@ -312,6 +318,7 @@ def variant_lines(rows: list[dict]) -> list[str]:
                                    f"{r['variant']}{' ' + r['build'] + ' build' if r.get('build') else ''} "
                                    f"({r['path']}{', ' + str(r['local']) + ' invocations' if r['local'] else ''}"
                                    f"{', needs ' + ' + '.join(r['needs']) if r['needs'] else ''})"
+                                   + (f"; tuned among: {', '.join(r['tuned_among'])}" if r.get("tuned_among") else "")
                                    + (f"; on request: {', '.join(r['on_request'])}" if r.get("on_request") else ""))
             for r in rows]
 

@@ -67,6 +67,25 @@
 #ifndef ROUND_SOFTMAX
 #define ROUND_SOFTMAX KIVI
 #endif
+// KDOT 1: the attend_flash_dot builds, over q8_0 rows (ROW_Q8 1, host-checked) on devices with
+// integer dot products (VK_KHR_shader_integer_dot_product): a key unit's int8 levels are dotted
+// with the query in integer arithmetic, four products an instruction, with no int→float
+// conversion. The query (times the score scale) is quantised per 32-element block in two int8
+// parts: with s the block's largest |x| / 127, hi = round(x / s) and lo = round((x / s − hi)·254),
+// so x is s·(hi + lo / 254) within s / 508; a unit's 32-bit sum 254·(k·hi) + k·lo is exact and
+// becomes a float once a head (query_int8, key_int8_scores). Values as the other row builds.
+#ifndef KDOT
+#define KDOT 0
+#endif
+#if KDOT && (KIVI || ROUND_SOFTMAX)
+#error "KDOT: q8_0 rows, token by token"
+#endif
+#if KDOT
+#extension GL_EXT_spirv_intrinsics : require
+// OpSDotAccSatKHR over two words of four signed bytes (PackedVectorFormat4x8Bit: the literal 0)
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4453)
+int dot4x8_add(uint a, uint b, int acc, spirv_literal int packed_format);
+#endif
 #include "common.glsl"
 #include "attend_common.glsl"
 #if KIVI
@@ -295,19 +314,65 @@ uint tid, unit, tlane;
 #if SUBGROUP
 uint lane0;  // the token's first lane in the subgroup
 #endif
+#if KDOT
+uvec2 qi_hi[MAX_G], qi_lo[MAX_G];  // (KDOT) the unit's query elements as two int8 parts
+float qi_step[MAX_G];              // and their block's s / 254
+#else
 vec4 q_lo[MAX_G], q_hi[MAX_G];
+#endif
 float m[MAX_G], l[MAX_G];
 float m_own, l_own;
 vec4 acc_lo[MAX_G], acc_hi[MAX_G];
 
-// One token of the invocation's token lane (``live``: within the split; every lane of the
-// subgroup calls it, live or not — its shuffles and barriers need them all): its unit of the
-// key and value decoded (k_scale · k, v_scale · v: unit_values' factors), its scores summed over
-// the token's lanes, the softmax step, p·v.
-void take_token(vec4 k_lo, vec4 k_hi, float k_scale, vec4 v_lo, vec4 v_hi, float v_scale, bool live) {
-    float s[MAX_G];
+#if KDOT
+// Query head h's unit of 8 elements from word f, in the block of 32 from word f_block, times the
+// score scale, into qi_hi[h], qi_lo[h] and qi_step[h] (see KDOT). A block holding a NaN or an
+// infinity gets step NaN: the head's scores are NaN, as the float builds' would be.
+void query_int8(uint h, uint f_block, uint f) {
+    float big = 0.0;
+    bool finite = true;
+    for (uint j = 0u; j < 32u; ++j) {
+        float x = q_floats[f_block + j] * pc.score_scale;
+        finite = finite && (floatBitsToUint(x) & 0x7F800000u) != 0x7F800000u;
+        big = max(big, abs(x));
+    }
+    float s = big > 0.0 ? big / 127.0 : 1.0;
+    uint hi[2] = uint[2](0u, 0u), lo[2] = uint[2](0u, 0u);
+    [[unroll]] for (uint j = 0u; j < 8u; ++j) {
+        float x = finite ? q_floats[f + j] * pc.score_scale / s : 0.0;
+        float xh = clamp(round(x), -127.0, 127.0);
+        float xl = clamp(round((x - xh) * 254.0), -127.0, 127.0);
+        hi[j / 4u] |= (uint(int(xh)) & 0xFFu) << (8u * (j % 4u));
+        lo[j / 4u] |= (uint(int(xl)) & 0xFFu) << (8u * (j % 4u));
+    }
+    qi_hi[h] = uvec2(hi[0], hi[1]);
+    qi_lo[h] = uvec2(lo[0], lo[1]);
+    qi_step[h] = finite ? s / 254.0 : uintBitsToFloat(0x7FC00000u);
+}
+
+// A q8_0 key unit's partial scores (a: load_unit's words): its int8 levels dotted with each
+// head's two query parts, times the query block's step and the key block's scale.
+void key_int8_scores(uvec4 a, uint unit, out float s[MAX_G]) {
+    float d = unpackHalf2x16(a.z)[(unit / 4u) % 2u];
+    [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+        int t = dot4x8_add(a.y, qi_hi[h].y, dot4x8_add(a.x, qi_hi[h].x, 0, 0), 0) * 254;
+        t = dot4x8_add(a.y, qi_lo[h].y, dot4x8_add(a.x, qi_lo[h].x, t, 0), 0);
+        s[h] = float(t) * (qi_step[h] * d);
+    }
+}
+#else
+// A decoded key unit's partial scores (k_scale · k: unit_values' factor).
+void key_scores(vec4 k_lo, vec4 k_hi, float k_scale, out float s[MAX_G]) {
     [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
         s[h] = (dot(k_lo, q_lo[h]) + dot(k_hi, q_hi[h])) * k_scale;
+}
+#endif
+
+// One token of the invocation's token lane (``live``: within the split; every lane of the
+// subgroup calls it, live or not — its shuffles and barriers need them all): its unit's partial
+// scores s (key_scores, key_int8_scores) summed over the token's lanes, the softmax step, p·v
+// over its unit of the value decoded (v_scale · v: unit_values' factor).
+void take_token(float s[MAX_G], vec4 v_lo, vec4 v_hi, float v_scale, bool live) {
     // the token's scores: its lanes' partial scores summed (the same in each lane)
 #if SUBGROUP
     if (SCATTERED) {
@@ -417,8 +482,7 @@ float rp[TB][MAX_G];
 
 // Token b of the round: its unit of the key decoded (k_scale · k), the partial scores.
 void round_score(uint b, vec4 k_lo, vec4 k_hi, float k_scale) {
-    [[unroll]] for (uint h = 0u; h < MAX_G; ++h)
-        rs[b][h] = (dot(k_lo, q_lo[h]) + dot(k_hi, q_hi[h])) * k_scale;
+    key_scores(k_lo, k_hi, k_scale, rs[b]);
 }
 
 // The round's softmax step (``live[b]``: token b is within the split; every lane of the subgroup
@@ -562,13 +626,21 @@ void main() {
         m_own = NEG_INF;
         l_own = 0.0;
         [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
+            uint f = pc.q_word + (vh * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
+#if KDOT
+            qi_hi[h] = uvec2(0u);
+            qi_lo[h] = uvec2(0u);
+            qi_step[h] = 0.0;
+            if (h < GROUP)
+                query_int8(h, f - (unit % 4u) * UNIT_DIMS, f);  // 4 units a block of 32
+#else
             q_lo[h] = vec4(0.0);
             q_hi[h] = vec4(0.0);
             if (h < GROUP) {
-                uint f = pc.q_word + (vh * GROUP + h) * HEAD_DIM + unit * UNIT_DIMS;
                 q_lo[h] = vec4(q_floats[f], q_floats[f + 1u], q_floats[f + 2u], q_floats[f + 3u]) * pc.score_scale;
                 q_hi[h] = vec4(q_floats[f + 4u], q_floats[f + 5u], q_floats[f + 6u], q_floats[f + 7u]) * pc.score_scale;
             }
+#endif
             m[h] = NEG_INF;
             l[h] = 0.0;
             acc_lo[h] = vec4(0.0);
@@ -624,8 +696,9 @@ void main() {
                 kivi_unit_x(kc[b], kivi_unit_bit(unit, K_BITS), K_BITS, k_lo, k_hi);
                 vec2 sv = kivi_fold(vc[b].x, V_BITS);
                 kivi_unit_x(vc[b].yzw, kivi_unit_bit(unit, V_BITS), V_BITS, v_lo, v_hi);
-                take_token(k_lo * ks_lo + kb_lo, k_hi * ks_hi + kb_hi, 1.0, v_lo * sv.x + sv.y, v_hi * sv.x + sv.y,
-                           1.0, TOKEN_OF(r0, b) < q_rel);
+                float s[MAX_G];
+                key_scores(k_lo * ks_lo + kb_lo, k_hi * ks_hi + kb_hi, 1.0, s);
+                take_token(s, v_lo * sv.x + sv.y, v_hi * sv.x + sv.y, 1.0, TOKEN_OF(r0, b) < q_rel);
             }
 #endif
         }
@@ -659,7 +732,9 @@ void main() {
                           k_lo, k_hi);
                 half_unit(cache_quads[(kivi_window_row(pc.v_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
                           v_lo, v_hi);
-                take_token(k_lo, k_hi, 1.0, v_lo, v_hi, 1.0, t >= q_rel && t < n_tok);
+                float s[MAX_G];
+                key_scores(k_lo, k_hi, 1.0, s);
+                take_token(s, v_lo, v_hi, 1.0, t >= q_rel && t < n_tok);
             }
 #endif
         }
@@ -674,14 +749,25 @@ void main() {
         for (uint r0 = 0u; r0 < n_tok; r0 += TLANES * TB) {  // the same trip count in every invocation
             vec4 k_lo[TB], k_hi[TB], v_lo[TB], v_hi[TB];
             float k_scale[TB], v_scale[TB];
+#if KDOT
+            uvec4 k_words[TB] = ka;  // dotted as they are (key_int8_scores)
+#endif
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
+#if !KDOT
                 k_scale[b] = unit_values(ka[b], kb[b], unit, k_lo[b], k_hi[b]);
+#endif
                 v_scale[b] = unit_values(va[b], vb[b], unit, v_lo[b], v_hi[b]);
             }
             uint next = r0 + TLANES * TB;
             if (PREFETCH && next < n_tok)
                 LOAD_ROUND(next);
-#if ROUND_SOFTMAX
+#if KDOT
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                float s[MAX_G];
+                key_int8_scores(k_words[b], unit, s);
+                take_token(s, v_lo[b], v_hi[b], v_scale[b], TOKEN_OF(r0, b) < n_tok);
+            }
+#elif ROUND_SOFTMAX
             bool live[TB];
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 live[b] = TOKEN_OF(r0, b) < n_tok;
@@ -691,8 +777,11 @@ void main() {
             [[unroll]] for (uint b = 0u; b < TB; ++b)
                 round_value(b, v_lo[b], v_hi[b], v_scale[b], live[b]);
 #else
-            [[unroll]] for (uint b = 0u; b < TB; ++b)
-                take_token(k_lo[b], k_hi[b], k_scale[b], v_lo[b], v_hi[b], v_scale[b], TOKEN_OF(r0, b) < n_tok);
+            [[unroll]] for (uint b = 0u; b < TB; ++b) {
+                float s[MAX_G];
+                key_scores(k_lo[b], k_hi[b], k_scale[b], s);
+                take_token(s, v_lo[b], v_hi[b], v_scale[b], TOKEN_OF(r0, b) < n_tok);
+            }
 #endif
             if (!(PREFETCH) && next < n_tok)
                 LOAD_ROUND(next);

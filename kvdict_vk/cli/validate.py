@@ -152,10 +152,11 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             gk, gv = plain.read(0, 0, n_ctx)
             rows.append(_row(f"append+read {cache} K", shape, kc, gk, NMSE_READ, None, plain))
             rows.append(_row(f"append+read {cache} V", shape, vc, gv, NMSE_READ, None, plain))
+            plain.attention(q.shape[0]).exact = True  # the exact builds here; the fast ones below
             out = plain.attend(0, q, n_ctx)
             ref = attention_ref.attend(q, kc, vc, n_ctx)
             rows.append(_row(f"attend {cache}", shape, ref, out, NMSE_ATTEND, None, plain))
-            rows += _mma_rows(plain, q, ref, n_ctx, shape, cache)
+            rows += _fast_rows(plain, q, ref, n_ctx, shape, cache)
     if hd % K.GROUP == 0:  # the KIVI cache: reads against kvdict_vk.kivi's reference, attention over them
         with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, cache="kivi") as kv_arena:
             kc, vc = K.cache_rows(k, v, n_ctx, kv_arena.layout.kivi)
@@ -166,24 +167,29 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             out = kv_arena.attend(0, q, n_ctx)
             ref = attention_ref.attend(q, kc, vc, n_ctx)
             rows.append(_row("attend kivi", shape, ref, out, NMSE_ATTEND, None, kv_arena))
-            rows += _mma_rows(kv_arena, q, ref, n_ctx, shape, "kivi")
+            rows += _fast_rows(kv_arena, q, ref, n_ctx, shape, "kivi")
     for d, name in ((art.layers[0][0], "K"), (art.layers[0][1], "V")):
         if d is not None:
             rows.append(_encoder_row(dev, d, k[:, :64], f"{shape} stream={name}"))
     return rows
 
 
-def _mma_rows(arena, q, ref, n_ctx, shape, cache) -> list[dict]:
-    """attend_mma over ``arena``'s layer 0 at the fast paths' gate, where the device has it (the
-    tuner does not pick it: forced here, the arena's last use); none elsewhere."""
-    from ..vk.attend.flash import MMA_KERNEL
+def _fast_rows(arena, q, ref, n_ctx, shape, cache) -> list[dict]:
+    """The fast builds over ``arena``'s layer 0 at the fast paths' gate, each forced where the
+    device has it (the arena's last use): attend_mma (mma_locals; the tuner does not pick it) and
+    attend_flash_dot (a q8_0 layer, integer dot products); none elsewhere."""
+    from ..vk.attend.flash import INT_DOT_KERNEL, MMA_KERNEL
     att = arena.attention(q.shape[0])
-    if not att.shapes.mma_locals(0):
-        return []
-    att.path, att.flash_kernel = "flash", MMA_KERNEL
-    out = arena.attend(0, q, n_ctx)
-    row = _row(f"attend {cache}, {att.variant(0, att.plan(0, n_ctx))}", shape, ref, out, NMSE_FAST, None, arena)
-    return [dict(row, metric="nmse_fast")]  # its own worst (worst_by_metric): the exact paths' stays theirs
+    att.exact = False
+    kernels = ([MMA_KERNEL] if att.shapes.mma_locals(0) else []) + \
+        ([INT_DOT_KERNEL] if INT_DOT_KERNEL in att.shapes.flash_kernels(0) else [])
+    rows = []
+    for kernel in kernels:
+        att.path, att.flash_kernel = "flash", kernel
+        out = arena.attend(0, q, n_ctx)
+        row = _row(f"attend {cache}, {att.variant(0, att.plan(0, n_ctx))}", shape, ref, out, NMSE_FAST, None, arena)
+        rows.append(dict(row, metric="nmse_fast"))  # its own worst (worst_by_metric): the exact paths' stays theirs
+    return rows
 
 
 def _row(op, shape, ref, got, tol, seconds, arena) -> dict:

@@ -274,8 +274,9 @@ ATTEND_SPEC = ("HEAD_DIM", "GROUP", "LOCAL", "HB")  # attend_common.glsl's (LOCA
 
 
 def _attend(name: str, bindings: tuple, push: PushBlock, spec: tuple = ATTEND_SPEC, *, source: str = "",
-            defines: tuple = (), optional: tuple = (), subgroup_ops: tuple = ()) -> Variant:
-    return Variant(name, source or f"{name}.comp", defines, bindings, push, spec, optional, "LOCAL", subgroup_ops)
+            defines: tuple = (), optional: tuple = (), subgroup_ops: tuple = (), features: tuple = ()) -> Variant:
+    return Variant(name, source or f"{name}.comp", defines, bindings, push, spec, optional, "LOCAL", subgroup_ops,
+                   features)
 
 
 def _declare() -> tuple:
@@ -370,6 +371,12 @@ def _declare() -> tuple:
                                ("attend_flash_wide_sg", (("WIDE_END", 1), ("SUBGROUP", 1)), _SG)):
         out.append(_attend(name, flash_bindings, ATTEND_FLASH_PUSH, flash, source="attend_flash.comp",
                            defines=defines, optional=flash_optional, subgroup_ops=ops))
+    # attend_flash over q8_0 rows with the keys' levels dotted with an int8 query by integer dot
+    # products (KDOT; devices that report them), with and without shuffles
+    for name, defines, ops in (("attend_flash_dot", (("KDOT", 1),), ()),
+                               ("attend_flash_dot_sg", (("KDOT", 1), ("SUBGROUP", 1)), _SG)):
+        out.append(_attend(name, flash_bindings, ATTEND_FLASH_PUSH, flash, source="attend_flash.comp",
+                           defines=defines, optional=flash_optional, subgroup_ops=ops, features=("integer_dot",)))
     # attend_flash over the KIVI cache's words (K_BITS, V_BITS: 2 .. 8; its exact windows are
     # binary16 rows: ROW_HALF 1), with and without shuffles
     for name, defines, ops in (("attend_flash_kivi", (("KIVI", 1),), ()),

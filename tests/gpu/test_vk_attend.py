@@ -732,10 +732,13 @@ def test_flash_launch_shape_is_measured_once_per_bucket(coded, make_arena, activ
     if coded:  # the query heads per workgroup are a dimension of the search
         assert [hb for hb, _ in att.shapes.flash_coded_options(0, "float")] == [2, 1]
         offered = T.candidates(att.shapes.flash_coded_options(0, "float"), counts, "float")
-    else:  # the build (its split's end) is a dimension too
-        from kvdict_vk.vk.attend.flash import FLASH_KERNELS
-        assert all(att.shapes.flash_kernel_locals(0, kernel) == att.shapes.flash_locals(0) for kernel in FLASH_KERNELS)
-        offered = [sh for kernel in FLASH_KERNELS
+    else:  # the build (its split's end) is a dimension too; over f16 rows: not the int8 dot products
+        from kvdict_vk.vk.attend.flash import FLASH_KERNELS, INT_DOT_KERNEL
+        kernels = att.shapes.flash_kernels(0)
+        assert kernels == tuple(k for k in FLASH_KERNELS if k != INT_DOT_KERNEL)
+        assert att.shapes.flash_kernel_locals(0, INT_DOT_KERNEL) == []
+        assert all(att.shapes.flash_kernel_locals(0, kernel) == att.shapes.flash_locals(0) for kernel in kernels)
+        offered = [sh for kernel in kernels
                    for sh in T.candidates([(0, att.shapes.flash_kernel_locals(0, kernel))], counts, kernel)]
     what = lambda x: (x.local, x.heads, x.kernel)  # noqa: E731
     shapes = att.shapes.flash_candidates(0)  # offered, less counts whose splits come out alike

@@ -89,8 +89,10 @@ def test_shipped_spirv_matches_its_contract(name):
     # Shader capability only (and the subgroup classes a variant declares), no extension, ≤ 128
     # invocations
     spirv.check_portable(name, r, subgroup_ops=spec.subgroup_ops, features=spec.features)
-    if not spec.subgroup_ops:
+    if not spec.subgroup_ops and not spec.features:
         assert r.capabilities == (1,)
+    for f in spec.features:  # a declared feature is one the module uses
+        assert set(abi.FEATURE_CAPABILITIES[f][0]) & set(r.capabilities), (f, r.capabilities)
     assert r.local_size == (64, 1, 1)
     assert len(r.bindings) == len(spec.lanes)
     assert r.push_constant_bytes == spec.push.size_bytes

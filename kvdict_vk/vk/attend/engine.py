@@ -87,6 +87,8 @@ class Attention:
     coded_kernel = _forward("shapes", "coded_kernel", "the kernel over the codes (CODED_KERNELS; None: tuned)")
     flash_kernel = _forward("shapes", "flash_kernel", "attend_flash's build (FLASH_KERNELS; None: tuned)")
     subgroups = _forward("shapes", "subgroups", "attend_flash by subgroup shuffles (None: where they fit)")
+    exact = _forward("shapes", "exact", "only the exact builds, float32 throughout (False: the tuner may pick a "
+                     "fast path that meets issue 50's gate, NMSE ≤ 1e-5)")
     compute_units = _forward("shapes", "compute_units", "the multiprocessors the workgroup counts are of")
     # how the engine divides an attention (plan.Grid)
     local = property(lambda self: self.grid.local, doc="the direct and table passes' workgroup size")

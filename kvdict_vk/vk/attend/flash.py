@@ -7,7 +7,7 @@ times, and the flash plan of a launch shape.
 FlashShapes takes what it needs explicitly — the device (its limits and subgroups), the
 layout, the query heads per KV head and the engine's split capacity — and derives each fact
 of a layer once (they are fixed for an engine's life). Its settings (coded_workgroups,
-flash_workgroups, coded_heads, coded_kernel, flash_kernel, subgroups, compute_units) are the
+flash_workgroups, coded_heads, coded_kernel, flash_kernel, subgroups, exact, compute_units) are the
 engine's: Attention forwards them, and tests and benchmarks fix them there.
 """
 from __future__ import annotations
@@ -35,8 +35,11 @@ CODED_KERNELS = ("float",)
 # elements of a unit a pass through shared memory, attend_specs.FLASH_FLOAT_END_ELEMS) and
 # "wide_end" (attend_flash_wide: the end in a few barriers). The wide end is shorter, but its
 # registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
-# "Registers"): the tuner times both. The KIVI builds (attend_flash_kivi) have the first only.
-FLASH_KERNELS = ("float", "wide_end")
+# "Registers"): the tuner times both. "int_dot" (attend_flash_dot: a q8_0 layer's keys dotted with
+# an int8 query by integer dot products) joins them over q8_0 rows where the device reports the
+# feature (flash_kernels). The KIVI builds (attend_flash_kivi) have the first only.
+FLASH_KERNELS = ("float", "wide_end", "int_dot")
+INT_DOT_KERNEL = "int_dot"
 # attend_mma (shaders/attend_mma.comp): the same attention on cooperative matrices, over f16, q8_0
 # and KIVI layers where the device has what it needs (mma_locals). It runs where asked for
 # (Attention.flash_kernel = MMA_KERNEL); the tuner times it beside FLASH_KERNELS only with
@@ -77,6 +80,9 @@ class FlashShapes:
         # (attend_flash_sg) — None: wherever the device has them and they fit the row
         # (flash_variant); False: through shared memory everywhere. Tests fix it.
         self.subgroups: bool | None = None
+        # only the exact builds (float32 arithmetic, validated at NMSE ≤ 1e-9): no fast path such
+        # as INT_DOT_KERNEL, which the tuner may pick otherwise (it meets issue 50's gate, 1e-5)
+        self.exact: bool = False
         # the candidate workgroup counts (attend_tune.workgroup_counts: from the multiprocessors
         # the device reports); tests fix the count to plan as on another GPU
         self.compute_units = device.limit("compute_units") or 0
@@ -156,9 +162,16 @@ class FlashShapes:
 
     def flash_kernels(self, layer: int) -> tuple[str, ...]:
         """The builds the tuner times over an uncoded ``layer``: FLASH_KERNELS (a KIVI layer's the
-        first), and with MMA_TUNED MMA_KERNEL where it fits (mma_locals)."""
-        rows = FLASH_KERNELS[:1] if self.layout.layers[layer].k.kivi else FLASH_KERNELS
-        return rows + ((MMA_KERNEL,) if MMA_TUNED and self.mma_locals(layer) else ())
+        first; INT_DOT_KERNEL only over q8_0 rows on a device with its features), and with
+        MMA_TUNED MMA_KERNEL where it fits (mma_locals); with ``exact`` the exact builds only."""
+        k = self.layout.layers[layer].k
+        if k.kivi:
+            rows = FLASH_KERNELS[:1]
+        else:
+            dot = (not self.exact and k.rows == "q8_0"
+                   and set(DECLARATIONS["attend_flash_dot"].features) <= set(self.device.features()))
+            rows = tuple(n for n in FLASH_KERNELS if n != INT_DOT_KERNEL or dot)
+        return rows + ((MMA_KERNEL,) if MMA_TUNED and not self.exact and self.mma_locals(layer) else ())
 
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
         """The workgroup sizes over an uncoded ``layer`` for build ``kernel`` (FLASH_KERNELS:
@@ -294,7 +307,7 @@ class FlashShapes:
             for sh in shapes:
                 distinct.setdefault((sh.local, sh.heads, sh.kernel, self.splits_wanted(sh, seqs)), sh)
             return tuple(distinct.values())
-        setting = (seqs, self.coded_kernel, self.coded_heads, self.flash_kernel, self.compute_units)
+        setting = (seqs, self.coded_kernel, self.coded_heads, self.flash_kernel, self.compute_units, self.exact)
         return list(self._per_layer(("flash_candidates",) + setting, layer, derive))
 
     def plan(self, layer: int, n_used: int, seqs: int = 1, time_plan=None) -> P.Plan:
@@ -315,6 +328,7 @@ class FlashShapes:
             forced = tuple(x for x in (self.coded_heads, self.coded_kernel) if x is not None) if coded else \
                 ((self.flash_kernel,) if self.flash_kernel is not None else ())
             forced += (("seqs", seqs),) if seqs > 1 else ()
+            forced += ("exact",) if self.exact else ()
             shape = T.choose(self.layer_signature(layer) + forced, n_used, shapes,
                              lambda sh: time_plan(layer, n_used, shaped(sh)))
         else:

@@ -399,7 +399,10 @@ def _split_push(plan, at: Placement) -> dict:
 
 def flash_shader(kivi: bool, kernel: str) -> str:
     """The shader of a flash build over rows: attend_mma (build "mma", its KIVI build over a KIVI
-    layer), or attend_flash — its KIVI build, its wide end (build "wide_end") or itself."""
+    layer), or attend_flash — its KIVI build, its wide end (build "wide_end"), its integer dot
+    products over q8_0 keys (build "int_dot") or itself."""
     if kernel == MMA_KERNEL:
         return "attend_mma_kivi" if kivi else "attend_mma"
-    return "attend_flash_kivi" if kivi else ("attend_flash_wide" if kernel == "wide_end" else "attend_flash")
+    if kivi:
+        return "attend_flash_kivi"
+    return {"wide_end": "attend_flash_wide", "int_dot": "attend_flash_dot"}.get(kernel, "attend_flash")

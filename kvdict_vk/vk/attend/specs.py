@@ -29,7 +29,7 @@ FLASH_END_ELEMS = (8, 4)
 # end moves a pass, 16 / END_ELEMS barriers. 2 was never slower than 1; 4 costs registers
 # (fewer workgroups a multiprocessor) and gained nothing, so it is not offered
 # (lab/NOTEBOOK.md, "Registers").
-FLASH_FLOAT_END_ELEMS = {"float": 2}
+FLASH_FLOAT_END_ELEMS = {"float": 2, "int_dot": 2}
 
 
 def flash_shared_bytes(group: int, local: int, units: int, end_elems: int, wide: bool = False) -> int:
@@ -393,6 +393,12 @@ def _flash_extents(p, s):
     return [rows, quads, [queries], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
+def _flash_dot_extents(p, s):
+    """attend_flash.comp's KDOT builds: attend_flash's extents, over q8_0 rows only."""
+    _check(s["ROW_Q8"] == 1, "attend_flash_dot (specialization: q8_0 rows)", s)
+    return _flash_extents(p, s)
+
+
 def _flash_kivi_extents(p, s):
     """attend_flash.comp's KIVI builds: of KV heads 0 .. n_kv-1, the K and V rows of tokens
     [0, n_used) (whatever the state word says is quantised), the keys' group statistics of
@@ -551,6 +557,7 @@ EXTENTS = {
     "attend_merge_head": _merge_head_extents,
     **{name: _flash_extents for name in ("attend_flash", "attend_flash_sg", "attend_flash_wide",
                                          "attend_flash_wide_sg")},
+    **{name: _flash_dot_extents for name in ("attend_flash_dot", "attend_flash_dot_sg")},
     **{name: _flash_kivi_extents for name in ("attend_flash_kivi", "attend_flash_kivi_sg")},
     "attend_flash_coded": _flash_coded_extents,
     "attend_mma": _mma_extents,
