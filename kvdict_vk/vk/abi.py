@@ -46,7 +46,7 @@ ENABLED_FEATURES = ("float16", "int8", "integer_dot", "cooperative_matrix_nv", "
 FEATURE_CAPABILITIES = {
     "float16": ((9,), ()),  # Float16
     "int8": ((39,), ()),  # Int8
-    "integer_dot": ((6016, 6017, 6018, 6019), ("SPV_KHR_integer_dot_product",)),
+    "integer_dot": ((6018, 6019), ("SPV_KHR_integer_dot_product",)),  # DotProduct on packed 4 × 8-bit words
     "cooperative_matrix": ((6022,), ("SPV_KHR_cooperative_matrix",)),
     "cooperative_matrix_nv": ((5345, 5357), ("SPV_KHR_vulkan_memory_model", "SPV_NV_cooperative_matrix")),
     "float_atomics": ((6033,), ("SPV_EXT_shader_atomic_float_add",)),

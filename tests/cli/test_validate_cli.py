@@ -30,14 +30,20 @@ def test_quick_grid_passes(vk_device):
     assert {"append+reconstruct K", "attend dict", "attend f32", "encode (GPU OMP) error vs CPU",
             "device forward (fwd_*), f16 cache"} <= ops
     worst = validate.worst_by_metric(rows)
-    # attend_mma's rows (cooperative matrices: not on lavapipe) at the fast paths' gate, apart
+    # the fast builds' rows at the fast paths' gate, apart: attend_mma's (cooperative matrices: not
+    # on lavapipe) and attend_flash_dot's (integer dot products: lavapipe has them)
     from kvdict_vk.vk import abi
-    mma = set(abi.MMA_FEATURES) <= set(vk_device.features()) and vk_device.limit("subgroup_size") == 32
+    features = set(vk_device.features())
+    mma = set(abi.MMA_FEATURES) <= features and vk_device.limit("subgroup_size") == 32
+    dot = set(abi.DECLARATIONS["attend_flash_dot"].features) <= features
     fast = [r for r in rows if "attend_mma" in r["op"]]
     assert bool(fast) == mma and all(r["metric"] == "nmse_fast" for r in fast)
     assert {r["op"].split(",")[0] for r in fast} == ({"attend f16", "attend q8_0", "attend kivi"} if mma else set())
+    dotted = [r for r in rows if "attend_flash_dot" in r["op"]]
+    assert bool(dotted) == dot and all(r["metric"] == "nmse_fast" and r["op"].startswith("attend q8_0,")
+                                       for r in dotted)
     assert worst["nmse"] <= validate.NMSE_ATTEND and worst.get("nmse_fast", 0.0) <= validate.NMSE_FAST
-    assert set(worst) == {"nmse", "rel_err_diff", "nll_abs"} | ({"nmse_fast"} if mma else set())
+    assert set(worst) == {"nmse", "rel_err_diff", "nll_abs"} | ({"nmse_fast"} if mma or dot else set())
     assert worst["nll_abs"] <= validate.FORWARD_NLL
 
 
