@@ -102,6 +102,14 @@ def _core_us(att, q, n, repeats: int = 15, warm_s: float = 1.0) -> float:
         rec.free()
 
 
+def shape_data(n_kv: int, g: int, hd: int, n_ctx: int):
+    """A shape's (K and V rows: a random 4 096-token block tiled to n_ctx, the queries), seeded by the shape."""
+    rng = np.random.default_rng(hd + g)
+    block = rng.standard_normal((2, n_kv, 4096, hd), dtype=np.float32)
+    rows = [np.ascontiguousarray(np.tile(b, (1, n_ctx // 4096, 1))) for b in block]
+    return rows, rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+
+
 def measure(label: str, n_ctx: int, baseline: bool, cache: str | None, shapes=SHAPES) -> dict:
     """One build (the SPIR-V $KVDICT_VK_SPV_DIR holds, else the shipped one): its KIVI
     attention per shape — time, plan, NMSE against float64 — and with ``baseline`` f16's and SDPA's."""
@@ -110,10 +118,7 @@ def measure(label: str, n_ctx: int, baseline: bool, cache: str | None, shapes=SH
     from kvdict_vk.metrics import nmse
     out = {}
     for n_kv, g, hd in shapes:
-        rng = np.random.default_rng(hd + g)
-        block = rng.standard_normal((2, n_kv, 4096, hd), dtype=np.float32)
-        rows = [np.ascontiguousarray(np.tile(b, (1, n_ctx // 4096, 1))) for b in block]
-        q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+        rows, q = shape_data(n_kv, g, hd, n_ctx)
         row, t = {}, time.time()
         if cache in ("kivi", None):
             with _filled("kivi", rows, n_ctx) as ka:

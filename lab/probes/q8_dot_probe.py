@@ -19,7 +19,7 @@ import numpy as np
 
 from pathlib import Path
 
-from kivi_variants_probe import _core_us, _filled, build, run_child
+from kivi_variants_probe import _core_us, _filled, build, run_child, shape_data
 
 DOT_VARIANTS = ("attend_flash_dot", "attend_flash_dot_sg")
 KNOBS = {"dot_tb4": (DOT_VARIANTS, {"TOKENS_PER_LANE": "4u"}), "dot_tb3": (DOT_VARIANTS, {"TOKENS_PER_LANE": "3u"})}
@@ -33,10 +33,7 @@ def measure(n_ctx: int, shapes, repeats: int, kernels=("float", "int_dot"), anch
     from kvdict_vk.attention_ref import attend as ref_attend
     out = {}
     for n_kv, g, hd in shapes:
-        rng = np.random.default_rng(hd + g)
-        block = rng.standard_normal((2, n_kv, 4096, hd), dtype=np.float32)
-        rows = [np.ascontiguousarray(np.tile(b, (1, n_ctx // 4096, 1))) for b in block]
-        q = rng.standard_normal((n_kv * g, hd), dtype=np.float32)
+        rows, q = shape_data(n_kv, g, hd, n_ctx)
         row, t = {}, time.time()
         with _filled("q8_0", rows, n_ctx) as qa:
             out.setdefault("device", qa.device.info.name)
