@@ -182,7 +182,7 @@ def _fast_rows(arena, q, ref, n_ctx, shape, cache) -> list[dict]:
     att = arena.attention(q.shape[0])
     att.exact = False
     kernels = ([MMA_KERNEL] if att.shapes.mma_locals(0) else []) + \
-        ([INT_DOT_KERNEL] if INT_DOT_KERNEL in att.shapes.flash_kernels(0) else [])
+        ([INT_DOT_KERNEL] if att.shapes.int_dot_fits(0) else [])
     rows = []
     for kernel in kernels:
         att.path, att.flash_kernel = "flash", kernel

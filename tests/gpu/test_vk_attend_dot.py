@@ -61,17 +61,25 @@ def _within_gate(arena, att, q, k, v, n_used, scale=None):
     return err
 
 
-def test_offered_only_where_the_device_has_it(make_arena, monkeypatch):
-    """The tuner's builds over a q8_0 layer include int_dot exactly where the device reports
-    integer dot products; never over f16 or f32 rows, where forcing it is a typed error. On a
-    device without the feature (here pretended) it is not offered and the variant itself is
-    refused before the driver sees it."""
+@pytest.mark.parametrize("tuned", [True, False])
+def test_offered_only_where_the_device_has_it(tuned, make_arena, monkeypatch):
+    """int_dot fits a q8_0 layer exactly where the device reports integer dot products, and the
+    tuner's builds include it then with INT_DOT_TUNED and without Attention.exact; never over f16
+    or f32 rows, where forcing it is a typed error. On a device without the feature (here
+    pretended) it does not fit and the variant itself is refused before the driver sees it."""
     from kvdict_vk.vk import kernels
+    from kvdict_vk.vk.attend import flash
+    monkeypatch.setattr(flash, "INT_DOT_TUNED", tuned)
     for cache in ("q8_0", "f16", "f32"):
         arena = make_arena(1, 2, 64, 256, cache=cache)
         att = arena.attention(6)
-        has = _has_dot(arena.device)
-        assert (INT_DOT_KERNEL in att.shapes.flash_kernels(0)) == (cache == "q8_0" and has), cache
+        fits = cache == "q8_0" and _has_dot(arena.device)
+        assert att.shapes.int_dot_fits(0) == fits
+        assert (INT_DOT_KERNEL in att.shapes.flash_kernels(0)) == (fits and tuned), cache
+        assert bool(att.shapes.flash_kernel_locals(0, INT_DOT_KERNEL)) == fits
+        att.exact = True
+        assert INT_DOT_KERNEL not in att.shapes.flash_kernels(0)
+        att.exact = False
         if cache != "q8_0":
             att.path, att.flash_kernel = "flash", INT_DOT_KERNEL
             with pytest.raises(E.ArenaError, match="int_dot"):
@@ -80,7 +88,7 @@ def test_offered_only_where_the_device_has_it(make_arena, monkeypatch):
     dev = arena.device
     without = tuple(f for f in dev.features() if f != "integer_dot")
     monkeypatch.setattr(type(dev), "features", lambda self: without)
-    assert INT_DOT_KERNEL not in arena.attention(4).shapes.flash_kernels(0)
+    assert not arena.attention(4).shapes.int_dot_fits(0)
     buf = kernels.Buffer(dev, 1024, "storage", "x")
     try:
         with pytest.raises(E.DispatchError, match="integer_dot"):

@@ -36,10 +36,12 @@ CODED_KERNELS = ("float",)
 # "wide_end" (attend_flash_wide: the end in a few barriers). The wide end is shorter, but its
 # registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
 # "Registers"): the tuner times both. "int_dot" (attend_flash_dot: a q8_0 layer's keys dotted with
-# an int8 query by integer dot products) joins them over q8_0 rows where the device reports the
-# feature (flash_kernels). The KIVI builds (attend_flash_kivi) have the first only.
+# an int8 query by integer dot products) runs over q8_0 rows where the device reports the feature
+# (int_dot_fits), and joins the builds the tuner times with INT_DOT_TUNED (flash_kernels). The KIVI
+# builds (attend_flash_kivi) have the first only.
 FLASH_KERNELS = ("float", "wide_end", "int_dot")
 INT_DOT_KERNEL = "int_dot"
+INT_DOT_TUNED = False
 # attend_mma (shaders/attend_mma.comp): the same attention on cooperative matrices, over f16, q8_0
 # and KIVI layers where the device has what it needs (mma_locals). It runs where asked for
 # (Attention.flash_kernel = MMA_KERNEL); the tuner times it beside FLASH_KERNELS only with
@@ -160,16 +162,21 @@ class FlashShapes:
         offers = (FLASH_END_ELEMS, tuple(FLASH_FLOAT_END_ELEMS.items()))  # tests replace them
         return self._per_layer("flash_end_elems", (local, kernel) + offers, derive)
 
+    def int_dot_fits(self, layer: int) -> bool:
+        """Whether attend_flash_dot (build INT_DOT_KERNEL) can attend over ``layer``: q8_0 rows on
+        a device with the variant's features (integer dot products)."""
+        k = self.layout.layers[layer].k
+        return (not k.kivi and k.rows == "q8_0"
+                and set(DECLARATIONS["attend_flash_dot"].features) <= set(self.device.features()))
+
     def flash_kernels(self, layer: int) -> tuple[str, ...]:
         """The builds the tuner times over an uncoded ``layer``: FLASH_KERNELS (a KIVI layer's the
-        first; INT_DOT_KERNEL only over q8_0 rows on a device with its features), and with
-        MMA_TUNED MMA_KERNEL where it fits (mma_locals); with ``exact`` the exact builds only."""
-        k = self.layout.layers[layer].k
-        if k.kivi:
+        first; with INT_DOT_TUNED INT_DOT_KERNEL where it fits, int_dot_fits), and with MMA_TUNED
+        MMA_KERNEL where it fits (mma_locals); with ``exact`` the exact builds only."""
+        if self.layout.layers[layer].k.kivi:
             rows = FLASH_KERNELS[:1]
         else:
-            dot = (not self.exact and k.rows == "q8_0"
-                   and set(DECLARATIONS["attend_flash_dot"].features) <= set(self.device.features()))
+            dot = INT_DOT_TUNED and not self.exact and self.int_dot_fits(layer)
             rows = tuple(n for n in FLASH_KERNELS if n != INT_DOT_KERNEL or dot)
         return rows + ((MMA_KERNEL,) if MMA_TUNED and not self.exact and self.mma_locals(layer) else ())
 
@@ -178,7 +185,9 @@ class FlashShapes:
         those of flash_locals whose split end fits, flash_end_elems; MMA_KERNEL: mma_locals)."""
         if kernel == MMA_KERNEL:
             return self.mma_locals(layer)
-        if kernel in FLASH_KERNELS and kernel not in self.flash_kernels(layer):
+        if kernel == INT_DOT_KERNEL and not self.int_dot_fits(layer):
+            return []
+        if kernel in FLASH_KERNELS and kernel not in self.flash_kernels(layer) + (INT_DOT_KERNEL,):
             return []  # (an unknown one: flash_end_elems says so)
         return [n for n in self.flash_locals(layer) if self.flash_end_elems(n, kernel)]
 
