@@ -261,11 +261,11 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     dictionaries of 1 024 atoms; "dict_pre_rope": the same with its keys coded before RoPE,
     kvdict_vk.rope — "build" names the K_ROPE build), the SPIR-V variant ``device`` attends one layer of
     ``n_kv`` × ``gqa`` heads at ``head_dim`` over ``n_used`` tokens by — the engine's plan,
-    untuned (where the engine tunes, a GPU, it picks a launch shape and, over rows, a build:
-    ``tuned_among`` — attend_flash's wide end, and over q8_0 rows its integer dot products where the
-    device has them) — with the
-    path, its workgroup size, the optional device features the variant needs, and the kernels it
-    runs by only when asked (``on_request``: attend_mma, where the device has cooperative matrices)."""
+    untuned (where the engine tunes, a GPU, it picks a launch shape and, over rows, a build among
+    ``tuned_among``: attend_flash's wide end, and with flash.INT_DOT_TUNED its integer dot products
+    over q8_0 rows) — with the path, its workgroup size, the optional device features the variant
+    needs, and the kernels it runs by only when asked (``on_request``: attend_mma where the device
+    has cooperative matrices, attend_flash_dot while untuned where it has integer dot products)."""
     import numpy as np
 
     from . import kivi as K

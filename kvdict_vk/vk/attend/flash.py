@@ -182,7 +182,8 @@ class FlashShapes:
 
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
         """The workgroup sizes over an uncoded ``layer`` for build ``kernel`` (FLASH_KERNELS:
-        those of flash_locals whose split end fits, flash_end_elems; MMA_KERNEL: mma_locals)."""
+        those of flash_locals whose split end fits, flash_end_elems — INT_DOT_KERNEL only where
+        int_dot_fits, tuned or not; MMA_KERNEL: mma_locals)."""
         if kernel == MMA_KERNEL:
             return self.mma_locals(layer)
         if kernel == INT_DOT_KERNEL and not self.int_dot_fits(layer):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import errors as E
-from .flash import MMA_KERNEL
+from .flash import INT_DOT_KERNEL, MMA_KERNEL
 from .plan import LOOP_BUDGET
 from .specs import flash_coded_key_lanes, merge_head_local, n_blocks
 from ..device import kp
@@ -405,4 +405,4 @@ def flash_shader(kivi: bool, kernel: str) -> str:
         return "attend_mma_kivi" if kivi else "attend_mma"
     if kivi:
         return "attend_flash_kivi"
-    return {"wide_end": "attend_flash_wide", "int_dot": "attend_flash_dot"}.get(kernel, "attend_flash")
+    return {"wide_end": "attend_flash_wide", INT_DOT_KERNEL: "attend_flash_dot"}.get(kernel, "attend_flash")
