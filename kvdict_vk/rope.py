@@ -58,12 +58,17 @@ class KeyRope:
         w[:self.dims // 2] = self.theta ** (-np.arange(0, self.dims, 2, dtype=np.float64) / self.dims)
         return w
 
-    def rotate(self, x: np.ndarray, t0: int = 0, inverse: bool = False) -> np.ndarray:
-        """x (..., T, head_dim) turned to positions t0 … t0 + T − 1 (``inverse``: back from them to
-        position 0), in float64 — the reference of every read of a key coded before RoPE."""
+    def rotate(self, x: np.ndarray, t0=0, inverse: bool = False) -> np.ndarray:
+        """x (..., T, head_dim) turned to positions t0 … t0 + T − 1 — or, ``t0`` an array of T
+        positions, to those (a batch's tokens, each at its own sequence's position) — (``inverse``:
+        back from them to position 0), in float64: the reference of every read of a key coded
+        before RoPE."""
         x = np.asarray(x, np.float64)
-        hd = x.shape[-1]
-        angle = np.arange(t0, t0 + x.shape[-2], dtype=np.float64)[:, None] * self.inv_freq(hd)[None]
+        hd, n = x.shape[-1], x.shape[-2]
+        pos = np.arange(t0, t0 + n, dtype=np.float64) if np.ndim(t0) == 0 else np.asarray(t0, np.float64)
+        if pos.shape != (n,):
+            raise E.DimsError(f"{n} keys to turn, {pos.shape} positions given")
+        angle = pos[:, None] * self.inv_freq(hd)[None]
         c, s = np.cos(angle), np.sin(angle) * (-1.0 if inverse else 1.0)
         out = x.copy()
         even, odd = x[..., 0::2], x[..., 1::2]
@@ -71,8 +76,8 @@ class KeyRope:
         out[..., 1::2] = even * s + odd * c
         return out
 
-    def unturn(self, x: np.ndarray, t0: int) -> np.ndarray:
-        """x (..., T, head_dim), keys at positions t0 …, turned back to position 0: what a key
+    def unturn(self, x: np.ndarray, t0) -> np.ndarray:
+        """x (..., T, head_dim), keys at positions t0 … (or at the array t0's), turned back to position 0: what a key
         stream coded before RoPE codes (float32, as the encoders take rows)."""
         return self.rotate(x, t0, inverse=True).astype(np.float32)
 

@@ -25,6 +25,19 @@ def test_turn_matches_the_forward_and_turns_back(hd, dims, theta):
     assert not np.allclose(turned[..., :dims], x[..., :dims])
 
 
+def test_a_batch_of_keys_turns_each_at_its_own_position():
+    """Positions as an array (a batched step's tokens, each at its sequence's position): the same
+    turn as each key alone at its start; a count that does not match the keys is a DimsError."""
+    rope = R.KeyRope(1e4, 64)
+    x = np.random.default_rng(3).standard_normal((2, 4, 64))
+    pos = np.array([5, 0, 70000, 12])
+    want = np.concatenate([rope.rotate(x[:, i:i + 1], int(p)) for i, p in enumerate(pos)], axis=1)
+    np.testing.assert_array_equal(rope.rotate(x, pos), want)
+    assert nmse(x, rope.unturn(rope.rotate(x, pos), pos)) <= 1e-13
+    with pytest.raises(E.DimsError, match="positions"):
+        rope.rotate(x, pos[:3])
+
+
 @pytest.mark.parametrize("n_ctx", [1, 97, 8192, 131072])
 @pytest.mark.parametrize("dims", [64, 48])
 def test_the_tables_turn_keys_within_the_exact_path(n_ctx, dims):

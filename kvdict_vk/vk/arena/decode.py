@@ -363,12 +363,10 @@ class DecodeStep:
         sequence's position, its used − 1)."""
         out = ([], [])
         for j, i in enumerate(self.layers):
-            # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary
-            heads = (k_rows[j].transpose(1, 0, 2), v_rows[j].transpose(1, 0, 2))
-            if self._streams[j][0].key_rope is not None:
-                turned = [self._writes.coding_rows(i, [h[:, b:b + 1] for h in heads], int(used[j, b]) - 1)
-                          for b in range(self.batch)]
-                heads = tuple(np.concatenate([t[s] for t in turned], axis=1) for s in (0, 1))
+            # (batch, n_kv, hd) → (n_kv, batch, hd): a head's tokens through its dictionary, each
+            # sequence's token at its position used − 1
+            heads = self._writes.coding_rows(i, (k_rows[j].transpose(1, 0, 2), v_rows[j].transpose(1, 0, 2)),
+                                             used[j].astype(np.int64) - 1)
             for rows, coding, st, dst in zip((k_rows[j], v_rows[j]), heads, self._streams[j], out):
                 if st.coded:
                     slots = codec.encode_heads(coding, self._writes.stream_dict(i, st.stream))

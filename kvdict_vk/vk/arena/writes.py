@@ -192,8 +192,8 @@ class ArenaWrites:
         # of B vectors per KV head, not B calls), written in one scatter
         # (keys coded before RoPE turned back from each sequence's own positions first)
         n_new, streams = rows[0][0].shape[1], self.layout.layers[layer].streams
-        coding = [self.coding_rows(layer, r, self.memory.n_tokens(layer, b)) for b, r in enumerate(rows)]
-        words = self.encode_coding(layer, [np.concatenate([c[s] for c in coding], axis=1) for s in (0, 1)])
+        positions = np.concatenate([np.arange(n_new) + self.memory.n_tokens(layer, b) for b in range(len(rows))])
+        words = self.encode(layer, [np.concatenate([r[s] for r in rows], axis=1) for s in (0, 1)], positions)
         self.write_blocks(layer, [wr for b in range(len(rows)) for wr in self._seq_writes(
             layer, [(w[:, b * n_new:(b + 1) * n_new], st) for w, st in zip(words, streams)], b)])
         for b in range(len(rows)):
@@ -317,22 +317,19 @@ class ArenaWrites:
             self._scatter_words(layer, passthrough, seq)
         return self._advance(layer, seq, t_new, rows)
 
-    def coding_rows(self, layer: int, rows, t0: int) -> list:
-        """(K, V) rows of tokens t0 … as their streams code them: keys coded before RoPE turned
-        back to position 0 (kvdict_vk.rope), float32; every other stream's rows as given."""
+    def coding_rows(self, layer: int, rows, t0) -> list:
+        """(K, V) rows of tokens t0 … (or at the array t0's positions: KeyRope.rotate) as their
+        streams code them: keys coded before RoPE turned back to position 0 (kvdict_vk.rope),
+        float32; every other stream's rows as given."""
         return [r if st.key_rope is None else st.key_rope.unturn(r, t0)
                 for r, st in zip(rows, self.layout.layers[layer].streams)]
 
-    def encode(self, layer: int, rows, t0: int) -> list:
-        """(K, V) rows of tokens t0 … → the words to store: slots of a coded stream
-        (codec.encode_heads of its coding_rows: each KV head through its dictionary), the rows'
-        bits for a passthrough one."""
-        return self.encode_coding(layer, self.coding_rows(layer, rows, t0))
-
-    def encode_coding(self, layer: int, rows) -> list:
-        """encode's words of rows already as their streams code them (coding_rows)."""
+    def encode(self, layer: int, rows, t0) -> list:
+        """(K, V) rows of tokens t0 … (or at the array t0's positions) → the words to store:
+        slots of a coded stream (codec.encode_heads of its coding_rows: each KV head through its
+        dictionary), the rows' bits for a passthrough one."""
         words = []
-        for r, st in zip(rows, self.layout.layers[layer].streams):
+        for r, st in zip(self.coding_rows(layer, rows, t0), self.layout.layers[layer].streams):
             if st.coded:
                 words.append(codec.encode_heads(r, self.stream_dict(layer, st.stream)))
             else:

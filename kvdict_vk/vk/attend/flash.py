@@ -169,26 +169,30 @@ class FlashShapes:
         return (not k.kivi and k.rows == "q8_0"
                 and set(DECLARATIONS["attend_flash_dot"].features) <= set(self.device.features()))
 
+    def flash_kernel_fits(self, layer: int, kernel: str) -> bool:
+        """Whether attend_flash's build ``kernel`` (FLASH_KERNELS) can attend over the uncoded
+        ``layer``, asked for or tuned: the first everywhere, the others not over a KIVI layer,
+        INT_DOT_KERNEL where int_dot_fits."""
+        if kernel == INT_DOT_KERNEL:
+            return self.int_dot_fits(layer)
+        return kernel == FLASH_KERNELS[0] or (kernel in FLASH_KERNELS and not self.layout.layers[layer].k.kivi)
+
     def flash_kernels(self, layer: int) -> tuple[str, ...]:
-        """The builds the tuner times over an uncoded ``layer``: FLASH_KERNELS (a KIVI layer's the
-        first; with INT_DOT_TUNED INT_DOT_KERNEL where it fits, int_dot_fits), and with MMA_TUNED
+        """The builds the tuner times over an uncoded ``layer``: those of FLASH_KERNELS that fit
+        (flash_kernel_fits; INT_DOT_KERNEL only with INT_DOT_TUNED), and with MMA_TUNED
         MMA_KERNEL where it fits (mma_locals); with ``exact`` the exact builds only."""
-        if self.layout.layers[layer].k.kivi:
-            rows = FLASH_KERNELS[:1]
-        else:
-            dot = INT_DOT_TUNED and not self.exact and self.int_dot_fits(layer)
-            rows = tuple(n for n in FLASH_KERNELS if n != INT_DOT_KERNEL or dot)
-        return rows + ((MMA_KERNEL,) if MMA_TUNED and not self.exact and self.mma_locals(layer) else ())
+        fast = not self.exact
+        rows = tuple(n for n in FLASH_KERNELS
+                     if self.flash_kernel_fits(layer, n) and (n != INT_DOT_KERNEL or (INT_DOT_TUNED and fast)))
+        return rows + ((MMA_KERNEL,) if MMA_TUNED and fast and self.mma_locals(layer) else ())
 
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
         """The workgroup sizes over an uncoded ``layer`` for build ``kernel`` (FLASH_KERNELS:
-        those of flash_locals whose split end fits, flash_end_elems — INT_DOT_KERNEL only where
-        int_dot_fits, tuned or not; MMA_KERNEL: mma_locals)."""
+        where it fits, flash_kernel_fits, those of flash_locals whose split end fits,
+        flash_end_elems; MMA_KERNEL: mma_locals)."""
         if kernel == MMA_KERNEL:
             return self.mma_locals(layer)
-        if kernel == INT_DOT_KERNEL and not self.int_dot_fits(layer):
-            return []
-        if kernel in FLASH_KERNELS and kernel not in self.flash_kernels(layer) + (INT_DOT_KERNEL,):
+        if kernel in FLASH_KERNELS and not self.flash_kernel_fits(layer, kernel):
             return []  # (an unknown one: flash_end_elems says so)
         return [n for n in self.flash_locals(layer) if self.flash_end_elems(n, kernel)]
 

@@ -29,7 +29,8 @@ FLASH_END_ELEMS = (8, 4)
 # end moves a pass, 16 / END_ELEMS barriers. 2 was never slower than 1; 4 costs registers
 # (fewer workgroups a multiprocessor) and gained nothing, so it is not offered
 # (lab/NOTEBOOK.md, "Registers").
-FLASH_FLOAT_END_ELEMS = {"float": 2, "int_dot": 2}
+FLASH_FLOAT_END_ELEMS = {"float": 2}
+FLASH_FLOAT_END_ELEMS["int_dot"] = FLASH_FLOAT_END_ELEMS["float"]  # attend_flash_dot: the same split end
 
 
 def flash_shared_bytes(group: int, local: int, units: int, end_elems: int, wide: bool = False) -> int:

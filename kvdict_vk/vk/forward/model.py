@@ -110,9 +110,13 @@ class DeviceForward:
         self._buffers: list[Buffer] = []
         self._recs: list[Recording] = []
         # keys coded before RoPE: the step's encoder codes the projection's keys before this
-        # model's RoPE, so the artifact's must be that one
+        # model's RoPE, so the artifact's must be that one (built only where a layer needs it: a
+        # model's RoPE need not be one KeyRope accepts otherwise)
         for i, ll in enumerate(lay.layers):
-            if ll.k.key_rope is not None and ll.k.key_rope != (model_rope := KeyRope(cfg.rope_theta, cfg.rope_dim)):
+            if ll.k.key_rope is None:
+                continue
+            model_rope = KeyRope(cfg.rope_theta, cfg.rope_dim)
+            if ll.k.key_rope != model_rope:
                 raise E.DictMismatchError(f"layer {i}: the dictionary's keys were coded before RoPE {ll.k.key_rope}, "
                                           f"the model turns them by {model_rope}")
         self.step = arena.record_step(self._n_q, n_plan=n_plan, record=False)  # checks n_plan
