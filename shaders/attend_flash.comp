@@ -80,11 +80,24 @@
 #if KDOT && (KIVI || ROUND_SOFTMAX)
 #error "KDOT: q8_0 rows, token by token"
 #endif
+// KDOT_SAT: a knob for probes — 1: OpSDotAccSatKHR (the accumulate saturating); 0: OpSDotKHR and
+// an add. A unit's sums are exact in 32 bits, so saturation never acts; 0 leaves the driver a
+// plain 4 × 8-bit dot product with an add (NVIDIA's IDP4A).
+#ifndef KDOT_SAT
+#define KDOT_SAT 0
+#endif
 #if KDOT
 #extension GL_EXT_spirv_intrinsics : require
-// OpSDotAccSatKHR over two words of four signed bytes (PackedVectorFormat4x8Bit: the literal 0)
+// over two words of four signed bytes each (PackedVectorFormat4x8Bit: the literal 0)
+#if KDOT_SAT
 spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4453)
-int dot4x8_add(uint a, uint b, int acc, spirv_literal int packed_format);
+int dot4x8_acc_sat(uint a, uint b, int acc, spirv_literal int packed_format);
+#define dot4x8_add(a, b, acc) dot4x8_acc_sat(a, b, acc, 0)
+#else
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
+int dot4x8(uint a, uint b, spirv_literal int packed_format);
+#define dot4x8_add(a, b, acc) (dot4x8(a, b, 0) + (acc))
+#endif
 #endif
 #include "common.glsl"
 #include "attend_common.glsl"
@@ -355,8 +368,8 @@ void query_int8(uint h, uint f_block, uint f) {
 void key_int8_scores(uvec4 a, uint unit, out float s[MAX_G]) {
     float d = unpackHalf2x16(a.z)[(unit / 4u) % 2u];
     [[unroll]] for (uint h = 0u; h < MAX_G; ++h) {
-        int t = dot4x8_add(a.y, qi_hi[h].y, dot4x8_add(a.x, qi_hi[h].x, 0, 0), 0) * 254;
-        t = dot4x8_add(a.y, qi_lo[h].y, dot4x8_add(a.x, qi_lo[h].x, t, 0), 0);
+        int t = dot4x8_add(a.y, qi_hi[h].y, dot4x8_add(a.x, qi_hi[h].x, 0)) * 254;
+        t = dot4x8_add(a.y, qi_lo[h].y, dot4x8_add(a.x, qi_lo[h].x, t));
         s[h] = float(t) * (qi_step[h] * d);
     }
 }

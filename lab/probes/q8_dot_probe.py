@@ -22,7 +22,8 @@ from pathlib import Path
 from kivi_variants_probe import _core_us, _filled, build, run_child, shape_data
 
 DOT_VARIANTS = ("attend_flash_dot", "attend_flash_dot_sg")
-KNOBS = {"dot_tb4": (DOT_VARIANTS, {"TOKENS_PER_LANE": "4u"}), "dot_tb3": (DOT_VARIANTS, {"TOKENS_PER_LANE": "3u"})}
+KNOBS = {"dot_tb4": (DOT_VARIANTS, {"TOKENS_PER_LANE": "4u"}), "dot_tb3": (DOT_VARIANTS, {"TOKENS_PER_LANE": "3u"}),
+        "dot_sat": (DOT_VARIANTS, {"KDOT_SAT": "1"})}
 SHAPES = ((8, 4, 64), (8, 4, 128), (3, 3, 64), (3, 3, 128))
 
 
