@@ -38,6 +38,9 @@ class KVHook:
         """k: (n_kv, T, head_dim) before RoPE."""
         return k
 
+    def queries(self, layer: int, q: np.ndarray) -> None:
+        """Sees q: (n_heads, T, head_dim) after RoPE, as attention will read it."""
+
     def __call__(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """k after RoPE and v, both (n_kv, T, head_dim)."""
         return k, v
@@ -178,6 +181,7 @@ def final_hidden(tokens, hook: KVHook | None = None, model: Model | None = None)
     for i, w in enumerate(m.layers):
         h = rms_norm(x, w.attn_norm, c.rms_eps)
         q = rotate_pairs(heads(h @ w.wq.T, c.n_heads), cos, sin)
+        hook.queries(i, q)
         k = _checked(hook.keys_pre_rope(i, heads(h @ w.wk.T, c.n_kv_heads)), kv_shape, i)
         k = rotate_pairs(k, cos, sin)
         v = heads(h @ w.wv.T, c.n_kv_heads)
@@ -201,6 +205,10 @@ class _KVRecorder(KVHook):
     def __init__(self):
         self.k_pre: list[np.ndarray] = []
         self.kv: list[tuple[np.ndarray, np.ndarray]] = []
+        self.q: list[np.ndarray] = []
+
+    def queries(self, layer, q):
+        self.q.append(q.copy())
 
     def keys_pre_rope(self, layer, k):
         self.k_pre.append(k.copy())
@@ -216,6 +224,14 @@ def capture_kv(tokens, model: Model | None = None) -> list[tuple[np.ndarray, np.
     rec = _KVRecorder()
     final_hidden(tokens, rec, model)  # the output projection is not needed
     return [(k, v, kp) for (k, v), kp in zip(rec.kv, rec.k_pre)]
+
+
+def capture_qkv(tokens, model: Model | None = None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per layer (Q, K, V) after RoPE: Q (n_heads, T, head_dim), K and V (n_kv, T, head_dim),
+    float32 — what a decode's attention at each position reads."""
+    rec = _KVRecorder()
+    final_hidden(tokens, rec, model)
+    return [(q, k, v) for q, (k, v) in zip(rec.q, rec.kv)]
 
 
 def token_nll(tokens, hook: KVHook | None = None, model: Model | None = None,

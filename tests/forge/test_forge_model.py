@@ -123,6 +123,23 @@ def test_capture_kv_layout(model, short_window):
                                k, atol=1e-5)
 
 
+def test_capture_qkv_is_what_attention_reads(model, short_window):
+    """capture_qkv's queries (after RoPE), keys and values: attention over them, causal, is the
+    forward's own (its output projection reproduces the residual's step), and K, V are capture_kv's."""
+    c, T = model.config, len(short_window)
+    qkv = llama.capture_qkv(short_window)
+    assert len(qkv) == c.n_layers
+    q, k, v = qkv[0]
+    assert q.shape == (c.n_heads, T, c.head_dim) and q.dtype == np.float32
+    k_ref, v_ref, _ = llama.capture_kv(short_window)[0]
+    np.testing.assert_array_equal(k, k_ref)
+    np.testing.assert_array_equal(v, v_ref)
+    x = model.tok_embd[short_window]
+    h = llama.rms_norm(x, model.layers[0].attn_norm, c.rms_eps)
+    want = (h @ model.layers[0].wq.T).reshape(T, c.n_heads, c.head_dim).transpose(1, 0, 2)
+    np.testing.assert_allclose(q, llama.apply_rope(want, np.arange(T), c.rope_theta), atol=1e-4)
+
+
 def test_rope_is_adjacent_pair_rotation():
     x = np.zeros((1, 2, 4), np.float32)
     x[0, :, 0] = 1.0  # unit vector on the first pair's first axis

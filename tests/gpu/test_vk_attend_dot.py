@@ -172,3 +172,56 @@ def test_non_finite_query_heads_are_nan(make_arena):
     full = reference(np.where(bad[:, None], 0.0, q), k, v, None, None, n_ctx)
     assert nmse(full[~bad], out[~bad]) <= GATE
     assert att.plan(0, n_ctx).kernel == INT_DOT_KERNEL
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["shuffles", "shared"])
+def test_batched_rows_within_the_gate(shared, make_arena):
+    """B sequences of their own lengths over one arena (attend_batch: a sequence's KV head is a
+    virtual head, its query blocks quantised from its own queries)."""
+    lengths = (700, 1, 130, 33)
+    rng = np.random.default_rng(21)
+    n_kv, g, hd = 2, 3, 64
+    arena = make_arena(1, n_kv, hd, max(lengths), cache="q8_0", seqs=len(lengths), guard_words=64)
+    held = []
+    for b, n in enumerate(lengths):
+        k = rng.standard_normal((n_kv, n, hd), dtype=np.float32)
+        v = rng.standard_normal((n_kv, n, hd), dtype=np.float32)
+        arena.append(0, k, v, seq=b)
+        held.append((quant.q8_0(k), quant.q8_0(v)))
+    q = rng.standard_normal((len(lengths), n_kv * g, hd), dtype=np.float32)
+    q[2] *= 30.0  # sequences whose queries differ in scale: each block keeps its own step
+    att = arena.attention(n_kv * g)
+    att.path, att.flash_kernel, att.subgroups = "flash", INT_DOT_KERNEL, (False if shared else None)
+    if not _has_dot(arena.device):
+        with pytest.raises(E.ArenaError, match="int_dot"):
+            arena.attend_batch(0, q, list(lengths))
+        return
+    for used in (list(lengths), [5, 1, 129, 2]):
+        out = arena.attend_batch(0, q, used)
+        for b, (k, v) in enumerate(held):
+            err = nmse(reference(q[b], k, v, None, None, used[b]), out[b])
+            assert err <= GATE, f"sequence {b}, n_used {used[b]}: NMSE {err:.3g}"
+    assert any(key[1].startswith("attend_flash_dot") for key in att.passes.pipeline_keys())
+    check_guards(arena)
+
+
+def test_smollm2_captured_kv_within_the_gate(make_arena):
+    """Issue #50's gate on captured K/V: SmolLM2's own queries, keys and values (the forge's
+    forward over 1 024 tokens of the demo's text) at four layers, each decode position's query
+    heads against the q8_0 cache of the tokens up to it — real scores, with the model's outlier
+    channels — within NMSE 1e-5 of the float64 reference over the same cached values."""
+    from kvdict_vk.forge import llama, texts, tokenizer
+    tokens = np.asarray(tokenizer.encode(texts.EVAL_TEXTS["gpl3"].text())[:1024])
+    qkv = llama.capture_qkv(tokens)
+    worst = 0.0
+    for layer in (0, 9, 19, len(qkv) - 1):
+        q, k, v = qkv[layer]
+        n_kv, n_ctx, hd = k.shape
+        arena, kq, vq = _q8_arena(make_arena, None, n_kv, hd, n_ctx, k, v)
+        att = _forced(arena, q[:, 0], False)
+        if att is None:
+            return
+        for t in (0, 40, 511, n_ctx - 1):
+            worst = max(worst, _within_gate(arena, att, q[:, t], kq, vq, t + 1))
+        check_guards(arena)
+    assert 0.0 < worst <= GATE, worst  # not the float query's result, and within the gate

@@ -37,11 +37,12 @@ CODED_KERNELS = ("float",)
 # registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
 # "Registers"): the tuner times both. "int_dot" (attend_flash_dot: a q8_0 layer's keys dotted with
 # an int8 query by integer dot products) runs over q8_0 rows where the device reports the feature
-# (int_dot_fits), and joins the builds the tuner times with INT_DOT_TUNED (flash_kernels). The KIVI
-# builds (attend_flash_kivi) have the first only.
+# (int_dot_fits), and joins the builds the tuner times with INT_DOT_TUNED (flash_kernels; timed
+# against the float build: lab/NOTEBOOK.md, "Stop 69"). The KIVI builds (attend_flash_kivi) have
+# the first only.
 FLASH_KERNELS = ("float", "wide_end", "int_dot")
 INT_DOT_KERNEL = "int_dot"
-INT_DOT_TUNED = False
+INT_DOT_TUNED = True
 # attend_mma (shaders/attend_mma.comp): the same attention on cooperative matrices, over f16, q8_0
 # and KIVI layers where the device has what it needs (mma_locals). It runs where asked for
 # (Attention.flash_kernel = MMA_KERNEL); the tuner times it beside FLASH_KERNELS only with
