@@ -124,8 +124,8 @@ def test_capture_kv_layout(model, short_window):
 
 
 def test_capture_qkv_is_what_attention_reads(model, short_window):
-    """capture_qkv's queries (after RoPE), keys and values: attention over them, causal, is the
-    forward's own (its output projection reproduces the residual's step), and K, V are capture_kv's."""
+    """capture_qkv's queries are the layer's Q projection of the normed input, turned by RoPE at
+    each token's position (checked at layer 0 from the weights); its K and V are capture_kv's."""
     c, T = model.config, len(short_window)
     qkv = llama.capture_qkv(short_window)
     assert len(qkv) == c.n_layers
