@@ -52,6 +52,15 @@ def reference(q, k, v, k_dict, v_dict, n_used, scale=None, chunk=2048):
     return out.reshape(q.shape)
 
 
+def batched_within(arena, q, held, n_used, gate):
+    """attend_batch over sequences of their own lengths ``n_used``, each sequence b's output
+    against the reference over ``held[b]`` (its cached (k, v) as stored) within NMSE ``gate``."""
+    out = arena.attend_batch(0, q, n_used)
+    for b, (k, v) in enumerate(held):
+        err = nmse(reference(q[b], k, v, None, None, n_used[b]), out[b])
+        assert err <= gate, f"sequence {b}, n_used {n_used[b]}: NMSE {err:.3g}"
+
+
 def _stream(rng, d, n_kv, n_ctx, hd):
     return random_slots(rng, d, (n_kv, n_ctx)) if d is not None else rng.standard_normal((n_kv, n_ctx, hd), dtype=np.float32)
 

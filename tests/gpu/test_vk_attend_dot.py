@@ -20,7 +20,7 @@ from kvdict_vk.metrics import nmse
 from kvdict_vk.vk import abi
 from kvdict_vk.vk.attend.flash import INT_DOT_KERNEL
 from kvdict_vk.vk.attend.specs import flash_units
-from test_vk_attend import reference
+from test_vk_attend import batched_within, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -197,10 +197,7 @@ def test_batched_rows_within_the_gate(shared, make_arena):
             arena.attend_batch(0, q, list(lengths))
         return
     for used in (list(lengths), [5, 1, 129, 2]):
-        out = arena.attend_batch(0, q, used)
-        for b, (k, v) in enumerate(held):
-            err = nmse(reference(q[b], k, v, None, None, used[b]), out[b])
-            assert err <= GATE, f"sequence {b}, n_used {used[b]}: NMSE {err:.3g}"
+        batched_within(arena, q, held, used, GATE)
     assert any(key[1].startswith("attend_flash_dot") for key in att.passes.pipeline_keys())
     check_guards(arena)
 

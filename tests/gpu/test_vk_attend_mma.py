@@ -21,7 +21,7 @@ from kvdict_vk.vk import abi
 from kvdict_vk.vk.attend import flash
 from kvdict_vk.vk.attend.flash import MMA_KERNEL, MMA_LOCALS
 from helpers import rising_keys
-from test_vk_attend import reference
+from test_vk_attend import batched_within, reference
 from test_vk_attend_kivi import _filled as kivi_filled, _rows
 
 pytestmark = pytest.mark.gpu
@@ -182,8 +182,5 @@ def test_batched_rows_within_the_gate(cache, make_arena):
     if att is None:
         return
     for used in (list(lengths), [5, 1, 129, 2]):
-        out = arena.attend_batch(0, q, used)
-        for b, (k, v) in enumerate(held):
-            err = nmse(reference(q[b], k, v, None, None, used[b]), out[b])
-            assert err <= GATE, f"sequence {b}, n_used {used[b]}: NMSE {err:.3g}"
+        batched_within(arena, q, held, used, GATE)
     check_guards(arena)
