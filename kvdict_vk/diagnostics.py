@@ -261,11 +261,11 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     dictionaries of 1 024 atoms; "dict_pre_rope": the same with its keys coded before RoPE,
     kvdict_vk.rope — "build" names the K_ROPE build), the SPIR-V variant ``device`` attends one layer of
     ``n_kv`` × ``gqa`` heads at ``head_dim`` over ``n_used`` tokens by — the engine's plan,
-    untuned (where the engine tunes, a GPU, it picks a launch shape and, over rows, a build among
-    ``tuned_among``: attend_flash's wide end, and with flash.INT_DOT_TUNED its integer dot products
-    over q8_0 rows) — with the path, its workgroup size, the optional device features the variant
-    needs, and the kernels it runs by only when asked (``on_request``: attend_mma where the device
-    has cooperative matrices, attend_flash_dot while untuned where it has integer dot products)."""
+    untuned (where the engine tunes, a GPU, it picks a launch shape and, over rows, a build:
+    ``tuned_among`` — attend_flash's wide end, and over q8_0 rows its integer dot products where the
+    device has them) — with the
+    path, its workgroup size, the optional device features the variant needs, and the kernels it
+    runs by only when asked (``on_request``: attend_mma, where the device has cooperative matrices)."""
     import numpy as np
 
     from . import kivi as K
@@ -273,7 +273,7 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     from .dictionary import FORGE_RESIDUAL_BITS, FORGE_SPARSITY, KvDictArtifact
     from .rope import KeyRope
     from .vk import KvArena, abi
-    from .vk.attend.flash import INT_DOT_TUNED, MMA_KERNEL
+    from .vk.attend.flash import MMA_KERNEL
     from .vk.attend.ops import flash_shader
     out = []
     for cache in VARIANT_CACHES:
@@ -296,17 +296,16 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
                 plan = att.plan(0, n_used)
                 variant = att.variant(0, plan)
                 v = abi.DECLARATIONS[variant]
-                rows_flash = plan.path == "flash" and not arena.layout.layers[0].k.coded
+                rows_flash = tunes and plan.path == "flash" and not arena.layout.layers[0].k.coded
                 tuned = [att.shapes.flash_variant(plan.local, flash_shader(cache == "kivi", k))
-                         for k in att.shapes.flash_kernels(0)] if rows_flash and tunes else []
+                         for k in att.shapes.flash_kernels(0)] if rows_flash else []
                 row.update(variant=variant, path=plan.path, local=plan.local or None,
                            **({"build": "K_ROPE"} if cache == "dict_pre_rope" else {}),
                            needs=list(v.subgroup_ops and ("subgroups",)) + list(v.features),
                            tuned_among=tuned if len(tuned) > 1 else [],
                            # kernels this device runs the cache by when asked (Attention.flash_kernel)
-                           on_request=([flash_shader(cache == "kivi", MMA_KERNEL)] if att.shapes.mma_locals(0) else [])
-                           + ([att.shapes.flash_variant(plan.local, "attend_flash_dot")] if rows_flash
-                              and att.shapes.int_dot_fits(0) and not INT_DOT_TUNED else []))
+                           on_request=([flash_shader(cache == "kivi", MMA_KERNEL)]
+                                       if att.shapes.mma_locals(0) else []))
         except Exception as e:  # a cache this device cannot serve says why, the rest go on
             row["error"] = f"{type(e).__name__}: {e}"
         out.append(row)

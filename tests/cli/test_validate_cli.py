@@ -104,12 +104,7 @@ def test_variants_name_the_kernel_each_cache_attends_by(vk_device, capsys):
     assert by["kivi"]["variant"].endswith("_sg") == sg and (("subgroups" in by["kivi"]["needs"]) == sg)
     mma = set(abi.MMA_FEATURES) <= set(vk_device.features()) and vk_device.limit("subgroup_size") == 32
     assert by["kivi"]["on_request"] == (["attend_mma_kivi"] if mma else [])
-    assert by["f16"]["on_request"] == (["attend_mma"] if mma else [])
-    # q8_0: attend_mma, and the integer-dot build while the tuner does not time it (flash.INT_DOT_TUNED)
-    from kvdict_vk.vk.attend import flash
-    dot = set(abi.DECLARATIONS["attend_flash_dot"].features) <= set(vk_device.features())
-    dotted = [f"attend_flash_dot{'_sg' if sg else ''}"] if dot and not flash.INT_DOT_TUNED else []
-    assert by["q8_0"]["on_request"] == (["attend_mma"] if mma else []) + dotted
+    assert by["f16"]["on_request"] == by["q8_0"]["on_request"] == (["attend_mma"] if mma else [])
     assert by["dict"]["on_request"] == by["f32"]["on_request"] == by["dict_pre_rope"]["on_request"] == []
     # keys coded before RoPE: the K_ROPE build of the flash pass over the codes, or attend_direct's
     assert by["dict_pre_rope"]["build"] == "K_ROPE" and by["dict_pre_rope"]["variant"] == \

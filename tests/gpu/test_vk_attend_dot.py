@@ -40,14 +40,15 @@ def _q8_arena(make_arena, rng, n_kv, hd, n_ctx, k=None, v=None):
 
 
 def _forced(arena, q, shared: bool):
-    """The arena's attention with attend_flash_dot forced (shuffles or shared memory); where the
-    device lacks integer dot products, None once an attention through it has raised the typed error."""
-    att = arena.attention(len(q))
+    """The arena's attention for q (n_heads, head_dim), or for each sequence's (B, n_heads,
+    head_dim), with attend_flash_dot forced (shuffles or shared memory); where the device lacks
+    integer dot products, None once an attention through it has raised the typed error."""
+    att = arena.attention(q.shape[-2])
     att.path, att.flash_kernel, att.subgroups = "flash", INT_DOT_KERNEL, (False if shared else None)
     if _has_dot(arena.device):
         return att
     with pytest.raises(E.ArenaError, match="int_dot"):
-        arena.attend(0, q, 1)
+        arena.attend(0, q, 1) if q.ndim == 2 else arena.attend_batch(0, q, [1] * len(q))
     return None
 
 
@@ -61,21 +62,18 @@ def _within_gate(arena, att, q, k, v, n_used, scale=None):
     return err
 
 
-@pytest.mark.parametrize("tuned", [True, False])
-def test_offered_only_where_the_device_has_it(tuned, make_arena, monkeypatch):
+def test_offered_only_where_the_device_has_it(make_arena, monkeypatch):
     """int_dot fits a q8_0 layer exactly where the device reports integer dot products, and the
-    tuner's builds include it then with INT_DOT_TUNED and without Attention.exact; never over f16
-    or f32 rows, where forcing it is a typed error. On a device without the feature (here
-    pretended) it does not fit and the variant itself is refused before the driver sees it."""
+    tuner's builds include it then unless Attention.exact; never over f16 or f32 rows, where
+    forcing it is a typed error. On a device without the feature (here pretended) it does not fit
+    and the variant itself is refused before the driver sees it."""
     from kvdict_vk.vk import kernels
-    from kvdict_vk.vk.attend import flash
-    monkeypatch.setattr(flash, "INT_DOT_TUNED", tuned)
     for cache in ("q8_0", "f16", "f32"):
         arena = make_arena(1, 2, 64, 256, cache=cache)
         att = arena.attention(6)
         fits = cache == "q8_0" and _has_dot(arena.device)
         assert att.shapes.int_dot_fits(0) == fits
-        assert (INT_DOT_KERNEL in att.shapes.flash_kernels(0)) == (fits and tuned), cache
+        assert (INT_DOT_KERNEL in att.shapes.flash_kernels(0)) == fits, cache
         assert bool(att.shapes.flash_kernel_locals(0, INT_DOT_KERNEL)) == fits
         att.exact = True
         assert INT_DOT_KERNEL not in att.shapes.flash_kernels(0)
@@ -190,11 +188,8 @@ def test_batched_rows_within_the_gate(shared, make_arena):
         held.append((quant.q8_0(k), quant.q8_0(v)))
     q = rng.standard_normal((len(lengths), n_kv * g, hd), dtype=np.float32)
     q[2] *= 30.0  # sequences whose queries differ in scale: each block keeps its own step
-    att = arena.attention(n_kv * g)
-    att.path, att.flash_kernel, att.subgroups = "flash", INT_DOT_KERNEL, (False if shared else None)
-    if not _has_dot(arena.device):
-        with pytest.raises(E.ArenaError, match="int_dot"):
-            arena.attend_batch(0, q, list(lengths))
+    att = _forced(arena, q, shared)
+    if att is None:
         return
     for used in (list(lengths), [5, 1, 129, 2]):
         batched_within(arena, q, held, used, GATE)

@@ -37,12 +37,11 @@ CODED_KERNELS = ("float",)
 # registers can halve the token loop's occupancy, slower at long contexts (lab/NOTEBOOK.md,
 # "Registers"): the tuner times both. "int_dot" (attend_flash_dot: a q8_0 layer's keys dotted with
 # an int8 query by integer dot products) runs over q8_0 rows where the device reports the feature
-# (int_dot_fits), and joins the builds the tuner times with INT_DOT_TUNED (flash_kernels; timed
-# against the float build: lab/NOTEBOOK.md, "Stop 69"). The KIVI builds (attend_flash_kivi) have
-# the first only.
+# (int_dot_fits), where the tuner times it beside the others (it is not exact: never with
+# Attention.exact; timed against the float build in lab/NOTEBOOK.md, "Stop 69"). The KIVI builds
+# (attend_flash_kivi) have the first only.
 FLASH_KERNELS = ("float", "wide_end", "int_dot")
 INT_DOT_KERNEL = "int_dot"
-INT_DOT_TUNED = True
 # attend_mma (shaders/attend_mma.comp): the same attention on cooperative matrices, over f16, q8_0
 # and KIVI layers where the device has what it needs (mma_locals). It runs where asked for
 # (Attention.flash_kernel = MMA_KERNEL); the tuner times it beside FLASH_KERNELS only with
@@ -180,11 +179,11 @@ class FlashShapes:
 
     def flash_kernels(self, layer: int) -> tuple[str, ...]:
         """The builds the tuner times over an uncoded ``layer``: those of FLASH_KERNELS that fit
-        (flash_kernel_fits; INT_DOT_KERNEL only with INT_DOT_TUNED), and with MMA_TUNED
+        (flash_kernel_fits), and with MMA_TUNED
         MMA_KERNEL where it fits (mma_locals); with ``exact`` the exact builds only."""
         fast = not self.exact
         rows = tuple(n for n in FLASH_KERNELS
-                     if self.flash_kernel_fits(layer, n) and (n != INT_DOT_KERNEL or (INT_DOT_TUNED and fast)))
+                     if self.flash_kernel_fits(layer, n) and (n != INT_DOT_KERNEL or fast))
         return rows + ((MMA_KERNEL,) if MMA_TUNED and fast and self.mma_locals(layer) else ())
 
     def flash_kernel_locals(self, layer: int, kernel: str) -> list[int]:
