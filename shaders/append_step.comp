@@ -8,6 +8,7 @@
 // bits), or the stored words themselves (FORMAT_WORDS: f32 rows, a coded stream's slots).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#define Q8_PAIR_ENCODER
 #include "rows_encode.glsl"
 
 layout(local_size_x = WG_SIZE) in;
@@ -37,15 +38,8 @@ float src_float(uint row_word, uint i) { return uintBitsToFloat(step_words[row_w
 
 // The work is cut into units a workgroup takes whole (grid stride over units): a stream in
 // words (FORMAT_WORDS, FORMAT_F16) WG_SIZE words a unit, an invocation a word; a q8_0 stream a
-// pair of blocks a unit (they share a scale word), an invocation an element — the block's
-// largest magnitude by a tree in shared memory, its d and 1/d by one invocation, four
-// invocations' values packed by a fifth. (An invocation a block took 3× the f16 append's time:
-// two divisions of 25 steps and 32 values in a row.)
+// pair of blocks a unit (they share a scale word: rows_encode.glsl's q8_pair_words).
 const uint PAIR = 64u;  // elements of a q8_0 unit: two blocks of 32
-shared float magnitude[WG_SIZE];
-shared float block_inverse[2];
-shared uint block_d[2];
-shared uint quantised[WG_SIZE];
 
 uint row_items(uint format, uint row_words) {  // units of a row: q8_0 block pairs; else words
     return format == FORMAT_Q8_0 ? (pc.head_dim / 32u + 1u) / 2u : row_words;
@@ -86,33 +80,12 @@ void store_q8_pair(bool key, uint u) {
     row_words_at(key, FORMAT_Q8_0, r, src, dst);
     uint e = PAIR * p + lid;  // this invocation's element; block 2p + lid / 32
     bool real = lid < PAIR && e < pc.head_dim;
-    float x = real ? src_float(src, e) : 0.0;
-    magnitude[lid] = abs(x);
-    barrier();
-    for (uint s = 16u; s > 0u; s >>= 1u) {  // within each half of 32: max, as max() is exact
-        if ((lid & 31u) < s)
-            magnitude[lid] = max(magnitude[lid], magnitude[lid + s]);
-        barrier();
-    }
-    if (lid < 2u && 2u * p + lid < n_blocks) {
-        float d = div_rn(magnitude[32u * lid], 127.0);
-        block_d[lid] = f16_bits(d);
-        block_inverse[lid] = q8_inverse_scale(d);
-    } else if (lid < 2u) {
-        block_d[lid] = 0u;  // the pad half of a last, odd block's scale word
-    }
-    barrier();
-    quantised[lid] = real ? uint(q8_value(x, block_inverse[lid / 32u])) & 0xFFu : 0u;
-    barrier();
-    uint scale_words = (n_blocks + 1u) / 2u;
+    uint scale_word, value_word;
+    q8_pair_words(real ? src_float(src, e) : 0.0, real, 2u * p + 1u < n_blocks, scale_word, value_word);
     if (lid == 0u)
-        layer_words[dst + p] = block_d[0] | (block_d[1] << 16u);
-    if (lid < PAIR / 4u && 4u * lid < pc.head_dim - PAIR * p) {  // word lid of the pair's values
-        uint q = 4u * lid;
-        layer_words[dst + scale_words + PAIR / 4u * p + lid] =
-            quantised[q] | (quantised[q + 1u] << 8u) | (quantised[q + 2u] << 16u) | (quantised[q + 3u] << 24u);
-    }
-    barrier();  // shared memory read before the next unit overwrites it
+        layer_words[dst + p] = scale_word;
+    if (lid < PAIR / 4u && 4u * lid < pc.head_dim - PAIR * p)  // word lid of the pair's values
+        layer_words[dst + (n_blocks + 1u) / 2u + PAIR / 4u * p + lid] = value_word;
 }
 
 void main() {

@@ -11,13 +11,19 @@
 // straight into the layer's rows instead, at the token's row (the position: row (g, p) at
 // k_layer_word + (g · n_ctx + p) · row_words, docs/ARENA.md) — binary16 pairs made as
 // append_step makes them (rows_encode.glsl's f16_bits: NumPy's bits) or float32 words — so the
-// decode step records no append_step for the layer and its source rows stay unwritten.
+// decode step records no append_step for the layer and its source rows stay unwritten. Over q8_0
+// rows (FORMAT_Q8_0) a block's 32 elements come from several workgroups: each writes its rows to
+// the source rows as without row_words and counts them in an arrival word of its pair of blocks
+// (Rows at arrival_word: one a (stream, KV head, pair), zero between dispatches); the workgroup
+// whose rows complete a pair reads the pair back and stores its words (rows_encode.glsl's
+// q8_pair_words, as append_step does) and sets the word to zero again.
 // k_pre_word > 0 (a layer whose keys are coded before RoPE, kvdict_vk.rope): the keys are also
 // written unturned there — what the step's GPU encoder codes; the turned ones at k_word are the
 // exact window's.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
+#define Q8_PAIR_ENCODER
 #include "rows_encode.glsl"
 
 layout(local_size_x = WG_SIZE) in;
@@ -25,7 +31,8 @@ layout(local_size_x = WG_SIZE) in;
 layout(std430, binding = 0) readonly buffer Weights { uint w_words[]; };
 layout(std430, binding = 1) readonly buffer X { float x_vals[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y_vals[]; };
-layout(std430, binding = 3) writeonly buffer Rows { float kv_vals[]; };
+// coherent: a q8_0 pair's rows are read back by the workgroup that arrives last
+layout(std430, binding = 3) coherent buffer Rows { uint kv_words[]; };
 layout(std430, binding = 4) readonly buffer Table { float table_vals[]; };
 layout(std430, binding = 5) readonly buffer Values { uint value_words[]; };
 layout(std430, binding = 6) writeonly buffer Layer { uint layer_words[]; };
@@ -52,17 +59,43 @@ layout(push_constant) uniform QkvPush {
     uint v_layer_word;
     uint n_ctx;          // rows a KV head
     uint k_pre_word;     // > 0: the keys before RoPE too, in Rows
+    uint arrival_word;   // FORMAT_Q8_0: the pairs' arrival words in Rows
     float eps;
 } pc;
 
 shared float row_vals[ROWS];
 shared float out_vals[ROWS];  // the rows as written (after RoPE): a binary16 pair's two halves
+// FORMAT_Q8_0: an iteration's rows in pieces of up to 32 (each within one pair of blocks: q_rows,
+// k_rows and head_dim are multiples of 32, host-checked), the pair a piece completed or NONE
+const uint PIECES = (ROWS + 31u) / 32u;
+const uint NONE = 0xFFFFFFFFu;
+shared uint completed[PIECES];
+
+// Pair `pair` of the K (stream 0) or V rows, as the source rows hold it, into the layer's row
+// at position p (the whole workgroup).
+void store_q8_pair(uint pair, uint p) {
+    uint lid = gl_LocalInvocationID.x, pairs = (pc.head_dim + 63u) / 64u, n_blocks = pc.head_dim / 32u;
+    uint head = pair / pairs, pp = pair - head * pairs;  // head: stream · n_kv + KV head
+    uint n_kv = pc.k_rows / pc.head_dim, stream = head / n_kv, g = head - stream * n_kv;
+    uint d = 64u * pp + lid;
+    bool real = lid < 64u && d < pc.head_dim;
+    uint src = (stream == 0u ? pc.k_word : pc.v_word) + g * pc.head_dim + d;
+    uint scale_word, value_word;
+    q8_pair_words(real ? uintBitsToFloat(kv_words[src]) : 0.0, real, 2u * pp + 1u < n_blocks, scale_word, value_word);
+    uint row = (stream == 0u ? pc.k_layer_word : pc.v_layer_word) + (g * pc.n_ctx + p) * pc.row_words;
+    if (lid == 0u)
+        layer_words[row + pp] = scale_word;
+    if (lid < 16u && 4u * lid < pc.head_dim - 64u * pp)
+        layer_words[row + (n_blocks + 1u) / 2u + 16u * pp + lid] = value_word;
+}
 
 void main() {
     uint lid = row_lid(), slot = lid / ROW_THREADS;
     uint n_rows = pc.q_rows + 2u * pc.k_rows;
     float scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
     uint p = min(value_words[pc.pos_word], pc.n_pos - 1u);
+    bool q8 = pc.row_words != 0u && pc.row_format == FORMAT_Q8_0;
+    bool in_layer = pc.row_words != 0u && !q8;  // rows written into the layer here, element by element
     for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
         uint r = r0 + slot;
         bool valid = r < n_rows;
@@ -84,17 +117,42 @@ void main() {
             }
             if (query)
                 y_vals[pc.y_word + r] = v;
-            else if (pc.row_words != 0u)
+            else if (in_layer)
                 out_vals[slot] = v;
             else if (within < pc.k_rows) {
-                kv_vals[pc.k_word + within] = v;
+                kv_words[pc.k_word + within] = floatBitsToUint(v);
                 if (pc.k_pre_word != 0u)
-                    kv_vals[pc.k_pre_word + within] = total;
+                    kv_words[pc.k_pre_word + within] = floatBitsToUint(total);
             }
             else
-                kv_vals[pc.v_word + within - pc.k_rows] = v;
+                kv_words[pc.v_word + within - pc.k_rows] = floatBitsToUint(v);
         }
-        if (pc.row_words != 0u) {
+        if (q8) {
+            memoryBarrierBuffer();  // this invocation's source words before its workgroup's arrivals
+            barrier();
+            uint lid0 = gl_LocalInvocationID.x;
+            if (lid0 < PIECES) {
+                uint a = r0 + 32u * lid0, b = min(min(r0 + ROWS, a + 32u), n_rows);
+                completed[lid0] = NONE;
+                if (a >= pc.q_rows && a < b) {
+                    uint within = a - pc.q_rows, stream = within / pc.k_rows, e = within - stream * pc.k_rows;
+                    uint pairs = (pc.head_dim + 63u) / 64u, g = e / pc.head_dim, pp = (e % pc.head_dim) / 64u;
+                    uint pair = (stream * (pc.k_rows / pc.head_dim) + g) * pairs + pp;
+                    uint pair_rows = min(64u, pc.head_dim - 64u * pp);
+                    uint arrived = atomicAdd(kv_words[pc.arrival_word + pair], b - a) + (b - a);
+                    if (arrived == pair_rows) {
+                        atomicExchange(kv_words[pc.arrival_word + pair], 0u);  // for the next dispatch
+                        completed[lid0] = pair;
+                    }
+                }
+            }
+            memoryBarrierBuffer();
+            barrier();
+            [[unroll]] for (uint i = 0u; i < PIECES; ++i)
+                if (completed[i] != NONE)  // uniform: the workgroup's shared word
+                    store_q8_pair(completed[i], p);
+        }
+        if (in_layer) {
             barrier();  // out_vals holds both rows of a pair
             if (valid && lid % ROW_THREADS == 0u && r >= pc.q_rows) {
                 uint within = r - pc.q_rows;

@@ -103,3 +103,44 @@ int q8_value(float x, float inv) {
     precise float rounded = scaled + uintBitsToFloat((floatBitsToUint(x) & 0x80000000u) | 0x3F000000u);
     return int(rounded);  // conversion to int truncates toward zero
 }
+
+#ifdef Q8_PAIR_ENCODER
+// q8_0 blocks 2p and 2p + 1 of a row (the pair sharing scale word p) by a workgroup of WG_SIZE
+// ≥ 64 invocations, every one of which calls it (barriers): invocation i < 64 holds element
+// 64p + i in x (``real``: within the row; ``second``: block 2p + 1 is). The block's largest
+// magnitude by a tree in shared memory, its d and 1/d by one invocation, four invocations'
+// values packed by a fifth (an invocation a block took 3× the f16 append's time: two divisions
+// of 25 steps and 32 values in a row). Returns the pair's words as a row stores them:
+// invocation 0 the scale word (the second half 0 where there is no second block), invocation
+// i < 16 value word i.
+shared float q8_magnitude[WG_SIZE];
+shared float q8_inverse[2];
+shared uint q8_d[2];
+shared uint q8_levels[WG_SIZE];
+
+void q8_pair_words(float x, bool real, bool second, out uint scale_word, out uint value_word) {
+    uint lid = gl_LocalInvocationID.x;
+    x = real ? x : 0.0;
+    q8_magnitude[lid] = abs(x);
+    barrier();
+    for (uint s = 16u; s > 0u; s >>= 1u) {  // within each half of 32: max, as max() is exact
+        if ((lid & 31u) < s)
+            q8_magnitude[lid] = max(q8_magnitude[lid], q8_magnitude[lid + s]);
+        barrier();
+    }
+    if (lid < 2u && (lid == 0u || second)) {
+        float d = div_rn(q8_magnitude[32u * lid], 127.0);
+        q8_d[lid] = f16_bits(d);
+        q8_inverse[lid] = q8_inverse_scale(d);
+    } else if (lid < 2u) {
+        q8_d[lid] = 0u;  // the pad half of a last, odd block's scale word
+    }
+    barrier();
+    q8_levels[lid] = real ? uint(q8_value(x, q8_inverse[min(lid / 32u, 1u)])) & 0xFFu : 0u;
+    barrier();
+    scale_word = q8_d[0] | (q8_d[1] << 16u);
+    uint q = 4u * min(lid, 15u);
+    value_word = q8_levels[q] | (q8_levels[q + 1u] << 8u) | (q8_levels[q + 2u] << 16u) | (q8_levels[q + 3u] << 24u);
+    barrier();  // shared memory read before the next pair overwrites it
+}
+#endif

@@ -148,12 +148,13 @@ MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "
                          floats=("eps",), defaults=dict(accumulate=0, norm_word=0, eps=0.0))
 # row_words (0: none), row_format (kvdict_vk.rows.APPEND_FORMATS), k/v_layer_word, n_ctx: fwd_qkv writing
 # the token's rows into the layer itself (DecodeStep.row_append); k_pre_word (0: none): the keys
-# before RoPE too, for a layer that codes them so (DecodeStep.k_pre_word)
+# before RoPE too, for a layer that codes them so (DecodeStep.k_pre_word); arrival_word: q8_0 rows'
+# arrival words in Rows (fwd_qkv.comp)
 QKV_PUSH = uint_block("QkvPush", "w_word", "x_word", "n_cols", "q_rows", "k_rows", "y_word", "k_word", "v_word",
                       "head_dim", "rope_dim", "pos_word", "n_pos", "norm_word", "row_words", "row_format",
-                      "k_layer_word", "v_layer_word", "n_ctx", "k_pre_word", floats=("eps",),
+                      "k_layer_word", "v_layer_word", "n_ctx", "k_pre_word", "arrival_word", floats=("eps",),
                       defaults=dict(row_words=0, row_format=0, k_layer_word=0, v_layer_word=0, n_ctx=1,
-                                    k_pre_word=0))
+                                    k_pre_word=0, arrival_word=0))
 EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows", "n_cols")
 ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word", "parts", "stage")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).

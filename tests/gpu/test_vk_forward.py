@@ -71,11 +71,11 @@ def _decode(forward: DeviceForward, tokens) -> tuple[np.ndarray, list]:
     return np.array(nll), picks
 
 
-def _small_model(rng, fmt: str, tied: bool, hidden: int = 96) -> tuple:
+def _small_model(rng, fmt: str, tied: bool, hidden: int = 96, head_dim: int = 32) -> tuple:
     """A random 2-layer model: hidden 96 (three blocks), 6 query heads over 2 KV heads of 32,
     ffn 160, a vocabulary of 300; random norms (ones would hide a norm bug), and where
     ``fmt`` is "mixed" every layer matrix in another format."""
-    cfg = ModelConfig("llama", 2, hidden, 6, 2, 32, 160, 10000.0, 32, 1e-5, 300, 64, tied)
+    cfg = ModelConfig("llama", 2, hidden, 6, 2, head_dim, 160, 10000.0, head_dim, 1e-5, 300, 64, tied)
     w = random_weights(cfg, rng, "q4_1" if fmt == "mixed" else fmt)
     norm = lambda: (0.5 + rng.random(cfg.hidden)).astype(np.float32)  # noqa: E731
     layers = []
@@ -118,24 +118,28 @@ def test_matvecs_past_their_workgroups_stride_the_grid(fmt, row_threads, subgrou
     _check_forward(_small_model(rng, fmt, False), "f32", row_threads, subgroups, make_arena, rng)
 
 
-@pytest.mark.parametrize("cache", ["f16", "f32"])
-def test_qkv_appends_the_rows_the_step_would(cache, make_arena):
-    """Over f16 or f32 rows fwd_qkv writes the token's K and V into the layer and the token
-    records no append_step (two ops a layer fewer): the arena's rows and every token's logits
-    equal, bit for bit, those of the forward whose decode step appends them."""
+# q8_0: a pair of blocks (64 elements) completed by workgroups of 2, 8, 32 or 64 rows an
+# iteration (row threads 32, 8, 2, 1) — head_dim 32 (one block, the pair's second missing), 64, 128
+@pytest.mark.parametrize("cache,row_threads,head_dim", [("f16", 8, 32), ("f32", 8, 32), ("q8_0", 8, 32),
+                                                        ("q8_0", 32, 64), ("q8_0", 1, 128), ("q8_0", 2, 64)])
+def test_qkv_appends_the_rows_the_step_would(cache, row_threads, head_dim, make_arena):
+    """Over f16, f32 or q8_0 rows fwd_qkv writes the token's K and V into the layer and the
+    token records no append_step (two ops a layer fewer): the arena's rows and every token's
+    logits equal, bit for bit, those of the forward whose decode step appends them."""
     rng = np.random.default_rng(65)
-    w = _small_model(rng, "q4_1", True)
+    w = _small_model(rng, "q4_1", True, head_dim=head_dim)
     cfg = w.config
     tokens = rng.integers(0, cfg.vocab, 10)
     got = {}
     for appends in (True, False):
         arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 24, cache=cache)
-        forward = DeviceForward(w, arena, logits=True, row_threads=8, qkv_appends=appends)
+        forward = DeviceForward(w, arena, logits=True, row_threads=row_threads, qkv_appends=appends)
         logits = []
         for tok in tokens:
             forward.run(int(tok))
             logits.append(forward.logits())
-        got[appends] = (len(forward.op_labels), np.array(logits), [arena.read(i) for i in range(cfg.n_layers)])
+        got[appends] = (len(forward.op_labels), np.array(logits), [arena.read(i) for i in range(cfg.n_layers)],
+                        [arena.layer_words(i).copy() for i in range(cfg.n_layers)])
         assert all(forward.step.row_append(j) is not None for j in range(cfg.n_layers))
         forward.free()
     assert got[True][0] == got[False][0] - 2 * cfg.n_layers
@@ -143,18 +147,8 @@ def test_qkv_appends_the_rows_the_step_would(cache, make_arena):
     for fused, stepped in zip(got[True][2], got[False][2]):
         for a, b in zip(fused, stepped):
             assert np.array_equal(a, b)
-
-
-def test_qkv_leaves_q8_0_blocks_to_the_step(make_arena):
-    """A q8_0 layer's rows are blocks of 32 elements, more rows than a workgroup of fwd_qkv
-    holds at its row threads: the step appends them."""
-    rng = np.random.default_rng(66)
-    w = _small_model(rng, "q4_1", True)
-    cfg = w.config
-    arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 24, cache="q8_0")
-    forward = DeviceForward(w, arena, row_threads=8)
-    assert all(forward.step.row_append(j) is None for j in range(cfg.n_layers))
-    forward.free()
+    for fused, stepped in zip(got[True][3], got[False][3]):  # the stored words too (q8_0: blocks, scales)
+        assert np.array_equal(fused, stepped)
 
 
 def _check_forward(w, cache, row_threads, subgroups, make_arena, rng):

@@ -48,7 +48,7 @@ from ..device import kp
 from ..attend.ops import PassBuilder, Placement
 from ..attend.specs import lengths_word, query_words
 from ..abi import WG_SIZE
-from ..kernels import Buffer, barrier, pipeline
+from ..kernels import Buffer, barrier, pipeline, run
 from ..submit import Recording
 
 
@@ -114,6 +114,10 @@ class DecodeStep:
                 if self._device_coded and st.key_rope is not None:
                     self._pre_at[j] = end
                     end += -(-n_kv * hd // 4) * 4
+        # a q8_0 rows layer appended by the forward's projection (row_append): an arrival word a
+        # (stream, KV head, pair of blocks), zero between dispatches — one set for every layer
+        self._arrival_at = end if any(self._fused_format(j) == "q8_0" for j in range(len(self._streams))) else 0
+        end += 2 * n_kv * L.q8_scale_words(hd) if self._arrival_at else 0
         self._q_words = query_words(self.batch, self.n_heads, hd)
         self._q_stride = -(-self._q_words // 4) * 4  # each layer's block starts on a quad
         self._lengths_at = lengths_word(self.batch, self.n_heads, hd)
@@ -125,6 +129,8 @@ class DecodeStep:
             # device-local (append_step reads each source float of a q8_0 block 32 times), up in
             # the same copy as the queries
             self._step = Buffer(self.device, end, "device", "decode step K/V rows")
+            if self._arrival_at:  # the arrival words zero on the device before the first dispatch
+                run(self.device, kp.OpTensorSyncDevice([self._step.tensor]), what="zeroing the arrival words")
             if self._device_coded:
                 self._slots = Buffer(self.device, self._v_src[-1], "storage", "decode step slots")
             self._q = Buffer(self.device, n_l * self._q_stride, "device", "decode step queries")
@@ -202,20 +208,30 @@ class DecodeStep:
             attends.append(attend)
         return appends, attends
 
-    def row_append(self, j: int) -> dict | None:
-        """What a kernel that writes layer j's (of ``layers``) K and V rows itself, in place of
-        :attr:`append_ops`, needs (fwd_qkv's push): the rows' words and their format
-        (rows.APPEND_FORMATS: binary16 pairs, or f32 rows' words as they are), the K and V regions
-        (row (g, t) at region + (g · n_ctx + t) · row_words); or None, where the append is more than
-        a conversion of each element (q8_0 blocks, KIVI windows, coded slots, an exact window) or
-        the step holds a batch of sequences."""
+    def _fused_format(self, j: int) -> str | None:
+        """The APPEND_FORMATS key of layer j's rows where a projection can append them itself
+        (row_append), else None."""
         k, v = self._streams[j]
         fmt = R.append_format(k)
         if self.batch != 1 or any(st.coded or st.kivi or st.windowed for st in (k, v)) \
-                or fmt not in ("f16", "words") or R.append_format(v) != fmt:
+                or fmt not in ("f16", "words", "q8_0") or R.append_format(v) != fmt:
             return None
+        return fmt
+
+    def row_append(self, j: int) -> dict | None:
+        """What a kernel that writes layer j's (of ``layers``) K and V rows itself, in place of
+        :attr:`append_ops`, needs (fwd_qkv's push): the rows' words and their format
+        (rows.APPEND_FORMATS: binary16 pairs, f32 rows' words as they are, q8_0 blocks — those
+        through the source rows and the step buffer's arrival words), the K and V regions (row
+        (g, t) at region + (g · n_ctx + t) · row_words); or None, where the append is more than
+        rows of the token (KIVI windows, coded slots, an exact window) or the step holds a batch
+        of sequences."""
+        fmt = self._fused_format(j)
+        if fmt is None:
+            return None
+        k, v = self._streams[j]
         return dict(row_words=k.row_words, row_format=R.APPEND_FORMATS[fmt], k_layer_word=k.region_word,
-                    v_layer_word=v.region_word)
+                    v_layer_word=v.region_word, arrival_word=self._arrival_at if fmt == "q8_0" else 0)
 
     def _window_op(self, i: int, j: int):
         """append_window of layer i (j-th of the step): the token's rows from their float rows."""

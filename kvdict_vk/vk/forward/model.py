@@ -5,8 +5,9 @@ A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF'
 and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the token's
 embedding row into the residual; per layer, Q, K and V in one dispatch over the normed
 residual, RoPE'd as they are written straight into the decode step's query block and source
-rows — over f16 or f32 rows, the keys and values into the layer's rows at the token's position
-instead, so the step records no append for it (fwd_qkv; DecodeStep.row_append) → the step's
+rows — over f16, f32 or q8_0 rows, the keys and values into the layer's rows at the token's
+position instead (q8_0: a pair of blocks by the workgroup whose rows complete it), so the step
+records no append for it (fwd_qkv; DecodeStep.row_append) → the step's
 append and attention (kvdict_vk.vk.arena.decode, record=False) →
 the O projection added to the residual → gate and up over the normed residual → the down
 projection of their SwiGLU added to the residual (fwd_matvec; matvec.glsl reads the norm and
@@ -55,7 +56,7 @@ class DeviceForward:
     two ≤ 64; default: 1 on a CPU driver, MATVEC_ROW_THREADS on a GPU); ``subgroups``: whether
     a row's invocations add by subgroup shuffles (the _sg builds; None: where the device has
     them and a row fits in a subgroup; True where it cannot is a DispatchError);
-    ``qkv_appends``: over a layer of f16 or f32 rows, fwd_qkv writes the token's K and V rows into
+    ``qkv_appends``: over a layer of f16, f32 or q8_0 rows, fwd_qkv writes the token's K and V rows into
     the layer itself and the step's append_step is not recorded (DecodeStep.row_append; False:
     the step's own append, as every other cache has); ``layers``: the model's layers [a, b) this
     forward runs, the arena holding just those (a device's part of a layer split: the first
@@ -284,7 +285,8 @@ class DeviceForward:
                                         norm_word=base + at["ffn_norm"]) for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
             appends = step.row_append(j) if self._qkv_appends else None
             layer_buf = self.arena.memory.layer_buffer(step.layers[j])
-            qkv_writes = (queries, layer_buf) if appends else (queries, rows)
+            # q8_0 rows: the source rows (read back) and the arrival words too
+            qkv_writes = (queries, rows) if not appends else (queries, layer_buf, *((rows,) if appends["arrival_word"] else ()))
             sections += [
                 ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j, layer_buf, appends), barrier(*qkv_writes)]),
                 ("append + attention", [*(step.attend_ops[j] if appends else step.layer_ops[j]), barrier(attn_out)]),

@@ -52,14 +52,20 @@ def _qkv(p, s):
     w = _row_words({**p, "n_rows": q + 2 * k}, s, "fwd_qkv")
     x, norm = _x_span(p, s, "fwd_qkv")
     n_kv, rw = k // hd, p["row_words"]
-    rows_of = {R.APPEND_FORMATS["f16"]: "f16", R.APPEND_FORMATS["words"]: "f32"}  # the formats fwd_qkv writes
+    # the formats fwd_qkv writes
+    rows_of = {R.APPEND_FORMATS["f16"]: "f16", R.APPEND_FORMATS["words"]: "f32", R.APPEND_FORMATS["q8_0"]: "q8_0"}
+    q8 = bool(rw) and p["row_format"] == R.APPEND_FORMATS["q8_0"]
     if rw and (p["row_format"] not in rows_of or rw != L.row_words(hd, 0, 0, rows_of[p["row_format"]])
-               or p["n_ctx"] < p["n_pos"]):
+               or p["n_ctx"] < p["n_pos"] or (q8 and (hd % 32 or q % 32))):
         raise E.DispatchError(f"fwd_qkv: rows of {rw} words in format {p['row_format']} over {p['n_ctx']} rows a "
-                              f"KV head (f32 or f16 rows of head_dim {hd}, n_ctx ≥ {p['n_pos']})")
-    # appending: the token's row of each KV head, wherever the position puts it (the regions); else the source rows
+                              f"KV head (f32, f16 or q8_0 rows of head_dim {hd} — q8_0: head_dim and the query "
+                              f"rows {q} multiples of 32 —, n_ctx ≥ {p['n_pos']})")
+    # appending: the token's row of each KV head, wherever the position puts it (the regions); else the source
+    # rows — and for q8_0 blocks both, and the pairs' arrival words
     layer = [(p[w_], p[w_] + n_kv * p["n_ctx"] * rw) for w_ in ("k_layer_word", "v_layer_word")] if rw else []
-    rows = [] if rw else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
+    rows = [] if rw and not q8 else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
+    if q8:
+        rows.append((p["arrival_word"], p["arrival_word"] + 2 * n_kv * L.q8_scale_words(hd)))
     if p["k_pre_word"]:  # the keys before RoPE too (a layer coding them so)
         if rw:
             raise E.DispatchError("fwd_qkv: keys before RoPE go to the source rows, not a rows layer")
