@@ -18,6 +18,9 @@ from .layout import ATOMS_F16_ELEMS, CACHES, Q8_BLOCK, ArenaLayout, StreamLayout
 # FORMAT_*): the words as given (f32 rows, a coded stream's slots), or float32 rows made into
 # binary16 or q8_0 words on the device, bit for bit as row_words_of makes them
 APPEND_FORMATS = {"words": 0, "f16": 1, "q8_0": 2}
+# what shaders/fwd_qkv.comp writes a layer's token as (its row_format): the append formats, and a
+# KIVI layer's rings and groups (kivi_append.glsl, QKV_KIVI)
+QKV_FORMATS = {**APPEND_FORMATS, "kivi": 3}
 
 
 def append_format(st: StreamLayout) -> str:

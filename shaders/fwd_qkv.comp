@@ -16,7 +16,10 @@
 // the source rows as without row_words and counts them in an arrival word of its pair of blocks
 // (Rows at arrival_word: one a (stream, KV head, pair), zero between dispatches); the workgroup
 // whose rows complete a pair reads the pair back and stores its words (rows_encode.glsl's
-// q8_pair_words, as append_step does) and sets the word to zero again.
+// q8_pair_words, as append_step does) and sets the word to zero again. Over a KIVI layer
+// (QKV_KIVI) the same with a KV head's K and V rows as the unit: the workgroup that completes
+// them appends the head's token (kivi_append.glsl, as append_kivi does: its rings, a group
+// leaving the window quantised, the state word).
 // k_pre_word > 0 (a layer whose keys are coded before RoPE, kvdict_vk.rope): the keys are also
 // written unturned there — what the step's GPU encoder codes; the turned ones at k_word are the
 // exact window's.
@@ -25,6 +28,13 @@
 #include "common.glsl"
 #define Q8_PAIR_ENCODER
 #include "rows_encode.glsl"
+#include "kivi.glsl"
+
+#define QKV_KIVI 3u  // row_format of a KIVI layer (kvdict_vk.rows.QKV_FORMATS)
+// a KIVI layer's (QKV_KIVI): head_dim (= the push's) and its bits (kvdict_vk.kivi.KiviSpec)
+layout(constant_id = 3) const uint HEAD_DIM = 64u;
+layout(constant_id = 4) const uint K_BITS = 4u;
+layout(constant_id = 5) const uint V_BITS = 4u;
 
 layout(local_size_x = WG_SIZE) in;
 
@@ -35,7 +45,8 @@ layout(std430, binding = 2) writeonly buffer Y { float y_vals[]; };
 layout(std430, binding = 3) coherent buffer Rows { uint kv_words[]; };
 layout(std430, binding = 4) readonly buffer Table { float table_vals[]; };
 layout(std430, binding = 5) readonly buffer Values { uint value_words[]; };
-layout(std430, binding = 6) writeonly buffer Layer { uint layer_words[]; };
+// coherent: a KIVI group is read back from the rings just written
+layout(std430, binding = 6) coherent buffer Layer { uint layer_words[]; };
 
 #include "matvec.glsl"
 
@@ -59,14 +70,26 @@ layout(push_constant) uniform QkvPush {
     uint v_layer_word;
     uint n_ctx;          // rows a KV head
     uint k_pre_word;     // > 0: the keys before RoPE too, in Rows
-    uint arrival_word;   // FORMAT_Q8_0: the pairs' arrival words in Rows
+    uint arrival_word;   // FORMAT_Q8_0, QKV_KIVI: the arrival words in Rows
+    uint stats_word;     // QKV_KIVI: kivi_append.glsl's KiviLayer (its K and V regions:
+    uint k_window_word;  // k_layer_word, v_layer_word)
+    uint v_window_word;
+    uint recent;
+    uint state_word;
     float eps;
 } pc;
 
+float kivi_source(bool key, uint h, uint e) {
+    return uintBitsToFloat(kv_words[(key ? pc.k_word : pc.v_word) + h * pc.head_dim + e]);
+}
+
+#include "kivi_append.glsl"
+
 shared float row_vals[ROWS];
 shared float out_vals[ROWS];  // the rows as written (after RoPE): a binary16 pair's two halves
-// FORMAT_Q8_0: an iteration's rows in pieces of up to 32 (each within one pair of blocks: q_rows,
-// k_rows and head_dim are multiples of 32, host-checked), the pair a piece completed or NONE
+// FORMAT_Q8_0, QKV_KIVI: an iteration's rows in pieces of up to 32 (each within one pair of blocks
+// and one KV head: q_rows, k_rows and head_dim are multiples of 32, host-checked), the unit (a
+// pair, a KV head) a piece completed or NONE
 const uint PIECES = (ROWS + 31u) / 32u;
 const uint NONE = 0xFFFFFFFFu;
 shared uint completed[PIECES];
@@ -95,7 +118,8 @@ void main() {
     float scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
     uint p = min(value_words[pc.pos_word], pc.n_pos - 1u);
     bool q8 = pc.row_words != 0u && pc.row_format == FORMAT_Q8_0;
-    bool in_layer = pc.row_words != 0u && !q8;  // rows written into the layer here, element by element
+    bool kivi = pc.row_words != 0u && pc.row_format == QKV_KIVI;
+    bool in_layer = pc.row_words != 0u && !q8 && !kivi;  // rows written into the layer here, element by element
     for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
         uint r = r0 + slot;
         bool valid = r < n_rows;
@@ -127,7 +151,7 @@ void main() {
             else
                 kv_words[pc.v_word + within - pc.k_rows] = floatBitsToUint(v);
         }
-        if (q8) {
+        if (q8 || kivi) {
             memoryBarrierBuffer();  // this invocation's source words before its workgroup's arrivals
             barrier();
             uint lid0 = gl_LocalInvocationID.x;
@@ -137,20 +161,28 @@ void main() {
                 if (a >= pc.q_rows && a < b) {
                     uint within = a - pc.q_rows, stream = within / pc.k_rows, e = within - stream * pc.k_rows;
                     uint pairs = (pc.head_dim + 63u) / 64u, g = e / pc.head_dim, pp = (e % pc.head_dim) / 64u;
-                    uint pair = (stream * (pc.k_rows / pc.head_dim) + g) * pairs + pp;
-                    uint pair_rows = min(64u, pc.head_dim - 64u * pp);
-                    uint arrived = atomicAdd(kv_words[pc.arrival_word + pair], b - a) + (b - a);
-                    if (arrived == pair_rows) {
-                        atomicExchange(kv_words[pc.arrival_word + pair], 0u);  // for the next dispatch
-                        completed[lid0] = pair;
+                    // the unit and its rows: a pair of blocks of a stream's KV head; a KV head's K and V
+                    uint unit = kivi ? g : (stream * (pc.k_rows / pc.head_dim) + g) * pairs + pp;
+                    uint unit_rows = kivi ? 2u * pc.head_dim : min(64u, pc.head_dim - 64u * pp);
+                    uint arrived = atomicAdd(kv_words[pc.arrival_word + unit], b - a) + (b - a);
+                    if (arrived == unit_rows) {
+                        atomicExchange(kv_words[pc.arrival_word + unit], 0u);  // for the next dispatch
+                        completed[lid0] = unit;
                     }
                 }
             }
             memoryBarrierBuffer();
             barrier();
-            [[unroll]] for (uint i = 0u; i < PIECES; ++i)
-                if (completed[i] != NONE)  // uniform: the workgroup's shared word
-                    store_q8_pair(completed[i], p);
+            KiviLayer layer = KiviLayer(pc.k_layer_word, pc.v_layer_word, pc.stats_word, pc.k_window_word,
+                                        pc.v_window_word, pc.recent, pc.state_word, pc.n_ctx);
+            [[unroll]] for (uint i = 0u; i < PIECES; ++i) {
+                if (completed[i] != NONE) {  // uniform: the workgroup's shared word
+                    if (kivi)
+                        kivi_append_head(layer, completed[i], p + 1u);
+                    else
+                        store_q8_pair(completed[i], p);
+                }
+            }
         }
         if (in_layer) {
             barrier();  // out_vals holds both rows of a pair

@@ -148,13 +148,15 @@ MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "
                          floats=("eps",), defaults=dict(accumulate=0, norm_word=0, eps=0.0))
 # row_words (0: none), row_format (kvdict_vk.rows.APPEND_FORMATS), k/v_layer_word, n_ctx: fwd_qkv writing
 # the token's rows into the layer itself (DecodeStep.row_append); k_pre_word (0: none): the keys
-# before RoPE too, for a layer that codes them so (DecodeStep.k_pre_word); arrival_word: q8_0 rows'
-# arrival words in Rows (fwd_qkv.comp)
+# before RoPE too, for a layer that codes them so (DecodeStep.k_pre_word); arrival_word: q8_0 and
+# KIVI layers' arrival words in Rows; stats_word … state_word: a KIVI layer's (fwd_qkv.comp)
 QKV_PUSH = uint_block("QkvPush", "w_word", "x_word", "n_cols", "q_rows", "k_rows", "y_word", "k_word", "v_word",
                       "head_dim", "rope_dim", "pos_word", "n_pos", "norm_word", "row_words", "row_format",
-                      "k_layer_word", "v_layer_word", "n_ctx", "k_pre_word", "arrival_word", floats=("eps",),
+                      "k_layer_word", "v_layer_word", "n_ctx", "k_pre_word", "arrival_word", "stats_word",
+                      "k_window_word", "v_window_word", "recent", "state_word", floats=("eps",),
                       defaults=dict(row_words=0, row_format=0, k_layer_word=0, v_layer_word=0, n_ctx=1,
-                                    k_pre_word=0, arrival_word=0))
+                                    k_pre_word=0, arrival_word=0, stats_word=0, k_window_word=0, v_window_word=0,
+                                    recent=0, state_word=0))
 EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows", "n_cols")
 ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word", "parts", "stage")
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
@@ -314,17 +316,20 @@ def _declare() -> tuple:
     # a model's forward (kvdict_vk/vk/forward/): FORMAT is weights.glsl's weight format
     # FORMAT: weights.glsl's weight format; X_MODE: how matvec.glsl reads x
     matvec_spec = (("FORMAT", "ROW_THREADS", "X_MODE"), (("FORMAT", 0), ("X_MODE", 0)))
+    # fwd_qkv's KIVI layer (kivi_append.glsl): head_dim and its bits, as append_kivi's
+    qkv_spec = (matvec_spec[0] + ("HEAD_DIM", "K_BITS", "V_BITS"),
+                matvec_spec[1] + (("HEAD_DIM", 64), ("K_BITS", 4), ("V_BITS", 4)))
     out += [
         Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH, *matvec_spec),
         Variant("fwd_qkv", "fwd_qkv.comp", (),
                 (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values"), rw("Layer")),
-                QKV_PUSH, *matvec_spec),
+                QKV_PUSH, *qkv_spec),
         # the same, a row's lanes added by subgroup shuffles (GPUs that have them)
         Variant("fwd_matvec_sg", "fwd_matvec.comp", (("SUBGROUP", 1),), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH,
                 *matvec_spec, subgroup_ops=_SG),
         Variant("fwd_qkv_sg", "fwd_qkv.comp", (("SUBGROUP", 1),),
                 (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values"), rw("Layer")), QKV_PUSH,
-                *matvec_spec,
+                *qkv_spec,
                 subgroup_ops=_SG),
         Variant("fwd_embed", "fwd_embed.comp", (), (ro("Weights"), ro("Values"), rw("State")), EMBED_PUSH,
                 ("FORMAT",), (("FORMAT", 0),)),

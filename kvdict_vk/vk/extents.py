@@ -112,15 +112,22 @@ def _append_kivi_extents(p, s):
           and K.MIN_BITS <= vb <= K.MAX_BITS)
     if not ok:
         raise E.DispatchError(f"append_kivi: push constants {p} / specialization {s} are inconsistent")
-    rows, window = n_kv * n_ctx, K.KiviSpec(kb, vb, p["recent"]).window
     return ([(p["k_src_word"], p["k_src_word"] + n_kv * hd), (p["v_src_word"], p["v_src_word"] + n_kv * hd)],
             [(p["lengths_word"], p["lengths_word"] + 1)],
-            [(p["k_word"], p["k_word"] + rows * K.key_row_words(hd, kb)),
-             (p["v_word"], p["v_word"] + rows * K.value_row_words(hd, vb)),
-             (p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(n_ctx, hd)),
-             (p["k_window_word"], p["k_window_word"] + n_kv * K.window_words_per_head(window, hd)),
-             (p["v_window_word"], p["v_window_word"] + n_kv * K.window_words_per_head(window, hd)),
-             (p["state_word"], p["state_word"] + 1)])
+            kivi_layer_ranges(p["k_word"], p["v_word"], p, s, n_kv, n_ctx))
+
+
+def kivi_layer_ranges(k_word: int, v_word: int, p, s, n_kv: int, n_ctx: int) -> list:
+    """The words a KIVI layer's append may write (shaders/kivi_append.glsl): the K and V regions
+    (from k_word, v_word), the key statistics, both rings and the state word (p's stats_word,
+    k/v_window_word, recent, state_word; s's HEAD_DIM, K_BITS, V_BITS)."""
+    hd, kb, vb = s["HEAD_DIM"], s["K_BITS"], s["V_BITS"]
+    rows, window = n_kv * n_ctx, K.KiviSpec(kb, vb, p["recent"]).window
+    return [(k_word, k_word + rows * K.key_row_words(hd, kb)), (v_word, v_word + rows * K.value_row_words(hd, vb)),
+            (p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(n_ctx, hd)),
+            (p["k_window_word"], p["k_window_word"] + n_kv * K.window_words_per_head(window, hd)),
+            (p["v_window_word"], p["v_window_word"] + n_kv * K.window_words_per_head(window, hd)),
+            (p["state_word"], p["state_word"] + 1)]
 
 
 def _append_window_extents(p, s):

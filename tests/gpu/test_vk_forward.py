@@ -119,20 +119,25 @@ def test_matvecs_past_their_workgroups_stride_the_grid(fmt, row_threads, subgrou
 
 
 # q8_0: a pair of blocks (64 elements) completed by workgroups of 2, 8, 32 or 64 rows an
-# iteration (row threads 32, 8, 2, 1) — head_dim 32 (one block, the pair's second missing), 64, 128
-@pytest.mark.parametrize("cache,row_threads,head_dim", [("f16", 8, 32), ("f32", 8, 32), ("q8_0", 8, 32),
-                                                        ("q8_0", 32, 64), ("q8_0", 1, 128), ("q8_0", 2, 64)])
+# iteration (row threads 32, 8, 2, 1) — head_dim 32 (one block, the pair's second missing), 64,
+# 128; KIVI: a KV head's K and V rows, over enough tokens that groups leave the window
+@pytest.mark.parametrize("cache,row_threads,head_dim", [
+    ("f16", 8, 32), ("f32", 8, 32), ("q8_0", 8, 32), ("q8_0", 32, 64), ("q8_0", 1, 128), ("q8_0", 2, 64),
+    ("kivi", 8, 32), ("kivi", 32, 64), ("kivi", 1, 64)])
 def test_qkv_appends_the_rows_the_step_would(cache, row_threads, head_dim, make_arena):
-    """Over f16, f32 or q8_0 rows fwd_qkv writes the token's K and V into the layer and the
-    token records no append_step (two ops a layer fewer): the arena's rows and every token's
-    logits equal, bit for bit, those of the forward whose decode step appends them."""
+    """Over f16, f32 or q8_0 rows or a KIVI layer fwd_qkv appends the token's K and V into the
+    layer and the token records no append (two ops a layer fewer): the arena's rows and words
+    and every token's logits equal, bit for bit, those of the forward whose decode step appends."""
+    from kvdict_vk import kivi as K
     rng = np.random.default_rng(65)
     w = _small_model(rng, "q4_1", True, head_dim=head_dim)
     cfg = w.config
-    tokens = rng.integers(0, cfg.vocab, 10)
+    spec = K.KiviSpec(4, 2, 8) if cache == "kivi" else None
+    tokens = rng.integers(0, cfg.vocab, 10 if spec is None else 32 + spec.recent + 36)
     got = {}
     for appends in (True, False):
-        arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 24, cache=cache)
+        arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(tokens) + 14, cache=cache,
+                           **({"kivi": spec} if spec else {}))
         forward = DeviceForward(w, arena, logits=True, row_threads=row_threads, qkv_appends=appends)
         logits = []
         for tok in tokens:

@@ -117,12 +117,13 @@ def _glsl_defines(source: str, prefix: str) -> dict:
 
 
 def test_glsl_constants_are_their_python_twins():
-    """The constants a shader and its Python side both name — rows_encode.glsl's append formats,
+    """The constants a shader and its Python side both name — rows_encode.glsl's append formats and fwd_qkv.comp's KIVI one,
     weights.glsl's weight formats and block sizes, matvec.glsl's x modes — agree."""
     from kvdict_vk import rows as R
     from kvdict_vk.vk.forward import specs as fwd_specs
     from kvdict_vk.vk.forward import weights as W
     assert _glsl_defines("rows_encode.glsl", "FORMAT_") == R.APPEND_FORMATS
+    assert {**R.APPEND_FORMATS, **_glsl_defines("fwd_qkv.comp", "QKV_")} == R.QKV_FORMATS
     assert _glsl_defines("weights.glsl", "W_") == W.FORMATS
     assert _glsl_defines("matvec.glsl", "X_") == fwd_specs.X_MODES
     text = (ROOT / "shaders" / "weights.glsl").read_text()

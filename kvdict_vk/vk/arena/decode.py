@@ -114,9 +114,10 @@ class DecodeStep:
                 if self._device_coded and st.key_rope is not None:
                     self._pre_at[j] = end
                     end += -(-n_kv * hd // 4) * 4
-        # a q8_0 rows layer appended by the forward's projection (row_append): an arrival word a
-        # (stream, KV head, pair of blocks), zero between dispatches — one set for every layer
-        self._arrival_at = end if any(self._fused_format(j) == "q8_0" for j in range(len(self._streams))) else 0
+        # a q8_0 or KIVI layer appended by the forward's projection (row_append): an arrival word a
+        # (stream, KV head, pair of blocks) or a KV head, zero between dispatches — one set for every layer
+        fused = {self._fused_format(j) for j in range(len(self._streams))}
+        self._arrival_at = end if fused & {"q8_0", "kivi"} else 0
         end += 2 * n_kv * L.q8_scale_words(hd) if self._arrival_at else 0
         self._q_words = query_words(self.batch, self.n_heads, hd)
         self._q_stride = -(-self._q_words // 4) * 4  # each layer's block starts on a quad
@@ -209,29 +210,43 @@ class DecodeStep:
         return appends, attends
 
     def _fused_format(self, j: int) -> str | None:
-        """The APPEND_FORMATS key of layer j's rows where a projection can append them itself
-        (row_append), else None."""
+        """The QKV_FORMATS key of layer j's streams where a projection can append the token
+        itself (row_append), else None."""
         k, v = self._streams[j]
-        fmt = R.append_format(k)
-        if self.batch != 1 or any(st.coded or st.kivi or st.windowed for st in (k, v)) \
-                or fmt not in ("f16", "words", "q8_0") or R.append_format(v) != fmt:
+        if self.batch != 1 or any(st.coded or st.windowed for st in (k, v)):
             return None
-        return fmt
+        if k.kivi or v.kivi:
+            return "kivi" if k.kivi and v.kivi else None
+        fmt = R.append_format(k)
+        return fmt if fmt in ("f16", "words", "q8_0") and R.append_format(v) == fmt else None
 
     def row_append(self, j: int) -> dict | None:
-        """What a kernel that writes layer j's (of ``layers``) K and V rows itself, in place of
+        """What a kernel that appends layer j's (of ``layers``) token itself, in place of
         :attr:`append_ops`, needs (fwd_qkv's push): the rows' words and their format
-        (rows.APPEND_FORMATS: binary16 pairs, f32 rows' words as they are, q8_0 blocks — those
-        through the source rows and the step buffer's arrival words), the K and V regions (row
-        (g, t) at region + (g · n_ctx + t) · row_words); or None, where the append is more than
-        rows of the token (KIVI windows, coded slots, an exact window) or the step holds a batch
-        of sequences."""
+        (rows.QKV_FORMATS: binary16 pairs, f32 rows' words as they are, q8_0 blocks, a KIVI layer's
+        rings and groups — those two through the source rows and the step buffer's arrival
+        words), the K and V regions (row (g, t) at region + (g · n_ctx + t) · row_words), a KIVI
+        layer's statistics, rings and state word; or None, where the append is more than the
+        token's rows (coded slots, an exact window) or the step holds a batch of sequences. Its
+        specialization: :meth:`row_append_spec`."""
         fmt = self._fused_format(j)
         if fmt is None:
             return None
         k, v = self._streams[j]
-        return dict(row_words=k.row_words, row_format=R.APPEND_FORMATS[fmt], k_layer_word=k.region_word,
-                    v_layer_word=v.region_word, arrival_word=self._arrival_at if fmt == "q8_0" else 0)
+        out = dict(row_words=k.row_words, row_format=R.QKV_FORMATS[fmt], k_layer_word=k.region_word,
+                   v_layer_word=v.region_word, arrival_word=self._arrival_at if fmt in ("q8_0", "kivi") else 0)
+        if fmt == "kivi":
+            out.update(stats_word=k.stats_word, k_window_word=k.window_word, v_window_word=v.window_word,
+                       recent=self.layout.kivi.recent, state_word=k.state_word)
+        return out
+
+    def row_append_spec(self, j: int) -> dict:
+        """The specialization constants the appending kernel's row_append(j) needs: a KIVI
+        layer's head_dim and bits (kivi_append.glsl), else none."""
+        k, v = self._streams[j]
+        if self._fused_format(j) != "kivi":
+            return {}
+        return dict(HEAD_DIM=self.layout.head_dim, K_BITS=k.kivi_bits, V_BITS=v.kivi_bits)
 
     def _window_op(self, i: int, j: int):
         """append_window of layer i (j-th of the step): the token's rows from their float rows."""

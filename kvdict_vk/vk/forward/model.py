@@ -5,9 +5,9 @@ A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF'
 and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the token's
 embedding row into the residual; per layer, Q, K and V in one dispatch over the normed
 residual, RoPE'd as they are written straight into the decode step's query block and source
-rows — over f16, f32 or q8_0 rows, the keys and values into the layer's rows at the token's
-position instead (q8_0: a pair of blocks by the workgroup whose rows complete it), so the step
-records no append for it (fwd_qkv; DecodeStep.row_append) → the step's
+rows — over f16, f32 or q8_0 rows and KIVI layers, the keys and values into the layer at the
+token's position instead (q8_0: a pair of blocks by the workgroup whose rows complete it; KIVI:
+a KV head's rings and group by the one completing the head), so the step records no append for it (fwd_qkv; DecodeStep.row_append) → the step's
 append and attention (kvdict_vk.vk.arena.decode, record=False) →
 the O projection added to the residual → gate and up over the normed residual → the down
 projection of their SwiGLU added to the residual (fwd_matvec; matvec.glsl reads the norm and
@@ -56,9 +56,9 @@ class DeviceForward:
     two ≤ 64; default: 1 on a CPU driver, MATVEC_ROW_THREADS on a GPU); ``subgroups``: whether
     a row's invocations add by subgroup shuffles (the _sg builds; None: where the device has
     them and a row fits in a subgroup; True where it cannot is a DispatchError);
-    ``qkv_appends``: over a layer of f16, f32 or q8_0 rows, fwd_qkv writes the token's K and V rows into
-    the layer itself and the step's append_step is not recorded (DecodeStep.row_append; False:
-    the step's own append, as every other cache has); ``layers``: the model's layers [a, b) this
+    ``qkv_appends``: over a layer of f16, f32 or q8_0 rows or a KIVI layer, fwd_qkv appends the
+    token's K and V into the layer itself and the step's append is not recorded
+    (DecodeStep.row_append; False: the step's own append, as every other cache has); ``layers``: the model's layers [a, b) this
     forward runs, the arena holding just those (a device's part of a layer split: the first
     part embeds the token, a later one takes the residual stream from :meth:`run_part`'s
     caller, and only the last one has the LM head; default: every layer); ``heads``: the KV heads
@@ -285,7 +285,7 @@ class DeviceForward:
                                         norm_word=base + at["ffn_norm"]) for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
             appends = step.row_append(j) if self._qkv_appends else None
             layer_buf = self.arena.memory.layer_buffer(step.layers[j])
-            # q8_0 rows: the source rows (read back) and the arrival words too
+            # q8_0 rows, KIVI: the source rows (read back) and the arrival words too
             qkv_writes = (queries, rows) if not appends else (queries, layer_buf, *((rows,) if appends["arrival_word"] else ()))
             sections += [
                 ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j, layer_buf, appends), barrier(*qkv_writes)]),
@@ -310,7 +310,7 @@ class DeviceForward:
         cfg, step = self.config, self.step
         rows, queries, _ = step.buffers
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": min(self._row_threads, WG_SIZE // 2),
-                "X_MODE": X_MODES["rms_norm"]}
+                "X_MODE": X_MODES["rms_norm"], **(step.row_append_spec(j) if appends else {})}
         k = pipeline(self.device, self._shader("fwd_qkv"),
                      [wbuf, self._state, queries, rows, self._table, self._values, layer_buf], spec,
                      max_items=self._matvec_items(m.n_rows))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from ... import errors as E
 from ... import layout as L
+from ... import kivi as K
 from ... import rows as R
+from ..extents import kivi_layer_ranges
 from .. import shaders
 from .weights import BLOCK, BLOCK_WORDS, FORMATS
 
@@ -53,18 +55,25 @@ def _qkv(p, s):
     x, norm = _x_span(p, s, "fwd_qkv")
     n_kv, rw = k // hd, p["row_words"]
     # the formats fwd_qkv writes
-    rows_of = {R.APPEND_FORMATS["f16"]: "f16", R.APPEND_FORMATS["words"]: "f32", R.APPEND_FORMATS["q8_0"]: "q8_0"}
-    q8 = bool(rw) and p["row_format"] == R.APPEND_FORMATS["q8_0"]
-    if rw and (p["row_format"] not in rows_of or rw != L.row_words(hd, 0, 0, rows_of[p["row_format"]])
-               or p["n_ctx"] < p["n_pos"] or (q8 and (hd % 32 or q % 32))):
+    fmt = next((n for n, f in R.QKV_FORMATS.items() if f == p["row_format"]), None) if rw else None
+    stored = (K.key_row_words(hd, s["K_BITS"]) if fmt == "kivi" else
+              L.row_words(hd, 0, 0, {"words": "f32"}.get(fmt, fmt)) if fmt else None)
+    through_rows = fmt in ("q8_0", "kivi")  # the source rows read back by the workgroup completing a unit
+    if rw and (stored != rw or p["n_ctx"] < p["n_pos"] or (through_rows and (hd % 32 or q % 32))
+               or (fmt == "kivi" and (s["HEAD_DIM"] != hd or not K.MIN_BITS <= min(s["K_BITS"], s["V_BITS"])
+                                      or max(s["K_BITS"], s["V_BITS"]) > K.MAX_BITS))):
         raise E.DispatchError(f"fwd_qkv: rows of {rw} words in format {p['row_format']} over {p['n_ctx']} rows a "
-                              f"KV head (f32, f16 or q8_0 rows of head_dim {hd} — q8_0: head_dim and the query "
-                              f"rows {q} multiples of 32 —, n_ctx ≥ {p['n_pos']})")
+                              f"KV head (f32, f16 or q8_0 rows or a KIVI layer of head_dim {hd} — q8_0, KIVI: "
+                              f"head_dim and the query rows {q} multiples of 32 —, n_ctx ≥ {p['n_pos']}; "
+                              f"specialization {s})")
     # appending: the token's row of each KV head, wherever the position puts it (the regions); else the source
-    # rows — and for q8_0 blocks both, and the pairs' arrival words
-    layer = [(p[w_], p[w_] + n_kv * p["n_ctx"] * rw) for w_ in ("k_layer_word", "v_layer_word")] if rw else []
-    rows = [] if rw and not q8 else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
-    if q8:
+    # rows — and for q8_0 blocks and KIVI both, and the units' arrival words
+    if fmt == "kivi":
+        layer = kivi_layer_ranges(p["k_layer_word"], p["v_layer_word"], p, s, n_kv, p["n_ctx"])
+    else:
+        layer = [(p[w_], p[w_] + n_kv * p["n_ctx"] * rw) for w_ in ("k_layer_word", "v_layer_word")] if rw else []
+    rows = [] if rw and not through_rows else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
+    if through_rows:
         rows.append((p["arrival_word"], p["arrival_word"] + 2 * n_kv * L.q8_scale_words(hd)))
     if p["k_pre_word"]:  # the keys before RoPE too (a layer coding them so)
         if rw:
