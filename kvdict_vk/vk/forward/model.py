@@ -1,22 +1,23 @@
 """A llama model's decode on the device: every layer's forward around the arena's recorded
 decode step, one submission a token (issue 52, item 2).
 
-A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF's own Q4_1
-and Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the token's
+A :class:`DeviceForward` holds the weights resident (weights.py's formats: GGUF's own Q4_1 and
+Q8_0 blocks, dequantised in the kernels) and records, once, the whole token: the token's
 embedding row into the residual; per layer, Q, K and V in one dispatch over the normed
 residual, RoPE'd as they are written straight into the decode step's query block and source
 rows — over f16, f32 or q8_0 rows and KIVI layers, the keys and values into the layer at the
 token's position instead (q8_0: a pair of blocks by the workgroup whose rows complete it; KIVI:
-a KV head's rings and group by the one completing the head), so the step records no append for it (fwd_qkv; DecodeStep.row_append) → the step's
-append and attention (kvdict_vk.vk.arena.decode, record=False) →
-the O projection added to the residual → gate and up over the normed residual → the down
-projection of their SwiGLU added to the residual (fwd_matvec; matvec.glsl reads the norm and
-the SwiGLU into the matvec, so neither has a dispatch of its own); then the LM head over the
-final norm and a two-stage argmax, the greedy next token written into the state buffer. A
-replay is a host write of the step's values — the token, its position and each layer's
-n_used, in a host-visible buffer the kernels read (a scatter puts the n_used words into the
-query blocks) —, one submission, and a read of the next token (and, where asked, the
-logits): no copy up, so every device buffer is written by kernels only.
+a KV head's rings and group by the one completing the head), so the step records no append for
+it (fwd_qkv; DecodeStep.row_append) → the step's append and attention
+(kvdict_vk.vk.arena.decode, record=False) → the O projection added to the residual → gate and
+up over the normed residual → the down projection of their SwiGLU added to the residual
+(fwd_matvec; matvec.glsl reads the norm and the SwiGLU into the matvec, so neither has a
+dispatch of its own); then the LM head over the final norm and a two-stage argmax, the greedy
+next token written into the state buffer. A replay is a host write of the step's values — the
+token, its position and each layer's n_used, in a host-visible buffer the kernels read (a
+scatter puts the n_used words into the query blocks) —, one submission, and a read of the next
+token (and, where asked, the logits): no copy up, so every device buffer is written by kernels
+only.
 
 Buffers: the weights (as few as the device's limits allow, each holding whole layers; "device"
 buffers, so a host copy stays beside them); the RoPE table (host-made,
@@ -58,11 +59,11 @@ class DeviceForward:
     them and a row fits in a subgroup; True where it cannot is a DispatchError);
     ``qkv_appends``: over a layer of f16, f32 or q8_0 rows or a KIVI layer, fwd_qkv appends the
     token's K and V into the layer itself and the step's append is not recorded
-    (DecodeStep.row_append; False: the step's own append, as every other cache has); ``layers``: the model's layers [a, b) this
-    forward runs, the arena holding just those (a device's part of a layer split: the first
-    part embeds the token, a later one takes the residual stream from :meth:`run_part`'s
-    caller, and only the last one has the LM head; default: every layer); ``heads``: the KV heads
-    [h0, h1) this forward attends over, the arena holding just those (a device's part of a head
+    (DecodeStep.row_append; False: the step's own append, as every other cache has); ``layers``:
+    the model's layers [a, b) this forward runs, the arena holding just those (a device's part
+    of a layer split: the first part embeds the token, a later one takes the residual stream
+    from :meth:`run_part`'s caller, and only the last one has the LM head; default: every
+    layer); ``heads``: the KV heads [h0, h1) this forward attends over, the arena holding just those (a device's part of a head
     split: Q, K and V of its heads only, and every layer's O projection over the attention
     output of every head, which the caller gathers between :meth:`run_segment` calls — see
     SplitForward; the rest of the layer, the norms, MLP and LM head, whole on every part;
@@ -286,7 +287,8 @@ class DeviceForward:
             appends = step.row_append(j) if self._qkv_appends else None
             layer_buf = self.arena.memory.layer_buffer(step.layers[j])
             # q8_0 rows, KIVI: the source rows (read back) and the arrival words too
-            qkv_writes = (queries, rows) if not appends else (queries, layer_buf, *((rows,) if appends["arrival_word"] else ()))
+            qkv_writes = ((queries, rows) if not appends else
+                          (queries, layer_buf, *((rows,) if appends["arrival_word"] else ())))
             sections += [
                 ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j, layer_buf, appends), barrier(*qkv_writes)]),
                 ("append + attention", [*(step.attend_ops[j] if appends else step.layer_ops[j]), barrier(attn_out)]),
