@@ -117,8 +117,9 @@ def _glsl_defines(source: str, prefix: str) -> dict:
 
 
 def test_glsl_constants_are_their_python_twins():
-    """The constants a shader and its Python side both name — rows_encode.glsl's append formats and fwd_qkv.comp's KIVI one,
-    weights.glsl's weight formats and block sizes, matvec.glsl's x modes — agree."""
+    """The constants a shader and its Python side both name — rows_encode.glsl's append formats
+    and fwd_qkv.comp's KIVI one, weights.glsl's weight formats and block sizes, matvec.glsl's x
+    modes — agree."""
     from kvdict_vk import rows as R
     from kvdict_vk.vk.forward import specs as fwd_specs
     from kvdict_vk.vk.forward import weights as W
@@ -129,3 +130,39 @@ def test_glsl_constants_are_their_python_twins():
     text = (ROOT / "shaders" / "weights.glsl").read_text()
     m = re.search(r"BLOCK_WORDS = FORMAT == W_F32 \? (\d+)u : \(FORMAT == W_Q4_1 \? (\d+)u : (\d+)u\)", text)
     assert m and tuple(map(int, m.groups())) == tuple(W.BLOCK_WORDS[f] for f in ("f32", "q4_1", "q8_0"))
+
+
+def test_qkv_appends_declare_what_they_write():
+    """fwd_qkv appending a layer's token itself: over q8_0 rows and a KIVI layer it writes the
+    source rows and the arrival words besides the layer (a KIVI layer's regions, statistics,
+    rings and state word); rows that are not head_dim's words, a KIVI specialization of another
+    head_dim or bits, or a q8_0 head_dim off the block size are refused before any dispatch."""
+    from kvdict_vk import errors as E
+    from kvdict_vk import kivi as K
+    from kvdict_vk import layout as L
+    from kvdict_vk import rows as R
+    from kvdict_vk.vk import shaders
+    from kvdict_vk.vk.forward import specs  # noqa: F401  (registers the forward's variants)
+    qkv = shaders.spec("fwd_qkv")
+    hd, n_kv, n_ctx = 64, 2, 100
+    base = dict(w_word=0, x_word=0, n_cols=96, q_rows=4 * hd, k_rows=n_kv * hd, y_word=0, k_word=1000, v_word=2000,
+                head_dim=hd, rope_dim=hd, pos_word=0, n_pos=n_ctx, norm_word=0, n_ctx=n_ctx, k_pre_word=0, eps=1e-5,
+                k_layer_word=0, v_layer_word=50000, arrival_word=3000)
+    spec = dict(FORMAT=0, ROW_THREADS=8, X_MODE=1, HEAD_DIM=hd, K_BITS=4, V_BITS=2)
+    q8 = dict(base, row_words=L.row_words(hd, 0, 0, "q8_0"), row_format=R.QKV_FORMATS["q8_0"])
+    spans = qkv.extents(q8, spec)
+    assert (3000, 3000 + 2 * n_kv * L.q8_scale_words(hd)) in spans[3] and (1000, 1000 + n_kv * hd) in spans[3]
+    assert spans[6] == [(0, n_kv * n_ctx * q8["row_words"]), (50000, 50000 + n_kv * n_ctx * q8["row_words"])]
+    kivi = dict(base, row_words=K.key_row_words(hd, 4), row_format=R.QKV_FORMATS["kivi"], stats_word=90000,
+                k_window_word=95000, v_window_word=97000, recent=8, state_word=99999)
+    spans = qkv.extents(kivi, spec)
+    assert (99999, 100000) in spans[6] and (90000, 90000 + n_kv * K.stats_words_per_head(n_ctx, hd)) in spans[6]
+    assert (3000, 3000 + 2 * n_kv * L.q8_scale_words(hd)) in spans[3]
+    f16 = dict(base, row_words=hd // 2, row_format=R.QKV_FORMATS["f16"])
+    assert qkv.extents(f16, spec)[3] == []  # f16 rows go straight into the layer
+    for bad, bad_spec in ((dict(q8, row_words=q8["row_words"] + 1), spec), (kivi, dict(spec, HEAD_DIM=32)),
+                          (kivi, dict(spec, K_BITS=9)), (dict(kivi, row_words=K.key_row_words(hd, 2)), spec),
+                          (dict(q8, head_dim=48, rope_dim=48, q_rows=4 * 48, k_rows=n_kv * 48,
+                                row_words=L.row_words(48, 0, 0, "q8_0")), spec)):
+        with pytest.raises(E.DispatchError, match="fwd_qkv"):
+            qkv.extents(bad, bad_spec)
