@@ -7,7 +7,7 @@
 // kvdict_vk.forge.llama.rope_cos_sin makes it (row p: rope_dim / 2 cosines, then the sines).
 // The queries go to y_word of Y (a decode step's query block), the keys and values to k_word and
 // v_word of Rows (its source rows). ROW_THREADS ≤ WG_SIZE / 2: a pair's rows in one workgroup.
-// row_words > 0 (an f16 or f32 rows layer: DecodeStep.row_append): the keys and values go
+// row_words > 0 (DecodeStep.row_append; over f16 or f32 rows first): the keys and values go
 // straight into the layer's rows instead, at the token's row (the position: row (g, p) at
 // k_layer_word + (g · n_ctx + p) · row_words, docs/ARENA.md) — binary16 pairs made as
 // append_step makes them (rows_encode.glsl's f16_bits: NumPy's bits) or float32 words — so the
@@ -41,7 +41,7 @@ layout(local_size_x = WG_SIZE) in;
 layout(std430, binding = 0) readonly buffer Weights { uint w_words[]; };
 layout(std430, binding = 1) readonly buffer X { float x_vals[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y_vals[]; };
-// coherent: a q8_0 pair's rows are read back by the workgroup that arrives last
+// coherent: a q8_0 pair's or KIVI head's rows are read back by the workgroup that arrives last
 layout(std430, binding = 3) coherent buffer Rows { uint kv_words[]; };
 layout(std430, binding = 4) readonly buffer Table { float table_vals[]; };
 layout(std430, binding = 5) readonly buffer Values { uint value_words[]; };
@@ -65,7 +65,7 @@ layout(push_constant) uniform QkvPush {
     uint n_pos;      // the table's positions: a position past it reads the last
     uint norm_word;
     uint row_words;      // words a stored row holds; 0: the rows go to Rows only
-    uint row_format;     // FORMAT_F16 or FORMAT_WORDS (f32 rows)
+    uint row_format;     // FORMAT_F16, FORMAT_WORDS (f32 rows), FORMAT_Q8_0 or QKV_KIVI
     uint k_layer_word;   // the layer's K and V regions in Layer
     uint v_layer_word;
     uint n_ctx;          // rows a KV head
