@@ -263,9 +263,9 @@ def attention_variants(device, n_kv: int = 8, gqa: int = 4, head_dim: int = 64, 
     ``n_kv`` × ``gqa`` heads at ``head_dim`` over ``n_used`` tokens by — the engine's plan,
     untuned (where the engine tunes, a GPU, it picks a launch shape and, over rows, a build:
     ``tuned_among`` — attend_flash's wide end, and over q8_0 rows its integer dot products where the
-    device has them) — with the
-    path, its workgroup size, the optional device features the variant needs, and the kernels it
-    runs by only when asked (``on_request``: attend_mma, where the device has cooperative matrices)."""
+    device has them) — with the path, its workgroup size, the optional device features the variant
+    needs, and the kernels it runs by only when asked (``on_request``: attend_mma, where the device
+    has cooperative matrices)."""
     import numpy as np
 
     from . import kivi as K

@@ -21,6 +21,15 @@ APPEND_FORMATS = {"words": 0, "f16": 1, "q8_0": 2}
 # what shaders/fwd_qkv.comp writes a layer's token as (its row_format): the append formats, and a
 # KIVI layer's rings and groups (kivi_append.glsl, QKV_KIVI)
 QKV_FORMATS = {**APPEND_FORMATS, "kivi": 3}
+# those whose unit (a q8_0 pair of blocks, a KIVI head) several workgroups make: appended through
+# the step's source rows and arrival words, the workgroup completing a unit encoding it
+QKV_THROUGH_ROWS = ("q8_0", "kivi")
+
+
+def qkv_arrival_words(n_kv: int, head_dim: int) -> int:
+    """fwd_qkv's arrival words for a layer: one a (stream, KV head, pair of q8_0 blocks) — as many
+    as a KIVI layer's one a KV head needs and more."""
+    return 2 * n_kv * q8_scale_words(head_dim)
 
 
 def append_format(st: StreamLayout) -> str:

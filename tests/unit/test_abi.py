@@ -151,13 +151,13 @@ def test_qkv_appends_declare_what_they_write():
     spec = dict(FORMAT=0, ROW_THREADS=8, X_MODE=1, HEAD_DIM=hd, K_BITS=4, V_BITS=2)
     q8 = dict(base, row_words=L.row_words(hd, 0, 0, "q8_0"), row_format=R.QKV_FORMATS["q8_0"])
     spans = qkv.extents(q8, spec)
-    assert (3000, 3000 + 2 * n_kv * L.q8_scale_words(hd)) in spans[3] and (1000, 1000 + n_kv * hd) in spans[3]
+    assert (3000, 3000 + R.qkv_arrival_words(n_kv, hd)) in spans[3] and (1000, 1000 + n_kv * hd) in spans[3]
     assert spans[6] == [(0, n_kv * n_ctx * q8["row_words"]), (50000, 50000 + n_kv * n_ctx * q8["row_words"])]
     kivi = dict(base, row_words=K.key_row_words(hd, 4), row_format=R.QKV_FORMATS["kivi"], stats_word=90000,
                 k_window_word=95000, v_window_word=97000, recent=8, state_word=99999)
     spans = qkv.extents(kivi, spec)
     assert (99999, 100000) in spans[6] and (90000, 90000 + n_kv * K.stats_words_per_head(n_ctx, hd)) in spans[6]
-    assert (3000, 3000 + 2 * n_kv * L.q8_scale_words(hd)) in spans[3]
+    assert (3000, 3000 + R.qkv_arrival_words(n_kv, hd)) in spans[3]
     f16 = dict(base, row_words=hd // 2, row_format=R.QKV_FORMATS["f16"])
     assert qkv.extents(f16, spec)[3] == []  # f16 rows go straight into the layer
     for bad, bad_spec in ((dict(q8, row_words=q8["row_words"] + 1), spec), (kivi, dict(spec, HEAD_DIM=32)),

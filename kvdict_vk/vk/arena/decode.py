@@ -117,8 +117,8 @@ class DecodeStep:
         # a q8_0 or KIVI layer appended by the forward's projection (row_append): an arrival word a
         # (stream, KV head, pair of blocks) or a KV head, zero between dispatches — one set for every layer
         fused = {self._fused_format(j) for j in range(len(self._streams))}
-        self._arrival_at = end if fused & {"q8_0", "kivi"} else 0
-        end += 2 * n_kv * L.q8_scale_words(hd) if self._arrival_at else 0
+        self._arrival_at = end if fused & set(R.QKV_THROUGH_ROWS) else 0
+        end += R.qkv_arrival_words(n_kv, hd) if self._arrival_at else 0
         self._q_words = query_words(self.batch, self.n_heads, hd)
         self._q_stride = -(-self._q_words // 4) * 4  # each layer's block starts on a quad
         self._lengths_at = lengths_word(self.batch, self.n_heads, hd)
@@ -234,7 +234,7 @@ class DecodeStep:
             return None
         k, v = self._streams[j]
         out = dict(row_words=k.row_words, row_format=R.QKV_FORMATS[fmt], k_layer_word=k.region_word,
-                   v_layer_word=v.region_word, arrival_word=self._arrival_at if fmt in ("q8_0", "kivi") else 0)
+                   v_layer_word=v.region_word, arrival_word=self._arrival_at if fmt in R.QKV_THROUGH_ROWS else 0)
         if fmt == "kivi":
             out.update(stats_word=k.stats_word, k_window_word=k.window_word, v_window_word=v.window_word,
                        recent=self.layout.kivi.recent, state_word=k.state_word)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import errors as E
+from ... import rows as R
 from ...model_file import rope_cos_sin
 from ...rope import KeyRope
 from ..device import kp
@@ -286,9 +287,10 @@ class DeviceForward:
                                         norm_word=base + at["ffn_norm"]) for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
             appends = step.row_append(j) if self._qkv_appends else None
             layer_buf = self.arena.memory.layer_buffer(step.layers[j])
-            # q8_0 rows, KIVI: the source rows (read back) and the arrival words too
-            qkv_writes = ((queries, rows) if not appends else
-                          (queries, layer_buf, *((rows,) if appends["arrival_word"] else ())))
+            # q8_0 rows, KIVI (rows.QKV_THROUGH_ROWS): the source rows (read back) and arrival words too
+            through_rows = appends and appends["row_format"] in [R.QKV_FORMATS[f] for f in R.QKV_THROUGH_ROWS]
+            qkv_writes = ((queries, layer_buf, rows) if through_rows else
+                          (queries, layer_buf) if appends else (queries, rows))
             sections += [
                 ("qkv + rope", [self._qkv(wb, base, at, lw["wqkv"], j, layer_buf, appends), barrier(*qkv_writes)]),
                 ("append + attention", [*(step.attend_ops[j] if appends else step.layer_ops[j]), barrier(attn_out)]),

@@ -58,7 +58,7 @@ def _qkv(p, s):
     fmt = next((n for n, f in R.QKV_FORMATS.items() if f == p["row_format"]), None) if rw else None
     stored = (K.key_row_words(hd, s["K_BITS"]) if fmt == "kivi" else
               L.row_words(hd, 0, 0, {"words": "f32"}.get(fmt, fmt)) if fmt else None)
-    through_rows = fmt in ("q8_0", "kivi")  # the source rows read back by the workgroup completing a unit
+    through_rows = fmt in R.QKV_THROUGH_ROWS  # the source rows read back by the workgroup completing a unit
     if rw and (stored != rw or p["n_ctx"] < p["n_pos"] or (through_rows and (hd % 32 or q % 32))
                or (fmt == "kivi" and (s["HEAD_DIM"] != hd or not K.MIN_BITS <= min(s["K_BITS"], s["V_BITS"])
                                       or max(s["K_BITS"], s["V_BITS"]) > K.MAX_BITS))):
@@ -74,7 +74,7 @@ def _qkv(p, s):
         layer = [(p[w_], p[w_] + n_kv * p["n_ctx"] * rw) for w_ in ("k_layer_word", "v_layer_word")] if rw else []
     rows = [] if rw and not through_rows else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
     if through_rows:
-        rows.append((p["arrival_word"], p["arrival_word"] + 2 * n_kv * L.q8_scale_words(hd)))
+        rows.append((p["arrival_word"], p["arrival_word"] + R.qkv_arrival_words(n_kv, hd)))
     if p["k_pre_word"]:  # the keys before RoPE too (a layer coding them so)
         if rw:
             raise E.DispatchError("fwd_qkv: keys before RoPE go to the source rows, not a rows layer")
