@@ -24,6 +24,9 @@ QKV_FORMATS = {**APPEND_FORMATS, "kivi": 3}
 # those whose unit (a q8_0 pair of blocks, a KIVI head) several workgroups make: appended through
 # the step's source rows and arrival words, the workgroup completing a unit encoding it
 QKV_THROUGH_ROWS = ("q8_0", "kivi")
+# the widest KIVI head fwd_qkv appends: a group's rows of one stream staged in its matvec stage of
+# 2 048 words (matvec.glsl's X_SHARED; kivi_append.glsl); wider heads keep the step's append_kivi
+QKV_KIVI_MAX_HEAD_DIM = 2 * 2048 // 32
 
 
 def qkv_arrival_words(n_kv: int, head_dim: int) -> int:

@@ -83,6 +83,10 @@ float kivi_source(bool key, uint h, uint e) {
     return uintBitsToFloat(kv_words[(key ? pc.k_word : pc.v_word) + h * pc.head_dim + e]);
 }
 
+// kivi_append.glsl's stage: matvec.glsl's x_sh (2 048 words: HEAD_DIM ≤ 128, host-checked;
+// the normed x is staged again where the workgroup has rows left)
+#define KIVI_STAGE_GET(i) x_sh[(i) >> 2u][(i) & 3u]
+#define KIVI_STAGE_SET(i, w) x_sh[(i) >> 2u][(i) & 3u] = (w)
 #include "kivi_append.glsl"
 
 shared float row_vals[ROWS];
@@ -175,14 +179,17 @@ void main() {
             barrier();
             KiviLayer layer = KiviLayer(pc.k_layer_word, pc.v_layer_word, pc.stats_word, pc.k_window_word,
                                         pc.v_window_word, pc.recent, pc.state_word, pc.n_ctx);
+            bool staged = false;  // x_sh holds a KIVI group
             [[unroll]] for (uint i = 0u; i < PIECES; ++i) {
                 if (completed[i] != NONE) {  // uniform: the workgroup's shared word
                     if (kivi)
-                        kivi_append_head(layer, completed[i], p + 1u);
+                        staged = kivi_append_head(layer, completed[i], p + 1u) || staged;
                     else
                         store_q8_pair(completed[i], p);
                 }
             }
+            if (staged && r0 + gl_NumWorkGroups.x * ROWS < n_rows)
+                scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
         }
         if (in_layer) {
             barrier();  // out_vals holds both rows of a pair

@@ -9,7 +9,11 @@
 // call it. The includer declares HEAD_DIM, K_BITS and V_BITS (constants), layer_words[]
 // (coherent: the group is read back from the rings just written) and
 // float kivi_source(bool key, uint h, uint e) — element e of the token's K or V float row of
-// KV head h — and includes rows_encode.glsl and kivi.glsl first.
+// KV head h — and includes rows_encode.glsl and kivi.glsl first. A group's rows are staged in
+// shared memory, one stream at a time, by loads issued together (read from the rings element
+// by element, each quantisation waited on its loads in turn): the includer may name the stage —
+// KIVI_STAGE_GET(i) and KIVI_STAGE_SET(i, w), word i < KIVI_GROUP · HEAD_DIM / 2 — or get one
+// of its own.
 
 const uint K_ROW = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);         // a key: its levels
 const uint V_STATS = HEAD_DIM / KIVI_GROUP;                      // a value: its dim groups'
@@ -34,15 +38,37 @@ struct KiviLayer {
 shared float ch_scale[HEAD_DIM];  // the group's per-channel key statistics
 shared float ch_lo[HEAD_DIM];
 
+const uint STAGE_WORDS = KIVI_GROUP * HALF_ROW;  // a stream's group: token i's word w at i · HALF_ROW + w
+const uint STAGE_PER = (STAGE_WORDS + WG_SIZE - 1u) / WG_SIZE;  // of them an invocation loads
+#ifndef KIVI_STAGE_GET
+shared uint kivi_stage[STAGE_WORDS];
+#define KIVI_STAGE_GET(i) kivi_stage[i]
+#define KIVI_STAGE_SET(i, w) kivi_stage[i] = (w)
+#endif
+// A level's quotient by float division where no tie of roundEven lies within this of it
+// (Vulkan's division is within 2.5 ulp; below 2^8 an ulp is at most 2^-16), else by div_rn
+const float TIE_MARGIN = 1.0 / 1024.0;
+
 // kivi.quantised_end
 uint quantised_end(uint n, uint recent) { return (n > recent ? n - recent : 0u) / KIVI_GROUP * KIVI_GROUP; }
 
-// Element e of token t's binary16 row in KV head h's ring from `base` (rings of `rows` rows:
-// kivi.KiviSpec.window), as a float (exact).
-float ring_elem(uint base, uint h, uint t, uint e, uint rows) {
-    uint w = layer_words[kivi_window_row(base, h, t, rows, HEAD_DIM) + e / 2u];
-    return unpackHalf2x16(w)[e % 2u];
+// The group of rows of KV head h from token g0 in the ring from `base` (rings of `rows` rows:
+// kivi.KiviSpec.window) into the stage (the whole workgroup: ends with a barrier).
+void stage_group(uint base, uint h, uint g0, uint rows) {
+    uint tid = gl_LocalInvocationID.x;
+    uint w[STAGE_PER];
+    [[unroll]] for (uint k = 0u; k < STAGE_PER; ++k) {
+        uint x = min(tid + k * WG_SIZE, STAGE_WORDS - 1u), i = x / HALF_ROW;
+        w[k] = layer_words[kivi_window_row(base, h, g0 + i, rows, HEAD_DIM) + x - i * HALF_ROW];
+    }
+    [[unroll]] for (uint k = 0u; k < STAGE_PER; ++k)
+        if (tid + k * WG_SIZE < STAGE_WORDS)
+            KIVI_STAGE_SET(tid + k * WG_SIZE, w[k]);
+    barrier();
 }
+
+// Element e of the staged group's token i, as a float (exact).
+float stage_elem(uint i, uint e) { return unpackHalf2x16(KIVI_STAGE_GET(i * HALF_ROW + e / 2u))[e % 2u]; }
 
 // kivi._stats_levels for one slice of min `lo` and max `hi` (binary16 values): (scale, min)
 // as binary16 bits, and the float32 divisor of its levels (the scale, 1 where it is 0).
@@ -58,7 +84,10 @@ uint stats_bits(float lo, float hi, uint bits, out float scale, out float diviso
 // A level: round-to-nearest-even((x − lo) / divisor), clipped to [0, 2^bits − 1].
 uint level_of(float x, float lo, float divisor, uint bits) {
     precise float d = x - lo;  // ≥ 0: lo is the slice's minimum
-    return uint(clamp(roundEven(div_rn(d, divisor)), 0.0, float((1u << bits) - 1u)));
+    float q = d / divisor;
+    if (!(abs(q - floor(q) - 0.5) > TIE_MARGIN))  // near a tie (or not finite): the exact quotient
+        q = div_rn(d, divisor);
+    return uint(clamp(roundEven(q), 0.0, float((1u << bits) - 1u)));
 }
 
 // Bits [32·w, 32·w + 32) of a row's levels (element e at bit e·bits: residual.pack_levels),
@@ -76,8 +105,9 @@ uint level_of(float x, float lo, float divisor, uint bits) {
 
 // Token n_used − 1 of KV head h into layer `a` (the whole workgroup: barriers; `h` the same in
 // every invocation); the new row is in its ring (and visible to the workgroup) before the group
-// is read.
-void kivi_append_head(KiviLayer a, uint h, uint n_used) {
+// is read. Returns whether a group was quantised (the stage overwritten; the same in every
+// invocation).
+bool kivi_append_head(KiviLayer a, uint h, uint n_used) {
     uint tid = gl_LocalInvocationID.x, t = n_used - 1u, rows = a.recent + KIVI_GROUP;
     uint q_old = quantised_end(n_used - 1u, a.recent), q_new = quantised_end(n_used, a.recent);
     uint n_groups = (a.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP;
@@ -90,39 +120,45 @@ void kivi_append_head(KiviLayer a, uint h, uint n_used) {
             lo | (hi << 16u);
     }
     if (q_new == q_old)
-        return;  // no group leaves the window (the same in every invocation)
+        return false;  // no group leaves the window (the same in every invocation)
     memoryBarrierBuffer();  // the new rows, read below where the group holds them (recent 0)
     barrier();
     uint g0 = q_old;  // the group [g0, g0 + 32) is quantised
     // keys: per channel over the group's tokens — the statistics word, then the levels
-    for (uint c = tid; c < HEAD_DIM; c += WG_SIZE) {
-        float lo = ring_elem(a.k_window_word, h, g0, c, rows), hi = lo;
+    stage_group(a.k_window_word, h, g0, rows);
+    for (uint p = tid; p < HALF_ROW; p += WG_SIZE) {  // channels 2p and 2p + 1
+        vec2 lo = unpackHalf2x16(KIVI_STAGE_GET(p)), hi = lo;
         for (uint i = 1u; i < KIVI_GROUP; ++i) {
-            float x = ring_elem(a.k_window_word, h, g0 + i, c, rows);
+            vec2 x = unpackHalf2x16(KIVI_STAGE_GET(i * HALF_ROW + p));
             lo = min(lo, x);
             hi = max(hi, x);
         }
-        float scale, divisor;
-        layer_words[a.stats_word + (h * n_groups + g0 / KIVI_GROUP) * HEAD_DIM + c] =
-            stats_bits(lo, hi, K_BITS, scale, divisor);
-        ch_scale[c] = divisor;
-        ch_lo[c] = lo;
+        [[unroll]] for (uint j = 0u; j < 2u; ++j) {
+            float scale, divisor;
+            uint c = 2u * p + j;
+            layer_words[a.stats_word + (h * n_groups + g0 / KIVI_GROUP) * HEAD_DIM + c] =
+                stats_bits(lo[j], hi[j], K_BITS, scale, divisor);
+            ch_scale[c] = divisor;
+            ch_lo[c] = lo[j];
+        }
     }
     barrier();
     for (uint x = tid; x < KIVI_GROUP * K_ROW; x += WG_SIZE) {
         uint i = x / K_ROW, w = x - i * K_ROW;
-#define KEY_LEVEL(e) level_of(ring_elem(a.k_window_word, h, g0 + i, e, rows), ch_lo[e], ch_scale[e], K_BITS)
+#define KEY_LEVEL(e) level_of(stage_elem(i, e), ch_lo[e], ch_scale[e], K_BITS)
         uint word;
         LEVEL_WORD(w, K_BITS, KEY_LEVEL, word)
         layer_words[a.k_word + (h * a.n_ctx + g0 + i) * K_ROW + w] = word;
     }
+    barrier();  // the keys' stage read before the values' replaces it
     // values: per token and dim group — its statistics word, then its levels (a dim group's
     // 32 levels are V_BITS whole words)
+    stage_group(a.v_window_word, h, g0, rows);
     for (uint x = tid; x < KIVI_GROUP * V_STATS; x += WG_SIZE) {
         uint i = x / V_STATS, d = x - i * V_STATS;
-        float lo = ring_elem(a.v_window_word, h, g0 + i, d * KIVI_GROUP, rows), hi = lo;
+        float lo = stage_elem(i, d * KIVI_GROUP), hi = lo;
         for (uint e = 1u; e < KIVI_GROUP; ++e) {
-            float v = ring_elem(a.v_window_word, h, g0 + i, d * KIVI_GROUP + e, rows);
+            float v = stage_elem(i, d * KIVI_GROUP + e);
             lo = min(lo, v);
             hi = max(hi, v);
         }
@@ -130,7 +166,7 @@ void kivi_append_head(KiviLayer a, uint h, uint n_used) {
         uint row = a.v_word + (h * a.n_ctx + g0 + i) * V_ROW;
         layer_words[row + d] = stats_bits(lo, hi, V_BITS, scale, divisor);
         for (uint w = d * V_BITS; w < (d + 1u) * V_BITS; ++w) {
-#define VALUE_LEVEL(e) level_of(ring_elem(a.v_window_word, h, g0 + i, e, rows), lo, divisor, V_BITS)
+#define VALUE_LEVEL(e) level_of(stage_elem(i, e), lo, divisor, V_BITS)
             uint word;
             LEVEL_WORD(w, V_BITS, VALUE_LEVEL, word)
             layer_words[row + V_STATS + w] = word;
@@ -139,4 +175,5 @@ void kivi_append_head(KiviLayer a, uint h, uint n_used) {
     if (tid == 0u)
         layer_words[a.state_word] = q_new;  // read by the attention after the step's barrier
     barrier();  // shared statistics are reused by the next KV head
+    return true;
 }

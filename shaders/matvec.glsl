@@ -36,7 +36,7 @@ const uint X_PER = X_SHARED / WG_SIZE;  // of them an invocation stages
 #define STAGED(n_cols) (X_MODE == X_RMS_NORM && (n_cols) <= X_SHARED)
 
 shared float partial[WG_SIZE];
-shared vec4 x_sh[X_SHARED / 4u];
+shared uvec4 x_sh[X_SHARED / 4u];  // float bits (fwd_qkv stages a KIVI group's binary16 words here too)
 
 // The invocation's place in the workgroup: with subgroups, a subgroup's invocations are
 // consecutive (a row's lanes in one subgroup).
@@ -107,7 +107,7 @@ float x_prepare(uint x_word, uint n_cols, float eps, uint norm_word) {
                 break;
             if (i < n_cols) {
                 sq += x[k] * x[k];
-                x_sh[i >> 2u][i & 3u] = x[k] * w[k];
+                x_sh[i >> 2u][i & 3u] = floatBitsToUint(x[k] * w[k]);
             }
         }
     } else {
@@ -129,8 +129,8 @@ float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float s
             vec4 lo, hi, xl, xh;
             block_chunk(w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
             if (STAGED(n_cols)) {
-                xl = x_sh[2u * c];
-                xh = x_sh[2u * c + 1u];
+                xl = uintBitsToFloat(x_sh[2u * c]);
+                xh = uintBitsToFloat(x_sh[2u * c + 1u]);
             } else {
                 uint e = 8u * c;
                 xl = vec4(x_at(x_word, e, n_cols, norm_word), x_at(x_word, e + 1u, n_cols, norm_word),

@@ -349,17 +349,61 @@ def test_kivi_replays_quantise_on_the_device_as_the_host_does(bits, recent, make
             if t % 16 == 15 or t == 89:
                 kc, vc = K.cache_rows(np.concatenate(keys[layer], 1), np.concatenate(vals[layer], 1), n, spec)
                 assert nmse(reference(q[layer, 0], kc, vc, None, None, n), got[layer, 0]) <= 1e-9
-    for layer in range(n_layers):
+    _assert_kivi_words_equal(stepped, plain, recent)
+
+
+def _assert_kivi_words_equal(stepped, plain, recent):
+    """Every layer's words of two KIVI arenas equal bit for bit, state words included, but for
+    the windows' slots of quantised tokens (dead: never read)."""
+    for layer in range(stepped.layout.n_layers):
         a, b = stepped.memory.layer_words(layer), plain.memory.layer_words(layer)
         ll, n = stepped.layout.layers[layer], stepped.n_tokens(layer)
         q_end = K.quantised_end(n, recent)
         assert a[ll.k.state_word] == b[ll.k.state_word] == q_end
-        live = np.ones(a.size, bool)  # the windows' slots of quantised tokens are dead (never read)
+        live = np.ones(a.size, bool)
         for st in ll.streams:
-            ring = np.arange(st.window_word, st.window_word + st.window_words).reshape(n_kv, st.window_tokens, -1)
+            ring = np.arange(st.window_word, st.window_word + st.window_words).reshape(
+                stepped.layout.n_kv_heads, st.window_tokens, -1)
             live[ring] = False
             live[ring[:, np.arange(q_end, n) % st.window_tokens]] = True
         np.testing.assert_array_equal(a[live], b[live])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kivi_device_quantiser_rounds_ties_as_the_host_does(head_dim, make_arena):
+    """Rows where a level's quotient is a tie: 4 bits, each key group holding a token of 0s and
+    one of 15s, each value dim group a 0 and a 15 — a scale of exactly 1 — and every other
+    element a multiple of 0.5 in [0, 15], so half of them quotients k + 0.5 (roundEven's ties,
+    which append_kivi.comp settles by the correctly rounded quotient). Replayed steps quantise
+    groups on the device; the words equal the host quantiser's bit for bit."""
+    n_kv, g, spec = 2, 2, K.KiviSpec(4, 4, 0)
+    rng = np.random.default_rng(71)
+    stepped, plain = (make_arena(1, n_kv, head_dim, 160, cache="kivi", kivi=spec) for _ in range(2))
+    step = stepped.record_step(n_kv * g)
+    ties = 0
+    for t in range(100):
+        k, v = (rng.integers(0, 31, (n_kv, head_dim)).astype(np.float32) * np.float32(0.5) for _ in range(2))
+        if t % K.GROUP < 2:
+            k[:] = 15.0 * (t % K.GROUP)
+        v[:, ::K.GROUP], v[:, 1::K.GROUP] = 0.0, 15.0
+        ties += int(np.count_nonzero(k % 1 == 0.5) + np.count_nonzero(v % 1 == 0.5))
+        q = rng.standard_normal((n_kv * g, head_dim), dtype=np.float32)
+        got = step.run(k[None, None], v[None, None], q[None, None])
+        want = plain.step(0, k[:, None], v[:, None], q)
+        assert nmse(want, got[0, 0]) <= 1e-9
+    assert stepped.n_tokens(0) == 100 and ties > 1000
+    _assert_kivi_words_equal(stepped, plain, spec.recent)
+
+
+def test_kivi_heads_wider_than_the_projections_stage_keep_the_steps_append(make_arena):
+    """fwd_qkv quantises a KIVI group in its matvec stage (rows.QKV_KIVI_MAX_HEAD_DIM): a step
+    over wider heads offers no row_append — a forward records append_kivi there."""
+    from kvdict_vk import rows as R
+    for hd in (R.QKV_KIVI_MAX_HEAD_DIM, 2 * R.QKV_KIVI_MAX_HEAD_DIM):
+        arena = make_arena(1, 1, hd, 64, cache="kivi")
+        step = arena.record_step(2, record=False)
+        assert (step.row_append(0) is None) == (hd > R.QKV_KIVI_MAX_HEAD_DIM)
+        step.free()
 
 
 def test_refusals(make_arena, activate):

@@ -120,15 +120,20 @@ def test_matvecs_past_their_workgroups_stride_the_grid(fmt, row_threads, subgrou
 
 # q8_0: a pair of blocks (64 elements) completed by workgroups of 2, 8, 32 or 64 rows an
 # iteration (row threads 32, 8, 2, 1) — head_dim 32 (one block, the pair's second missing), 64,
-# 128; KIVI: a KV head's K and V rows, over enough tokens that groups leave the window
-@pytest.mark.parametrize("cache,row_threads,head_dim", [
-    ("f16", 8, 32), ("f32", 8, 32), ("q8_0", 8, 32), ("q8_0", 32, 64), ("q8_0", 1, 128), ("q8_0", 2, 64),
-    ("kivi", 8, 32), ("kivi", 32, 64), ("kivi", 1, 64)])
-def test_qkv_appends_the_rows_the_step_would(cache, row_threads, head_dim, make_arena):
+# 128; KIVI: a KV head's K and V rows, over enough tokens that groups leave the window — and
+# by one workgroup (grid stride: rows after a group's quantisation, which borrows the staged x)
+@pytest.mark.parametrize("cache,row_threads,head_dim,workgroups", [
+    ("f16", 8, 32, None), ("f32", 8, 32, None), ("q8_0", 8, 32, None), ("q8_0", 32, 64, None),
+    ("q8_0", 1, 128, None), ("q8_0", 2, 64, None), ("kivi", 8, 32, None), ("kivi", 32, 64, None),
+    ("kivi", 1, 64, None), ("kivi", 8, 64, 1)])
+def test_qkv_appends_the_rows_the_step_would(cache, row_threads, head_dim, workgroups, make_arena, monkeypatch):
     """Over f16, f32 or q8_0 rows or a KIVI layer fwd_qkv appends the token's K and V into the
     layer and the token records no append (two ops a layer fewer): the arena's rows and words
     and every token's logits equal, bit for bit, those of the forward whose decode step appends."""
     from kvdict_vk import kivi as K
+    if workgroups is not None:
+        import kvdict_vk.vk.forward.model as fwd_model
+        monkeypatch.setattr(fwd_model, "MATVEC_WORKGROUPS", workgroups)
     rng = np.random.default_rng(65)
     w = _small_model(rng, "q4_1", True, head_dim=head_dim)
     cfg = w.config

@@ -119,8 +119,8 @@ def _glsl_defines(source: str, prefix: str) -> dict:
 def test_glsl_constants_are_their_python_twins():
     """The constants a shader and its Python side both name — rows_encode.glsl's append formats
     and fwd_qkv.comp's KIVI one, weights.glsl's weight formats and block sizes, matvec.glsl's x
-    modes — agree."""
-    from kvdict_vk import rows as R
+    modes and the stage fwd_qkv's KIVI append borrows — agree."""
+    from kvdict_vk import kivi as K, rows as R
     from kvdict_vk.vk.forward import specs as fwd_specs
     from kvdict_vk.vk.forward import weights as W
     assert _glsl_defines("rows_encode.glsl", "FORMAT_") == R.APPEND_FORMATS
@@ -130,6 +130,8 @@ def test_glsl_constants_are_their_python_twins():
     text = (ROOT / "shaders" / "weights.glsl").read_text()
     m = re.search(r"BLOCK_WORDS = FORMAT == W_F32 \? (\d+)u : \(FORMAT == W_Q4_1 \? (\d+)u : (\d+)u\)", text)
     assert m and tuple(map(int, m.groups())) == tuple(W.BLOCK_WORDS[f] for f in ("f32", "q4_1", "q8_0"))
+    m = re.search(r"const uint X_SHARED = (\d+)u;", (ROOT / "shaders" / "matvec.glsl").read_text())
+    assert m and R.QKV_KIVI_MAX_HEAD_DIM == 2 * int(m[1]) // K.GROUP  # a group's words of one stream fit
 
 
 def test_qkv_appends_declare_what_they_write():

@@ -216,7 +216,7 @@ class DecodeStep:
         if self.batch != 1 or any(st.coded or st.windowed for st in (k, v)):
             return None
         if k.kivi or v.kivi:
-            return "kivi" if k.kivi and v.kivi else None
+            return "kivi" if k.kivi and v.kivi and self.layout.head_dim <= R.QKV_KIVI_MAX_HEAD_DIM else None
         fmt = R.append_format(k)
         return fmt if fmt in ("f16", "words", "q8_0") and R.append_format(v) == fmt else None
 
