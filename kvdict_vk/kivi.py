@@ -91,6 +91,17 @@ def window_words_per_head(window: int, head_dim: int) -> int:
     return window * head_dim // 2
 
 
+def stats_words(n_kv: int, n_ctx: int, seqs: int, head_dim: int) -> int:
+    """Words of a layer's key statistics: n_kv × seqs KIVI heads (KV head, sequence) of
+    n_ctx / seqs tokens each (docs/ARENA.md)."""
+    return n_kv * seqs * stats_words_per_head(n_ctx // seqs, head_dim)
+
+
+def window_words(n_kv: int, seqs: int, window: int, head_dim: int) -> int:
+    """Words of a layer stream's rings: one a KIVI head (KV head, sequence)."""
+    return n_kv * seqs * window_words_per_head(window, head_dim)
+
+
 def quantised_end(n_tokens: int, recent: int) -> int:
     """Tokens [0, quantised_end) of a cache holding n_tokens are quantised: whole groups
     whose last token is at least ``recent`` tokens behind the newest."""

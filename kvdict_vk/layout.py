@@ -150,12 +150,16 @@ class StreamLayout:
     scale_words: int = 0
     rows: str = "f32"  # passthrough rows: "f32", "f16" (two per word), "q8_0" or "kivi"
     # The KIVI cache (rows "kivi", kvdict_vk.kivi): the levels' bits; the keys' group
-    # statistics (n_kv × ⌈n_ctx / GROUP⌉ × head_dim words, K only); the exact window, a ring
-    # of window_tokens binary16 rows per KV head (token t at t mod window_tokens); and the
-    # layer's state word (how many tokens are quantised, written by every append).
+    # statistics (⌈seq_ctx / GROUP⌉ × head_dim words per KV head and sequence, K only); the
+    # exact window, a ring of window_tokens binary16 rows per KV head and sequence (token t at
+    # t mod window_tokens); and a state word per sequence (how many of its tokens are
+    # quantised, written by every append). A batched arena's kivi_seqs sequences each hold
+    # seq_ctx = n_ctx / kivi_seqs rows of a KV head's region (rows s · seq_ctx ..); their
+    # statistics and rings go by the "KIVI head" g · kivi_seqs + s (kivi_head).
     # A dict-coded stream with an exact window (kvdict_vk.window) uses window_word,
     # window_tokens (the window's rows) and state_word (the tokens appended) the same way.
     kivi_bits: int = 0
+    kivi_seqs: int = 1
     stats_word: int | None = None
     stats_words: int = 0
     window_word: int | None = None
@@ -201,8 +205,18 @@ class StreamLayout:
 
     @property
     def window_words(self) -> int:
-        """Words of a KIVI or windowed stream's exact window (binary16 pairs; else 0)."""
-        return self.n_kv_heads * K.window_words_per_head(self.window_tokens, self.head_dim)
+        """Words of a KIVI or windowed stream's exact windows (binary16 pairs; else 0)."""
+        return K.window_words(self.n_kv_heads, self.kivi_seqs, self.window_tokens, self.head_dim)
+
+    @property
+    def seq_ctx(self) -> int:
+        """Rows of a KV head a sequence holds (a batched KIVI stream's n_ctx / kivi_seqs)."""
+        return self.n_ctx // self.kivi_seqs
+
+    def kivi_head(self, head: int, seq: int = 0) -> int:
+        """The KIVI head of (KV head, sequence): its key statistics (⌈seq_ctx / GROUP⌉ groups
+        of head_dim words) and its ring (window_tokens rows) are the kivi_head-th."""
+        return head * self.kivi_seqs + seq
 
     @property
     def half(self) -> bool:
@@ -259,7 +273,7 @@ class StreamLayout:
                 **({"kivi_bits": self.kivi_bits, "window_tokens": self.window_tokens,
                     "group_stats": None if self.stats_word is None else _span(self.stats_word, self.stats_words),
                     "window": _span(self.window_word, self.window_words),
-                    "state": _span(self.state_word, 1)} if self.kivi else {}),
+                    "state": _span(self.state_word, self.kivi_seqs), "seqs": self.kivi_seqs} if self.kivi else {}),
                 **({"key_rope": self.key_rope.to_dict(), "rope_block": self.rope_block,
                     "rope_table": _span(self.rope_word, self.rope_words)} if self.key_rope else {}),
                 **({"exact_window": {"sink": self.exact_window.sink, "recent": self.exact_window.recent},
@@ -388,12 +402,16 @@ def check_positive(**dims) -> None:
 def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
                  dictionary: KvDictArtifact | DictSpec | None = None, *,
                  guard_words: int = 0, guard_value: int = DEFAULT_GUARD_VALUE,
-                 cache: str = DEFAULT_CACHE, kivi=None) -> ArenaLayout:
+                 cache: str = DEFAULT_CACHE, kivi=None, seqs: int = 1) -> ArenaLayout:
     """The arena layout for a model's dims and (optionally) the active dictionary; without
     one, ``cache`` is the row format of the uncoded cache ("f16", "f32", "q8_0"), or "kivi"
-    (the KIVI-style cache, settings ``kivi``: a kvdict_vk.kivi.KiviSpec, default KiviSpec())."""
-    check_positive(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, n_ctx=n_ctx)
-    n_layers, n_kv_heads, head_dim, n_ctx = map(int, (n_layers, n_kv_heads, head_dim, n_ctx))
+    (the KIVI-style cache, settings ``kivi``: a kvdict_vk.kivi.KiviSpec, default KiviSpec()).
+    ``seqs``: the sequences n_ctx holds (n_ctx / seqs rows a KV head each) — a KIVI cache
+    keeps statistics, rings and a state word for each."""
+    check_positive(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, n_ctx=n_ctx, seqs=seqs)
+    n_layers, n_kv_heads, head_dim, n_ctx, seqs = map(int, (n_layers, n_kv_heads, head_dim, n_ctx, seqs))
+    if n_ctx % seqs:
+        raise E.ArenaError(f"n_ctx {n_ctx} does not hold {seqs} sequences of equal length")
     if guard_words < 0:
         raise E.ArenaError(f"guard_words must be ≥ 0, got {guard_words}")
     guard = _round_up(int(guard_words), VEC4_WORDS)  # keeps vec4 alignment of what follows
@@ -429,7 +447,7 @@ def build_layout(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
         if spec.n_heads not in (1, n_kv_heads):
             raise E.DictMismatchError(f"the dictionary has {spec.n_heads} heads per stream; the model "
                                       f"has {n_kv_heads} KV heads (per-head dictionaries need one each)")
-    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard, rows, kivi) for i in range(n_layers))
+    layers = tuple(_layer(i, n_kv_heads, head_dim, n_ctx, spec, guard, rows, kivi, seqs) for i in range(n_layers))
     return ArenaLayout(cache if spec is None else "dict", n_layers, n_kv_heads, head_dim, n_ctx,
                        0 if spec is None else spec.n_atoms, 0 if spec is None else spec.sparsity,
                        guard, int(guard_value), layers, 1 if spec is None else spec.n_heads, kivi)
@@ -454,7 +472,7 @@ def _slot_words(index: int, name: str, ss: StreamSpec, spec: DictSpec, hd: int) 
 
 
 def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows: str = "f32",
-           kivi=None) -> LayerLayout:
+           kivi=None, seqs: int = 1) -> LayerLayout:
     cursor = 0
     placed = []  # (start, stop) of every region/block, for the guard spans
 
@@ -474,11 +492,11 @@ def _layer(index, n_kv, hd, n_ctx, spec: DictSpec | None, guard: int, pass_rows:
     regions = [place(n_kv * n_ctx * r, ALIGN_WORDS) for r in rows]
     kivi_fields = [{}, {}]
     if kivi is not None:
-        n_stats = n_kv * K.stats_words_per_head(n_ctx, hd)
+        n_stats = K.stats_words(n_kv, n_ctx, seqs, hd)
         stats = place(n_stats, ALIGN_WORDS)
-        windows = [place(n_kv * K.window_words_per_head(kivi.window, hd), ALIGN_WORDS) for _ in "kv"]
-        state = place(VEC4_WORDS, VEC4_WORDS)
-        kivi_fields = [dict(kivi_bits=kivi.bits(j == 0), stats_word=stats if j == 0 else None,
+        windows = [place(K.window_words(n_kv, seqs, kivi.window, hd), ALIGN_WORDS) for _ in "kv"]
+        state = place(_round_up(seqs, VEC4_WORDS), VEC4_WORDS)
+        kivi_fields = [dict(kivi_bits=kivi.bits(j == 0), kivi_seqs=seqs, stats_word=stats if j == 0 else None,
                             stats_words=n_stats if j == 0 else 0, window_word=windows[j],
                             window_tokens=kivi.window, state_word=state) for j in range(2)]
     elif spec is not None and spec.window and any(ss.coded for ss in pair):

@@ -178,9 +178,10 @@ layout(push_constant) uniform AttendFlashPush {
     uint n_kv;
     uint n_seqs;    // sequences (attend_common.glsl: batched decode)
     uint seq_rows;  // rows between two sequences' first tokens in a KV head
-    // the KIVI builds' (one sequence): the keys' group statistics ((g * ceil(n_ctx / 32) +
-    // group) * HEAD_DIM + c), the exact windows (rings of `window` binary16 rows per KV head),
-    // the layer's quantised end (tokens below it are quantised)
+    // the KIVI builds': the keys' group statistics ((kh * ceil(seq_rows / 32) + group) *
+    // HEAD_DIM + c, kh the KIVI head g * (n_ctx / seq_rows) + sequence), the exact windows
+    // (rings of `window` binary16 rows per KIVI head), the sequences' quantised ends (a
+    // sequence's tokens below its own are quantised)
     uint stats_word;
     uint k_window_word;
     uint v_window_word;
@@ -280,11 +281,12 @@ float unit_values(uvec4 a, uvec4 b, uint unit, out vec4 lo, out vec4 hi) {
 }
 
 #if KIVI
-// Quantised token t's (of KV head g) level words of the unit: K's into kq (kivi_unit_words of
-// them, clamped to the row), V's dim group's stats word then its level words into vq.
-void kivi_load(uint g, uint t, uint unit, out uvec3 kq, out uvec4 vq) {
-    uint kw = pc.k_word + (g * pc.n_ctx + t) * K_ROW, k0 = kivi_unit_word(unit, K_BITS);
-    uint vw = pc.v_word + (g * pc.n_ctx + t) * V_ROW, v0 = kivi_unit_word(unit, V_BITS);
+// The level words of the unit of a quantised token, row `row` of the regions: K's into kq
+// (kivi_unit_words of them, clamped to the row), V's dim group's stats word then its level
+// words into vq.
+void kivi_load(uint row, uint unit, out uvec3 kq, out uvec4 vq) {
+    uint kw = pc.k_word + row * K_ROW, k0 = kivi_unit_word(unit, K_BITS);
+    uint vw = pc.v_word + row * V_ROW, v0 = kivi_unit_word(unit, V_BITS);
     kq = uvec3(cache_words[kw + k0], 0u, 0u);
     if (kivi_unit_words(K_BITS) > 1u)
         kq.y = cache_words[kw + min(k0 + 1u, K_ROW - 1u)];
@@ -302,11 +304,11 @@ void kivi_load(uint g, uint t, uint unit, out uvec3 kq, out uvec4 vq) {
 // unit's 8 channels (sa, sb).
 #define LOAD_QUANT_ROUND(first) { \
         uint tq = t0 + min(TOKEN_OF(first, 0u), q_rel - 1u); \
-        uint sq = (pc.stats_word + (g * n_groups + tq / KIVI_GROUP) * HEAD_DIM) / 4u + 2u * unit; \
+        uint sq = (pc.stats_word + (kh * n_groups + tq / KIVI_GROUP) * HEAD_DIM) / 4u + 2u * unit; \
         sa = cache_quads[sq]; \
         sb = cache_quads[sq + 1u]; \
         [[unroll]] for (uint b = 0u; b < TB; ++b) \
-            kivi_load(g, t0 + min(TOKEN_OF(first, b), q_rel - 1u), unit, kq[b], vq[b]); \
+            kivi_load(row0 + t0 + min(TOKEN_OF(first, b), q_rel - 1u), unit, kq[b], vq[b]); \
     }
 #else
 // The units of this invocation's TB tokens of the round starting at split token `first`
@@ -661,11 +663,13 @@ void main() {
         }
 
 #if KIVI
-        // The split's quantised tokens [0, q_rel) (below the layer's quantised end), then its
-        // exact ones [q_rel, n_tok) from the windows: two loops, so the quantised one keeps only
-        // its few level words a token (the exact one, short, loads binary16 units).
-        const uint q_end = cache_words[pc.state_word];
-        const uint n_groups = (pc.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP;
+        // The split's quantised tokens [0, q_rel) (below the sequence's quantised end), then
+        // its exact ones [q_rel, n_tok) from the windows: two loops, so the quantised one keeps
+        // only its few level words a token (the exact one, short, loads binary16 units). The
+        // sequence's statistics and rings are its KIVI head's (kh: layout.StreamLayout.kivi_head).
+        const uint q_end = cache_words[pc.state_word + seq];
+        const uint n_groups = (pc.seq_rows + KIVI_GROUP - 1u) / KIVI_GROUP;
+        const uint kh = g * (pc.n_ctx / pc.seq_rows) + seq, row0 = g * pc.n_ctx + seq * pc.seq_rows;
         const uint q_rel = q_end > t0 ? min(q_end - t0, n_tok) : 0u;
         // TB tokens' level words (K: kivi_unit_words(K_BITS); V: its dim group's stats word, then
         // its level words) and their key group's stats for the unit's 8 channels (sa, sb), loaded
@@ -724,7 +728,7 @@ void main() {
                 live[b] = t >= q_rel && t < n_tok;
                 uint tw = t0 + min(t, n_tok - 1u);  // any token's ring row is in the buffer
                 vec4 k_lo, k_hi;
-                half_unit(cache_quads[(kivi_window_row(pc.k_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                half_unit(cache_quads[(kivi_window_row(pc.k_window_word, kh, tw, pc.window, HEAD_DIM) >> 2u) + unit],
                           k_lo, k_hi);
                 round_score(b, k_lo, k_hi, 1.0);
             }
@@ -732,7 +736,7 @@ void main() {
             [[unroll]] for (uint b = 0u; b < TB; ++b) {
                 uint tw = t0 + min(TOKEN_OF(r0, b), n_tok - 1u);
                 vec4 v_lo, v_hi;
-                half_unit(cache_quads[(kivi_window_row(pc.v_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                half_unit(cache_quads[(kivi_window_row(pc.v_window_word, kh, tw, pc.window, HEAD_DIM) >> 2u) + unit],
                           v_lo, v_hi);
                 round_value(b, v_lo, v_hi, 1.0, live[b]);
             }
@@ -741,9 +745,9 @@ void main() {
                 uint t = TOKEN_OF(r0, b);
                 uint tw = t0 + min(t, n_tok - 1u);  // any token's ring row is in the buffer
                 vec4 k_lo, k_hi, v_lo, v_hi;
-                half_unit(cache_quads[(kivi_window_row(pc.k_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                half_unit(cache_quads[(kivi_window_row(pc.k_window_word, kh, tw, pc.window, HEAD_DIM) >> 2u) + unit],
                           k_lo, k_hi);
-                half_unit(cache_quads[(kivi_window_row(pc.v_window_word, g, tw, pc.window, HEAD_DIM) >> 2u) + unit],
+                half_unit(cache_quads[(kivi_window_row(pc.v_window_word, kh, tw, pc.window, HEAD_DIM) >> 2u) + unit],
                           v_lo, v_hi);
                 float s[MAX_G];
                 key_scores(k_lo, k_hi, 1.0, s);

@@ -9,7 +9,7 @@
 // call it. The includer declares HEAD_DIM, K_BITS and V_BITS (constants), layer_words[]
 // (coherent: the group is read back from the rings just written) and
 // float kivi_source(bool key, uint h, uint e) — element e of the token's K or V float row of
-// KV head h — and includes rows_encode.glsl and kivi.glsl first. A group's rows are staged in
+// KIVI head h — and includes rows_encode.glsl and kivi.glsl first. A group's rows are staged in
 // shared memory, one stream at a time, by loads issued together (read from the rings element
 // by element, each quantisation waited on its loads in turn): the includer may name the stage —
 // KIVI_STAGE_GET(i) and KIVI_STAGE_SET(i, w), word i < KIVI_GROUP · HEAD_DIM / 2 — or get one
@@ -20,10 +20,11 @@ const uint V_STATS = HEAD_DIM / KIVI_GROUP;                      // a value: its
 const uint V_ROW = V_STATS + SLOT_LEVEL_WORDS_OF(HEAD_DIM, V_BITS);  // stats words, its levels
 const uint HALF_ROW = HEAD_DIM / 2u;                             // a window row's words
 
-// Where a layer's KIVI words are (kvdict_vk.kivi's layout): the K and V regions (n_ctx level
-// rows per KV head), the keys' group statistics ((h · ceil(n_ctx / 32) + group) · HEAD_DIM + c),
-// the rings of recent + KIVI_GROUP binary16 rows per KV head, kivi.KiviSpec.recent, the state
-// word (the layer's quantised end), rows a KV head.
+// Where a sequence's KIVI words are (kvdict_vk.kivi's layout): the K and V regions (n_ctx
+// level rows per KIVI head h — layout.StreamLayout.kivi_head: a KV head's, or in a batched
+// arena a KV head's sequence's), the keys' group statistics ((h · ceil(n_ctx / 32) + group) ·
+// HEAD_DIM + c), the rings of recent + KIVI_GROUP binary16 rows per KIVI head,
+// kivi.KiviSpec.recent, the state word (the sequence's quantised end), rows a KIVI head.
 struct KiviLayer {
     uint k_word;
     uint v_word;

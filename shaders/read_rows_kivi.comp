@@ -1,6 +1,8 @@
 #version 450
-// Read of a KIVI stream (kvdict_vk.kivi, docs/ARENA.md): rows (h, t0 .. t0+n_tok) as f32.
-// A token below the layer's quantised end (its state word, written by every append, so a
+// Read of a KIVI stream (kvdict_vk.kivi, docs/ARENA.md): rows (h, t0 .. t0+n_tok) as f32 —
+// of one sequence (a batched arena's sequence s holds rows s·seq_ctx .. of a head; its
+// statistics, ring and state word are its KIVI head's, h·(n_ctx / seq_ctx) + s, and its own).
+// A token below the sequence's quantised end (its state word, written by every append, so a
 // recorded read stays right as the cache grows) decodes as level * scale + min with its
 // group's binary16 (scale, min) — per channel and 32-token group for keys (the statistics
 // region), per 32-dim group of the token for values (the row's first words); a later token
@@ -32,10 +34,11 @@ layout(push_constant) uniform ReadKiviPush {
     uint n_tok;
     uint n_rows;       // n_kv * n_tok
     uint out_word;     // a multiple of 4
-    uint stats_word;   // keys: the group statistics, (h * ceil(n_ctx / 32) + group) * HEAD_DIM + channel
-    uint window_word;  // the exact window: (h * window + t mod window) * HEAD_DIM / 2 words
+    uint stats_word;   // keys: the group statistics, (kh * ceil(seq_ctx / 32) + group) * HEAD_DIM + channel
+    uint window_word;  // the exact windows: (kh * window + t mod window) * HEAD_DIM / 2 words
     uint window;
-    uint state_word;   // the layer's quantised end (tokens below it are quantised)
+    uint state_word;   // the sequences' quantised ends (a sequence's tokens below its own are quantised)
+    uint seq_ctx;      // rows of a head a sequence holds (n_ctx: one sequence)
 } pc;
 
 // level * scale + min rounded twice, as kvdict_vk.kivi computes it (precise: no fused
@@ -49,16 +52,16 @@ float dequantised(uint level, uint stats) {
 
 void main() {
     uint n = pc.n_rows * QUADS;
-    uint q_end = layer_words[pc.state_word];
-    uint n_groups = (pc.n_ctx + GROUP - 1u) / GROUP;
+    uint seqs = pc.n_ctx / pc.seq_ctx, n_groups = (pc.seq_ctx + GROUP - 1u) / GROUP;
     for (uint i = gl_GlobalInvocationID.x; i < n; i += grid_stride()) {
         uint row = i / QUADS;
         uint c = i - row * QUADS;  // elements 4c .. 4c+3
         uint head = row / pc.n_tok;
-        uint token = pc.t0 + (row - head * pc.n_tok);
+        uint token = pc.t0 + (row - head * pc.n_tok);  // the row in the head's region
+        uint seq = token / pc.seq_ctx, t = token - seq * pc.seq_ctx, kh = head * seqs + seq;
         vec4 x;
-        if (token >= q_end) {
-            uint w = kivi_window_row(pc.window_word, head, token, pc.window, HEAD_DIM) + 2u * c;
+        if (t >= layer_words[pc.state_word + seq]) {
+            uint w = kivi_window_row(pc.window_word, kh, t, pc.window, HEAD_DIM) + 2u * c;
             x = vec4(unpackHalf2x16(layer_words[w]), unpackHalf2x16(layer_words[w + 1u]));
         } else {
             uint base = pc.src_word + (head * pc.n_ctx + token) * ROW_WORDS;
@@ -68,7 +71,7 @@ void main() {
                 uint bit = e * BITS;
                 uint level = residual_level(layer_words[lw + (bit >> 5u)],
                                             layer_words[lw + min((bit >> 5u) + 1u, LEVEL_WORDS - 1u)], bit & 31u, BITS);
-                uint stats = KEYS > 0u ? layer_words[pc.stats_word + (head * n_groups + token / GROUP) * HEAD_DIM + e]
+                uint stats = KEYS > 0u ? layer_words[pc.stats_word + (kh * n_groups + t / GROUP) * HEAD_DIM + e]
                                        : layer_words[base + e / GROUP];
                 x[k] = dequantised(level, stats);
             }

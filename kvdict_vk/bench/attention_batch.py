@@ -1,6 +1,7 @@
 """Batched decode attention (kvdict_vk.bench.attention ``--batches``): B sequences of
 ``--batch-n-used`` tokens each, attended in one call (KvArena(seqs=B).attend_batch: every
-sequence in the same flash dispatches), over the f16 and q8_0 caches and each dict format —
+sequence in the same flash dispatches), over the f16, q8_0 and KIVI caches (KIVI's default
+settings: each sequence's groups, rings and state its own) and each dict format —
 beside torch SDPA over an f16 cache of the same B in the same process (the issue's
 "batched" rows: ``batch`` = B, ``n_used`` per sequence).
 
@@ -17,7 +18,7 @@ import numpy as np
 from . import roofline, timing, traffic
 from .attention_common import dict_arena, flush_before, format_name, our_recording_args, random_rows
 
-CACHES = ("f16", "q8_0")
+CACHES = ("f16", "q8_0", "kivi")
 
 
 def _arenas(n_kv, hd, batch, n_used, args, dev, rng) -> dict:

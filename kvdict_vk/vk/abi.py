@@ -122,7 +122,7 @@ RECONSTRUCT_PUSH = uint_block("ReconstructPush", "src_word", "atoms_word", "mean
                               "head_vec", defaults=dict(scale_word=0, head_atoms=0, head_vec=0))
 COPY_ROWS_PUSH = uint_block("CopyRowsPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word")
 READ_KIVI_PUSH = uint_block("ReadKiviPush", "src_word", "n_ctx", "t0", "n_tok", "n_rows", "out_word",
-                            "stats_word", "window_word", "window", "state_word")
+                            "stats_word", "window_word", "window", "state_word", "seq_ctx")
 # a dict-coded stream's exact window over a read's rows (shaders/read_window.comp)
 READ_WINDOW_PUSH = uint_block("ReadWindowPush", "window_word", "rows", "sink", "recent", "state_word", "n_kv",
                               "t0", "n_tok", "out_word")
@@ -137,7 +137,7 @@ APPEND_STEP_PUSH = uint_block("AppendStepPush", "k_src_word", "v_src_word", "k_w
 # leaving the window quantised on the device (shaders/append_kivi.comp)
 APPEND_KIVI_PUSH = uint_block("AppendKiviPush", "k_src_word", "v_src_word", "k_word", "v_word", "stats_word",
                               "k_window_word", "v_window_word", "recent", "state_word", "n_kv", "n_ctx",
-                              "lengths_word")
+                              "lengths_word", "n_seqs", "seq_rows")
 # a recorded step's new token into a windowed dictionary layer's exact window (shaders/append_window.comp)
 APPEND_WINDOW_PUSH = uint_block("AppendWindowPush", "k_rows_word", "v_rows_word", "k_window_word", "v_window_word",
                                 "rows", "sink", "recent", "state_word", "n_kv", "head_dim", "lengths_word")

@@ -107,27 +107,30 @@ def _append_step_extents(p, s):
 def _append_kivi_extents(p, s):
     """append_kivi: the step's K and V rows; the n_used word; the K and V regions, the key
     statistics, both rings and the state word (written where the device says)."""
-    hd, kb, vb, n_kv, n_ctx = s["HEAD_DIM"], s["K_BITS"], s["V_BITS"], p["n_kv"], p["n_ctx"]
+    hd, kb, vb, n_kv, n_ctx, n_seqs = s["HEAD_DIM"], s["K_BITS"], s["V_BITS"], p["n_kv"], p["n_ctx"], p["n_seqs"]
     ok = (n_kv >= 1 and n_ctx >= 1 and hd % K.GROUP == 0 and K.MIN_BITS <= kb <= K.MAX_BITS
-          and K.MIN_BITS <= vb <= K.MAX_BITS)
+          and K.MIN_BITS <= vb <= K.MAX_BITS and 1 <= p["seq_rows"] and n_ctx % p["seq_rows"] == 0
+          and 1 <= n_seqs <= n_ctx // p["seq_rows"])
     if not ok:
         raise E.DispatchError(f"append_kivi: push constants {p} / specialization {s} are inconsistent")
-    return ([(p["k_src_word"], p["k_src_word"] + n_kv * hd), (p["v_src_word"], p["v_src_word"] + n_kv * hd)],
-            [(p["lengths_word"], p["lengths_word"] + 1)],
-            kivi_layer_ranges(p["k_word"], p["v_word"], p, s, n_kv, n_ctx))
+    src = n_seqs * n_kv * hd
+    return ([(p["k_src_word"], p["k_src_word"] + src), (p["v_src_word"], p["v_src_word"] + src)],
+            [(p["lengths_word"], p["lengths_word"] + n_seqs)],
+            kivi_layer_ranges(p["k_word"], p["v_word"], p, s, n_kv, n_ctx, n_ctx // p["seq_rows"]))
 
 
-def kivi_layer_ranges(k_word: int, v_word: int, p, s, n_kv: int, n_ctx: int) -> list:
+def kivi_layer_ranges(k_word: int, v_word: int, p, s, n_kv: int, n_ctx: int, seqs: int = 1) -> list:
     """The words a KIVI layer's append may write (shaders/kivi_append.glsl): the K and V regions
-    (from k_word, v_word), the key statistics, both rings and the state word (p's stats_word,
-    k/v_window_word, recent, state_word; s's HEAD_DIM, K_BITS, V_BITS)."""
+    (from k_word, v_word; n_ctx rows a KV head), the key statistics, both rings and the state
+    words of its ``seqs`` sequences (p's stats_word, k/v_window_word, recent, state_word; s's
+    HEAD_DIM, K_BITS, V_BITS)."""
     hd, kb, vb = s["HEAD_DIM"], s["K_BITS"], s["V_BITS"]
     rows, window = n_kv * n_ctx, K.KiviSpec(kb, vb, p["recent"]).window
     return [(k_word, k_word + rows * K.key_row_words(hd, kb)), (v_word, v_word + rows * K.value_row_words(hd, vb)),
-            (p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(n_ctx, hd)),
-            (p["k_window_word"], p["k_window_word"] + n_kv * K.window_words_per_head(window, hd)),
-            (p["v_window_word"], p["v_window_word"] + n_kv * K.window_words_per_head(window, hd)),
-            (p["state_word"], p["state_word"] + 1)]
+            (p["stats_word"], p["stats_word"] + K.stats_words(n_kv, n_ctx, seqs, hd)),
+            (p["k_window_word"], p["k_window_word"] + K.window_words(n_kv, seqs, window, hd)),
+            (p["v_window_word"], p["v_window_word"] + K.window_words(n_kv, seqs, window, hd)),
+            (p["state_word"], p["state_word"] + seqs)]
 
 
 def _append_window_extents(p, s):
@@ -169,14 +172,17 @@ def _read_kivi_extents(p, s):
             or p["window"] < 1:
         raise E.DispatchError(f"read_rows_kivi: HEAD_DIM {hd}, BITS {bits}, KEYS {keys}, GROUP {s['GROUP']}, "
                               f"window {p['window']}")
-    reads = [(p["state_word"], p["state_word"] + 1)]
+    seq_ctx = p["seq_ctx"]
+    if not 1 <= seq_ctx <= p["n_ctx"] or p["n_ctx"] % seq_ctx:
+        raise E.DispatchError(f"read_rows_kivi: n_ctx {p['n_ctx']} is not whole sequences of {seq_ctx}")
+    seqs = p["n_ctx"] // seq_ctx
+    reads = [(p["state_word"], p["state_word"] + seqs)]
     if p["n_rows"]:
         n_kv = p["n_rows"] // p["n_tok"]
         row = K.key_row_words(hd, bits) if keys else K.value_row_words(hd, bits)
-        reads += [_rows_extents(p, row),
-                  (p["window_word"], p["window_word"] + n_kv * K.window_words_per_head(p["window"], hd))]
+        reads += [_rows_extents(p, row), (p["window_word"], p["window_word"] + K.window_words(n_kv, seqs, p["window"], hd))]
         if keys:
-            reads.append((p["stats_word"], p["stats_word"] + n_kv * K.stats_words_per_head(p["n_ctx"], hd)))
+            reads.append((p["stats_word"], p["stats_word"] + K.stats_words(n_kv, p["n_ctx"], seqs, hd)))
     return reads, [(p["out_word"], p["out_word"] + p["n_rows"] * hd)] if p["n_rows"] else []
 
 

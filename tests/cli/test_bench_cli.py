@@ -521,16 +521,18 @@ def test_engine_paths_only_drops_the_forced_paths():
 @pytest.mark.gpu
 def test_attention_batches_give_batch_rows(tmp_path, restore_env, vk_device):
     """attention --batches: one row per (mode, B) with ``batch`` = B and n_used per sequence,
-    the f16 / q8_0 caches and each dict format (the kernel named), bytes for B sequences."""
+    the f16 / q8_0 / KIVI caches and each dict format (the kernel named), bytes for B sequences."""
     out = tmp_path / "a.json"
     assert attention.main(["--n-used", "256", "--batches", "2", "--batch-n-used", "200", "--shapes", "2x2",
                            "--head-dims", "32", "--formats", "4/3", "--no-sdpa", "--repeats", "3", "--no-reconstruct",
                            "--engine-paths-only", "--device", vk_device.name, "--out", str(out)]) == 0
     rows = [r for r in json.loads(out.read_text())["rows"] if r["batch"] == 2]
-    assert {r["cache"] for r in rows} == {"f16", "q8_0", "dict"} and all(r["n_used"] == 200 for r in rows)
+    assert {r["cache"] for r in rows} == {"f16", "q8_0", "kivi", "dict"} and all(r["n_used"] == 200 for r in rows)
     assert all(r["path"] == "flash" for r in rows) and all(r["gpu_s"] is None or r["gpu_s"] > 0 for r in rows)
     f16 = next(r for r in rows if r["cache"] == "f16")
     assert f16["bytes_by_part"]["cache"] == 2 * 2 * 200 * 2 * 16 * 4  # B × n_kv × tokens × (K, V) × f16 words
+    kivi = next(r for r in rows if r["cache"] == "kivi")
+    assert kivi["variant"].startswith("attend_flash_kivi") and kivi["path"] == "flash"
     coded = next(r for r in rows if r["cache"] == "dict")
     assert coded["kernel"] == "float" and coded["local"] > 0 and coded["heads"] >= 1 and coded["n_splits"] >= 1
 

@@ -227,19 +227,22 @@ def test_kivi_arena_attends_by_the_fused_kernel_and_keeps_the_read_out_path(make
 def test_extents_refuse_what_the_kernel_cannot_run():
     from kvdict_vk.vk.shaders import SHADERS
     ext = SHADERS["attend_flash_kivi"].extents
-    p = dict(k_word=0, v_word=1000, n_ctx=100, n_used=50, split_len=64, n_splits=1, n_kv=2, n_seqs=1, seq_rows=0,
+    p = dict(k_word=0, v_word=1000, n_ctx=100, n_used=50, split_len=64, n_splits=1, n_kv=2, n_seqs=1, seq_rows=100,
              stats_word=5000, k_window_word=6000, v_window_word=8000, window=160, state_word=9999, split_round=1,
              q_word=0, score_scale=0.1)
     s = dict(HEAD_DIM=64, GROUP=4, LOCAL=64, HB=1, ROW_HALF=1, ROW_Q8=0, END_ELEMS=2, K_BITS=4, V_BITS=4)
     spans = ext(p, s)
     assert [9999, 10000] in [list(x) for x in spans[0]]  # the state word is read
+    two = ext(dict(p, n_ctx=200, n_seqs=2, v_word=2000), s)  # a batch: both sequences' state words
+    assert [9999, 10001] in [list(x) for x in two[0]]
     for bad_s in (dict(s, LOCAL=60), dict(s, K_BITS=1), dict(s, V_BITS=9), dict(s, HEAD_DIM=48, LOCAL=96),
                   dict(s, GROUP=9), dict(s, ROW_HALF=0), dict(s, ROW_Q8=1)):
         with pytest.raises(E.DispatchError):
             ext(p, bad_s)
     for bad_p in (dict(p, n_used=101), dict(p, n_splits=0), dict(p, split_len=48, n_splits=2),
                   dict(p, window=0),
-                  dict(p, n_seqs=2), dict(p, stats_word=5001), dict(p, k_window_word=6002),
+                  dict(p, n_seqs=2), dict(p, seq_rows=0), dict(p, seq_rows=30), dict(p, stats_word=5001),
+                  dict(p, k_window_word=6002),
                   dict(p, split_len=0, split_round=0), dict(p, split_len=0, split_round=48, n_splits=2),
                   dict(p, q_word=2)):
         with pytest.raises(E.DispatchError):

@@ -180,8 +180,6 @@ def test_bad_batched_calls_are_refused_and_change_nothing(make_arena):
             arena.append(0, r, r, seq=seq)
     with pytest.raises(E.ArenaError, match="seqs must be"):
         make_arena(1, 2, 32, 8, cache="f32", seqs=0)
-    with pytest.raises(E.ArenaError, match="KIVI"):
-        make_arena(1, 2, 32, 8, cache="kivi", seqs=2)
     assert [arena.n_tokens(0, seq=b) for b in (0, 1)] == [4, 2]
     att = arena.attention(4)
     att.path = "flash"
@@ -211,6 +209,79 @@ def test_step_batch_equals_appends_then_attend_batch(cache, make_arena, activate
         want = twin.attend_batch(0, q, [twin.n_tokens(0, seq=b) for b in range(B)])
         assert [stepped.n_tokens(0, seq=b) for b in range(B)] == [5 + t] * B
         assert got.shape == (B, n_kv * g, hd) and nmse(want.astype(np.float64), got) <= 1e-12
+
+
+def test_batched_kivi_cache_equals_each_sequences_reference(make_arena):
+    """A batched KIVI arena: each sequence's statistics, rings and state word its own (KIVI
+    heads, layout.StreamLayout.kivi_head; 300 tokens a sequence, not whole groups). Reads of
+    every sequence are kivi.cache_rows of its rows bit for bit; attend_batch (attend_flash_kivi
+    over every sequence) is the float64 reference per sequence; step_batch's host appends and a
+    recorded step of the batch (append_kivi: a workgroup a sequence's KV head) keep both —
+    and a twin arena's words — through groups leaving the windows, a host append after the
+    device's included."""
+    from kvdict_vk import kivi as K
+    rng = np.random.default_rng(29)
+    n_kv, g, hd, spec, B = 2, 3, 64, K.KiviSpec(4, 2, 8), len(LENGTHS)
+    stepped, twin = (make_arena(2, n_kv, hd, max(LENGTHS), cache="kivi", kivi=spec, seqs=B) for _ in range(2))
+    held = [[None] * B for _ in range(2)]
+
+    def append(layer, b, k, v):
+        for a in (stepped, twin):
+            a.append(layer, k, v, seq=b)
+        held[layer][b] = (k, v) if held[layer][b] is None else tuple(
+            np.concatenate([h, x], axis=1) for h, x in zip(held[layer][b], (k, v)))
+
+    def check(layer, n_used=None):
+        for b in range(B):
+            n = stepped.n_tokens(layer, seq=b)
+            want = K.cache_rows(*held[layer][b], n, spec)
+            for a in (stepped, twin):
+                assert all(np.array_equal(x, y) for x, y in zip(a.read(layer, seq=b), want)), (layer, b)
+        q = rng.standard_normal((B, n_kv * g, hd), dtype=np.float32)
+        used = n_used or [stepped.n_tokens(layer, seq=b) for b in range(B)]
+        out = stepped.attend_batch(layer, q, used)
+        for b in range(B):
+            want = K.attend(q[b], *held[layer][b], stepped.n_tokens(layer, seq=b), used[b], spec)
+            assert nmse(want, out[b]) <= 1e-9, (layer, b, used[b])
+
+    first = [max(n - 45, 1) for n in LENGTHS]  # room for 45 more tokens each
+    for layer in range(2):
+        for b, n in enumerate(first):
+            for part in (n // 2, n - n // 2):
+                if part:
+                    append(layer, b, *(rng.standard_normal((n_kv, part, hd), dtype=np.float32) for _ in range(2)))
+        check(layer)
+    check(0, [5, 1, 40, 17])
+    for _ in range(3):  # step_batch: every sequence's token planned on the host, one attention
+        k, v = (rng.standard_normal((B, n_kv, 1, hd), dtype=np.float32) for _ in range(2))
+        q = rng.standard_normal((B, n_kv * g, hd), dtype=np.float32)
+        got = stepped.step_batch(1, k, v, q)
+        for b in range(B):
+            twin.append(1, k[b], v[b], seq=b)
+            held[1][b] = tuple(np.concatenate([h, x], axis=1) for h, x in zip(held[1][b], (k[b], v[b])))
+            want = K.attend(q[b], *held[1][b], stepped.n_tokens(1, seq=b), stepped.n_tokens(1, seq=b), spec)
+            assert nmse(want, got[b]) <= 1e-9
+    for b in range(B):  # layer 0 as long as layer 1 again
+        append(0, b, *(rng.standard_normal((n_kv, 3, hd), dtype=np.float32) for _ in range(2)))
+    step = stepped.record_step(n_kv * g, batch=B)
+    for t in range(36):  # every sequence's group leaves its window at least once
+        if t == 20:
+            for layer in range(2):
+                for b in range(B):
+                    append(layer, b, *(rng.standard_normal((n_kv, 3, hd), dtype=np.float32) for _ in range(2)))
+        k, v = (rng.standard_normal((2, B, n_kv, hd), dtype=np.float32) for _ in range(2))
+        q = rng.standard_normal((2, B, n_kv * g, hd), dtype=np.float32)
+        got = step.run(k, v, q)
+        for layer in range(2):
+            want = twin.step_batch(layer, k[layer][:, :, None], v[layer][:, :, None], q[layer])
+            assert nmse(want, got[layer]) <= 1e-9, (t, layer)
+            for b in range(B):
+                held[layer][b] = tuple(np.concatenate([h, x[:, None]], axis=1)
+                                       for h, x in zip(held[layer][b], (k[layer, b], v[layer, b])))
+    assert [stepped.n_tokens(0, seq=b) for b in range(B)] == [n + 42 for n in first]
+    for layer in range(2):
+        check(layer)
+    step.free()
 
 
 def test_step_batch_refuses_before_writing(make_arena):

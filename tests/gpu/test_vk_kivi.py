@@ -146,3 +146,26 @@ def test_layout_of_a_kivi_cache():
     for (a, n), (b, _) in zip(spans, spans[1:]):
         assert a + n <= b  # no two blocks overlap
     assert spans[-1][0] + spans[-1][1] <= ll.total_words
+
+
+def test_layout_of_a_batched_kivi_cache():
+    """A KIVI layout of 3 sequences of 100 tokens (not whole groups): each (KV head, sequence)
+    — its KIVI head g · 3 + s — has ⌈100 / 32⌉ groups of statistics and a ring, each sequence a
+    state word; the regions hold the sequences' rows back to back, as every cache's do."""
+    from kvdict_vk import layout as L
+    one = L.build_layout(1, 2, 64, 300, cache="kivi")
+    lay = L.build_layout(1, 2, 64, 300, cache="kivi", seqs=3)
+    k, v = lay.layers[0].streams
+    assert (k.kivi_seqs, k.seq_ctx, one.layers[0].k.seq_ctx) == (3, 100, 300)
+    assert k.region_words == one.layers[0].k.region_words and k.row_words == one.layers[0].k.row_words
+    assert k.stats_words == 2 * 3 * 4 * 64 and one.layers[0].k.stats_words == 2 * 10 * 64
+    assert k.window_words == v.window_words == 2 * 3 * 160 * 32
+    assert [k.kivi_head(g, s) for g in range(2) for s in range(3)] == list(range(6))
+    d = lay.to_dict()["layers"][0]["k"]
+    assert d["state"]["words"] == 3 and d["seqs"] == 3
+    spans = sorted([(k.region_word, k.region_words), (v.region_word, v.region_words), (k.stats_word, k.stats_words),
+                    (k.window_word, k.window_words), (v.window_word, v.window_words), (k.state_word, 3)])
+    for (a, n), (b, _) in zip(spans, spans[1:]):
+        assert a + n <= b
+    with pytest.raises(E.ArenaError, match="equal length"):
+        L.build_layout(1, 2, 64, 301, cache="kivi", seqs=3)

@@ -76,7 +76,7 @@ class KvArena:
             raise E.ArenaError(f"kivi settings given for a {cache!r} cache")
         layout = L.build_layout(n_layers, n_kv_heads, head_dim, n_ctx * int(seqs), art,
                                 guard_words=guard_words, guard_value=guard_value,
-                                cache=L.DEFAULT_CACHE if cache == "dict" else cache, kivi=kivi)
+                                cache=L.DEFAULT_CACHE if cache == "dict" else cache, kivi=kivi, seqs=int(seqs))
         self._attention: dict[int, Attention] = {}  # by query-head count, made on first attend
         self._steps: list[DecodeStep] = []  # record_step's, freed with the arena
         # sized against the device (ArenaTooLargeError) before anything is allocated

@@ -51,9 +51,7 @@ def resolve_encoder(encoder: str | None) -> str:
 
 
 def check_seqs(seqs: int, n_ctx: int, cache: str | None) -> None:
-    """KvArena's ``seqs`` (with the ``cache`` asked for): positive, at most MAX_SEQS, one for KIVI."""
+    """KvArena's ``seqs`` (with the ``cache`` asked for): positive, at most MAX_SEQS."""
     L.check_positive(seqs=seqs, n_ctx=n_ctx)  # before n_ctx · seqs rows per head are laid out
     if seqs > MAX_SEQS:
         raise E.ArenaError(f"seqs must be at most {MAX_SEQS}, got {seqs}")
-    if seqs > 1 and cache == L.KIVI_CACHE:
-        raise E.ArenaError("a KIVI cache holds one sequence (its quantisation state is per layer)")

@@ -77,8 +77,6 @@ class DecodeStep:
             raise E.ArenaError(f"record_step: n_plan {n_plan} outside 1..{memory.seq_ctx}")
         for i in self.layers:
             k, v = lay.layers[i].streams
-            if k.kivi and self.batch != 1:
-                raise E.ArenaError(f"layer {i}: a KIVI layer's recorded step serves one sequence, not {self.batch}")
             if k.coded != v.coded:
                 raise E.ArenaError(f"layer {i}: a recorded step attends by the flash kernels, which need both "
                                    f"streams dict-coded or neither")
@@ -179,15 +177,15 @@ class DecodeStep:
             encode = [self._encode_op(i, j, st) for st in (k, v) if self._device_coded and st.coded]
             if encode:  # the rows' slots into the slots buffer's source area, for append_step
                 encode.append(barrier(self._slots))
-            if k.kivi:  # into the windows; a group leaving them quantised (one workgroup a KV head)
+            if k.kivi:  # into the windows; a group leaving them quantised (a workgroup a sequence's KV head)
                 append = pipeline(self.device, "append_kivi", [self._step, self._q, layer_buf],
                                   dict(HEAD_DIM=lay.head_dim, K_BITS=k.kivi_bits, V_BITS=v.kivi_bits),
-                                  max_items=n_kv * WG_SIZE)
+                                  max_items=self.batch * n_kv * WG_SIZE)
                 op = append.op(k_src_word=self._k_src[j], v_src_word=self._v_src[j], k_word=k.region_word,
                                v_word=v.region_word, stats_word=k.stats_word, k_window_word=k.window_word,
                                v_window_word=v.window_word, recent=lay.kivi.recent,
                                state_word=k.state_word, n_kv=n_kv, n_ctx=lay.n_ctx,
-                               lengths_word=q_word + self._lengths_at)
+                               lengths_word=q_word + self._lengths_at, n_seqs=self.batch, seq_rows=mem.seq_ctx)
             else:
                 units = sum(_append_units(st, lay.head_dim, self.batch * n_kv) for st in (k, v))
                 src = self._slots if encode else self._step
@@ -215,8 +213,9 @@ class DecodeStep:
         k, v = self._streams[j]
         if self.batch != 1 or any(st.coded or st.windowed for st in (k, v)):
             return None
-        if k.kivi or v.kivi:
-            return "kivi" if k.kivi and v.kivi and self.layout.head_dim <= R.QKV_KIVI_MAX_HEAD_DIM else None
+        if k.kivi or v.kivi:  # fwd_qkv's KIVI heads are KV heads: an arena of one sequence
+            return "kivi" if (k.kivi and v.kivi and self.layout.head_dim <= R.QKV_KIVI_MAX_HEAD_DIM
+                              and self.memory.seqs == 1) else None
         fmt = R.append_format(k)
         return fmt if fmt in ("f16", "words", "q8_0") and R.append_format(v) == fmt else None
 
@@ -324,7 +323,7 @@ class DecodeStep:
         """Count the token a replay appended to every sequence of every layer (a KIVI layer's
         host state: its window's rows are on the device)."""
         if self._kivi_layers:
-            self._writes.kivi_appended_on_device(self._kivi_layers)
+            self._writes.kivi_appended_on_device(self._kivi_layers, self.batch)
         self.memory.advance_each(self._layer_rows, self.batch)
 
     # --- a step -------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ SLICE = 2048  # tokens quantised per NumPy pass (the level packing's temporaries
 
 @dataclass(frozen=True)
 class LayerState:
-    """A KIVI layer's host state: the quantised end and the float32 rows of tokens
-    [q_end, n_tokens) — (K, V), each (n_kv, n_tokens − q_end, head_dim)."""
+    """A KIVI layer's host state for one sequence: the quantised end and the float32 rows of
+    tokens [q_end, n_tokens) — (K, V), each (n_kv, n_tokens − q_end, head_dim)."""
     q_end: int
     pending: tuple
 
@@ -42,23 +42,27 @@ class KiviStore:
     """The host side of a KvArena's KIVI layers (one per arena)."""
 
     def __init__(self, layout: L.ArenaLayout, read_window=None):
-        """``read_window(layer, t0, t1)``: the (K, V) window rows of tokens [t0, t1) from the
-        device, float32 (n_kv, t1 − t0, head_dim) each."""
+        """``read_window(layer, seq, t0, t1)``: the (K, V) window rows of tokens [t0, t1) of a
+        sequence from the device, float32 (n_kv, t1 − t0, head_dim) each."""
         self.layout, self.spec, self._read_window = layout, layout.kivi, read_window
         hd, n_kv = layout.head_dim, layout.n_kv_heads
         empty = np.zeros((n_kv, 0, hd), np.float32)
-        self._state = [LayerState(0, (empty, empty)) for _ in layout.layers]
-        self._on_device: set = set()  # layers a recorded step appended to since the host last did
+        seqs = layout.layers[0].k.kivi_seqs
+        self._state = {(ll.index, s): LayerState(0, (empty, empty)) for ll in layout.layers for s in range(seqs)}
+        self._on_device: set = set()  # (layer, sequence) a recorded step appended to since the host last did
 
-    def plan(self, layer: int, n_tokens: int, k_rows: np.ndarray, v_rows: np.ndarray) -> tuple[list, LayerState]:
-        """The writes of appending (K, V) rows (n_kv, T, head_dim) to ``layer`` holding
-        n_tokens, in their order, and the layer's state after them (commit it once written)."""
+    def plan(self, layer: int, seq: int, n_tokens: int, k_rows: np.ndarray,
+             v_rows: np.ndarray) -> tuple[list, LayerState]:
+        """The writes of appending (K, V) rows (n_kv, T, head_dim) to sequence ``seq`` of
+        ``layer`` holding n_tokens, in their order, and its state after them (commit it once
+        written)."""
         lay, spec = self.layout, self.spec
         ll = lay.layers[layer]
-        old = self._state[layer]
-        if layer in self._on_device:  # the device moved the quantised end; the window holds the rest
+        k_st, v_st = ll.streams
+        old = self._state[layer, seq]
+        if (layer, seq) in self._on_device:  # the device moved the quantised end; the window holds the rest
             q_end = K.quantised_end(n_tokens, spec.recent)
-            old = LayerState(q_end, self._read_window(layer, q_end, n_tokens))
+            old = LayerState(q_end, self._read_window(layer, seq, q_end, n_tokens))
         n_new = n_tokens + k_rows.shape[1]
         q_new = K.quantised_end(n_new, spec.recent)
         pending = [np.concatenate([p, r], axis=1) for p, r in zip(old.pending, (k_rows, v_rows))]
@@ -69,41 +73,43 @@ class KiviStore:
             keys = [K.quantise_keys(k_part[:, t:t + SLICE], spec.k_bits) for t in range(0, n_q, SLICE)]
             v_words = np.concatenate([K.quantise_values(v_part[:, t:t + SLICE], spec.v_bits)
                                       for t in range(0, n_q, SLICE)], axis=1)
-            k_st, v_st = ll.streams
-            writes.append(Write(k_st.stats_word + K.stats_words_per_head(old.q_end, lay.head_dim),
-                                np.concatenate([st for st, _ in keys], axis=1),
-                                K.stats_words_per_head(lay.n_ctx, lay.head_dim)))
-            writes.append(Write(k_st.region_word + old.q_end * k_st.row_words,
+            head_stats = K.stats_words_per_head(k_st.seq_ctx, lay.head_dim)  # a KIVI head's
+            writes.append(Write(k_st.stats_word + seq * head_stats + K.stats_words_per_head(old.q_end, lay.head_dim),
+                                np.concatenate([st for st, _ in keys], axis=1), k_st.kivi_seqs * head_stats))
+            row0 = seq * k_st.seq_ctx + old.q_end
+            writes.append(Write(k_st.region_word + row0 * k_st.row_words,
                                 np.concatenate([lv for _, lv in keys], axis=1), lay.n_ctx * k_st.row_words))
-            writes.append(Write(v_st.region_word + old.q_end * v_st.row_words, v_words, lay.n_ctx * v_st.row_words))
-            writes.append(Write(k_st.state_word, np.full((1, 1, 1), q_new, np.uint32), 1))
+            writes.append(Write(v_st.region_word + row0 * v_st.row_words, v_words, lay.n_ctx * v_st.row_words))
+            writes.append(Write(k_st.state_word + seq, np.full((1, 1, 1), q_new, np.uint32), 1))
             pending = [p[:, n_q:] for p in pending]
         # the new tokens still exact after this append, into the ring (at most two runs: it wraps)
         first = max(n_tokens, q_new)
         for st, rows in zip(ll.streams, (k_rows, v_rows)):
             # binary16 pairs, element 2k in the low half (the f16 cache's rows)
             half = np.ascontiguousarray(rows[:, first - n_tokens:], np.float32).astype(np.float16).view(np.uint32)
-            writes += _ring_writes(st, first, half)
+            writes += _ring_writes(st, seq, first, half)
         return writes, LayerState(q_new, tuple(pending))
 
-    def commit(self, layer: int, state: LayerState) -> None:
-        self._state[layer] = state
-        self._on_device.discard(layer)
+    def commit(self, layer: int, seq: int, state: LayerState) -> None:
+        self._state[layer, seq] = state
+        self._on_device.discard((layer, seq))
 
-    def appended_on_device(self, layers) -> None:
-        """A recorded step appended tokens to ``layers`` on the device: their quantised ends
-        moved as kivi.quantised_end says, their rows not yet quantised are the device
-        window's (the next host append reads them back)."""
-        self._on_device.update(layers)
+    def appended_on_device(self, layers, batch: int = 1) -> None:
+        """A recorded step appended tokens to sequences 0 .. batch − 1 of ``layers`` on the
+        device: their quantised ends moved as kivi.quantised_end says, their rows not yet
+        quantised are the device window's (the next host append reads them back)."""
+        self._on_device.update((layer, s) for layer in layers for s in range(batch))
 
 
-def _ring_writes(st: L.StreamLayout, t0: int, words: np.ndarray) -> list:
-    """Window rows of tokens t0.. (words (n_kv, T, head_dim / 2)) at their ring slots."""
+def _ring_writes(st: L.StreamLayout, seq: int, t0: int, words: np.ndarray) -> list:
+    """Window rows of tokens t0.. of sequence ``seq`` (words (n_kv, T, head_dim / 2)) at their
+    ring slots."""
     w, row = st.window_tokens, st.head_dim // 2
     out, done = [], 0
     while done < words.shape[1]:
         slot = (t0 + done) % w
         run = min(words.shape[1] - done, w - slot)
-        out.append(Write(st.window_word + slot * row, words[:, done:done + run], w * row))
+        out.append(Write(st.window_word + (st.kivi_head(0, seq) * w + slot) * row, words[:, done:done + run],
+                         st.kivi_seqs * w * row))
         done += run
     return out

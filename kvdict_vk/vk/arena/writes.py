@@ -53,12 +53,12 @@ class ArenaWrites:
             self._init_layer(ll, flat)
 
     def _init_layer(self, ll: L.LayerLayout, flat) -> None:
-        if ll.k.kivi:  # the quantised end starts at 0 (storage buffers start undefined)
+        if ll.k.kivi:  # every sequence's quantised end starts at 0 (storage buffers start undefined)
             image = np.full(ll.total_words, self.layout.guard_value, np.uint32) if ll.guard_spans else None
             if image is None:
-                self._write_words(ll.index, ll.k.state_word, np.zeros(1, np.uint32))
+                self._write_words(ll.index, ll.k.state_word, np.zeros(ll.k.kivi_seqs, np.uint32))
             else:
-                image[ll.k.state_word] = 0
+                image[ll.k.state_word:ll.k.state_word + ll.k.kivi_seqs] = 0
                 self._write_words(ll.index, 0, image)
             return
         if ll.tail_word is None and not ll.guard_spans:
@@ -172,7 +172,7 @@ class ArenaWrites:
         """Checked (K, V) float32 rows (new_rows) appended to sequence ``seq`` by the arena's
         path: KIVI, the GPU encoder, or encoded on the CPU and scattered."""
         if self._kivi is not None:
-            return self.append_kivi(layer, rows)
+            return self.append_kivi(layer, rows, seq)
         if self.gpu_encodes(layer, rows):
             return self.append_gpu(layer, rows, seq)
         return self.append_words(layer, *self.encode(layer, rows, self.memory.n_tokens(layer, seq)),
@@ -182,6 +182,10 @@ class ArenaWrites:
         """Checked rows [(K, V)] of sequences 0 .. B − 1, the same count each, appended."""
         if self.layout.layers[layer].windowed:  # one sequence (KvArena refuses more)
             self.append(layer, rows[0], 0)
+            return
+        if self._kivi is not None:  # each sequence's groups and rings planned on the host in turn
+            for b, r in enumerate(rows):
+                self.append_kivi(layer, r, b)
             return
         if self.gpu_encodes(layer, rows[0]):
             # a sequence at a time: the encoder stages its rows for one destination range
@@ -241,31 +245,32 @@ class ArenaWrites:
         the sequence's next tokens in the layer (write_blocks)."""
         self.write_blocks(layer, self._seq_writes(layer, parts, seq))
 
-    def append_kivi(self, layer: int, rows) -> int:
-        """A KIVI layer's append: its writes planned on the host (kivi_store: the groups that
-        leave the exact window quantised, the window's new rows), then written in an order
-        that keeps every visible token readable; the host state and the token count move
-        only once all is written."""
-        t0 = self.memory.n_tokens(layer)
-        writes, state = self._kivi.plan(layer, t0, *rows)
+    def append_kivi(self, layer: int, rows, seq: int = 0) -> int:
+        """A KIVI layer's append to a sequence: its writes planned on the host (kivi_store: the
+        groups that leave the exact window quantised, the window's new rows), then written in
+        an order that keeps every visible token readable; the host state and the token count
+        move only once all is written."""
+        t0 = self.memory.n_tokens(layer, seq)
+        writes, state = self._kivi.plan(layer, seq, t0, *rows)
         self.write_blocks(layer, writes)
-        self._kivi.commit(layer, state)
-        return self.memory.advance(layer, 0, rows[0].shape[1])
+        self._kivi.commit(layer, seq, state)
+        return self.memory.advance(layer, seq, rows[0].shape[1])
 
-    def kivi_appended_on_device(self, layers) -> None:
-        """A recorded step's appends to KIVI layers, made on the device (kivi_store)."""
-        self._kivi.appended_on_device(layers)
+    def kivi_appended_on_device(self, layers, batch: int = 1) -> None:
+        """A recorded step's appends to sequences 0 .. batch − 1 of KIVI layers, made on the
+        device (kivi_store)."""
+        self._kivi.appended_on_device(layers, batch)
 
-    def _read_kivi_window(self, layer: int, t0: int, t1: int) -> tuple:
-        """The KIVI layer's window rows of tokens [t0, t1), read back from the device (float32
-        of their binary16 values, (n_kv, t1 − t0, head_dim) each)."""
+    def _read_kivi_window(self, layer: int, seq: int, t0: int, t1: int) -> tuple:
+        """The KIVI layer's window rows of tokens [t0, t1) of a sequence, read back from the
+        device (float32 of their binary16 values, (n_kv, t1 − t0, head_dim) each)."""
         lay = self.layout
         hd, n_kv = lay.head_dim, lay.n_kv_heads
         out = []
         for st in lay.layers[layer].streams:  # the rings only, not the layer
-            ring = self.memory.layer_words(layer, st.window_word, st.window_words).reshape(n_kv, st.window_tokens,
-                                                                                            hd // 2)
-            rows = ring[:, np.arange(t0, t1) % st.window_tokens]
+            ring = self.memory.layer_words(layer, st.window_word, st.window_words).reshape(
+                n_kv, st.kivi_seqs, st.window_tokens, hd // 2)
+            rows = ring[:, seq, np.arange(t0, t1) % st.window_tokens]
             out.append(np.ascontiguousarray(rows).view(np.float16).astype(np.float32).reshape(n_kv, t1 - t0, hd))
         return tuple(out)
 

@@ -198,7 +198,7 @@ class FlashShapes:
 
     def mma_locals(self, layer: int) -> list[int]:
         """attend_mma's workgroup sizes over ``layer`` (MMA_LOCALS that fit; empty: it cannot):
-        f16, q8_0 or KIVI rows (KIVI levels of MMA_KIVI_BITS), head_dim a multiple of 32 up to
+        f16, q8_0 or KIVI rows (KIVI levels of MMA_KIVI_BITS, an arena of one sequence), head_dim a multiple of 32 up to
         MMA_MAX_HEAD_DIM, at most MMA_HEAD_COLUMNS query heads per KV head, a device with its
         features (abi.MMA_FEATURES), subgroups of MMA_SUBGROUP with its operations, and
         ``subgroups`` not False."""
@@ -209,7 +209,7 @@ class FlashShapes:
             dev, hd = self.device, self.layout.head_dim
             fits = (rows in ("f16", "q8_0", "kivi") and k.rows == v.rows and not (k.coded or v.coded)
                     and hd % 32 == 0 and hd <= MMA_MAX_HEAD_DIM and self.group <= MMA_HEAD_COLUMNS
-                    and (not k.kivi or {k.kivi_bits, v.kivi_bits} <= set(MMA_KIVI_BITS))
+                    and (not k.kivi or ({k.kivi_bits, v.kivi_bits} <= set(MMA_KIVI_BITS) and k.kivi_seqs == 1))
                     and set(decl.features) <= set(dev.features()) and dev.limit("subgroup_size") == MMA_SUBGROUP
                     and set(decl.subgroup_ops) <= set(dev.subgroup_operations()))
             limit = dev.limit("max_compute_shared_memory_size")

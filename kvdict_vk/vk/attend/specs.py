@@ -401,14 +401,17 @@ def _flash_dot_extents(p, s):
 
 
 def _flash_kivi_extents(p, s):
-    """attend_flash.comp's KIVI builds: of KV heads 0 .. n_kv-1, the K and V rows of tokens
-    [0, n_used) (whatever the state word says is quantised), the keys' group statistics of
-    those tokens' groups, both exact windows, the state word; the queries; records 0 .. n_splits.
-    A split starts on a key group (whole groups long, or the only split), the exact windows'
-    rows are binary16 (ROW_HALF 1)."""
+    """attend_flash.comp's KIVI builds: of KV heads 0 .. n_kv-1 and sequences 0 .. n_seqs-1,
+    the K and V rows of each sequence's first n_used tokens (whatever its state word says is
+    quantised), the keys' group statistics of those tokens' groups, both exact windows, the
+    sequences' state words; the queries; records 0 .. n_splits of each sequence. A split starts
+    on a key group (whole groups long, or the only split), the exact windows' rows are
+    binary16 (ROW_HALF 1); the arena holds n_ctx / seq_rows sequences (layout.StreamLayout's
+    KIVI heads)."""
     hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
     units = flash_units(hd)
-    _check(n_kv >= 1 and 1 <= used <= p["n_ctx"] and p["n_seqs"] == 1 and _splits_cover(p) and p["window"] >= 1
+    _check(n_kv >= 1 and 1 <= used and p["seq_rows"] >= 1 and p["n_ctx"] % p["seq_rows"] == 0
+           and _splits_cover(p) and p["window"] >= 1
            and ((p["split_len"] or p["split_round"]) % K.GROUP == 0 or p["n_splits"] == 1)
            and all(p[w] % 4 == 0 for w in ("stats_word", "k_window_word", "v_window_word")), "attend_flash_kivi", p)
     _check(g <= FLASH_MAX_GROUP and hd % K.GROUP == 0 and units <= local and local % units == 0
@@ -416,15 +419,17 @@ def _flash_kivi_extents(p, s):
            and K.GROUP % FLASH_KIVI_TOKENS_PER_LANE == 0
            and all(K.MIN_BITS <= s[b] <= K.MAX_BITS for b in ("K_BITS", "V_BITS")),
            "attend_flash_kivi (specialization)", dict(p, **s))
-    n_ctx, n_groups = p["n_ctx"], -(-p["n_ctx"] // K.GROUP)
+    last, n_seqs = _seq_rows(p, "attend_flash_kivi"), p["n_seqs"]
+    n_ctx, seqs = p["n_ctx"], p["n_ctx"] // p["seq_rows"]
     k_row, v_row = K.key_row_words(hd, s["K_BITS"]), K.value_row_words(hd, s["V_BITS"])
-    window = K.window_words_per_head(p["window"], hd)
-    stats = _span(p["stats_word"], ((n_kv - 1) * n_groups + -(-used // K.GROUP)) * hd)
-    windows = [_span(p["k_window_word"], n_kv * window), _span(p["v_window_word"], n_kv * window)]
-    words = [_span(p["k_word"], ((n_kv - 1) * n_ctx + used) * k_row),
-             _span(p["v_word"], ((n_kv - 1) * n_ctx + used) * v_row), _span(p["state_word"], 1)]
-    records = n_kv * p["n_splits"] * g
-    queries = _query_span(p, query_words(1, n_kv * g, hd), "attend_flash_kivi")
+    last_head = (n_kv - 1) * seqs + n_seqs - 1  # the last KIVI head read (layout.StreamLayout.kivi_head)
+    stats = _span(p["stats_word"], (last_head * -(-p["seq_rows"] // K.GROUP) + -(-used // K.GROUP)) * hd)
+    window = K.window_words(n_kv, seqs, p["window"], hd)
+    windows = [_span(p["k_window_word"], window), _span(p["v_window_word"], window)]
+    words = [_span(p["k_word"], ((n_kv - 1) * n_ctx + last) * k_row),
+             _span(p["v_word"], ((n_kv - 1) * n_ctx + last) * v_row), _span(p["state_word"], n_seqs)]
+    records = n_seqs * n_kv * p["n_splits"] * g
+    queries = _query_span(p, query_words(n_seqs, n_kv * g, hd), "attend_flash_kivi")
     return [words, [stats] + windows, [queries], [_span(0, records * hd)], [_span(0, 2 * records)]]
 
 
@@ -451,6 +456,7 @@ def _mma_kivi_extents(p, s):
     """attend_mma.comp's KIVI build: attend_flash_kivi's spans, the statistics and windows read
     as words (not quads)."""
     _mma_check(s, (s["K_BITS"], s["V_BITS"]))
+    _check(p["n_seqs"] == 1 and p["seq_rows"] == p["n_ctx"], "attend_mma_kivi (one sequence)", p)
     words, quads, *rest = _flash_kivi_extents(p, dict(s, END_ELEMS=1))
     return [words + quads, [], *rest]
 

@@ -92,7 +92,8 @@ class ReadPlan:
                 kern = self._kernel("read_rows_kivi", [layer_buf, out], BITS=st.kivi_bits,
                                     KEYS=int(st.stream == "k"), GROUP=K.GROUP)
                 self.ops.append(kern.op(stats_word=st.stats_word or 0, window_word=st.window_word,
-                                        window=st.window_tokens, state_word=st.state_word, **common))
+                                        window=st.window_tokens, state_word=st.state_word, seq_ctx=st.seq_ctx,
+                                        **common))
             elif st.half or st.q8:
                 shader = "read_rows_f16" if st.half else "read_rows_q8"
                 kern = self._kernel(shader, [layer_buf, out])
