@@ -168,6 +168,22 @@ def _case(dev, rng, hd, n_atoms, ks, vs, per_head, n_ctx, gqa) -> list[dict]:
             ref = attention_ref.attend(q, kc, vc, n_ctx)
             rows.append(_row("attend kivi", shape, ref, out, NMSE_ATTEND, None, kv_arena))
             rows += _fast_rows(kv_arena, q, ref, n_ctx, shape, "kivi")
+        # a batch of two sequences (each its own statistics, rings, state), 8 recent tokens: groups quantised
+        spec, cut = K.KiviSpec(4, 4, 8), n_ctx // 2
+        with KvArena(1, n_kv, hd, n_ctx, device=dev, guard_words=8, cache="kivi", kivi=spec, seqs=2) as kv_batch:
+            parts = ((k[:, :cut], v[:, :cut]), (k[:, cut:], v[:, cut:]))
+            held = [K.cache_rows(pk, pv, pk.shape[1], spec) for pk, pv in parts]
+            for b, (pk, pv) in enumerate(parts):
+                kv_batch.append(0, pk, pv, seq=b)
+            got = [kv_batch.read(0, seq=b) for b in range(2)]
+            for j, name in enumerate("KV"):
+                rows.append(_row(f"append+read kivi {name}, 2 sequences", shape,
+                                 np.concatenate([h[j] for h in held], 1), np.concatenate([g[j] for g in got], 1),
+                                 NMSE_READ, None, kv_batch))
+            used = [pk.shape[1] for pk, _ in parts]
+            out = kv_batch.attend_batch(0, np.stack([q, q]), used)
+            ref = np.stack([attention_ref.attend(q, *h, n) for h, n in zip(held, used)])
+            rows.append(_row("attend kivi, 2 sequences", shape, ref, out, NMSE_ATTEND, None, kv_batch))
     for d, name in ((art.layers[0][0], "K"), (art.layers[0][1], "V")):
         if d is not None:
             rows.append(_encoder_row(dev, d, k[:, :64], f"{shape} stream={name}"))
