@@ -10,10 +10,10 @@
 // (coherent: the group is read back from the rings just written) and
 // float kivi_source(bool key, uint h, uint e) — element e of the token's K or V float row of
 // KIVI head h — and includes rows_encode.glsl and kivi.glsl first. A group's rows are staged in
-// shared memory, one stream at a time, by loads issued together (read from the rings element
-// by element, each quantisation waited on its loads in turn): the includer may name the stage —
-// KIVI_STAGE_GET(i) and KIVI_STAGE_SET(i, w), word i < KIVI_GROUP · HEAD_DIM / 2 — or get one
-// of its own.
+// shared memory, one stream at a time, by loads issued together (read element by element from
+// the rings, a quantisation waited on ~130 loads in turn: lab/NOTEBOOK.md, "Stop 71"); the
+// includer may name the stage — KIVI_STAGE_GET(i) and KIVI_STAGE_SET(i, w), word
+// i < KIVI_GROUP · HEAD_DIM / 2 — or get one of its own.
 
 const uint K_ROW = SLOT_LEVEL_WORDS_OF(HEAD_DIM, K_BITS);         // a key: its levels
 const uint V_STATS = HEAD_DIM / KIVI_GROUP;                      // a value: its dim groups'
@@ -53,7 +53,7 @@ const float TIE_MARGIN = 1.0 / 1024.0;
 // kivi.quantised_end
 uint quantised_end(uint n, uint recent) { return (n > recent ? n - recent : 0u) / KIVI_GROUP * KIVI_GROUP; }
 
-// The group of rows of KV head h from token g0 in the ring from `base` (rings of `rows` rows:
+// The group of rows from token g0 of KIVI head h's ring from `base` (rings of `rows` rows:
 // kivi.KiviSpec.window) into the stage (the whole workgroup: ends with a barrier).
 void stage_group(uint base, uint h, uint g0, uint rows) {
     uint tid = gl_LocalInvocationID.x;
@@ -104,7 +104,7 @@ uint level_of(float x, float lo, float divisor, uint bits) {
     }
 
 
-// Token n_used − 1 of KV head h into layer `a` (the whole workgroup: barriers; `h` the same in
+// Token n_used − 1 of KIVI head h into layer `a` (the whole workgroup: barriers; `h` the same in
 // every invocation); the new row is in its ring (and visible to the workgroup) before the group
 // is read. Returns whether a group was quantised (the stage overwritten; the same in every
 // invocation).

@@ -59,7 +59,7 @@ class KvArena:
         slice holds sequence s at rows s·n_ctx .. (s+1)·n_ctx − 1, docs/ARENA.md).
         ``dictionary_part``: a dict cache's part of the installed artifact this arena holds in
         its place (kvdict_vk.vk.split: a device's layers or KV heads of it; split.artifact_part)."""
-        C.check_seqs(seqs, n_ctx, cache)
+        C.check_seqs(seqs, n_ctx)
         self.encoder = C.resolve_encoder(encoder)
         snap = runtime.snapshot()  # once: the layout never changes under a live arena
         cache = C.resolve_cache(cache, snap.active)

@@ -50,8 +50,8 @@ def resolve_encoder(encoder: str | None) -> str:
     return encoder
 
 
-def check_seqs(seqs: int, n_ctx: int, cache: str | None) -> None:
-    """KvArena's ``seqs`` (with the ``cache`` asked for): positive, at most MAX_SEQS."""
+def check_seqs(seqs: int, n_ctx: int) -> None:
+    """KvArena's ``seqs``: positive, at most MAX_SEQS."""
     L.check_positive(seqs=seqs, n_ctx=n_ctx)  # before n_ctx · seqs rows per head are laid out
     if seqs > MAX_SEQS:
         raise E.ArenaError(f"seqs must be at most {MAX_SEQS}, got {seqs}")

@@ -364,7 +364,7 @@ class Attention:
         """Batched decode attention (KvArena.attend_batch: arguments checked there): sequence
         b's query heads q[b] over its first n_used[b] tokens, every sequence in the same
         flash dispatches. Returns (seqs, n_heads, head_dim) float32."""
-        if self.layout.layers[layer].windowed:  # an arena of one sequence (config.check_seqs)
+        if self.layout.layers[layer].windowed:  # an arena of one sequence (KvArena refuses more)
             return self.attend(layer, q[0], n_used[0], scale)[None]
         ops = self._batch_ops(layer, len(n_used), max(n_used), scale)
         self.buffers.upload_query(q, n_used)
