@@ -9,7 +9,7 @@ DeviceForward.op_labels (embedding, qkv, rope, append + attention, o, mlp, norms
 With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the same for that build.
 
     [PROBE_WARM_TOKENS=N] [PROBE_QKV_APPENDS=0] python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
-        [--subgroups 1,0] [--tokens 10] [--label NAME] [--out lab/results/<device>/forward_profile.json]
+        [--subgroups 1,0] [--tokens 10] [--label NAME] [--flash-workgroups N] [--out lab/results/<device>/forward_profile.json]
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ def main(argv=None) -> None:
     ap.add_argument("--subgroups", default="1,0")
     ap.add_argument("--tokens", type=int, default=10)
     ap.add_argument("--label", default="")
+    ap.add_argument("--flash-workgroups", type=int, default=None,
+                    help="the attention's workgroups (Attention.flash_workgroups; default: tuned)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     names = _name_ops()
@@ -54,7 +56,10 @@ def main(argv=None) -> None:
     else:
         arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=a.cache)
     fill_random(arena, np.random.default_rng(1), a.depth)
-    out = {"device": dev.name, "label": a.label, "qkv_appends": QKV_APPENDS, "depth": a.depth, "cache": a.cache, "row_threads_gpu_us": {},
+    if a.flash_workgroups is not None:  # fixed, not tuned: the launch shape's workgroup count
+        arena.attention(cfg.n_heads).flash_workgroups = a.flash_workgroups
+    out = {"device": dev.name, "label": a.label, "qkv_appends": QKV_APPENDS, "depth": a.depth, "cache": a.cache,
+           "flash_workgroups": a.flash_workgroups, "row_threads_gpu_us": {},
            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python lab/probes/forward_profile.py " + " ".join(argv or [])}
     best = None
