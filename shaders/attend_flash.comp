@@ -670,6 +670,20 @@ void main() {
         const uint q_end = cache_words[pc.state_word + seq];
         const uint n_groups = (pc.seq_rows + KIVI_GROUP - 1u) / KIVI_GROUP;
         const uint kh = g * (pc.n_ctx / pc.seq_rows) + seq, row0 = g * pc.n_ctx + seq * pc.seq_rows;
+        // More than one split, and the quantised tokens [0, q_end) fit the others in runs no
+        // longer than split_len: the last split takes the exact tokens [q_end, n_used) — a
+        // window at most — and the others the quantised ones in equal runs of whole rounds
+        // (split_round: whole key groups). A split that held the window beside quantised tokens
+        // ran both loops, a round of them twice (lab/NOTEBOOK.md, "Stop 71").
+        if (pc.n_splits > 1u) {
+            uint n_q = min(q_end, n_used), q_splits = pc.n_splits - 1u;
+            uint q_len = ((n_q + q_splits - 1u) / q_splits + pc.split_round - 1u) / pc.split_round * pc.split_round;
+            if (q_len <= split_len) {  // the same in every workgroup of the sequence
+                bool window = i == q_splits;
+                t0 = window ? n_q : i * q_len;
+                n_tok = window ? n_used - n_q : (t0 < n_q ? min(t0 + q_len, n_q) - t0 : 0u);
+            }
+        }
         const uint q_rel = q_end > t0 ? min(q_end - t0, n_tok) : 0u;
         // TB tokens' level words (K: kivi_unit_words(K_BITS); V: its dim group's stats word, then
         // its level words) and their key group's stats for the unit's 8 channels (sa, sb), loaded

@@ -392,9 +392,9 @@ def _rope_push(st) -> dict:
 
 
 def _split_push(plan, at: Placement) -> dict:
-    """A flash dispatch's split length: the plan's, or (``at.dynamic``) 0 with the plan's
-    rounding (SPLIT_LEN)."""
-    return dict(split_len=0, split_round=plan.split_round) if at.dynamic else dict(split_len=plan.split_len)
+    """A flash dispatch's split length — the plan's, or (``at.dynamic``) 0: SPLIT_LEN — and
+    the plan's rounding (the KIVI builds' quantised splits are whole rounds of it)."""
+    return dict(split_len=0 if at.dynamic else plan.split_len, split_round=plan.split_round)
 
 
 def flash_shader(kivi: bool, kernel: str) -> str:

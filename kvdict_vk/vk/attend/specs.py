@@ -404,15 +404,15 @@ def _flash_kivi_extents(p, s):
     """attend_flash.comp's KIVI builds: of KV heads 0 .. n_kv-1 and sequences 0 .. n_seqs-1,
     the K and V rows of each sequence's first n_used tokens (whatever its state word says is
     quantised), the keys' group statistics of those tokens' groups, both exact windows, the
-    sequences' state words; the queries; records 0 .. n_splits of each sequence. A split starts
-    on a key group (whole groups long, or the only split), the exact windows' rows are
-    binary16 (ROW_HALF 1); the arena holds n_ctx / seq_rows sequences (layout.StreamLayout's
-    KIVI heads)."""
+    sequences' state words; the queries; records 0 .. n_splits of each sequence. More than one
+    split: the last takes the exact tokens, the others the quantised ones in whole rounds of
+    split_round (whole key groups); the exact windows' rows are binary16 (ROW_HALF 1); the arena
+    holds n_ctx / seq_rows sequences (layout.StreamLayout's KIVI heads)."""
     hd, g, n_kv, used, local = s["HEAD_DIM"], s["GROUP"], p["n_kv"], p["n_used"], s["LOCAL"]
     units = flash_units(hd)
     _check(n_kv >= 1 and 1 <= used and p["seq_rows"] >= 1 and p["n_ctx"] % p["seq_rows"] == 0
            and _splits_cover(p) and p["window"] >= 1
-           and ((p["split_len"] or p["split_round"]) % K.GROUP == 0 or p["n_splits"] == 1)
+           and (p["n_splits"] == 1 or (p["split_round"] >= 1 and p["split_round"] % K.GROUP == 0))
            and all(p[w] % 4 == 0 for w in ("stats_word", "k_window_word", "v_window_word")), "attend_flash_kivi", p)
     _check(g <= FLASH_MAX_GROUP and hd % K.GROUP == 0 and units <= local and local % units == 0
            and s["ROW_HALF"] == 1 and s["ROW_Q8"] == 0 and 0 < s["END_ELEMS"] and FLASH_UNIT_DIMS % s["END_ELEMS"] == 0
