@@ -74,7 +74,8 @@ class KiviStore:
             v_words = np.concatenate([K.quantise_values(v_part[:, t:t + SLICE], spec.v_bits)
                                       for t in range(0, n_q, SLICE)], axis=1)
             head_stats = K.stats_words_per_head(k_st.seq_ctx, lay.head_dim)  # a KIVI head's
-            writes.append(Write(k_st.stats_word + seq * head_stats + K.stats_words_per_head(old.q_end, lay.head_dim),
+            writes.append(Write(k_st.stats_word + k_st.kivi_head(0, seq) * head_stats
+                                + K.stats_words_per_head(old.q_end, lay.head_dim),
                                 np.concatenate([st for st, _ in keys], axis=1), k_st.kivi_seqs * head_stats))
             row0 = seq * k_st.seq_ctx + old.q_end
             writes.append(Write(k_st.region_word + row0 * k_st.row_words,

@@ -198,10 +198,10 @@ class FlashShapes:
 
     def mma_locals(self, layer: int) -> list[int]:
         """attend_mma's workgroup sizes over ``layer`` (MMA_LOCALS that fit; empty: it cannot):
-        f16, q8_0 or KIVI rows (KIVI levels of MMA_KIVI_BITS, an arena of one sequence), head_dim a multiple of 32 up to
-        MMA_MAX_HEAD_DIM, at most MMA_HEAD_COLUMNS query heads per KV head, a device with its
-        features (abi.MMA_FEATURES), subgroups of MMA_SUBGROUP with its operations, and
-        ``subgroups`` not False."""
+        f16, q8_0 or KIVI rows (KIVI levels of MMA_KIVI_BITS, an arena of one sequence),
+        head_dim a multiple of 32 up to MMA_MAX_HEAD_DIM, at most MMA_HEAD_COLUMNS query heads
+        per KV head, a device with its features (abi.MMA_FEATURES), subgroups of MMA_SUBGROUP
+        with its operations, and ``subgroups`` not False."""
         def derive() -> tuple[int, ...]:
             k, v = self.layout.layers[layer].streams
             rows = "kivi" if k.kivi else k.rows
