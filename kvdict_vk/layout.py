@@ -215,8 +215,21 @@ class StreamLayout:
 
     def kivi_head(self, head: int, seq: int = 0) -> int:
         """The KIVI head of (KV head, sequence): its key statistics (⌈seq_ctx / GROUP⌉ groups
-        of head_dim words) and its ring (window_tokens rows) are the kivi_head-th."""
+        of head_dim words) and its ring (window_tokens rows) are the kivi_head-th (kivi.glsl's
+        kivi_head)."""
         return head * self.kivi_seqs + seq
+
+    def kivi_stats_word(self, head: int, seq: int, t: int) -> int:
+        """The first of the head_dim stats words of token t's key group in (KV head, sequence)
+        (kivi.glsl's kivi_stats_row)."""
+        groups = -(-self.seq_ctx // K.GROUP)  # a KIVI head's
+        return self.stats_word + (self.kivi_head(head, seq) * groups + t // K.GROUP) * self.head_dim
+
+    def kivi_ring_word(self, head: int, seq: int, t: int) -> int:
+        """The first word of token t's binary16 row in (KV head, sequence)'s ring (kivi.glsl's
+        kivi_window_row)."""
+        return self.window_word + (self.kivi_head(head, seq) * self.window_tokens + t % self.window_tokens) * (
+            self.head_dim // 2)
 
     @property
     def half(self) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 from . import errors as E
 from . import rope
 from .dictionary import is_f16_exact
+from .kivi import GROUP as KIVI_GROUP
 from .layout import ATOMS_F16_ELEMS, CACHES, Q8_BLOCK, ArenaLayout, StreamLayout, q8_scale_words
 
 
@@ -24,9 +25,11 @@ QKV_FORMATS = {**APPEND_FORMATS, "kivi": 3}
 # those whose unit (a q8_0 pair of blocks, a KIVI head) several workgroups make: appended through
 # the step's source rows and arrival words, the workgroup completing a unit encoding it
 QKV_THROUGH_ROWS = ("q8_0", "kivi")
-# the widest KIVI head fwd_qkv appends: a group's rows of one stream staged in its matvec stage of
-# 2 048 words (matvec.glsl's X_SHARED; kivi_append.glsl); wider heads keep the step's append_kivi
-QKV_KIVI_MAX_HEAD_DIM = 2 * 2048 // 32
+# the widest KIVI head fwd_qkv appends: a group's rows of one stream (GROUP binary16 rows) staged
+# in its matvec stage of MATVEC_STAGE_WORDS (matvec.glsl's X_SHARED; kivi_append.glsl); wider heads
+# keep the step's append_kivi
+MATVEC_STAGE_WORDS = 2048
+QKV_KIVI_MAX_HEAD_DIM = 2 * MATVEC_STAGE_WORDS // KIVI_GROUP
 
 
 def qkv_arrival_words(n_kv: int, head_dim: int) -> int:

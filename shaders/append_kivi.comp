@@ -53,6 +53,6 @@ void main() {
         uint n_used = clamp(query_words[pc.lengths_word + seq], 1u, pc.seq_rows);  // as SEQ_USED clamps it
         KiviLayer a = KiviLayer(pc.k_word, pc.v_word, pc.stats_word, pc.k_window_word, pc.v_window_word, pc.recent,
                                 pc.state_word + seq, pc.seq_rows);
-        kivi_append_head(a, g * seqs + seq, n_used);
+        kivi_append_head(a, kivi_head(g, seq, seqs), n_used);
     }
 }

@@ -63,8 +63,9 @@ uint grid_size() { return gl_NumWorkGroups.x * gl_WorkGroupSize.x; }
 // whose token counts change between replays — n_used over the splits, rounded up to a whole
 // number of split_round tokens (the kernel's rounds; kvdict_vk.vk.attend.specs.dynamic_split_len
 // is its twin).
-#define SPLIT_LEN(n_used) (pc.split_len != 0u ? pc.split_len \
-    : (((n_used) + pc.n_splits - 1u) / pc.n_splits + pc.split_round - 1u) / pc.split_round * pc.split_round)
+#define SPLIT_LEN(n_used) (pc.split_len != 0u ? pc.split_len : ROUNDED_SPLIT(n_used, pc.n_splits))
+// n tokens over `splits` splits, a split a whole number of split_round tokens
+#define ROUNDED_SPLIT(n, splits) ((((n) + (splits) - 1u) / (splits) + pc.split_round - 1u) / pc.split_round * pc.split_round)
 
 // The first record of split i of KV head g (add hj for query head hj of the group).
 uint record(uint i, uint g, uint n_kv) { return (i * n_kv + g) * GROUP; }

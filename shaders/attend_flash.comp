@@ -304,7 +304,7 @@ void kivi_load(uint row, uint unit, out uvec3 kq, out uvec4 vq) {
 // unit's 8 channels (sa, sb).
 #define LOAD_QUANT_ROUND(first) { \
         uint tq = t0 + min(TOKEN_OF(first, 0u), q_rel - 1u); \
-        uint sq = (pc.stats_word + (kh * n_groups + tq / KIVI_GROUP) * HEAD_DIM) / 4u + 2u * unit; \
+        uint sq = kivi_stats_row(pc.stats_word, kh, tq, pc.seq_rows, HEAD_DIM) / 4u + 2u * unit; \
         sa = cache_quads[sq]; \
         sb = cache_quads[sq + 1u]; \
         [[unroll]] for (uint b = 0u; b < TB; ++b) \
@@ -668,8 +668,7 @@ void main() {
         // only its few level words a token (the exact one, short, loads binary16 units). The
         // sequence's statistics and rings are its KIVI head's (kh: layout.StreamLayout.kivi_head).
         const uint q_end = cache_words[pc.state_word + seq];
-        const uint n_groups = (pc.seq_rows + KIVI_GROUP - 1u) / KIVI_GROUP;
-        const uint kh = g * (pc.n_ctx / pc.seq_rows) + seq, row0 = g * pc.n_ctx + seq * pc.seq_rows;
+        const uint kh = kivi_head(g, seq, pc.n_ctx / pc.seq_rows), row0 = g * pc.n_ctx + seq * pc.seq_rows;
         // More than one split, and the quantised tokens [0, q_end) fit the others in runs no
         // longer than split_len: the last split takes the exact tokens [q_end, n_used) — a
         // window at most — and the others the quantised ones in equal runs of whole rounds
@@ -677,7 +676,7 @@ void main() {
         // ran both loops, a round of them twice (lab/NOTEBOOK.md, "Stop 71").
         if (pc.n_splits > 1u) {
             uint n_q = min(q_end, n_used), q_splits = pc.n_splits - 1u;
-            uint q_len = ((n_q + q_splits - 1u) / q_splits + pc.split_round - 1u) / pc.split_round * pc.split_round;
+            uint q_len = ROUNDED_SPLIT(n_q, q_splits);
             if (q_len <= split_len) {  // the same in every workgroup of the sequence
                 bool window = i == q_splits;
                 t0 = window ? n_q : i * q_len;

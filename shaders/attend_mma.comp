@@ -252,7 +252,7 @@ void stage(bool keys, bool exact, uint ts, uint te) {
 // LOAD_KEY_STATS: their key group's stats words for the tile at split token ts0.
 const uint KQ_WORDS = MAX_D16 * HN / 2u * 16u / SG;
 #define LOAD_KEY_STATS(dst, ts0) { \
-        uint sw_ = pc.stats_word + (g * ((pc.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP) + (t0 + (ts0)) / KIVI_GROUP) * HEAD_DIM; \
+        uint sw_ = kivi_stats_row(pc.stats_word, g, t0 + (ts0), pc.n_ctx, HEAD_DIM); \
         [[unroll]] for (uint j_ = 0u; j_ < KQ_WORDS; ++j_) \
             dst[j_] = j_ * SG + lane < QW ? cache_words[sw_ + (j_ * SG + lane) / (HN / 2u)] : 0u; \
     }

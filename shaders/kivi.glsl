@@ -6,17 +6,29 @@
 // levels' bitstream is the slot's residual's).
 //   stats word   binary16 scale in the low half, binary16 minimum in the high half
 //   level        element e of a row at bit e*b of its level words (possibly straddling two)
-//   window       a ring of `window` binary16 rows per KV head: token t at slot t mod window
+//   window       a ring of `window` binary16 rows per KIVI head: token t at slot t mod window
+//   statistics   per KIVI head and 32-token group, a stats word per channel
+// A KIVI head is a KV head's sequence (layout.StreamLayout.kivi_head; the KV head in an arena of
+// one sequence).
 const uint KIVI_GROUP = 32u;  // kvdict_vk.kivi.GROUP: tokens of a key group, dims of a value group
 const uint KIVI_UNIT = 8u;    // elements a unit decodes at once (attend_flash's row unit)
 
 // (scale, min) of a stats word
 vec2 kivi_scale_min(uint stats) { return unpackHalf2x16(stats); }
 
-// The first word of KV head h's window row of token t: a ring of `window` rows of
+// The KIVI head of KV head g's sequence s in an arena of `seqs` sequences.
+uint kivi_head(uint g, uint s, uint seqs) { return g * seqs + s; }
+
+// The first word of KIVI head h's window row of token t: a ring of `window` rows of
 // head_dim / 2 words each, from word `base`.
 uint kivi_window_row(uint base, uint h, uint t, uint window, uint head_dim) {
     return base + (h * window + t % window) * (head_dim / 2u);
+}
+
+// The first of the head_dim stats words of token t's key group in KIVI head h (each head
+// `rows` tokens: ⌈rows / 32⌉ groups), from word `base`.
+uint kivi_stats_row(uint base, uint h, uint t, uint rows, uint head_dim) {
+    return base + (h * ((rows + KIVI_GROUP - 1u) / KIVI_GROUP) + t / KIVI_GROUP) * head_dim;
 }
 
 // --- units: KIVI_UNIT levels decoded together, without an int→float conversion -------------

@@ -111,7 +111,6 @@ uint level_of(float x, float lo, float divisor, uint bits) {
 bool kivi_append_head(KiviLayer a, uint h, uint n_used) {
     uint tid = gl_LocalInvocationID.x, t = n_used - 1u, rows = a.recent + KIVI_GROUP;
     uint q_old = quantised_end(n_used - 1u, a.recent), q_new = quantised_end(n_used, a.recent);
-    uint n_groups = (a.n_ctx + KIVI_GROUP - 1u) / KIVI_GROUP;
     // the new token's rows into the rings (binary16 pairs, element 2k in the low half)
     for (uint x = tid; x < 2u * HALF_ROW; x += WG_SIZE) {
         bool key = x < HALF_ROW;
@@ -137,7 +136,7 @@ bool kivi_append_head(KiviLayer a, uint h, uint n_used) {
         [[unroll]] for (uint j = 0u; j < 2u; ++j) {
             float scale, divisor;
             uint c = 2u * p + j;
-            layer_words[a.stats_word + (h * n_groups + g0 / KIVI_GROUP) * HEAD_DIM + c] =
+            layer_words[kivi_stats_row(a.stats_word, h, g0, a.n_ctx, HEAD_DIM) + c] =
                 stats_bits(lo[j], hi[j], K_BITS, scale, divisor);
             ch_scale[c] = divisor;
             ch_lo[c] = lo[j];

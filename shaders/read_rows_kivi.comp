@@ -52,13 +52,13 @@ float dequantised(uint level, uint stats) {
 
 void main() {
     uint n = pc.n_rows * QUADS;
-    uint seqs = pc.n_ctx / pc.seq_ctx, n_groups = (pc.seq_ctx + GROUP - 1u) / GROUP;
+    uint seqs = pc.n_ctx / pc.seq_ctx;
     for (uint i = gl_GlobalInvocationID.x; i < n; i += grid_stride()) {
         uint row = i / QUADS;
         uint c = i - row * QUADS;  // elements 4c .. 4c+3
         uint head = row / pc.n_tok;
         uint token = pc.t0 + (row - head * pc.n_tok);  // the row in the head's region
-        uint seq = token / pc.seq_ctx, t = token - seq * pc.seq_ctx, kh = head * seqs + seq;
+        uint seq = token / pc.seq_ctx, t = token - seq * pc.seq_ctx, kh = kivi_head(head, seq, seqs);
         vec4 x;
         if (t >= layer_words[pc.state_word + seq]) {
             uint w = kivi_window_row(pc.window_word, kh, t, pc.window, HEAD_DIM) + 2u * c;
@@ -71,7 +71,7 @@ void main() {
                 uint bit = e * BITS;
                 uint level = residual_level(layer_words[lw + (bit >> 5u)],
                                             layer_words[lw + min((bit >> 5u) + 1u, LEVEL_WORDS - 1u)], bit & 31u, BITS);
-                uint stats = KEYS > 0u ? layer_words[pc.stats_word + (kh * n_groups + t / GROUP) * HEAD_DIM + e]
+                uint stats = KEYS > 0u ? layer_words[kivi_stats_row(pc.stats_word, kh, t, pc.seq_ctx, HEAD_DIM) + e]
                                        : layer_words[base + e / GROUP];
                 x[k] = dequantised(level, stats);
             }

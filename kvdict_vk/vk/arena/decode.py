@@ -85,7 +85,7 @@ class DecodeStep:
         self.plans = tuple(plans)  # each layer's flash launch shape (profiles print them)
         self._writes = writes
         self._streams = [lay.layers[i].streams for i in self.layers]
-        self._kivi_layers = [i for i in self.layers if lay.layers[i].k.kivi]
+        self._kivi_layers = np.array([i for i in self.layers if lay.layers[i].k.kivi], np.intp)
         # a device forward's rows are made on the device: its coded streams are coded there too
         self._device_coded = not record and any(k.coded or v.coded for k, v in self._streams)
         if self._device_coded and self.batch != 1:
@@ -215,7 +215,7 @@ class DecodeStep:
             return None
         if k.kivi or v.kivi:  # fwd_qkv's KIVI heads are KV heads: an arena of one sequence
             return "kivi" if (k.kivi and v.kivi and self.layout.head_dim <= R.QKV_KIVI_MAX_HEAD_DIM
-                              and self.memory.seqs == 1) else None
+                              and k.kivi_seqs == 1) else None
         fmt = R.append_format(k)
         return fmt if fmt in ("f16", "words", "q8_0") and R.append_format(v) == fmt else None
 
@@ -322,7 +322,7 @@ class DecodeStep:
     def advance(self) -> None:
         """Count the token a replay appended to every sequence of every layer (a KIVI layer's
         host state: its window's rows are on the device)."""
-        if self._kivi_layers:
+        if self._kivi_layers.size:
             self._writes.kivi_appended_on_device(self._kivi_layers, self.batch)
         self.memory.advance_each(self._layer_rows, self.batch)
 

@@ -49,7 +49,8 @@ class KiviStore:
         empty = np.zeros((n_kv, 0, hd), np.float32)
         seqs = layout.layers[0].k.kivi_seqs
         self._state = {(ll.index, s): LayerState(0, (empty, empty)) for ll in layout.layers for s in range(seqs)}
-        self._on_device: set = set()  # (layer, sequence) a recorded step appended to since the host last did
+        # [layer, sequence]: a recorded step appended to it since the host last did
+        self._on_device = np.zeros((len(layout.layers), seqs), bool)
 
     def plan(self, layer: int, seq: int, n_tokens: int, k_rows: np.ndarray,
              v_rows: np.ndarray) -> tuple[list, LayerState]:
@@ -60,7 +61,7 @@ class KiviStore:
         ll = lay.layers[layer]
         k_st, v_st = ll.streams
         old = self._state[layer, seq]
-        if (layer, seq) in self._on_device:  # the device moved the quantised end; the window holds the rest
+        if self._on_device[layer, seq]:  # the device moved the quantised end; the window holds the rest
             q_end = K.quantised_end(n_tokens, spec.recent)
             old = LayerState(q_end, self._read_window(layer, seq, q_end, n_tokens))
         n_new = n_tokens + k_rows.shape[1]
@@ -73,10 +74,9 @@ class KiviStore:
             keys = [K.quantise_keys(k_part[:, t:t + SLICE], spec.k_bits) for t in range(0, n_q, SLICE)]
             v_words = np.concatenate([K.quantise_values(v_part[:, t:t + SLICE], spec.v_bits)
                                       for t in range(0, n_q, SLICE)], axis=1)
-            head_stats = K.stats_words_per_head(k_st.seq_ctx, lay.head_dim)  # a KIVI head's
-            writes.append(Write(k_st.stats_word + k_st.kivi_head(0, seq) * head_stats
-                                + K.stats_words_per_head(old.q_end, lay.head_dim),
-                                np.concatenate([st for st, _ in keys], axis=1), k_st.kivi_seqs * head_stats))
+            at = k_st.kivi_stats_word  # the groups from q_end on, a KV head after another
+            writes.append(Write(at(0, seq, old.q_end), np.concatenate([st for st, _ in keys], axis=1),
+                                at(1, seq, old.q_end) - at(0, seq, old.q_end)))
             row0 = seq * k_st.seq_ctx + old.q_end
             writes.append(Write(k_st.region_word + row0 * k_st.row_words,
                                 np.concatenate([lv for _, lv in keys], axis=1), lay.n_ctx * k_st.row_words))
@@ -93,24 +93,23 @@ class KiviStore:
 
     def commit(self, layer: int, seq: int, state: LayerState) -> None:
         self._state[layer, seq] = state
-        self._on_device.discard((layer, seq))
+        self._on_device[layer, seq] = False
 
     def appended_on_device(self, layers, batch: int = 1) -> None:
         """A recorded step appended tokens to sequences 0 .. batch − 1 of ``layers`` on the
         device: their quantised ends moved as kivi.quantised_end says, their rows not yet
         quantised are the device window's (the next host append reads them back)."""
-        self._on_device.update((layer, s) for layer in layers for s in range(batch))
+        self._on_device[layers, :batch] = True  # a replay's: no loop over layers and sequences
 
 
 def _ring_writes(st: L.StreamLayout, seq: int, t0: int, words: np.ndarray) -> list:
     """Window rows of tokens t0.. of sequence ``seq`` (words (n_kv, T, head_dim / 2)) at their
     ring slots."""
-    w, row = st.window_tokens, st.head_dim // 2
+    w, at = st.window_tokens, st.kivi_ring_word
     out, done = [], 0
     while done < words.shape[1]:
-        slot = (t0 + done) % w
-        run = min(words.shape[1] - done, w - slot)
-        out.append(Write(st.window_word + (st.kivi_head(0, seq) * w + slot) * row, words[:, done:done + run],
-                         st.kivi_seqs * w * row))
+        t = t0 + done
+        run = min(words.shape[1] - done, w - t % w)
+        out.append(Write(at(0, seq, t), words[:, done:done + run], at(1, seq, t) - at(0, seq, t)))
         done += run
     return out

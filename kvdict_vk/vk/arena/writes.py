@@ -183,9 +183,8 @@ class ArenaWrites:
         if self.layout.layers[layer].windowed:  # one sequence (KvArena refuses more)
             self.append(layer, rows[0], 0)
             return
-        if self._kivi is not None:  # each sequence's groups and rings planned on the host in turn
-            for b, r in enumerate(rows):
-                self.append_kivi(layer, r, b)
+        if self._kivi is not None:  # every sequence's groups and rings planned on the host, one upload
+            self._append_kivi(layer, list(enumerate(rows)))
             return
         if self.gpu_encodes(layer, rows[0]):
             # a sequence at a time: the encoder stages its rows for one destination range
@@ -250,11 +249,18 @@ class ArenaWrites:
         groups that leave the exact window quantised, the window's new rows), then written in
         an order that keeps every visible token readable; the host state and the token count
         move only once all is written."""
-        t0 = self.memory.n_tokens(layer, seq)
-        writes, state = self._kivi.plan(layer, seq, t0, *rows)
-        self.write_blocks(layer, writes)
-        self._kivi.commit(layer, seq, state)
-        return self.memory.advance(layer, seq, rows[0].shape[1])
+        self._append_kivi(layer, [(seq, rows)])
+        return self.memory.n_tokens(layer, seq)
+
+    def _append_kivi(self, layer: int, seq_rows) -> None:
+        """append_kivi of [(sequence, rows)], every sequence's writes (each in its order) in one
+        write_blocks."""
+        plans = [(seq, rows, *self._kivi.plan(layer, seq, self.memory.n_tokens(layer, seq), *rows))
+                 for seq, rows in seq_rows]
+        self.write_blocks(layer, [w for _, _, writes, _ in plans for w in writes])
+        for seq, rows, _, state in plans:
+            self._kivi.commit(layer, seq, state)
+            self.memory.advance(layer, seq, rows[0].shape[1])
 
     def kivi_appended_on_device(self, layers, batch: int = 1) -> None:
         """A recorded step's appends to sequences 0 .. batch − 1 of KIVI layers, made on the
@@ -269,7 +275,7 @@ class ArenaWrites:
         out = []
         for st in lay.layers[layer].streams:  # the rings only, not the layer
             ring = self.memory.layer_words(layer, st.window_word, st.window_words).reshape(
-                n_kv, st.kivi_seqs, st.window_tokens, hd // 2)
+                n_kv, st.kivi_seqs, st.window_tokens, hd // 2)  # KIVI heads g · seqs + s (kivi_head)
             rows = ring[:, seq, np.arange(t0, t1) % st.window_tokens]
             out.append(np.ascontiguousarray(rows).view(np.float16).astype(np.float32).reshape(n_kv, t1 - t0, hd))
         return tuple(out)
