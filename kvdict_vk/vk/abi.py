@@ -144,8 +144,11 @@ APPEND_WINDOW_PUSH = uint_block("AppendWindowPush", "k_rows_word", "v_rows_word"
 COPY_PUSH = uint_block("CopyPush", "src_word", "dst_word", "n_words")
 FLUSH_PUSH = uint_block("FlushPush", "n_words")
 # A model's forward on the device (shaders/fwd_*.comp, kvdict_vk/vk/forward/).
+# n_seqs: a batch's sequences (fwd_qkv: theirs packed as a DecodeStep holds them; fwd_matvec: x_seq_words and
+# y_seq_words apart; fwd_embed, fwd_argmax: their rows packed), strided over by the workgroups' rows
 MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "n_cols", "accumulate", "norm_word",
-                         floats=("eps",), defaults=dict(accumulate=0, norm_word=0, eps=0.0))
+                         "n_seqs", "x_seq_words", "y_seq_words", floats=("eps",),
+                         defaults=dict(accumulate=0, norm_word=0, n_seqs=1, x_seq_words=0, y_seq_words=0, eps=0.0))
 # row_words (0: none), row_format (kvdict_vk.rows.APPEND_FORMATS), k/v_layer_word, n_ctx: fwd_qkv writing
 # the token's rows into the layer itself (DecodeStep.row_append); k_pre_word (0: none): the keys
 # before RoPE too, for a layer that codes them so (DecodeStep.k_pre_word); arrival_word: q8_0 and
@@ -153,12 +156,14 @@ MATVEC_PUSH = uint_block("MatvecPush", "w_word", "x_word", "y_word", "n_rows", "
 QKV_PUSH = uint_block("QkvPush", "w_word", "x_word", "n_cols", "q_rows", "k_rows", "y_word", "k_word", "v_word",
                       "head_dim", "rope_dim", "pos_word", "n_pos", "norm_word", "row_words", "row_format",
                       "k_layer_word", "v_layer_word", "n_ctx", "k_pre_word", "arrival_word", "stats_word",
-                      "k_window_word", "v_window_word", "recent", "state_word", floats=("eps",),
+                      "k_window_word", "v_window_word", "recent", "state_word", "n_seqs", floats=("eps",),
                       defaults=dict(row_words=0, row_format=0, k_layer_word=0, v_layer_word=0, n_ctx=1,
                                     k_pre_word=0, arrival_word=0, stats_word=0, k_window_word=0, v_window_word=0,
-                                    recent=0, state_word=0))
-EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows", "n_cols")
-ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word", "parts", "stage")
+                                    recent=0, state_word=0, n_seqs=1))
+EMBED_PUSH = uint_block("EmbedPush", "w_word", "token_word", "y_word", "n_rows", "n_cols", "n_seqs",
+                        defaults=dict(n_seqs=1))
+ARGMAX_PUSH = uint_block("ArgmaxPush", "x_word", "n", "out_word", "parts", "stage", "n_seqs",
+                         defaults=dict(n_seqs=1))
 # Decode attention (shaders/attend_*.comp, kvdict_vk/vk/attend/).
 ATTEND_SPLIT_PUSH = uint_block("AttendSplitPush", "k_word", "v_word", "n_ctx", "n_used", "split_len", "n_splits",
                                "n_kv", "n_atoms", "k_sparsity", "v_sparsity", "k_scale_word", "v_scale_word",

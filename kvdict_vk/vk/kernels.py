@@ -81,17 +81,19 @@ _BUFFER_IDS = itertools.count()
 _PIPELINES: "weakref.WeakKeyDictionary[Device, dict]" = weakref.WeakKeyDictionary()
 
 
-def pipeline(device: Device, shader: str, buffers: list, spec: dict | None = None, max_items: int = 1) -> "Kernel":
+def pipeline(device: Device, shader: str, buffers: list, spec: dict | None = None, max_items: int = 1,
+             rows: int = 1) -> "Kernel":
     """The device's pipeline for this variant, specialization, buffers and size: made on
     first use and shared by every owner that asks for the same one afterwards (the arena's
     writes and reads, the attention passes, the encoder), freed with its buffers. Owners
-    keep no pipelines of their own and never destroy one."""
-    key = (shader, tuple(sorted((spec or {}).items())), tuple(b.uid for b in buffers), int(max_items))
+    keep no pipelines of their own and never destroy one. ``rows``: workgroups along y (a
+    device forward's sequences: the shader strides over its rows by gl_NumWorkGroups.y)."""
+    key = (shader, tuple(sorted((spec or {}).items())), tuple(b.uid for b in buffers), int(max_items), int(rows))
     with device.guard(f"looking up pipeline {shader}"):
         pipelines = _PIPELINES.setdefault(device, {})
         made = pipelines.get(key)
         if made is None:
-            made = Kernel(device, shader, buffers, spec, max_items)
+            made = Kernel(device, shader, buffers, spec, max_items, rows)
             made.cache_key = key
             pipelines[key] = made
             for b in buffers:
@@ -145,7 +147,7 @@ class Kernel:
     cache_key = None  # its key in the device's pipeline cache (pipeline()), None outside it
 
     def __init__(self, device: Device, shader: str, buffers: list[Buffer], spec: dict | None = None,
-                 max_items: int = 1):
+                 max_items: int = 1, rows: int = 1):
         self.device, self.shader = device, shaders.spec(shader)
         self.buffers, self.spec = list(buffers), {**dict(self.shader.optional_spec), **(spec or {})}
         sh = self.shader
@@ -188,11 +190,14 @@ class Kernel:
             raise E.DispatchError(f"{sh.variant}: workgroup size {self.local} exceeds the device's limits")
         self.groups = sh.groups(self.spec) if sh.spec_names else 1
         self.workgroups = workgroups_for(device, max_items * self.groups, self.groups, self.local)
+        self.rows = min(int(rows), device.limit("max_compute_work_group_count")[1])
+        if self.rows < 1:
+            raise E.DispatchError(f"{sh.variant}: {rows} rows of workgroups")
         spec_arr = np.array([self.spec[n] for n in sh.spec_names], np.uint32)
         # Kompute takes the push-constant dtype from spec_consts: both uint32 (DESIGN.md).
         with device.guard(f"creating pipeline {sh.variant}"):
             self.algorithm = device.manager.algorithm(
-                [b.tensor for b in self.buffers], code, [self.workgroups, 1, 1], spec_arr,
+                [b.tensor for b in self.buffers], code, [self.workgroups, self.rows, 1], spec_arr,
                 np.zeros(len(sh.push.fields), np.uint32))
 
     def _check_spec(self) -> None:

@@ -161,6 +161,84 @@ def test_qkv_appends_the_rows_the_step_would(cache, row_threads, head_dim, workg
         assert np.array_equal(fused, stepped)
 
 
+# a batch: sequences of their own lengths (a prefix of random rows each), decoded together; the
+# sequences strided over by fewer workgroup rows than there are sequences where the device's
+# limit is patched down to one (the shaders' gl_NumWorkGroups.y stride)
+@pytest.mark.parametrize("cache,row_threads,subgroups,seq_rows", [
+    ("f32", 1, None, None), ("f16", 8, True, None), ("q8_0", 16, False, None), ("kivi", 8, True, None),
+    ("f16", 4, True, 1)])
+def test_a_batch_decodes_each_sequence_as_it_would_alone(cache, row_threads, subgroups, seq_rows, make_arena,
+                                                         vk_device, monkeypatch):
+    """DeviceForward(batch=B).run_batch: each sequence's logits, greedy tokens and appended rows
+    are those of a forward over that sequence alone (the same prefix, the same tokens), within
+    the attention's float differences (a batch's splits are planned for the batch)."""
+    from kvdict_vk import kivi as K
+    if seq_rows is not None:
+        limits = vk_device.info.limits
+        monkeypatch.setitem(limits, "max_compute_work_group_count",
+                            (limits["max_compute_work_group_count"][0], seq_rows, 1))
+    rng = np.random.default_rng(66)
+    w = _small_model(rng, "q4_1", True)
+    cfg, B, steps = w.config, 3, 12
+    kw = {"kivi": K.KiviSpec(4, 2, 8)} if cache == "kivi" else {}
+    prefix = [5, 0, 41]  # rows already in each sequence (KIVI: groups leave its window during the decode)
+    n_ctx = max(prefix) + steps + 2
+    rows = [[rng.standard_normal((2, cfg.n_kv_heads, n, cfg.head_dim), dtype=np.float32) for n in prefix]
+            for _ in range(cfg.n_layers)]
+    tokens = rng.integers(0, cfg.vocab, (steps, B))
+    batch_arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, cache=cache, seqs=B, **kw)
+    alone = [make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, cache=cache, **kw) for _ in range(B)]
+    for layer in range(cfg.n_layers):
+        for s in range(B):
+            if prefix[s]:
+                batch_arena.append(layer, *rows[layer][s], seq=s)
+                alone[s].append(layer, *rows[layer][s])
+    batched = DeviceForward(w, batch_arena, logits=True, row_threads=row_threads, subgroups=subgroups, batch=B)
+    singles = [DeviceForward(w, a, logits=True, row_threads=row_threads, subgroups=subgroups) for a in alone]
+    for t in range(steps):
+        picks = batched.run_batch(tokens[t])
+        logits = batched.logits()
+        assert logits.shape == (B, cfg.vocab) and picks.shape == (B,)
+        assert np.array_equal(picks, logits.argmax(1))
+        for s, single in enumerate(singles):
+            pick = single.run(int(tokens[t, s]))
+            want = single.logits()
+            assert np.abs(logits[s] - want).max() <= 1e-4 * np.abs(want).max(), (t, s)
+            assert picks[s] == pick, (t, s)
+    for layer in range(cfg.n_layers):
+        for s in range(B):
+            assert batch_arena.n_tokens(layer, s) == prefix[s] + steps
+            for got, want in zip(batch_arena.read(layer, seq=s), alone[s].read(layer)):
+                assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), (layer, s)
+    for f in (batched, *singles):
+        f.free()
+
+
+def test_a_batch_is_checked(make_arena):
+    """run_batch's tokens, run on a batch, a batch past the arena's sequences or over a range of
+    layers: typed errors, nothing written."""
+    rng = np.random.default_rng(67)
+    w = _small_model(rng, "q4_1", True)
+    cfg = w.config
+    arena = make_arena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8, cache="f16", seqs=2)
+    with pytest.raises(E.ArenaError):
+        DeviceForward(w, arena, batch=3)
+    with pytest.raises(E.ShapeError):
+        DeviceForward(w, arena, batch=2, layers=(0, 1))
+    with pytest.raises(E.ShapeError):
+        DeviceForward(w, arena, batch=0)
+    forward = DeviceForward(w, arena, batch=2)
+    for bad in ([1], [1, 2, 3], [1, cfg.vocab], [-1, 0], np.array([0.5, 1.0]), [True, False]):
+        with pytest.raises(E.ShapeError):
+            forward.run_batch(bad)
+    with pytest.raises(E.ArenaError):
+        forward.run(1)
+    assert [arena.n_tokens(0, s) for s in range(2)] == [0, 0]
+    assert forward.run_batch([1, 2]).shape == (2,)
+    assert [arena.n_tokens(i, s) for i in range(cfg.n_layers) for s in range(2)] == [1] * 4
+    forward.free()
+
+
 def _check_forward(w, cache, row_threads, subgroups, make_arena, rng):
     cfg = w.config
     tokens = rng.integers(0, cfg.vocab, 12)

@@ -162,6 +162,12 @@ def test_qkv_appends_declare_what_they_write():
     assert (3000, 3000 + R.qkv_arrival_words(n_kv, hd)) in spans[3]
     f16 = dict(base, row_words=hd // 2, row_format=R.QKV_FORMATS["f16"])
     assert qkv.extents(f16, spec)[3] == []  # f16 rows go straight into the layer
+    # a batch of 3: each sequence's queries, rows and position, packed; a layer's rows only for one
+    batch = qkv.extents(dict(base, row_words=0, row_format=0, n_seqs=3), spec)
+    assert batch[2] == [(0, 3 * 4 * hd)] and batch[3] == [(1000, 1000 + 3 * n_kv * hd), (2000, 2000 + 3 * n_kv * hd)]
+    assert batch[1] == [(0, 3 * 96)] and batch[5] == [(0, 3)]
+    with pytest.raises(E.DispatchError):
+        qkv.extents(dict(f16, n_seqs=2), spec)
     for bad, bad_spec in ((dict(q8, row_words=q8["row_words"] + 1), spec), (kivi, dict(spec, HEAD_DIM=32)),
                           (kivi, dict(spec, K_BITS=9)), (dict(kivi, row_words=K.key_row_words(hd, 2)), spec),
                           (dict(q8, head_dim=48, rope_dim=48, q_rows=4 * 48, k_rows=n_kv * 48,

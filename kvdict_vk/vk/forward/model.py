@@ -39,8 +39,10 @@ from ..submit import Recording
 from .specs import X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
 from .weights import FORMATS, Matrix, ModelWeights, dequantised, f32_matrix
 
-TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2  # the step's values: token, position, each layer's n_used
-NEXT_WORD, X_WORD = 0, 4  # the state buffer: the greedy next token, (pad), the residual stream
+# The step's values: each sequence's token, then each one's position, then each layer's n_used of
+# each sequence (a batch of B: TOKEN_WORD + s, POS_WORD · B + s, USED_WORD · B + j · B + s).
+TOKEN_WORD, POS_WORD, USED_WORD = 0, 1, 2
+NEXT_WORD = 0  # the state buffer: each sequence's greedy next token, then (on a quad) the residual streams
 ARGMAX_PARTS = 256  # fwd_argmax's first stage: workgroups over the vocabulary
 MATVEC_ROW_THREADS = 32  # fwd_matvec's ROW_THREADS on a GPU (lab/probes/forward_profile.py)
 MATVEC_WORKGROUPS = 1024  # the most workgroups a matvec dispatches (grid stride past them)
@@ -68,12 +70,17 @@ class DeviceForward:
     split: Q, K and V of its heads only, and every layer's O projection over the attention
     output of every head, which the caller gathers between :meth:`run_segment` calls — see
     SplitForward; the rest of the layer, the norms, MLP and LM head, whole on every part;
-    default: every KV head). Freed by :meth:`free`."""
+    default: every KV head); ``batch``: sequences 0 .. batch − 1 of the arena decoded together, a
+    token each a :meth:`run_batch` (their positions their own; every layer and KV head: no
+    range of either), the weights read once for all of them (each matvec's workgroups read the
+    same rows at once), the attention over every sequence in one dispatch
+    (DecodeStep of a batch; the token's K and V appended by the step, not the projection).
+    Freed by :meth:`free`."""
 
     def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
                  n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None,
                  qkv_appends: bool = True, layers: tuple[int, int] | None = None,
-                 heads: tuple[int, int] | None = None):
+                 heads: tuple[int, int] | None = None, batch: int = 1):
         cfg, lay = weights.config, arena.layout
         a, b = (0, cfg.n_layers) if layers is None else layers
         h0, h1 = (0, cfg.n_kv_heads) if heads is None else heads
@@ -83,6 +90,11 @@ class DeviceForward:
             raise E.ShapeError(f"KV heads [{h0}, {h1}) are not a range of the model's {cfg.n_kv_heads}")
         if (b - a) < cfg.n_layers and (h1 - h0) < cfg.n_kv_heads:
             raise E.ShapeError("a forward runs a range of layers or a range of KV heads, not both")
+        if isinstance(batch, (bool, np.bool_)) or not isinstance(batch, (int, np.integer)) or batch < 1:
+            raise E.ShapeError(f"batch must be a positive int, got {batch!r}")
+        if batch > 1 and (layers is not None or heads is not None):
+            raise E.ShapeError("a batch of sequences runs every layer and KV head, not a range of either")
+        self.batch = int(batch)
         if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (b - a, h1 - h0, cfg.head_dim):
             raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
                                f"the forward runs {b - a} of {h1 - h0} × {cfg.head_dim}")
@@ -122,7 +134,7 @@ class DeviceForward:
             if ll.k.key_rope != model_rope:
                 raise E.DictMismatchError(f"layer {i}: the dictionary's keys were coded before RoPE {ll.k.key_rope}, "
                                           f"the model turns them by {model_rope}")
-        self.step = arena.record_step(self._n_q, n_plan=n_plan, record=False)  # checks n_plan
+        self.step = arena.record_step(self._n_q, batch=self.batch, n_plan=n_plan, record=False)  # checks both
         try:
             self._load(weights)
             for i, seg in enumerate(self._segments()):
@@ -204,12 +216,16 @@ class DeviceForward:
         self._n_pos = self.step.memory.seq_ctx
         cos, sin = rope_cos_sin(np.arange(self._n_pos), cfg.rope_theta, cfg.rope_dim)
         self._table = self._buffer(cos.size * 2, "device", "RoPE table", np.concatenate([cos, sin], 1))
-        self._state = self._buffer(X_WORD + cfg.hidden, "device", "forward state")
-        self._x_in_word = USED_WORD + self._n  # a later part's residual stream, from the host
+        B = self.batch
+        self._x_word = -(-B // 4) * 4  # each sequence's residual stream, hidden words apart
+        self._state = self._buffer(self._x_word + B * cfg.hidden, "device", "forward state")
+        self._pos_word, self._used_word = POS_WORD * B, USED_WORD * B
+        self._x_in_word = self._used_word + self._n * B  # a later part's residual stream, from the host
         self._values = self._buffer(self._x_in_word + (0 if self.first else cfg.hidden), "host",
                                     "forward step values")
-        self._partial = self._buffer(2 * ARGMAX_PARTS, "device", "argmax partials")
-        self._act = self._buffer(max(2 * cfg.ffn, cfg.vocab), "device", "forward activations")
+        self._partial = self._buffer(2 * ARGMAX_PARTS * B, "device", "argmax partials")
+        self._act_seq = max(2 * cfg.ffn, cfg.vocab)  # a sequence's gate and up, then its logits
+        self._act = self._buffer(B * self._act_seq, "device", "forward activations")
         if self.split_heads:  # every head's attention output, gathered by the caller, a layer at a time
             self._gathered = self._buffer(cfg.n_heads * cfg.head_dim, "host", "gathered attention output")
         run(self.device, kp.OpTensorSyncDevice([b.tensor for b in self._buffers if b.kind == "device"]),
@@ -217,13 +233,17 @@ class DeviceForward:
 
     # --- the recording ---------------------------------------------------------------------
     def _matvec(self, wbuf: Buffer, w_word: int, m: Matrix, x: Buffer, x_word: int, y: Buffer, y_word: int,
-                accumulate: bool = False, x_mode: str = "plain", norm_word: int = 0):
-        """fwd_matvec: y[y_word + r] (+)= row r of m · x' (x' as matvec.glsl's ``x_mode`` reads x)."""
+                accumulate: bool = False, x_mode: str = "plain", norm_word: int = 0, seq_words: tuple = (0, 0)):
+        """fwd_matvec: y[y_word + r] (+)= row r of m · x' (x' as matvec.glsl's ``x_mode`` reads x),
+        for each sequence of the batch (``seq_words``: its x and y that many words after the one
+        before)."""
         n_rows, threads = m.n_rows, self._row_threads
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads, "X_MODE": X_MODES[x_mode]}
-        k = pipeline(self.device, self._shader("fwd_matvec"), [wbuf, x, y], spec, max_items=self._matvec_items(n_rows))
+        k = pipeline(self.device, self._shader("fwd_matvec"), [wbuf, x, y], spec, max_items=self._matvec_items(n_rows),
+                     rows=self.batch)
         return k.op(w_word=w_word, x_word=x_word, y_word=y_word, n_rows=n_rows, n_cols=m.n_cols,
-                    accumulate=int(accumulate), norm_word=norm_word, eps=self.config.rms_eps)
+                    accumulate=int(accumulate), norm_word=norm_word, n_seqs=self.batch, x_seq_words=seq_words[0],
+                    y_seq_words=seq_words[1], eps=self.config.rms_eps)
 
     def _shader(self, name: str) -> str:
         return f"{name}_sg" if self.subgroups else name
@@ -235,11 +255,13 @@ class DeviceForward:
         return min(-(-n_rows // rows_a_group), MATVEC_WORKGROUPS) * WG_SIZE
 
     def _argmax(self, n: int) -> list:
-        """The greedy token of the logits (act's first n words) into the state's NEXT_WORD."""
-        parts = min(ARGMAX_PARTS, -(-n // 64))
-        stage0 = pipeline(self.device, "fwd_argmax", [self._act, self._partial, self._state], max_items=parts * 64)
-        stage1 = pipeline(self.device, "fwd_argmax", [self._act, self._partial, self._state])
-        push = dict(x_word=0, n=n, out_word=NEXT_WORD, parts=parts)
+        """Each sequence's greedy token of its logits (act's words [s · n, (s + 1) · n)) into the
+        state's NEXT_WORD + s."""
+        parts, B = min(ARGMAX_PARTS, -(-n // 64)), self.batch
+        stage0 = pipeline(self.device, "fwd_argmax", [self._act, self._partial, self._state], max_items=parts * 64,
+                          rows=B)
+        stage1 = pipeline(self.device, "fwd_argmax", [self._act, self._partial, self._state], rows=B)
+        push = dict(x_word=0, n=n, out_word=NEXT_WORD, parts=parts, n_seqs=B)
         return [stage0.op(**push, stage=0), barrier(self._partial), stage1.op(**push, stage=1)]
 
     def _segments(self) -> list:
@@ -260,31 +282,35 @@ class DeviceForward:
 
     def _sections(self) -> list:
         """The token's ops, a labelled section at a time."""
-        cfg, step = self.config, self.step
+        cfg, step, B = self.config, self.step, self.batch
         rows, queries, attn_out = step.buffers
-        st, act = self._state, self._act
-        used = pipeline(self.device, "scatter", [self._values, queries], max_items=self._n)
-        sections = [("step values", [used.op(src_word=USED_WORD, dst_word=step.lengths_word(0), row_words=1,
-                                             group_rows=1, group_stride=step.query_stride, n_words=self._n)])]
+        st, act, X = self._state, self._act, self._x_word
+        # a sequence's words in the residual streams, the MLP's activations and the attention output
+        hid, mlp, out = cfg.hidden, 2 * cfg.ffn, self._n_q * cfg.head_dim
+        used = pipeline(self.device, "scatter", [self._values, queries], max_items=self._n * B)
+        sections = [("step values", [used.op(src_word=self._used_word, dst_word=step.lengths_word(0), row_words=B,
+                                             group_rows=1, group_stride=step.query_stride, n_words=self._n * B)])]
         if self.first:
             embed = pipeline(self.device, "fwd_embed", [self._glob, self._values, st],
-                             {"FORMAT": FORMATS[self._tok.fmt]}, max_items=cfg.hidden // 8)
+                             {"FORMAT": FORMATS[self._tok.fmt]}, max_items=cfg.hidden // 8, rows=B)
             sections.append(("embedding", [embed.op(w_word=self._glob_at["tok_embd"], token_word=TOKEN_WORD,
-                                                    y_word=X_WORD, n_rows=self._tok.n_rows, n_cols=self._tok.n_cols),
+                                                    y_word=X, n_rows=self._tok.n_rows, n_cols=self._tok.n_cols,
+                                                    n_seqs=B),
                                            barrier(st, queries)]))
         else:
             x_in = pipeline(self.device, "scatter", [self._values, st], max_items=cfg.hidden)
-            sections.append(("residual in", [x_in.op(src_word=self._x_in_word, dst_word=X_WORD, row_words=cfg.hidden,
+            sections.append(("residual in", [x_in.op(src_word=self._x_in_word, dst_word=X, row_words=cfg.hidden,
                                                      group_rows=1, group_stride=cfg.hidden, n_words=cfg.hidden),
                                              barrier(st, queries)]))
         for j in range(self._n):
             wb, (base, at), lw = self._layer_buf[j], self._layer_base[j], self._matrices[j]
             if "w_gate_up" in lw:  # one matvec over the gate's rows and the up's after them
-                gate_up = [self._matvec(wb, base + at["w_gate_up"], lw["w_gate_up"], st, X_WORD, act, 0,
-                                        x_mode="rms_norm", norm_word=base + at["ffn_norm"])]
+                gate_up = [self._matvec(wb, base + at["w_gate_up"], lw["w_gate_up"], st, X, act, 0,
+                                        x_mode="rms_norm", norm_word=base + at["ffn_norm"], seq_words=(hid, mlp))]
             else:
-                gate_up = [self._matvec(wb, base + at[name], lw[name], st, X_WORD, act, y, x_mode="rms_norm",
-                                        norm_word=base + at["ffn_norm"]) for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
+                gate_up = [self._matvec(wb, base + at[name], lw[name], st, X, act, y, x_mode="rms_norm",
+                                        norm_word=base + at["ffn_norm"], seq_words=(hid, mlp))
+                           for name, y in (("w_gate", 0), ("w_up", cfg.ffn))]
             appends = step.row_append(j) if self._qkv_appends else None
             layer_buf = self.arena.memory.layer_buffer(step.layers[j])
             # q8_0 rows, KIVI (rows.QKV_THROUGH_ROWS): the source rows (read back) and arrival words too
@@ -296,13 +322,14 @@ class DeviceForward:
                 ("append + attention", [*(step.attend_ops[j] if appends else step.layer_ops[j]), barrier(attn_out)]),
                 ("o", [self._matvec(wb, base + at["wo"], lw["wo"], *((self._gathered, 0) if self.split_heads
                                                                      else (attn_out, step.out_word(j))),
-                                    st, X_WORD, True), barrier(st)]),
+                                    st, X, True, seq_words=(out, hid)), barrier(st)]),
                 ("gate + up", [*gate_up, barrier(act)]),
-                ("down", [self._matvec(wb, base + at["w_down"], lw["w_down"], act, 0, st, X_WORD, True,
-                                       x_mode="swiglu"), barrier(st)])]
+                ("down", [self._matvec(wb, base + at["w_down"], lw["w_down"], act, 0, st, X, True,
+                                       x_mode="swiglu", seq_words=(mlp, hid)), barrier(st)])]
         if self.last:
-            sections += [("lm head", [self._matvec(self._glob, self._glob_at["output"], self._out_m, st, X_WORD, act, 0,
-                                                   x_mode="rms_norm", norm_word=self._glob_at["output_norm"]),
+            sections += [("lm head", [self._matvec(self._glob, self._glob_at["output"], self._out_m, st, X, act, 0,
+                                                   x_mode="rms_norm", norm_word=self._glob_at["output_norm"],
+                                                   seq_words=(hid, cfg.vocab)),
                                       barrier(act)]),
                          ("argmax", self._argmax(cfg.vocab))]
         return sections
@@ -317,12 +344,13 @@ class DeviceForward:
                 "X_MODE": X_MODES["rms_norm"], **(step.row_append_spec(j) if appends else {})}
         k = pipeline(self.device, self._shader("fwd_qkv"),
                      [wbuf, self._state, queries, rows, self._table, self._values, layer_buf], spec,
-                     max_items=self._matvec_items(m.n_rows))
-        return k.op(w_word=base + at["wqkv"], x_word=X_WORD, n_cols=m.n_cols, q_rows=self._n_q * cfg.head_dim,
+                     max_items=self._matvec_items(m.n_rows), rows=self.batch)
+        return k.op(w_word=base + at["wqkv"], x_word=self._x_word, n_cols=m.n_cols, q_rows=self._n_q * cfg.head_dim,
                     k_rows=(self.heads[1] - self.heads[0]) * cfg.head_dim, y_word=step.q_word(j),
-                    k_word=step.k_rows_word(j), v_word=step.v_rows_word(j), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, pos_word=POS_WORD,
-                    n_pos=self._n_pos, norm_word=base + at["attn_norm"], eps=cfg.rms_eps,
-                    n_ctx=self.arena.layout.n_ctx, k_pre_word=step.k_pre_word(j), **(appends or {}))
+                    k_word=step.k_rows_word(j), v_word=step.v_rows_word(j), head_dim=cfg.head_dim,
+                    rope_dim=cfg.rope_dim, pos_word=self._pos_word, n_pos=self._n_pos,
+                    norm_word=base + at["attn_norm"], eps=cfg.rms_eps, n_ctx=self.arena.layout.n_ctx,
+                    k_pre_word=step.k_pre_word(j), n_seqs=self.batch, **(appends or {}))
 
     # --- a token ---------------------------------------------------------------------------
     def run(self, token: int) -> int:
@@ -332,7 +360,24 @@ class DeviceForward:
         if not (self.first and self.last) or self.split_heads:
             raise E.ArenaError(f"this forward runs layers [{self.layers[0]}, {self.layers[1]}) and KV heads "
                                f"[{self.heads[0]}, {self.heads[1]}) only: SplitForward drives it")
+        if self.batch != 1:
+            raise E.ArenaError(f"this forward decodes a batch of {self.batch} sequences: run_batch")
         return self.run_part(token)
+
+    def run_batch(self, tokens) -> np.ndarray:
+        """:meth:`run` for every sequence of the batch: ``tokens`` (batch ints, sequence s's at
+        s) each at its sequence's next position; returns each one's greedy next token (int64
+        (batch,)). Checked before anything is written."""
+        if not self._recs:
+            raise E.ArenaError("the device forward was freed")
+        toks = np.asarray(tokens)
+        if toks.shape != (self.batch,) or toks.dtype.kind not in "iu" or toks.min() < 0 \
+                or toks.max() >= self.config.vocab:
+            raise E.ShapeError(f"DeviceForward.run_batch: expected {self.batch} tokens in 0..{self.config.vocab - 1}, "
+                               f"got {tokens!r}")
+        self._stage(toks, None)
+        self.run_segment(0)
+        return self._state_host[NEXT_WORD:NEXT_WORD + self.batch].astype(np.int64)
 
     def run_part(self, token: int, residual: np.ndarray | None = None):
         """:meth:`run` for a part of the layers: a later part takes the residual stream the part
@@ -362,10 +407,19 @@ class DeviceForward:
                                      or residual.shape != (self.config.hidden,)):
             raise E.ShapeError(f"residual: expected float32 ({self.config.hidden},), got "
                                f"{getattr(residual, 'dtype', type(residual).__name__)} {getattr(residual, 'shape', '')}")
-        used = self.step.stage_lengths()[:, 0]
-        self._values_host[TOKEN_WORD] = int(token)
-        self._values_host[POS_WORD] = int(used[0]) - 1
-        self._values_host[USED_WORD:self._x_in_word] = used
+        if self.batch != 1:
+            raise E.ArenaError(f"this forward decodes a batch of {self.batch} sequences: run_batch")
+        self._stage(np.array([token]), residual)
+
+    def _stage(self, tokens: np.ndarray, residual: np.ndarray | None) -> None:
+        """The step's values for checked ``tokens`` (one a sequence): each sequence's position
+        and every layer's n_used (DecodeStep.stage_lengths: a full sequence is an ArenaError,
+        before anything is written), the residual stream of a later part."""
+        used = self.step.stage_lengths()  # (layers, batch)
+        B = self.batch
+        self._values_host[TOKEN_WORD:TOKEN_WORD + B] = tokens
+        self._values_host[self._pos_word:self._pos_word + B] = used[0] - 1
+        self._values_host[self._used_word:self._x_in_word] = used.reshape(-1)
         if residual is not None:
             self._values_host[self._x_in_word:] = residual.view(np.uint32)
         self._begun = True
@@ -386,7 +440,7 @@ class DeviceForward:
         self.step.advance()
         if self.last:
             return int(self._state_host[NEXT_WORD])
-        return self._state_host[X_WORD:X_WORD + self.config.hidden].view(np.float32).copy()
+        return self._state_host[self._x_word:self._x_word + self.config.hidden].view(np.float32).copy()
 
     def set_gathered(self, out: np.ndarray) -> None:
         """Every query head's attention output of the layer just attended, float32
@@ -398,10 +452,13 @@ class DeviceForward:
         self._gathered_host[:] = out.view(np.uint32)
 
     def logits(self) -> np.ndarray:
-        """The last run's logits (vocab,) float32 (a device forward made with logits=True)."""
+        """The last run's logits (vocab,) float32 — a batch's (batch, vocab) — (a device forward
+        made with logits=True)."""
         if not self._want_logits:
             raise E.ArenaError("this device forward reads no logits back (make it with logits=True)")
-        return self._act_host[:self.config.vocab].view(np.float32).copy()
+        v = self.config.vocab
+        out = self._act_host[:self.batch * v].view(np.float32).reshape(self.batch, v).copy()
+        return out[0] if self.batch == 1 else out
 
     def gpu_seconds(self) -> float | None:
         """GPU time of the last run's forward (without the copies up and back; every segment's),

@@ -23,13 +23,27 @@ def _row_words(p, s, what: str) -> int:
 X_MODES = {"plain": 0, "rms_norm": 1, "swiglu": 2}  # matvec.glsl's X_*
 
 
-def _x_span(p, s, what: str) -> tuple:
-    """The words x' reads (SwiGLU: the gate and the up, n_cols each) and the norm's weights."""
+def _seqs(p, what: str) -> int:
+    """The push's n_seqs (a caller of the extents alone may leave it out: one)."""
+    seqs = p.get("n_seqs", 1)
+    if seqs < 1:
+        raise E.DispatchError(f"{what}: a batch of {seqs} sequences")
+    return seqs
+
+
+def _batched(word: int, n: int, seqs: int, stride: int) -> tuple:
+    """The span covering [word, word + n) of each of ``seqs`` sequences ``stride`` words apart."""
+    return word, word + (seqs - 1) * stride + n
+
+
+def _x_span(p, s, what: str, x_seq_words: int) -> tuple:
+    """The words x' reads (SwiGLU: the gate and the up, n_cols each; each sequence's, x_seq_words
+    apart) and the norm's weights."""
     if s["X_MODE"] not in X_MODES.values():
         raise E.DispatchError(f"{what}: X_MODE {s['X_MODE']} (have {X_MODES})")
     n = p["n_cols"] * (2 if s["X_MODE"] == X_MODES["swiglu"] else 1)
     norm = [(p["norm_word"], p["norm_word"] + p["n_cols"])] if s["X_MODE"] == X_MODES["rms_norm"] else []
-    return [(p["x_word"], p["x_word"] + n)], norm
+    return [_batched(p["x_word"], n, _seqs(p, what), x_seq_words)], norm
 
 
 def _rows_spec(s, what: str) -> None:
@@ -40,8 +54,9 @@ def _rows_spec(s, what: str) -> None:
 def _matvec(p, s):
     _rows_spec(s, "fwd_matvec")
     w = _row_words(p, s, "fwd_matvec")
-    x, norm = _x_span(p, s, "fwd_matvec")
-    return [(p["w_word"], p["w_word"] + p["n_rows"] * w), *norm], x, [(p["y_word"], p["y_word"] + p["n_rows"])]
+    x, norm = _x_span(p, s, "fwd_matvec", p["x_seq_words"])
+    return ([(p["w_word"], p["w_word"] + p["n_rows"] * w), *norm], x,
+            [_batched(p["y_word"], p["n_rows"], _seqs(p, "fwd_matvec"), p["y_seq_words"])])
 
 
 def _qkv(p, s):
@@ -52,8 +67,10 @@ def _qkv(p, s):
     if rd % 2 or not 2 <= rd <= hd or q < 1 or k < 1 or q % hd or k % hd or p["n_pos"] < 1:
         raise E.DispatchError(f"fwd_qkv: push constants {p} are inconsistent")
     w = _row_words({**p, "n_rows": q + 2 * k}, s, "fwd_qkv")
-    x, norm = _x_span(p, s, "fwd_qkv")
-    n_kv, rw = k // hd, p["row_words"]
+    x, norm = _x_span(p, s, "fwd_qkv", p["n_cols"])
+    n_kv, rw, seqs = k // hd, p["row_words"], _seqs(p, "fwd_qkv")
+    if rw and seqs != 1:
+        raise E.DispatchError(f"fwd_qkv: a batch of {seqs} sequences writes the step's rows, not a layer's")
     # the formats fwd_qkv writes
     fmt = next((n for n, f in R.QKV_FORMATS.items() if f == p["row_format"]), None) if rw else None
     stored = (K.key_row_words(hd, s["K_BITS"]) if fmt == "kivi" else
@@ -72,28 +89,29 @@ def _qkv(p, s):
         layer = kivi_layer_ranges(p["k_layer_word"], p["v_layer_word"], p, s, n_kv, p["n_ctx"])
     else:
         layer = [(p[w_], p[w_] + n_kv * p["n_ctx"] * rw) for w_ in ("k_layer_word", "v_layer_word")] if rw else []
-    rows = [] if rw and not through_rows else [(p["k_word"], p["k_word"] + k), (p["v_word"], p["v_word"] + k)]
+    rows = [] if rw and not through_rows else [_batched(p[w_], k, seqs, k) for w_ in ("k_word", "v_word")]
     if through_rows:
         rows.append((p["arrival_word"], p["arrival_word"] + R.qkv_arrival_words(n_kv, hd)))
     if p["k_pre_word"]:  # the keys before RoPE too (a layer coding them so)
         if rw:
             raise E.DispatchError("fwd_qkv: keys before RoPE go to the source rows, not a rows layer")
-        rows.append((p["k_pre_word"], p["k_pre_word"] + k))
-    return ([(p["w_word"], p["w_word"] + (q + 2 * k) * w), *norm], x, [(p["y_word"], p["y_word"] + q)], rows,
-            [(0, p["n_pos"] * rd)], [(p["pos_word"], p["pos_word"] + 1)], layer)
+        rows.append(_batched(p["k_pre_word"], k, seqs, k))
+    return ([(p["w_word"], p["w_word"] + (q + 2 * k) * w), *norm], x, [_batched(p["y_word"], q, seqs, q)], rows,
+            [(0, p["n_pos"] * rd)], [(p["pos_word"], p["pos_word"] + seqs)], layer)
 
 
 def _embed(p, s):
-    w = _row_words(p, s, "fwd_embed")
-    return ([(p["w_word"], p["w_word"] + p["n_rows"] * w)], [(p["token_word"], p["token_word"] + 1)],
-            [(p["y_word"], p["y_word"] + p["n_cols"])])
+    w, seqs = _row_words(p, s, "fwd_embed"), _seqs(p, "fwd_embed")
+    return ([(p["w_word"], p["w_word"] + p["n_rows"] * w)], [(p["token_word"], p["token_word"] + seqs)],
+            [(p["y_word"], p["y_word"] + seqs * p["n_cols"])])
 
 
 def _argmax(p, s):
     if p["n"] < 1 or p["parts"] < 1 or p["stage"] not in (0, 1):
         raise E.DispatchError(f"fwd_argmax: push constants {p} are inconsistent")
-    x = [(p["x_word"], p["x_word"] + p["n"])] if p["stage"] == 0 else []
-    return x, [(0, 2 * p["parts"])], ([(p["out_word"], p["out_word"] + 1)] if p["stage"] == 1 else [])
+    seqs = _seqs(p, "fwd_argmax")
+    x = [(p["x_word"], p["x_word"] + seqs * p["n"])] if p["stage"] == 0 else []
+    return x, [(0, 2 * p["parts"] * seqs)], ([(p["out_word"], p["out_word"] + seqs)] if p["stage"] == 1 else [])
 
 
 EXTENTS = {"fwd_matvec": _matvec, "fwd_matvec_sg": _matvec, "fwd_qkv": _qkv, "fwd_qkv_sg": _qkv,
