@@ -16,6 +16,10 @@ layout(std430, binding = 0) readonly buffer Weights { uint w_words[]; };
 layout(std430, binding = 1) readonly buffer X { float x_vals[]; };
 layout(std430, binding = 2) buffer Y { float y_vals[]; };
 
+// Sequences a workgroup makes its rows for at once, each weight chunk decoded once for all of
+// them (their x' read from memory); 1: a sequence a workgroup row, the normed x' staged.
+layout(constant_id = 3) const uint SEQ_TILE = 1u;
+#define MATVEC_SEQ_TILE SEQ_TILE
 #include "matvec.glsl"
 
 layout(push_constant) uniform MatvecPush {
@@ -33,17 +37,51 @@ layout(push_constant) uniform MatvecPush {
 } pc;
 
 void main() {
-    uint lid = row_lid();
-    for (uint seq = gl_WorkGroupID.y; seq < pc.n_seqs; seq += gl_NumWorkGroups.y) {
-        uint x_word = pc.x_word + seq * pc.x_seq_words, y_word = pc.y_word + seq * pc.y_seq_words;
-        float scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
+    uint lid = row_lid(), lane = lid % ROW_THREADS;
+    if (SEQ_TILE == 1u) {
+        for (uint seq = gl_WorkGroupID.y; seq < pc.n_seqs; seq += gl_NumWorkGroups.y) {
+            uint x_word = pc.x_word + seq * pc.x_seq_words, y_word = pc.y_word + seq * pc.y_seq_words;
+            float scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
+            for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < pc.n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
+                uint r = r0 + lid / ROW_THREADS;
+                bool valid = r < pc.n_rows;
+                float total = row_dot(pc.w_word, r, valid, x_word, pc.n_cols, scale, pc.norm_word);
+                if (valid && lane == 0u)
+                    y_vals[y_word + r] = (pc.accumulate != 0u ? y_vals[y_word + r] : 0.0) + total;
+            }
+            barrier();  // x_sh read before the next sequence's x is staged
+        }
+        return;
+    }
+    uint row_words = (pc.n_cols / 32u) * BLOCK_WORDS;
+    for (uint s0 = gl_WorkGroupID.y * SEQ_TILE; s0 < pc.n_seqs; s0 += gl_NumWorkGroups.y * SEQ_TILE) {
+        uint tile = min(SEQ_TILE, pc.n_seqs - s0);  // uniform: x_prepare's barriers
+        float scale[SEQ_TILE];
+        for (uint t = 0u; t < tile; ++t)
+            scale[t] = x_prepare(pc.x_word + (s0 + t) * pc.x_seq_words, pc.n_cols, pc.eps, pc.norm_word);
         for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < pc.n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
             uint r = r0 + lid / ROW_THREADS;
             bool valid = r < pc.n_rows;
-            float total = row_dot(pc.w_word, r, valid, x_word, pc.n_cols, scale, pc.norm_word);
-            if (valid && lid % ROW_THREADS == 0u)
-                y_vals[y_word + r] = (pc.accumulate != 0u ? y_vals[y_word + r] : 0.0) + total;
+            float acc[SEQ_TILE];
+            for (uint t = 0u; t < SEQ_TILE; ++t)
+                acc[t] = 0.0;
+            if (valid) {
+                for (uint c = lane; c < pc.n_cols / 8u; c += ROW_THREADS) {
+                    vec4 lo, hi;
+                    block_chunk(pc.w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
+                    for (uint t = 0u; t < tile; ++t) {
+                        vec4 xl, xh;
+                        x_chunk(pc.x_word + (s0 + t) * pc.x_seq_words, c, pc.n_cols, pc.norm_word, xl, xh);
+                        acc[t] += dot(lo, xl) + dot(hi, xh);
+                    }
+                }
+            }
+            for (uint t = 0u; t < tile; ++t) {
+                float total = row_sum(acc[t]) * scale[t];
+                uint y = pc.y_word + (s0 + t) * pc.y_seq_words + r;
+                if (valid && lane == 0u)
+                    y_vals[y] = (pc.accumulate != 0u ? y_vals[y] : 0.0) + total;
+            }
         }
-        barrier();  // x_sh read before the next sequence's x is staged
     }
 }

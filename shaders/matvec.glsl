@@ -31,9 +31,14 @@ layout(constant_id = 2) const uint X_MODE = X_PLAIN;
 const uint ROWS = WG_SIZE / ROW_THREADS;
 const uint X_SHARED = 2048u;  // the most columns of x' kept in shared memory
 const uint X_PER = X_SHARED / WG_SIZE;  // of them an invocation stages
+// Sequences whose rows a workgroup makes together (fwd_matvec's SEQ_TILE; 1 elsewhere): past one,
+// each x' is read from memory, not staged
+#ifndef MATVEC_SEQ_TILE
+#define MATVEC_SEQ_TILE 1u
+#endif
 // Whether x' is staged: the normed residual only (a plain x or the SwiGLU read straight from
 // memory row by row took less time on an H100: lab/NOTEBOOK.md)
-#define STAGED(n_cols) (X_MODE == X_RMS_NORM && (n_cols) <= X_SHARED)
+#define STAGED(n_cols) (MATVEC_SEQ_TILE == 1u && X_MODE == X_RMS_NORM && (n_cols) <= X_SHARED)
 
 shared float partial[WG_SIZE];
 shared uvec4 x_sh[X_SHARED / 4u];  // float bits (fwd_qkv stages a KIVI group's binary16 words here too)
@@ -117,11 +122,44 @@ float x_prepare(uint x_word, uint n_cols, float eps, uint norm_word) {
     return 1.0 / sqrt(workgroup_sum(sq) / float(n_cols) + eps);  // its barriers make x_sh whole too
 }
 
+// Columns 8c .. 8c + 7 of x' read from memory (x_at).
+void x_chunk(uint x_word, uint c, uint n_cols, uint norm_word, out vec4 xl, out vec4 xh) {
+    uint e = 8u * c;
+    xl = vec4(x_at(x_word, e, n_cols, norm_word), x_at(x_word, e + 1u, n_cols, norm_word),
+              x_at(x_word, e + 2u, n_cols, norm_word), x_at(x_word, e + 3u, n_cols, norm_word));
+    xh = vec4(x_at(x_word, e + 4u, n_cols, norm_word), x_at(x_word, e + 5u, n_cols, norm_word),
+              x_at(x_word, e + 6u, n_cols, norm_word), x_at(x_word, e + 7u, n_cols, norm_word));
+}
+
+// The sum of a row's invocations' acc (every invocation of the row calls it; the total comes
+// back to all of them).
+float row_sum(float acc) {
+    if (ROW_THREADS == 1u)
+        return acc;
+#if SUBGROUP
+    for (uint w = ROW_THREADS / 2u; w > 0u; w >>= 1u)
+        acc += subgroupShuffleXor(acc, w);
+    return acc;
+#else
+    uint lid = row_lid(), lane = lid % ROW_THREADS;
+    partial[lid] = acc;
+    barrier();
+    for (uint s = ROW_THREADS / 2u; s > 0u; s >>= 1u) {
+        if (lane < s)
+            partial[lid] += partial[lid + s];
+        barrier();
+    }
+    float total = partial[lid - lane];
+    barrier();  // read before the next rows overwrite it
+    return total;
+#endif
+}
+
 // Row r's dot product with x' times x_prepare's factor (every invocation of the row calls it;
 // the total comes back to all of them). valid: whether r is a row at all (the others add
 // zeros, and still reach the barriers and shuffles).
 float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float scale, uint norm_word) {
-    uint lid = row_lid(), lane = lid % ROW_THREADS;
+    uint lane = row_lid() % ROW_THREADS;
     float acc = 0.0;
     if (valid) {
         uint row_words = (n_cols / 32u) * BLOCK_WORDS;
@@ -132,31 +170,10 @@ float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float s
                 xl = uintBitsToFloat(x_sh[2u * c]);
                 xh = uintBitsToFloat(x_sh[2u * c + 1u]);
             } else {
-                uint e = 8u * c;
-                xl = vec4(x_at(x_word, e, n_cols, norm_word), x_at(x_word, e + 1u, n_cols, norm_word),
-                          x_at(x_word, e + 2u, n_cols, norm_word), x_at(x_word, e + 3u, n_cols, norm_word));
-                xh = vec4(x_at(x_word, e + 4u, n_cols, norm_word), x_at(x_word, e + 5u, n_cols, norm_word),
-                          x_at(x_word, e + 6u, n_cols, norm_word), x_at(x_word, e + 7u, n_cols, norm_word));
+                x_chunk(x_word, c, n_cols, norm_word, xl, xh);
             }
             acc += dot(lo, xl) + dot(hi, xh);
         }
     }
-    if (ROW_THREADS == 1u)
-        return acc * scale;
-#if SUBGROUP
-    for (uint w = ROW_THREADS / 2u; w > 0u; w >>= 1u)
-        acc += subgroupShuffleXor(acc, w);
-    return acc * scale;
-#else
-    partial[lid] = acc;
-    barrier();
-    for (uint s = ROW_THREADS / 2u; s > 0u; s >>= 1u) {
-        if (lane < s)
-            partial[lid] += partial[lid + s];
-        barrier();
-    }
-    float total = partial[lid - lane];
-    barrier();  // read before the next rows overwrite it
-    return total * scale;
-#endif
+    return row_sum(acc) * scale;
 }

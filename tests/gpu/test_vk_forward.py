@@ -162,13 +162,14 @@ def test_qkv_appends_the_rows_the_step_would(cache, row_threads, head_dim, workg
 
 
 # a batch: sequences of their own lengths (a prefix of random rows each), decoded together; the
-# sequences strided over by fewer workgroup rows than there are sequences where the device's
-# limit is patched down to one (the shaders' gl_NumWorkGroups.y stride)
-@pytest.mark.parametrize("cache,row_threads,subgroups,seq_rows", [
-    ("f32", 1, None, None), ("f16", 8, True, None), ("q8_0", 16, False, None), ("kivi", 8, True, None),
-    ("f16", 4, True, 1)])
-def test_a_batch_decodes_each_sequence_as_it_would_alone(cache, row_threads, subgroups, seq_rows, make_arena,
-                                                         vk_device, monkeypatch):
+# matvecs a sequence a workgroup or 2 or 3 at once (seq_tile; 2 of 3: a tile of one left); the
+# sequences strided over by fewer workgroup rows than there are where the device's limit is
+# patched down to one (the shaders' gl_NumWorkGroups.y stride)
+@pytest.mark.parametrize("cache,row_threads,subgroups,seq_tile,seq_rows", [
+    ("f32", 1, None, 1, None), ("f16", 8, True, 3, None), ("q8_0", 16, False, 2, None), ("kivi", 8, True, 1, None),
+    ("f16", 4, True, 1, 1), ("f32", 2, True, 2, 1)])
+def test_a_batch_decodes_each_sequence_as_it_would_alone(cache, row_threads, subgroups, seq_tile, seq_rows,
+                                                         make_arena, vk_device, monkeypatch):
     """DeviceForward(batch=B).run_batch: each sequence's logits, greedy tokens and appended rows
     are those of a forward over that sequence alone (the same prefix, the same tokens), within
     the attention's float differences (a batch's splits are planned for the batch)."""
@@ -193,7 +194,8 @@ def test_a_batch_decodes_each_sequence_as_it_would_alone(cache, row_threads, sub
             if prefix[s]:
                 batch_arena.append(layer, *rows[layer][s], seq=s)
                 alone[s].append(layer, *rows[layer][s])
-    batched = DeviceForward(w, batch_arena, logits=True, row_threads=row_threads, subgroups=subgroups, batch=B)
+    batched = DeviceForward(w, batch_arena, logits=True, row_threads=row_threads, subgroups=subgroups, batch=B,
+                            seq_tile=seq_tile)
     singles = [DeviceForward(w, a, logits=True, row_threads=row_threads, subgroups=subgroups) for a in alone]
     for t in range(steps):
         picks = batched.run_batch(tokens[t])
@@ -225,8 +227,9 @@ def test_a_batch_is_checked(make_arena):
         DeviceForward(w, arena, batch=3)
     with pytest.raises(E.ShapeError):
         DeviceForward(w, arena, batch=2, layers=(0, 1))
-    with pytest.raises(E.ShapeError):
-        DeviceForward(w, arena, batch=0)
+    for bad in (dict(batch=0), dict(batch=2, seq_tile=0), dict(batch=2, seq_tile=9), dict(batch=2, seq_tile=True)):
+        with pytest.raises(E.ShapeError):
+            DeviceForward(w, arena, **bad)
     forward = DeviceForward(w, arena, batch=2)
     for bad in ([1], [1, 2, 3], [1, cfg.vocab], [-1, 0], np.array([0.5, 1.0]), [True, False]):
         with pytest.raises(E.ShapeError):

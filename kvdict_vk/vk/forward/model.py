@@ -36,7 +36,7 @@ from ..device import kp
 from ..kernels import Buffer, barrier, pipeline, run
 from ..abi import WG_SIZE
 from ..submit import Recording
-from .specs import X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
+from .specs import MAX_SEQ_TILE, X_MODES  # importing specs registers the fwd_* variants' dispatch arithmetic
 from .weights import FORMATS, Matrix, ModelWeights, dequantised, f32_matrix
 
 # The step's values: each sequence's token, then each one's position, then each layer's n_used of
@@ -74,13 +74,15 @@ class DeviceForward:
     token each a :meth:`run_batch` (their positions their own; every layer and KV head: no
     range of either), the weights read once for all of them (each matvec's workgroups read the
     same rows at once), the attention over every sequence in one dispatch
-    (DecodeStep of a batch; the token's K and V appended by the step, not the projection).
-    Freed by :meth:`free`."""
+    (DecodeStep of a batch; the token's K and V appended by the step, not the projection);
+    ``seq_tile``: sequences of the batch a matvec workgroup makes its rows for at once, each
+    weight chunk decoded once for them (fwd_matvec's SEQ_TILE, 1 .. MAX_SEQ_TILE; default 1: a
+    workgroup a sequence). Freed by :meth:`free`."""
 
     def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
                  n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None,
                  qkv_appends: bool = True, layers: tuple[int, int] | None = None,
-                 heads: tuple[int, int] | None = None, batch: int = 1):
+                 heads: tuple[int, int] | None = None, batch: int = 1, seq_tile: int = 1):
         cfg, lay = weights.config, arena.layout
         a, b = (0, cfg.n_layers) if layers is None else layers
         h0, h1 = (0, cfg.n_kv_heads) if heads is None else heads
@@ -94,7 +96,10 @@ class DeviceForward:
             raise E.ShapeError(f"batch must be a positive int, got {batch!r}")
         if batch > 1 and (layers is not None or heads is not None):
             raise E.ShapeError("a batch of sequences runs every layer and KV head, not a range of either")
-        self.batch = int(batch)
+        if isinstance(seq_tile, (bool, np.bool_)) or not isinstance(seq_tile, (int, np.integer)) \
+                or not 1 <= seq_tile <= MAX_SEQ_TILE:
+            raise E.ShapeError(f"seq_tile must be an int in 1..{MAX_SEQ_TILE}, got {seq_tile!r}")
+        self.batch, self.seq_tile = int(batch), min(int(seq_tile), int(batch))
         if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (b - a, h1 - h0, cfg.head_dim):
             raise E.ShapeError(f"the arena holds {lay.n_layers} layers of {lay.n_kv_heads} KV heads × {lay.head_dim}; "
                                f"the forward runs {b - a} of {h1 - h0} × {cfg.head_dim}")
@@ -238,9 +243,10 @@ class DeviceForward:
         for each sequence of the batch (``seq_words``: its x and y that many words after the one
         before)."""
         n_rows, threads = m.n_rows, self._row_threads
-        spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads, "X_MODE": X_MODES[x_mode]}
+        spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": threads, "X_MODE": X_MODES[x_mode],
+                "SEQ_TILE": self.seq_tile}
         k = pipeline(self.device, self._shader("fwd_matvec"), [wbuf, x, y], spec, max_items=self._matvec_items(n_rows),
-                     rows=self.batch)
+                     rows=-(-self.batch // self.seq_tile))
         return k.op(w_word=w_word, x_word=x_word, y_word=y_word, n_rows=n_rows, n_cols=m.n_cols,
                     accumulate=int(accumulate), norm_word=norm_word, n_seqs=self.batch, x_seq_words=seq_words[0],
                     y_seq_words=seq_words[1], eps=self.config.rms_eps)

@@ -51,8 +51,13 @@ def _rows_spec(s, what: str) -> None:
         raise E.DispatchError(f"{what}: ROW_THREADS {s['ROW_THREADS']} is not a power of two up to 64")
 
 
+MAX_SEQ_TILE = 8  # fwd_matvec's SEQ_TILE: an accumulator a sequence, held by every invocation
+
+
 def _matvec(p, s):
     _rows_spec(s, "fwd_matvec")
+    if not 1 <= s["SEQ_TILE"] <= MAX_SEQ_TILE:
+        raise E.DispatchError(f"fwd_matvec: SEQ_TILE {s['SEQ_TILE']} outside 1..{MAX_SEQ_TILE}")
     w = _row_words(p, s, "fwd_matvec")
     x, norm = _x_span(p, s, "fwd_matvec", p["x_seq_words"])
     return ([(p["w_word"], p["w_word"] + p["n_rows"] * w), *norm], x,
