@@ -1,15 +1,18 @@
 """Where a device forward's GPU time goes, and fwd_matvec's invocations a row.
 
 Random weights of SmolLM2-135M's shapes (Q4_1 matrices, a Q8_0 embedding: the GGUF's formats),
-an arena filled to ``--depth`` tokens. For each ``--row-threads`` value and each of
+an arena filled to ``--depth`` tokens (``--batch`` B: B sequences each, every step a token of each,
+their matvecs ``--seq-tile`` sequences a workgroup). For each ``--row-threads`` value and each of
 ``--subgroups`` (1: the matvecs' _sg builds where they fit, 0: their shared-memory trees), a
 DeviceForward's GPU time per token (median over ``--tokens``, after WARM_TOKENS of warm-up);
-then, at the best, one token recorded with a timestamp after every op, summed by
+then, at the best, one token — its values staged as a run stages them, every layer attending over the
+whole depth — recorded with a timestamp after every op, summed by
 DeviceForward.op_labels (embedding, qkv, rope, append + attention, o, mlp, norms, lm head, argmax).
 With $KVDICT_VK_SPV_DIR at another build's SPIR-V (``--label`` names it), the same for that build.
 
     [PROBE_WARM_TOKENS=N] [PROBE_QKV_APPENDS=0] python lab/probes/forward_profile.py [--depth 1024] [--cache f16|q8_0|kivi|dict] [--row-threads 4,8,16,32,64]
-        [--subgroups 1,0] [--tokens 10] [--label NAME] [--flash-workgroups N] [--out lab/results/<device>/forward_profile.json]
+        [--subgroups 1,0] [--tokens 10] [--label NAME] [--flash-workgroups N] [--batch 1] [--seq-tile 1]
+        [--out lab/results/<device>/forward_profile.json]
 """
 from __future__ import annotations
 
@@ -42,8 +45,11 @@ def main(argv=None) -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--flash-workgroups", type=int, default=None,
                     help="the attention's workgroups (Attention.flash_workgroups; default: tuned)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (DeviceForward's batch)")
+    ap.add_argument("--seq-tile", type=int, default=1, help="DeviceForward's seq_tile")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    B = a.batch
     names = _name_ops()
     dev = get_device(None)
     cfg = smollm2_shapes()
@@ -54,12 +60,12 @@ def main(argv=None) -> None:
         from kvdict_vk.bench.generate import _dict_arena
         arena = _dict_arena(dev, cfg, capacity, np.random.default_rng(2))
     else:
-        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=a.cache)
-    fill_random(arena, np.random.default_rng(1), a.depth)
+        arena = KvArena(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, device=dev, cache=a.cache, seqs=B)
+    fill_random(arena, np.random.default_rng(1), a.depth, seqs=B)
     if a.flash_workgroups is not None:  # fixed, not tuned: the launch shape's workgroup count
         arena.attention(cfg.n_heads).flash_workgroups = a.flash_workgroups
     out = {"device": dev.name, "label": a.label, "qkv_appends": QKV_APPENDS, "depth": a.depth, "cache": a.cache,
-           "flash_workgroups": a.flash_workgroups, "row_threads_gpu_us": {},
+           "batch": B, "seq_tile": a.seq_tile, "flash_workgroups": a.flash_workgroups, "row_threads_gpu_us": {},
            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python lab/probes/forward_profile.py " + " ".join(argv or [])}
     best = None
@@ -67,15 +73,15 @@ def main(argv=None) -> None:
         for sg in (bool(int(x)) for x in a.subgroups.split(",")):
             try:
                 f = DeviceForward(weights, arena, qkv_appends=QKV_APPENDS, timestamps=True, row_threads=rt, subgroups=sg,
-                                  n_plan=arena.memory.seq_ctx)
+                                  n_plan=arena.memory.seq_ctx, batch=B, seq_tile=a.seq_tile)
             except Exception as e:  # noqa: BLE001 (a probe: a build without the _sg variants, a row too wide)
                 print(f"row_threads {rt:2d} subgroups {int(sg)}: {e}")
                 continue
-            gpu = []
+            gpu, ones = [], np.ones(B, np.int64)
             for _ in range(WARM_TOKENS):  # the clocks up from idle first
-                f.run(1)
+                f.run_batch(ones)
             for _ in range(a.tokens):
-                f.run(1)
+                f.run_batch(ones)
                 gpu.append(f.gpu_seconds())
             f.free()
             us = 1e6 * float(np.median(gpu))
@@ -84,11 +90,13 @@ def main(argv=None) -> None:
             print(f"row_threads {key:5s}: GPU {us:8.1f} µs a token")
             if best is None or us < best[0]:
                 best = (us, rt, sg, key)
-    f = DeviceForward(weights, arena, qkv_appends=QKV_APPENDS, row_threads=best[1], subgroups=best[2])
+    f = DeviceForward(weights, arena, qkv_appends=QKV_APPENDS, row_threads=best[1], subgroups=best[2],
+                      batch=B, seq_tile=a.seq_tile)
     (ops,) = f._segments()  # noqa: SLF001 (a probe: the same ops, recorded with a timestamp after each)
     rec = Recording(dev, ops, timestamps="ops")
-    f.step.stage_lengths()
-    f._values_host[:] = 1  # noqa: SLF001
+    # the next token's values, as a run stages them: each sequence's position and every layer's n_used
+    # at the depth (each replay appends at that same position: the arena is not advanced)
+    f._stage(np.ones(B, np.int64), None)  # noqa: SLF001
     for _ in range(3):
         rec.run()
     ts = rec._timestamps()  # noqa: SLF001
