@@ -229,8 +229,8 @@ class DeviceForward:
         self._values = self._buffer(self._x_in_word + (0 if self.first else cfg.hidden), "host",
                                     "forward step values")
         self._partial = self._buffer(2 * ARGMAX_PARTS * B, "device", "argmax partials")
-        self._act_seq = max(2 * cfg.ffn, cfg.vocab)  # a sequence's gate and up, then its logits
-        self._act = self._buffer(B * self._act_seq, "device", "forward activations")
+        # each sequence's gate and up (2 · ffn words apart) or, at the end, its logits (vocab apart)
+        self._act = self._buffer(B * max(2 * cfg.ffn, cfg.vocab), "device", "forward activations")
         if self.split_heads:  # every head's attention output, gathered by the caller, a layer at a time
             self._gathered = self._buffer(cfg.n_heads * cfg.head_dim, "host", "gathered attention output")
         run(self.device, kp.OpTensorSyncDevice([b.tensor for b in self._buffers if b.kind == "device"]),
