@@ -121,99 +121,103 @@ void store_q8_pair(uint pair, uint p) {
         layer_words[row + (n_blocks + 1u) / 2u + 16u * pp + lid] = value_word;
 }
 
-void main() {
+// Sequence seq's rows (its residual, position, queries and K/V rows as the header says).
+void project(uint seq) {
     uint lid = row_lid(), slot = lid / ROW_THREADS;
     uint n_rows = pc.q_rows + 2u * pc.k_rows;
-    for (uint seq = gl_WorkGroupID.y; seq < pc.n_seqs; seq += gl_NumWorkGroups.y) {
-        uint x_word = pc.x_word + seq * pc.n_cols, y_word = pc.y_word + seq * pc.q_rows;
-        uint k_word = pc.k_word + seq * pc.k_rows, v_word = pc.v_word + seq * pc.k_rows;
-        float scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
-        uint p = min(value_words[pc.pos_word + seq], pc.n_pos - 1u);
-        bool q8 = pc.row_words != 0u && pc.row_format == FORMAT_Q8_0;
-        bool kivi = pc.row_words != 0u && pc.row_format == QKV_KIVI;
-        bool in_layer = pc.row_words != 0u && !q8 && !kivi;  // rows written into the layer here, element by element
-        for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
-            uint r = r0 + slot;
-            bool valid = r < n_rows;
-            float total = row_dot(pc.w_word, r, valid, x_word, pc.n_cols, scale, pc.norm_word);
-            if (lid % ROW_THREADS == 0u)
-                row_vals[slot] = total;
-            barrier();
-            if (valid && lid % ROW_THREADS == 0u) {
-                bool query = r < pc.q_rows;
-                uint within = query ? r : r - pc.q_rows;  // the row in its projection
-                uint d = within % pc.head_dim;
-                float v = total;
-                if (r < pc.q_rows + pc.k_rows && d < pc.rope_dim) {
-                    uint i = d / 2u;
-                    float c = table_vals[p * pc.rope_dim + i], s = table_vals[p * pc.rope_dim + pc.rope_dim / 2u + i];
-                    float even = row_vals[slot & ~1u], odd = row_vals[slot | 1u];
-                    precise float rotated = (d & 1u) == 0u ? even * c - odd * s : even * s + odd * c;
-                    v = rotated;
-                }
-                if (query)
-                    y_vals[y_word + r] = v;
-                else if (in_layer)
-                    out_vals[slot] = v;
-                else if (within < pc.k_rows) {
-                    kv_words[k_word + within] = floatBitsToUint(v);
-                    if (pc.k_pre_word != 0u)
-                        kv_words[pc.k_pre_word + seq * pc.k_rows + within] = floatBitsToUint(total);
-                }
-                else
-                    kv_words[v_word + within - pc.k_rows] = floatBitsToUint(v);
+    uint x_word = pc.x_word + seq * pc.n_cols, y_word = pc.y_word + seq * pc.q_rows;
+    uint k_word = pc.k_word + seq * pc.k_rows, v_word = pc.v_word + seq * pc.k_rows;
+    float scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
+    uint p = min(value_words[pc.pos_word + seq], pc.n_pos - 1u);
+    bool q8 = pc.row_words != 0u && pc.row_format == FORMAT_Q8_0;
+    bool kivi = pc.row_words != 0u && pc.row_format == QKV_KIVI;
+    bool in_layer = pc.row_words != 0u && !q8 && !kivi;  // rows written into the layer here, element by element
+    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
+        uint r = r0 + slot;
+        bool valid = r < n_rows;
+        float total = row_dot(pc.w_word, r, valid, x_word, pc.n_cols, scale, pc.norm_word);
+        if (lid % ROW_THREADS == 0u)
+            row_vals[slot] = total;
+        barrier();
+        if (valid && lid % ROW_THREADS == 0u) {
+            bool query = r < pc.q_rows;
+            uint within = query ? r : r - pc.q_rows;  // the row in its projection
+            uint d = within % pc.head_dim;
+            float v = total;
+            if (r < pc.q_rows + pc.k_rows && d < pc.rope_dim) {
+                uint i = d / 2u;
+                float c = table_vals[p * pc.rope_dim + i], s = table_vals[p * pc.rope_dim + pc.rope_dim / 2u + i];
+                float even = row_vals[slot & ~1u], odd = row_vals[slot | 1u];
+                precise float rotated = (d & 1u) == 0u ? even * c - odd * s : even * s + odd * c;
+                v = rotated;
             }
-            if (q8 || kivi) {
-                memoryBarrierBuffer();  // this invocation's source words before its workgroup's arrivals
-                barrier();
-                uint lid0 = gl_LocalInvocationID.x;
-                if (lid0 < PIECES) {
-                    uint a = r0 + 32u * lid0, b = min(min(r0 + ROWS, a + 32u), n_rows);
-                    completed[lid0] = NONE;
-                    if (a >= pc.q_rows && a < b) {
-                        uint within = a - pc.q_rows, stream = within / pc.k_rows, e = within - stream * pc.k_rows;
-                        uint pairs = (pc.head_dim + 63u) / 64u, g = e / pc.head_dim, pp = (e % pc.head_dim) / 64u;
-                        // the unit and its rows: a pair of blocks of a stream's KV head; a KV head's K and V
-                        uint unit = kivi ? g : (stream * (pc.k_rows / pc.head_dim) + g) * pairs + pp;
-                        uint unit_rows = kivi ? 2u * pc.head_dim : min(64u, pc.head_dim - 64u * pp);
-                        uint arrived = atomicAdd(kv_words[pc.arrival_word + unit], b - a) + (b - a);
-                        if (arrived == unit_rows) {
-                            atomicExchange(kv_words[pc.arrival_word + unit], 0u);  // for the next dispatch
-                            completed[lid0] = unit;
-                        }
-                    }
-                }
-                memoryBarrierBuffer();
-                barrier();
-                KiviLayer layer = KiviLayer(pc.k_layer_word, pc.v_layer_word, pc.stats_word, pc.k_window_word,
-                                            pc.v_window_word, pc.recent, pc.state_word, pc.n_ctx);
-                bool staged = false;  // x_sh holds a KIVI group
-                [[unroll]] for (uint i = 0u; i < PIECES; ++i) {
-                    if (completed[i] != NONE) {  // uniform: the workgroup's shared word
-                        if (kivi)
-                            staged = kivi_append_head(layer, completed[i], p + 1u) || staged;
-                        else
-                            store_q8_pair(completed[i], p);
-                    }
-                }
-                if (staged && r0 + gl_NumWorkGroups.x * ROWS < n_rows)
-                    scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
+            if (query)
+                y_vals[y_word + r] = v;
+            else if (in_layer)
+                out_vals[slot] = v;
+            else if (within < pc.k_rows) {
+                kv_words[k_word + within] = floatBitsToUint(v);
+                if (pc.k_pre_word != 0u)
+                    kv_words[pc.k_pre_word + seq * pc.k_rows + within] = floatBitsToUint(total);
             }
-            if (in_layer) {
-                barrier();  // out_vals holds both rows of a pair
-                if (valid && lid % ROW_THREADS == 0u && r >= pc.q_rows) {
-                    uint within = r - pc.q_rows;
-                    bool key = within < pc.k_rows;
-                    uint e = key ? within : within - pc.k_rows;  // (KV head g, element d) of the stream
-                    uint g = e / pc.head_dim, d = e % pc.head_dim;
-                    uint row = (key ? pc.k_layer_word : pc.v_layer_word) + (g * pc.n_ctx + p) * pc.row_words;
-                    if (pc.row_format == FORMAT_F16 && (d & 1u) == 0u)
-                        layer_words[row + d / 2u] = f16_bits(out_vals[slot]) | (f16_bits(out_vals[slot + 1u]) << 16u);
-                    else if (pc.row_format == FORMAT_WORDS)
-                        layer_words[row + d] = floatBitsToUint(out_vals[slot]);
-                }
-            }
-            barrier();  // row_vals and out_vals read before the next rows overwrite them
+            else
+                kv_words[v_word + within - pc.k_rows] = floatBitsToUint(v);
         }
+        if (q8 || kivi) {
+            memoryBarrierBuffer();  // this invocation's source words before its workgroup's arrivals
+            barrier();
+            uint lid0 = gl_LocalInvocationID.x;
+            if (lid0 < PIECES) {
+                uint a = r0 + 32u * lid0, b = min(min(r0 + ROWS, a + 32u), n_rows);
+                completed[lid0] = NONE;
+                if (a >= pc.q_rows && a < b) {
+                    uint within = a - pc.q_rows, stream = within / pc.k_rows, e = within - stream * pc.k_rows;
+                    uint pairs = (pc.head_dim + 63u) / 64u, g = e / pc.head_dim, pp = (e % pc.head_dim) / 64u;
+                    // the unit and its rows: a pair of blocks of a stream's KV head; a KV head's K and V
+                    uint unit = kivi ? g : (stream * (pc.k_rows / pc.head_dim) + g) * pairs + pp;
+                    uint unit_rows = kivi ? 2u * pc.head_dim : min(64u, pc.head_dim - 64u * pp);
+                    uint arrived = atomicAdd(kv_words[pc.arrival_word + unit], b - a) + (b - a);
+                    if (arrived == unit_rows) {
+                        atomicExchange(kv_words[pc.arrival_word + unit], 0u);  // for the next dispatch
+                        completed[lid0] = unit;
+                    }
+                }
+            }
+            memoryBarrierBuffer();
+            barrier();
+            KiviLayer layer = KiviLayer(pc.k_layer_word, pc.v_layer_word, pc.stats_word, pc.k_window_word,
+                                        pc.v_window_word, pc.recent, pc.state_word, pc.n_ctx);
+            bool staged = false;  // x_sh holds a KIVI group
+            [[unroll]] for (uint i = 0u; i < PIECES; ++i) {
+                if (completed[i] != NONE) {  // uniform: the workgroup's shared word
+                    if (kivi)
+                        staged = kivi_append_head(layer, completed[i], p + 1u) || staged;
+                    else
+                        store_q8_pair(completed[i], p);
+                }
+            }
+            if (staged && r0 + gl_NumWorkGroups.x * ROWS < n_rows)
+                scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
+        }
+        if (in_layer) {
+            barrier();  // out_vals holds both rows of a pair
+            if (valid && lid % ROW_THREADS == 0u && r >= pc.q_rows) {
+                uint within = r - pc.q_rows;
+                bool key = within < pc.k_rows;
+                uint e = key ? within : within - pc.k_rows;  // (KV head g, element d) of the stream
+                uint g = e / pc.head_dim, d = e % pc.head_dim;
+                uint row = (key ? pc.k_layer_word : pc.v_layer_word) + (g * pc.n_ctx + p) * pc.row_words;
+                if (pc.row_format == FORMAT_F16 && (d & 1u) == 0u)
+                    layer_words[row + d / 2u] = f16_bits(out_vals[slot]) | (f16_bits(out_vals[slot + 1u]) << 16u);
+                else if (pc.row_format == FORMAT_WORDS)
+                    layer_words[row + d] = floatBitsToUint(out_vals[slot]);
+            }
+        }
+        barrier();  // row_vals and out_vals read before the next rows overwrite them
     }
+}
+
+void main() {
+    for (uint seq = gl_WorkGroupID.y; seq < pc.n_seqs; seq += gl_NumWorkGroups.y)
+        project(seq);
 }
