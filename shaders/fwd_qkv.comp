@@ -121,12 +121,40 @@ void store_q8_pair(uint pair, uint p) {
         layer_words[row + (n_blocks + 1u) / 2u + 16u * pp + lid] = value_word;
 }
 
+// Row r's value as written: its total, or where it is a query's or key's element below rope_dim,
+// turned with its pair's (even, odd) totals by position p's angles.
+float roped(uint r, uint p, float total, float even, float odd) {
+    uint d = (r < pc.q_rows ? r : r - pc.q_rows) % pc.head_dim;
+    if (r >= pc.q_rows + pc.k_rows || d >= pc.rope_dim)
+        return total;
+    uint i = d / 2u;
+    float c = table_vals[p * pc.rope_dim + i], s = table_vals[p * pc.rope_dim + pc.rope_dim / 2u + i];
+    precise float rotated = (d & 1u) == 0u ? even * c - odd * s : even * s + odd * c;
+    return rotated;
+}
+
+// Sequence seq's row r, v as written (total before RoPE), into its query or its K or V source row
+// (a key coded before RoPE: also unturned at k_pre_word).
+void store_row(uint seq, uint r, float v, float total) {
+    if (r < pc.q_rows) {
+        y_vals[pc.y_word + seq * pc.q_rows + r] = v;
+        return;
+    }
+    uint within = r - pc.q_rows;  // the row in the K and V rows
+    if (within < pc.k_rows) {
+        kv_words[pc.k_word + seq * pc.k_rows + within] = floatBitsToUint(v);
+        if (pc.k_pre_word != 0u)
+            kv_words[pc.k_pre_word + seq * pc.k_rows + within] = floatBitsToUint(total);
+    } else {
+        kv_words[pc.v_word + seq * pc.k_rows + within - pc.k_rows] = floatBitsToUint(v);
+    }
+}
+
 // Sequence seq's rows (its residual, position, queries and K/V rows as the header says).
 void project(uint seq) {
     uint lid = row_lid(), slot = lid / ROW_THREADS;
     uint n_rows = pc.q_rows + 2u * pc.k_rows;
-    uint x_word = pc.x_word + seq * pc.n_cols, y_word = pc.y_word + seq * pc.q_rows;
-    uint k_word = pc.k_word + seq * pc.k_rows, v_word = pc.v_word + seq * pc.k_rows;
+    uint x_word = pc.x_word + seq * pc.n_cols;
     float scale = x_prepare(x_word, pc.n_cols, pc.eps, pc.norm_word);
     uint p = min(value_words[pc.pos_word + seq], pc.n_pos - 1u);
     bool q8 = pc.row_words != 0u && pc.row_format == FORMAT_Q8_0;
@@ -140,28 +168,11 @@ void project(uint seq) {
             row_vals[slot] = total;
         barrier();
         if (valid && lid % ROW_THREADS == 0u) {
-            bool query = r < pc.q_rows;
-            uint within = query ? r : r - pc.q_rows;  // the row in its projection
-            uint d = within % pc.head_dim;
-            float v = total;
-            if (r < pc.q_rows + pc.k_rows && d < pc.rope_dim) {
-                uint i = d / 2u;
-                float c = table_vals[p * pc.rope_dim + i], s = table_vals[p * pc.rope_dim + pc.rope_dim / 2u + i];
-                float even = row_vals[slot & ~1u], odd = row_vals[slot | 1u];
-                precise float rotated = (d & 1u) == 0u ? even * c - odd * s : even * s + odd * c;
-                v = rotated;
-            }
-            if (query)
-                y_vals[y_word + r] = v;
-            else if (in_layer)
+            float v = roped(r, p, total, row_vals[slot & ~1u], row_vals[slot | 1u]);
+            if (in_layer && r >= pc.q_rows)
                 out_vals[slot] = v;
-            else if (within < pc.k_rows) {
-                kv_words[k_word + within] = floatBitsToUint(v);
-                if (pc.k_pre_word != 0u)
-                    kv_words[pc.k_pre_word + seq * pc.k_rows + within] = floatBitsToUint(total);
-            }
             else
-                kv_words[v_word + within - pc.k_rows] = floatBitsToUint(v);
+                store_row(seq, r, v, total);
         }
         if (q8 || kivi) {
             memoryBarrierBuffer();  // this invocation's source words before its workgroup's arrivals
