@@ -23,7 +23,7 @@
 // A batch of n_seqs sequences (row_words 0 only): sequence s's residual at x_word + s · n_cols,
 // its position at pos_word + s, its queries at y_word + s · q_rows, its K and V rows at k_word
 // and v_word + s · k_rows — a decode step's buffers for a batch (DecodeStep) —, the sequences
-// strided over by the workgroups' rows (gl_WorkGroupID.y).
+// strided over by the workgroups' rows (gl_WorkGroupID.y), SEQ_TILE of them a workgroup at once.
 // k_pre_word > 0 (a layer whose keys are coded before RoPE, kvdict_vk.rope): the keys are also
 // written unturned there — what the step's GPU encoder codes; the turned ones at k_word are the
 // exact window's.
@@ -39,6 +39,10 @@
 layout(constant_id = 3) const uint HEAD_DIM = 64u;
 layout(constant_id = 4) const uint K_BITS = 4u;
 layout(constant_id = 5) const uint V_BITS = 4u;
+// Sequences of a batch a workgroup makes its rows for at once, each weight chunk decoded once for
+// all of them (their x' read from memory, not staged; no fused append: a batch has none)
+layout(constant_id = 6) const uint SEQ_TILE = 1u;
+#define MATVEC_SEQ_TILE SEQ_TILE
 
 layout(local_size_x = WG_SIZE) in;
 
@@ -228,7 +232,55 @@ void project(uint seq) {
     }
 }
 
+shared float tile_vals[ROWS * SEQ_TILE];  // project_tile's rows' totals, a sequence's after another's
+
+// Sequences s0 .. s0 + tile − 1's rows (tile ≤ SEQ_TILE), as project makes each one's.
+void project_tile(uint s0, uint tile) {
+    uint lid = row_lid(), slot = lid / ROW_THREADS, lane = lid % ROW_THREADS;
+    uint n_rows = pc.q_rows + 2u * pc.k_rows, row_words = (pc.n_cols / 32u) * BLOCK_WORDS;
+    float scale[SEQ_TILE];
+    for (uint t = 0u; t < tile; ++t)  // uniform: x_prepare's barriers
+        scale[t] = x_prepare(pc.x_word + (s0 + t) * pc.n_cols, pc.n_cols, pc.eps, pc.norm_word);
+    for (uint r0 = gl_WorkGroupID.x * ROWS; r0 < n_rows; r0 += gl_NumWorkGroups.x * ROWS) {
+        uint r = r0 + slot;
+        bool valid = r < n_rows;
+        float acc[SEQ_TILE];
+        for (uint t = 0u; t < SEQ_TILE; ++t)
+            acc[t] = 0.0;
+        if (valid) {
+            for (uint c = lane; c < pc.n_cols / 8u; c += ROW_THREADS) {
+                vec4 lo, hi;
+                block_chunk(pc.w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
+                for (uint t = 0u; t < tile; ++t) {
+                    vec4 xl, xh;
+                    x_chunk(pc.x_word + (s0 + t) * pc.n_cols, c, pc.n_cols, pc.norm_word, xl, xh);
+                    acc[t] += dot(lo, xl) + dot(hi, xh);
+                }
+            }
+        }
+        for (uint t = 0u; t < tile; ++t) {
+            float total = row_sum(acc[t]) * scale[t];
+            if (lane == 0u)
+                tile_vals[t * ROWS + slot] = total;
+        }
+        barrier();
+        if (valid && lane == 0u) {
+            for (uint t = 0u; t < tile; ++t) {
+                uint seq = s0 + t, p = min(value_words[pc.pos_word + seq], pc.n_pos - 1u), at = t * ROWS;
+                float total = tile_vals[at + slot];
+                store_row(seq, r, roped(r, p, total, tile_vals[at + (slot & ~1u)], tile_vals[at + (slot | 1u)]), total);
+            }
+        }
+        barrier();  // tile_vals read before the next rows overwrite them
+    }
+}
+
 void main() {
-    for (uint seq = gl_WorkGroupID.y; seq < pc.n_seqs; seq += gl_NumWorkGroups.y)
-        project(seq);
+    if (SEQ_TILE == 1u) {
+        for (uint seq = gl_WorkGroupID.y; seq < pc.n_seqs; seq += gl_NumWorkGroups.y)
+            project(seq);
+        return;
+    }
+    for (uint s0 = gl_WorkGroupID.y * SEQ_TILE; s0 < pc.n_seqs; s0 += gl_NumWorkGroups.y * SEQ_TILE)
+        project_tile(s0, min(SEQ_TILE, pc.n_seqs - s0));
 }

@@ -322,8 +322,8 @@ def _declare() -> tuple:
     # FORMAT: weights.glsl's weight format; X_MODE: how matvec.glsl reads x
     matvec_spec = (("FORMAT", "ROW_THREADS", "X_MODE"), (("FORMAT", 0), ("X_MODE", 0)))
     # fwd_qkv's KIVI layer (kivi_append.glsl): head_dim and its bits, as append_kivi's
-    qkv_spec = (matvec_spec[0] + ("HEAD_DIM", "K_BITS", "V_BITS"),
-                matvec_spec[1] + (("HEAD_DIM", 64), ("K_BITS", 4), ("V_BITS", 4)))
+    qkv_spec = (matvec_spec[0] + ("HEAD_DIM", "K_BITS", "V_BITS", "SEQ_TILE"),
+                matvec_spec[1] + (("HEAD_DIM", 64), ("K_BITS", 4), ("V_BITS", 4), ("SEQ_TILE", 1)))
     # fwd_matvec's SEQ_TILE: sequences of a batch a workgroup makes its rows for at once
     matvec_tile_spec = (matvec_spec[0] + ("SEQ_TILE",), matvec_spec[1] + (("SEQ_TILE", 1),))
     out += [

@@ -168,6 +168,10 @@ def test_qkv_appends_declare_what_they_write():
     assert batch[1] == [(0, 3 * 96)] and batch[5] == [(0, 3)]
     with pytest.raises(E.DispatchError):
         qkv.extents(dict(f16, n_seqs=2), spec)
+    with pytest.raises(E.DispatchError):  # sequences a workgroup at once: a batch's, no layer rows
+        qkv.extents(f16, dict(spec, SEQ_TILE=2))
+    with pytest.raises(E.DispatchError):
+        qkv.extents(dict(base, row_words=0, row_format=0, n_seqs=3), dict(spec, SEQ_TILE=9))
     for bad, bad_spec in ((dict(q8, row_words=q8["row_words"] + 1), spec), (kivi, dict(spec, HEAD_DIM=32)),
                           (kivi, dict(spec, K_BITS=9)), (dict(kivi, row_words=K.key_row_words(hd, 2)), spec),
                           (dict(q8, head_dim=48, rope_dim=48, q_rows=4 * 48, k_rows=n_kv * 48,

@@ -76,8 +76,8 @@ class DeviceForward:
     same rows at once), the attention over every sequence in one dispatch
     (DecodeStep of a batch; the token's K and V appended by the step, not the projection);
     ``seq_tile``: sequences of the batch a matvec workgroup makes its rows for at once, each
-    weight chunk decoded once for them (fwd_matvec's SEQ_TILE, 1 .. MAX_SEQ_TILE; default 1: a
-    workgroup a sequence). Freed by :meth:`free`."""
+    weight chunk decoded once for them (fwd_matvec's and fwd_qkv's SEQ_TILE, 1 .. MAX_SEQ_TILE;
+    default 1: a workgroup a sequence). Freed by :meth:`free`."""
 
     def __init__(self, weights: ModelWeights, arena, *, logits: bool = False, timestamps: bool = False,
                  n_plan: int | None = None, row_threads: int | None = None, subgroups: bool | None = None,
@@ -347,10 +347,11 @@ class DeviceForward:
         cfg, step = self.config, self.step
         rows, queries, _ = step.buffers
         spec = {"FORMAT": FORMATS[m.fmt], "ROW_THREADS": min(self._row_threads, WG_SIZE // 2),
-                "X_MODE": X_MODES["rms_norm"], **(step.row_append_spec(j) if appends else {})}
+                "X_MODE": X_MODES["rms_norm"], "SEQ_TILE": self.seq_tile,
+                **(step.row_append_spec(j) if appends else {})}
         k = pipeline(self.device, self._shader("fwd_qkv"),
                      [wbuf, self._state, queries, rows, self._table, self._values, layer_buf], spec,
-                     max_items=self._matvec_items(m.n_rows), rows=self.batch)
+                     max_items=self._matvec_items(m.n_rows), rows=-(-self.batch // self.seq_tile))
         return k.op(w_word=base + at["wqkv"], x_word=self._x_word, n_cols=m.n_cols, q_rows=self._n_q * cfg.head_dim,
                     k_rows=(self.heads[1] - self.heads[0]) * cfg.head_dim, y_word=step.q_word(j),
                     k_word=step.k_rows_word(j), v_word=step.v_rows_word(j), head_dim=cfg.head_dim,

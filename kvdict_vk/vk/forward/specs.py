@@ -51,13 +51,20 @@ def _rows_spec(s, what: str) -> None:
         raise E.DispatchError(f"{what}: ROW_THREADS {s['ROW_THREADS']} is not a power of two up to 64")
 
 
-MAX_SEQ_TILE = 8  # fwd_matvec's SEQ_TILE: an accumulator a sequence, held by every invocation
+MAX_SEQ_TILE = 8  # fwd_matvec's and fwd_qkv's SEQ_TILE: an accumulator a sequence, held by every invocation
+
+
+def _tile_spec(s, what: str) -> int:
+    """The specialization's SEQ_TILE (a caller of the extents alone may leave it out: one)."""
+    tile = s.get("SEQ_TILE", 1)
+    if not 1 <= tile <= MAX_SEQ_TILE:
+        raise E.DispatchError(f"{what}: SEQ_TILE {tile} outside 1..{MAX_SEQ_TILE}")
+    return tile
 
 
 def _matvec(p, s):
     _rows_spec(s, "fwd_matvec")
-    if not 1 <= s["SEQ_TILE"] <= MAX_SEQ_TILE:
-        raise E.DispatchError(f"fwd_matvec: SEQ_TILE {s['SEQ_TILE']} outside 1..{MAX_SEQ_TILE}")
+    _tile_spec(s, "fwd_matvec")
     w = _row_words(p, s, "fwd_matvec")
     x, norm = _x_span(p, s, "fwd_matvec", p["x_seq_words"])
     return ([(p["w_word"], p["w_word"] + p["n_rows"] * w), *norm], x,
@@ -74,8 +81,10 @@ def _qkv(p, s):
     w = _row_words({**p, "n_rows": q + 2 * k}, s, "fwd_qkv")
     x, norm = _x_span(p, s, "fwd_qkv", p["n_cols"])
     n_kv, rw, seqs = k // hd, p["row_words"], _seqs(p, "fwd_qkv")
-    if rw and seqs != 1:
-        raise E.DispatchError(f"fwd_qkv: a batch of {seqs} sequences writes the step's rows, not a layer's")
+    tile = _tile_spec(s, "fwd_qkv")
+    if rw and (seqs != 1 or tile != 1):
+        raise E.DispatchError(f"fwd_qkv: a batch of {seqs} sequences (SEQ_TILE {tile}) writes the step's rows, "
+                              f"not a layer's")
     # the formats fwd_qkv writes
     fmt = next((n for n, f in R.QKV_FORMATS.items() if f == p["row_format"]), None) if rw else None
     stored = (K.key_row_words(hd, s["K_BITS"]) if fmt == "kivi" else
