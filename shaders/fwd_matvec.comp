@@ -53,7 +53,6 @@ void main() {
         }
         return;
     }
-    uint row_words = (pc.n_cols / 32u) * BLOCK_WORDS;
     for (uint s0 = gl_WorkGroupID.y * SEQ_TILE; s0 < pc.n_seqs; s0 += gl_NumWorkGroups.y * SEQ_TILE) {
         uint tile = min(SEQ_TILE, pc.n_seqs - s0);  // uniform: x_prepare's barriers
         float scale[SEQ_TILE];
@@ -63,19 +62,8 @@ void main() {
             uint r = r0 + lid / ROW_THREADS;
             bool valid = r < pc.n_rows;
             float acc[SEQ_TILE];
-            for (uint t = 0u; t < SEQ_TILE; ++t)
-                acc[t] = 0.0;
-            if (valid) {
-                for (uint c = lane; c < pc.n_cols / 8u; c += ROW_THREADS) {
-                    vec4 lo, hi;
-                    block_chunk(pc.w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
-                    for (uint t = 0u; t < tile; ++t) {
-                        vec4 xl, xh;
-                        x_chunk(pc.x_word + (s0 + t) * pc.x_seq_words, c, pc.n_cols, pc.norm_word, xl, xh);
-                        acc[t] += dot(lo, xl) + dot(hi, xh);
-                    }
-                }
-            }
+            row_dots(pc.w_word, r, valid, pc.x_word + s0 * pc.x_seq_words, pc.x_seq_words, tile, pc.n_cols,
+                     pc.norm_word, acc);
             for (uint t = 0u; t < tile; ++t) {
                 float total = row_sum(acc[t]) * scale[t];
                 uint y = pc.y_word + (s0 + t) * pc.y_seq_words + r;

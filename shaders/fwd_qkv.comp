@@ -237,7 +237,7 @@ shared float tile_vals[ROWS * SEQ_TILE];  // project_tile's rows' totals, a sequ
 // Sequences s0 .. s0 + tile − 1's rows (tile ≤ SEQ_TILE), as project makes each one's.
 void project_tile(uint s0, uint tile) {
     uint lid = row_lid(), slot = lid / ROW_THREADS, lane = lid % ROW_THREADS;
-    uint n_rows = pc.q_rows + 2u * pc.k_rows, row_words = (pc.n_cols / 32u) * BLOCK_WORDS;
+    uint n_rows = pc.q_rows + 2u * pc.k_rows;
     float scale[SEQ_TILE];
     for (uint t = 0u; t < tile; ++t)  // uniform: x_prepare's barriers
         scale[t] = x_prepare(pc.x_word + (s0 + t) * pc.n_cols, pc.n_cols, pc.eps, pc.norm_word);
@@ -245,19 +245,7 @@ void project_tile(uint s0, uint tile) {
         uint r = r0 + slot;
         bool valid = r < n_rows;
         float acc[SEQ_TILE];
-        for (uint t = 0u; t < SEQ_TILE; ++t)
-            acc[t] = 0.0;
-        if (valid) {
-            for (uint c = lane; c < pc.n_cols / 8u; c += ROW_THREADS) {
-                vec4 lo, hi;
-                block_chunk(pc.w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
-                for (uint t = 0u; t < tile; ++t) {
-                    vec4 xl, xh;
-                    x_chunk(pc.x_word + (s0 + t) * pc.n_cols, c, pc.n_cols, pc.norm_word, xl, xh);
-                    acc[t] += dot(lo, xl) + dot(hi, xh);
-                }
-            }
-        }
+        row_dots(pc.w_word, r, valid, pc.x_word + s0 * pc.n_cols, pc.n_cols, tile, pc.n_cols, pc.norm_word, acc);
         for (uint t = 0u; t < tile; ++t) {
             float total = row_sum(acc[t]) * scale[t];
             if (lane == 0u)

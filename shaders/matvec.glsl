@@ -177,3 +177,24 @@ float row_dot(uint w_word, uint r, bool valid, uint x_word, uint n_cols, float s
     }
     return row_sum(acc) * scale;
 }
+
+// Row r's dot products with the x' of `tile` sequences (≤ MATVEC_SEQ_TILE) x_seq_words apart, read
+// from memory, each weight chunk decoded once for all of them: acc[t], before the row's sum (every
+// invocation of the row calls it; acc[t] is 0 past tile, and everywhere where r is not valid).
+void row_dots(uint w_word, uint r, bool valid, uint x_word, uint x_seq_words, uint tile, uint n_cols,
+              uint norm_word, out float acc[MATVEC_SEQ_TILE]) {
+    for (uint t = 0u; t < MATVEC_SEQ_TILE; ++t)
+        acc[t] = 0.0;
+    if (!valid)
+        return;
+    uint row_words = (n_cols / 32u) * BLOCK_WORDS;
+    for (uint c = row_lid() % ROW_THREADS; c < n_cols / 8u; c += ROW_THREADS) {
+        vec4 lo, hi;
+        block_chunk(w_word + r * row_words + (c / 4u) * BLOCK_WORDS, c & 3u, lo, hi);
+        for (uint t = 0u; t < tile; ++t) {
+            vec4 xl, xh;
+            x_chunk(x_word + t * x_seq_words, c, n_cols, norm_word, xl, xh);
+            acc[t] += dot(lo, xl) + dot(hi, xh);
+        }
+    }
+}
