@@ -207,11 +207,15 @@ def test_a_batch_decodes_each_sequence_as_it_would_alone(cache, row_threads, sub
             want = single.logits()
             assert np.abs(logits[s] - want).max() <= 1e-4 * np.abs(want).max(), (t, s)
             assert picks[s] == pick, (t, s)
+    # the rows: each sequence's own, at its positions — within a step of the format, as the K/V the two
+    # forwards made differ by the attention's float differences (binary16: 2^-11 of the largest
+    # value; q8_0: a block's largest / 127; KIVI: a group's range over its 2-bit values' 3 steps)
+    tol = {"f32": 1e-4, "f16": 1e-3, "q8_0": 1.01 / 127, "kivi": 1.01 / 3}[cache]
     for layer in range(cfg.n_layers):
         for s in range(B):
             assert batch_arena.n_tokens(layer, s) == prefix[s] + steps
             for got, want in zip(batch_arena.read(layer, seq=s), alone[s].read(layer)):
-                assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), (layer, s)
+                assert np.abs(got - want).max() <= tol * np.abs(want).max(), (layer, s)
     for f in (batched, *singles):
         f.free()
 
