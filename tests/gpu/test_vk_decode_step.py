@@ -406,6 +406,37 @@ def test_kivi_heads_wider_than_the_projections_stage_keep_the_steps_append(make_
         step.free()
 
 
+def test_kivi_plans_are_timed_with_a_decodes_window(make_arena, monkeypatch):
+    """Where the engine times launch shapes, a recorded step's KIVI layers are timed with each
+    sequence's quantised end where a cache of n_plan tokens has it (not the arena's own: an
+    empty arena would put the whole context in the exact window's split), and hold their own
+    state words again afterwards — every sequence's, the uncoded layer untouched."""
+    from kvdict_vk.vk.attend.engine import Attention
+    recent, n_plan, n_seqs = 8, 100, 3
+    arena = make_arena(2, 1, 32, 128, cache="kivi", kivi=K.KiviSpec(4, 4, recent), seqs=n_seqs)
+    rng = np.random.default_rng(48)
+    for s, n in enumerate((0, 45, 70)):  # quantised ends 0, 32, 32 (whole groups past the window)
+        if n:
+            for layer in range(2):
+                arena.append(layer, *rng.standard_normal((2, 1, n, 32), dtype=np.float32), seq=s)
+    st = [arena.layout.layers[i].k for i in range(2)]
+    before = [arena.layer_words(i)[st[i].state_word:st[i].state_word + n_seqs].copy() for i in range(2)]
+    assert before[0].tolist() == [0, 32, 32]
+    seen = []
+
+    def timed(self, layer, n_used, plan):
+        seen.append((layer, n_used, arena.layer_words(layer)[st[layer].state_word:st[layer].state_word + n_seqs]))
+        return 1e-6
+    monkeypatch.setattr(Attention, "times_plans", property(lambda self: True))
+    monkeypatch.setattr(Attention, "time_plan", timed)
+    step = arena.record_step(2, batch=n_seqs, n_plan=n_plan, record=False)
+    assert seen and all(n == n_plan and words.tolist() == [K.quantised_end(n_plan, recent)] * n_seqs
+                        for _, n, words in seen)
+    for i in range(2):
+        assert np.array_equal(arena.layer_words(i)[st[i].state_word:st[i].state_word + n_seqs], before[i])
+    step.free()
+
+
 def test_refusals(make_arena, activate):
     """What a recorded step cannot serve is a typed error at record time, before anything is
     allocated: a layer coded in one stream only, a batch beyond the arena's sequences,

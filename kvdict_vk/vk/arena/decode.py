@@ -38,6 +38,8 @@ attend calls take turns, as every use of one arena does.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ... import codec
@@ -81,7 +83,9 @@ class DecodeStep:
                 raise E.ArenaError(f"layer {i}: a recorded step attends by the flash kernels, which need both "
                                    f"streams dict-coded or neither")
         # plans first (they may time launch shapes on the device): nothing is allocated on a refusal
-        plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
+        # (a KIVI layer timed with the window a decode at n_plan holds: ArenaWrites.kivi_state_at)
+        with (writes.kivi_state_at(self.layers, n_plan) if attention.times_plans else contextlib.nullcontext()):
+            plans = [attention.flash_plan(i, n_plan, self.batch) for i in self.layers]
         self.plans = tuple(plans)  # each layer's flash launch shape (profiles print them)
         self._writes = writes
         self._streams = [lay.layers[i].streams for i in self.layers]

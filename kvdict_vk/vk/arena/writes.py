@@ -14,10 +14,13 @@ tokens a layer shows as they were. Also the layers' first image (tails, guard se
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ... import codec
 from ... import errors as E
+from ... import kivi as K
 from ... import layout as L
 from ... import rows as R
 from ..encode import choice as encode_choice
@@ -81,6 +84,26 @@ class ArenaWrites:
             self._write_words(ll.index, ll.tail_word, tail)
             if state is not None:
                 self._write_words(ll.index, state, np.zeros(1, np.uint32))
+
+    @contextlib.contextmanager
+    def kivi_state_at(self, layers, n_tokens: int):
+        """Within: every KIVI layer of ``layers`` holds, for each sequence, the quantised end a
+        cache of ``n_tokens`` tokens has (kivi.quantised_end); after, the state words it held
+        before. For the tuner: a KIVI plan timed at n_tokens over the arena as it is would put
+        every token past its quantised end — the whole context over an empty arena — in the
+        exact window's split, which a decode never holds more than a window in."""
+        lay, saved = self.memory.layout, []
+        try:
+            for i in layers:
+                k = lay.layers[i].k
+                if k.kivi:
+                    saved.append((i, k.state_word, self.memory.layer_words(i, k.state_word, k.kivi_seqs)))
+                    end = K.quantised_end(n_tokens, lay.kivi.recent)
+                    self._write_words(i, k.state_word, np.full(k.kivi_seqs, end, np.uint32))
+            yield
+        finally:
+            for i, word, words in saved:
+                self._write_words(i, word, words)
 
     def _write_words(self, layer: int, dst_word: int, words: np.ndarray) -> None:
         """Contiguous words (a tail or guard image, a state word) at dst_word of the layer."""

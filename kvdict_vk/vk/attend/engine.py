@@ -225,8 +225,14 @@ class Attention:
                                f"{FLASH_MAX_GROUP} query heads per KV head, head_dim a multiple of 8 (f16, f32) or "
                                f"32 (q8_0); attend_flash_coded: both streams dict-coded, head_dim a multiple of 4, "
                                f"the q·atom table in shared memory)")
-        timer = self.time_plan if self.tune and timestamps_usable(self.device) else None
+        timer = self.time_plan if self.times_plans else None
         return self.shapes.plan(layer, n_used, seqs, timer)
+
+    @property
+    def times_plans(self) -> bool:
+        """Whether flash_plan times launch shapes on the device (the engine tunes and the device
+        has timestamps)."""
+        return self.tune and timestamps_usable(self.device)
 
     def time_plan(self, layer: int, n_used: int, plan: P.Plan) -> float | None:
         """GPU seconds of one attention over ``layer`` in ``plan`` (the best of a few runs;
